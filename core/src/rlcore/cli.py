@@ -1,0 +1,132 @@
+"""The ``rlcore`` command: run, plugins, config, doctor.
+
+Rich tables for people, ``--json`` for machines. Errors in recipes and plugins exit with code 2
+and one clear message before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from rlcore.config import ConfigError, load_config, to_dict
+from rlcore.plugins import PluginError, get_plugin_manager
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _plugins_data() -> list[dict]:
+    manager = get_plugin_manager()
+    by_dist: dict[str, dict] = {}
+    for source in manager.sources:
+        by_dist.setdefault(source.distribution, {
+            "distribution": source.distribution, "version": source.version,
+            "entry_points": [], "provides": {},
+        })["entry_points"].append(source.entry_point)
+    for reg in manager.iter_registrations():
+        entry = by_dist[reg.source.distribution]
+        entry["provides"].setdefault(reg.kind, []).append({
+            "name": reg.name, "section": reg.section,
+            "config": f"{reg.config_cls.__module__}.{reg.config_cls.__qualname__}" if reg.config_cls else None,
+            "capabilities": reg.capabilities,
+        })
+    return list(by_dist.values())
+
+
+def cmd_plugins(args) -> int:
+    data = _plugins_data()
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    table = Table(title="rlcore plugins")
+    for column in ("distribution", "version", "kind", "name", "section", "capabilities"):
+        table.add_column(column)
+    for dist in data:
+        for kind, items in dist["provides"].items():
+            for item in items:
+                caps = ", ".join(f"{k}={v}" for k, v in item["capabilities"].items())
+                table.add_row(dist["distribution"], dist["version"], kind, item["name"], item["section"] or "", caps)
+    console.print(table)
+    return 0
+
+
+def cmd_config(args) -> int:
+    import yaml
+
+    config = load_config(args.recipe, args.overrides)
+    resolved = to_dict(config)
+    if args.json:
+        print(json.dumps(resolved, indent=2, default=str))
+    else:
+        print(yaml.safe_dump(resolved, sort_keys=False, default_flow_style=None), end="")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from rlcore.doctor import diagnose
+
+    report = diagnose()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0 if report["supported"] else 1
+    table = Table(title=f"rlcore doctor (python {report['python']}, stack: {report['stack']})")
+    table.add_column("package")
+    table.add_column("version")
+    for name, ver in report["versions"].items():
+        table.add_row(name, ver or "[dim]not installed[/dim]")
+    cuda = report["cuda"]
+    table.add_row("CUDA", f"{cuda['version']} ({cuda['devices']} devices)" if cuda["available"] else "not available")
+    console.print(table)
+    if report["supported"]:
+        console.print("[green]This combination is supported.[/green]")
+        return 0
+    for problem in report["problems"]:
+        console.print(f"[red]{problem['package']}[/red]: found {problem['found']}, expected {problem['expected']}. Fix: {problem['fix']}")
+    return 1
+
+
+def cmd_run(args) -> int:
+    import rlcore
+
+    config = load_config(args.recipe, args.overrides)
+    rlcore.run(config)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlcore", description="RL post-training of LLMs with pluggable backends.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run a recipe")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("plugins", help="list installed plugins and what they provide")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plugins)
+    p = sub.add_parser("config", help="print the resolved config of a recipe")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_config)
+    p = sub.add_parser("doctor", help="check installed versions")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, PluginError) as exc:
+        err_console.print(f"error: {exc}", highlight=False, markup=False, style="bold red")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

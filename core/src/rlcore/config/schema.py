@@ -1,0 +1,148 @@
+"""The core's part of a run configuration. Plugins own the rest.
+
+A recipe is one YAML document. The keys below belong to rlcore itself; the sections a plugin
+registers (``policy.dtensor_cfg``, ``policy.megatron_cfg``, ``policy.generation``,
+``algorithm``, ``data``, ``env.<name>``, ``logger.<name>``) are validated by that plugin's
+schema and reached through :meth:`RunConfig.section`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+from attrs import field, frozen
+
+from rlcore.config.structure import ConfigError, doc
+
+_positive = attrs.validators.gt(0)
+_non_negative = attrs.validators.ge(0)
+
+
+@frozen
+class OptimizerConfig:
+    """AdamW settings used by backends that do not bring their own optimizer block."""
+
+    lr: float = field(default=1e-6, validator=_positive, metadata=doc("peak learning rate"))
+    min_lr: float = field(default=0.0, validator=_non_negative, metadata=doc("floor of the decay schedule"))
+    weight_decay: float = field(default=0.01, validator=_non_negative, metadata=doc("decoupled weight decay"))
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=doc("Adam beta1, beta2"))
+    eps: float = field(default=1e-8, validator=_positive, metadata=doc("Adam epsilon"))
+
+
+@frozen
+class SchedulerConfig:
+    """Learning-rate schedule in optimizer steps."""
+
+    warmup_steps: int = field(default=0, validator=_non_negative, metadata=doc("linear warmup from 0"))
+    decay_style: Literal["constant", "linear", "cosine"] = field(default="constant", metadata=doc("after warmup"))
+    decay_steps: int | None = field(default=None, metadata=doc("steps to reach min_lr; None = grpo.max_num_steps"))
+
+
+@frozen
+class SequencePackingConfig:
+    """Pack variable-length sequences into micro-batches of at most N tokens (core packer)."""
+
+    enabled: bool = field(default=True, metadata=doc("pack sequences (else pad per micro-batch)"))
+    train_mb_tokens: int = field(default=4096, validator=_positive, metadata=doc("token budget per training micro-batch"))
+    logprob_mb_tokens: int = field(default=8192, validator=_positive, metadata=doc("token budget per logprob micro-batch"))
+
+
+@frozen
+class PolicyConfig:
+    """The model being trained; backend and generator blocks are plugin sections inside it."""
+
+    model_name: str = field(metadata=doc("local Hugging Face checkpoint directory"))
+    tokenizer_name: str | None = field(default=None, metadata=doc("tokenizer directory; None = model_name"))
+    max_total_sequence_length: int = field(default=1024, validator=_positive, metadata=doc("prompt + response limit"))
+    precision: Literal["float32", "bfloat16", "float16", "float64"] = field(default="bfloat16", metadata=doc("training dtype"))
+    train_global_batch_size: int | None = field(default=None, metadata=doc("sequences per optimizer step; None = all of a step's rollouts"))
+    train_micro_batch_size: int = field(default=4, validator=_positive, metadata=doc("sequences per micro-batch without packing"))
+    logprob_batch_size: int = field(default=8, validator=_positive, metadata=doc("sequences per logprob micro-batch without packing"))
+    max_grad_norm: float | None = field(default=1.0, metadata=doc("gradient clipping; None disables"))
+    optimizer: OptimizerConfig = field(factory=OptimizerConfig, metadata=doc("AdamW"))
+    scheduler: SchedulerConfig = field(factory=SchedulerConfig, metadata=doc("learning-rate schedule"))
+    sequence_packing: SequencePackingConfig = field(factory=SequencePackingConfig, metadata=doc("packing"))
+
+
+@frozen
+class AsyncConfig:
+    """Overlap generation of step k+1 with training of step k."""
+
+    enabled: bool = field(default=False, metadata=doc("async rollouts"))
+    max_trajectory_age_steps: int = field(default=1, validator=_positive, metadata=doc("oldest policy version a trained trajectory may come from"))
+
+
+@frozen
+class GRPOConfig:
+    """The run loop."""
+
+    num_prompts_per_step: int = field(default=32, validator=_positive, metadata=doc("P prompts drawn per step"))
+    num_generations_per_prompt: int = field(default=8, validator=_positive, metadata=doc("G samples per prompt"))
+    max_num_steps: int = field(default=100, validator=_positive, metadata=doc("steps to run"))
+    val_period: int = field(default=0, validator=_non_negative, metadata=doc("validate every N steps; 0 disables"))
+    val_at_start: bool = field(default=False, metadata=doc("validate before the first step"))
+    max_val_samples: int = field(default=256, validator=_positive, metadata=doc("held-out prompts per validation"))
+    seed: int = field(default=42, metadata=doc("seed of data order, sampling and init"))
+    deterministic: bool = field(default=False, metadata=doc("deterministic kernels and sampling (resume equals uninterrupted)"))
+    async_grpo: AsyncConfig = field(factory=AsyncConfig, metadata=doc("async mode"))
+    max_consecutive_nonfinite: int = field(default=3, validator=_positive, metadata=doc("stop after this many non-finite losses in a row"))
+    summary_window: tuple[int, int] | None = field(default=None, metadata=doc("steps [first, last] averaged in the final summary; None = all but the first"))
+
+
+@frozen
+class ClusterConfig:
+    """Where the run's processes go."""
+
+    num_nodes: int = field(default=1, validator=_positive, metadata=doc("nodes"))
+    gpus_per_node: int = field(default=0, validator=_non_negative, metadata=doc("GPUs per node; 0 = CPU run"))
+    cpu_workers: int = field(default=1, validator=_positive, metadata=doc("trainer processes on a CPU run"))
+    use_ray: bool | None = field(default=None, metadata=doc("None = Ray when more than one process is needed"))
+    ray_address: str | None = field(default=None, metadata=doc("existing Ray cluster; None = RAY_ADDRESS or a local instance"))
+    timeout_s: float = field(default=1800.0, validator=_positive, metadata=doc("limit of any single blocking wait"))
+
+
+@frozen
+class CheckpointingConfig:
+    enabled: bool = field(default=False, metadata=doc("write checkpoints"))
+    checkpoint_dir: str = field(default="runs/checkpoints", metadata=doc("where"))
+    save_period: int = field(default=10, validator=_positive, metadata=doc("every N steps"))
+    keep_last_k: int = field(default=2, validator=_positive, metadata=doc("older ones are deleted"))
+    resume: bool = field(default=True, metadata=doc("continue from the newest complete checkpoint if any"))
+
+
+@frozen
+class EnvConfig:
+    """Which environment scores the rollouts; its settings live in ``env.<name>``."""
+
+    name: str = field(default="math", metadata=doc("registered environment"))
+
+
+@frozen
+class LoggerConfig:
+    """Where metrics go; each logger plugin has a section ``logger.<name>``."""
+
+    log_dir: str = field(default="runs/latest", metadata=doc("metrics, plots, resolved config"))
+    print_table: bool = field(default=True, metadata=doc("print the per-step timing table"))
+
+
+@frozen
+class RunConfig:
+    """A whole run. Plugin-owned sections are in ``sections`` by dotted path."""
+
+    policy: PolicyConfig
+    grpo: GRPOConfig = field(factory=GRPOConfig)
+    cluster: ClusterConfig = field(factory=ClusterConfig)
+    checkpointing: CheckpointingConfig = field(factory=CheckpointingConfig)
+    env: EnvConfig = field(factory=EnvConfig)
+    logger: LoggerConfig = field(factory=LoggerConfig)
+    sections: dict[str, Any] = field(factory=dict, metadata=doc("plugin sections by dotted path"))
+
+    def section(self, path: str, default: Any = None) -> Any:
+        """The structured plugin section at ``path`` (e.g. ``policy.megatron_cfg``)."""
+        return self.sections.get(path, default)
+
+    def require_section(self, path: str) -> Any:
+        if path not in self.sections:
+            raise ConfigError(path, "this section is required for the run but the recipe does not set it")
+        return self.sections[path]

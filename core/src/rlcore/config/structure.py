@@ -1,0 +1,203 @@
+"""Turn nested dicts (YAML + overrides) into frozen attrs configs, naming the key on any error.
+
+Hand-written rather than cattrs because the error is the product here: every failure names the
+full dotted key path (``policy.megatron_cfg.tensor_model_parallel_sise``) and, for an unknown
+key, the closest valid one. Supported field types: bool, int, float, str, ``X | None``,
+``Literal[...]``, ``tuple[X, ...]``, ``list[X]``, ``dict[str, X]``, ``Any`` and nested attrs
+classes. Values that came from the command line arrive as :class:`RawText` and are parsed by
+the type of the field they land in.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union
+
+import attrs
+import yaml
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. ``key`` is the full dotted path of the offending key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"config key '{key}': {message}" if key else message)
+
+
+@attrs.frozen
+class RawText:
+    """A command-line value, parsed only once the target field's type is known."""
+
+    text: str
+
+
+def join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def unknown_key_error(path: str, key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"; did you mean '{join(path, close[0])}'?" if close else f"; valid keys here: {', '.join(sorted(valid))}"
+    return ConfigError(join(path, key), f"unknown key{hint}")
+
+
+def field_doc(field: attrs.Attribute) -> str:
+    return field.metadata.get("doc", "")
+
+
+def doc(text: str) -> dict:
+    """Field metadata carrying its one-line documentation: ``attrs.field(metadata=doc(...))``."""
+    return {"doc": text}
+
+
+SectionResolver = typing.Callable[[str, Any], Any]
+
+
+def structure(cls: type, data: Any, path: str = "", sections: dict[str, SectionResolver] | None = None, found: dict | None = None) -> Any:
+    """Build ``cls`` (an attrs class) from ``data`` (a mapping), validating every key.
+
+    ``sections`` maps dotted paths owned by plugins (``policy.megatron_cfg``) to resolvers that
+    structure them with the plugin's schema; their results go into ``found`` by path instead of
+    into ``cls``. Unknown keys are errors that suggest the closest field or plugin section.
+    """
+    sections = sections or {}
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping for {cls.__name__}, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in attrs.fields(cls)}
+    prefix = f"{path}." if path else ""
+    here = {p[len(prefix) :]: p for p in sections if p.startswith(prefix) and "." not in p[len(prefix) :]}
+    for key in data:
+        if key not in fields and key not in here:
+            raise unknown_key_error(path, str(key), list(fields) + list(here))
+    kwargs = {}
+    for key, value in data.items():
+        if key in here and key not in fields:
+            assert found is not None, "plugin sections need a 'found' dict"
+            found[here[key]] = sections[here[key]](here[key], value)
+    for name, field in fields.items():
+        if name in data:
+            tp = hints.get(name, Any)
+            if attrs.has(tp):
+                kwargs[name] = structure(tp, data[name], join(path, name), sections, found)
+            else:
+                kwargs[name] = convert(tp, data[name], join(path, name))
+        elif field.default is attrs.NOTHING:
+            raise ConfigError(join(path, name), f"required key is missing ({field_doc(field) or 'no default'})")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(path, str(exc)) from exc
+
+
+def _parse_raw(tp: Any, raw: RawText, path: str) -> Any:
+    text = raw.text
+    if tp is str:
+        return text
+    if tp is bool:
+        lowered = text.strip().lower()
+        if lowered in ("true", "yes", "on", "1"):
+            return True
+        if lowered in ("false", "no", "off", "0"):
+            return False
+        raise ConfigError(path, f"expected true/false, got {text!r}")
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(path, f"cannot parse {text!r}: {exc}") from exc
+
+
+def convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if isinstance(value, RawText):
+        if origin in (Union, types.UnionType):
+            non_none = [a for a in args if a is not type(None)]
+            if value.text.strip().lower() in ("null", "none", "~"):
+                return None
+            tp, origin, args = non_none[0], typing.get_origin(non_none[0]), typing.get_args(non_none[0])
+        value = _parse_raw(tp, value, path)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return convert(arg, value, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(path, f"value {value!r} does not match {_type_name(tp)}")
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(path, f"must be one of {list(args)}, got {value!r}{hint}")
+        return value
+    if attrs.has(tp):
+        return structure(tp, value, path)
+    if origin in (tuple, list):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected a list, got {value!r}")
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise ConfigError(path, f"expected {len(args)} items, got {len(value)}")
+            return tuple(convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        items = [convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {value!r}")
+        item = args[1] if len(args) == 2 else Any
+        return {k: convert(item, v, join(path, str(k))) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):  # YAML reads "1e-5" as a string
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def unstructure(obj: Any) -> Any:
+    """attrs config -> plain dicts/lists (for printing and saving the resolved config)."""
+    if attrs.has(type(obj)):
+        return {f.name: unstructure(getattr(obj, f.name)) for f in attrs.fields(type(obj))}
+    if isinstance(obj, dict):
+        return {k: unstructure(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [unstructure(v) for v in obj]
+    return obj

@@ -1,0 +1,103 @@
+"""The hooks a plugin of rlcore may implement.
+
+A plugin is any module reachable through an entry point of group ``rlcore``::
+
+    [project.entry-points.rlcore]
+    myenv = "my_package.plugin"
+
+The module implements one or more of the hooks below with ``@rlcore.hookimpl``. Registration
+hooks receive a ``register`` callable::
+
+    register(name, factory, config_cls=None, *, section=None, **capabilities)
+
+- ``name``: what users write in recipes (``grpo``, ``fsdp2``, ``math``). Names are unique per
+  kind; a second provider of the same name is an error naming both.
+- ``factory``: a callable that builds the object. Heavy imports (torch, vllm, megatron) belong
+  inside it, so that ``rlcore plugins`` lists everything without importing them. A string
+  ``"module:attr"`` is accepted too and resolved only when the factory is first called.
+- ``config_cls``: a frozen ``attrs`` class, the schema of the plugin's config section; its
+  module must import without torch. ``None`` means the plugin takes no configuration.
+- ``section``: the dotted config path the schema owns. Each kind has a default (see each hook);
+  training backends must name theirs (``policy.dtensor_cfg``, ``policy.megatron_cfg``).
+- ``capabilities``: plain data (strings, numbers, booleans, tuples of them) describing what the
+  provider supports, e.g. ``devices=("cpu", "cuda")``, ``parallelism=("dp", "tp")``,
+  ``packing=True``. They are shown by ``rlcore plugins`` and checked by the run planner.
+
+Each factory's call contract is stated in the hook that registers it. Objects it returns follow
+the protocols in :mod:`rlcore.interfaces`.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("rlcore")
+
+
+@hookspec
+def rlcore_training_backends(register):
+    """Register training backends (kind ``training_backend``).
+
+    Factory: ``factory(config: RunConfig, section_config, world: WorldInfo) -> TrainingBackend``,
+    called once in each trainer rank. ``section`` is required and names the config block whose
+    ``enabled: true`` selects this backend (e.g. ``policy.megatron_cfg``). Capability
+    ``precedence`` (int, default 0) decides between several enabled backends: highest wins.
+    """
+
+
+@hookspec
+def rlcore_generators(register):
+    """Register rollout generators (kind ``generator``).
+
+    Factory: ``factory(config: RunConfig, section_config, placement: dict) -> Generator``.
+    Default section: ``policy.generation``, shared by all generators; its ``backend`` key
+    picks one by name.
+    """
+
+
+@hookspec
+def rlcore_environments(register):
+    """Register environments that score trajectories (kind ``environment``).
+
+    Factory: ``factory(section_config) -> Environment``. Default section: ``env.<name>``.
+    """
+
+
+@hookspec
+def rlcore_algorithms(register):
+    """Register RL algorithms: advantage estimation and loss (kind ``algorithm``).
+
+    Factory: ``factory(section_config) -> Algorithm``. Default section: ``algorithm``, shared
+    by all algorithms; its ``name`` key picks one.
+    """
+
+
+@hookspec
+def rlcore_datasets(register):
+    """Register prompt datasets (kind ``dataset``).
+
+    Factory: ``factory(section_config, tokenizer) -> PromptDataset`` (a sequence of
+    :class:`rlcore.interfaces.Sample`). Default section: ``data``; its ``name`` key picks one.
+    """
+
+
+@hookspec
+def rlcore_loggers(register):
+    """Register metric loggers (kind ``logger``).
+
+    Factory: ``factory(section_config, run_dir: pathlib.Path) -> MetricLogger``.
+    Default section: ``logger.<name>``; a logger runs when its section has ``enabled: true``.
+    """
+
+
+@hookspec(firstresult=True)
+def rlcore_weight_transport(backend, generator):
+    """Pick how weights move from ``backend`` to ``generator`` at refit.
+
+    Called with the live backend and generator objects; return a
+    :class:`rlcore.interfaces.WeightTransport` if this plugin knows how to connect the two, or
+    ``None`` to let another plugin decide. The first non-``None`` answer wins; plugins registered
+    later are asked first (pluggy's LIFO order), so a third party can override the built-in
+    choice. rlcore's own fallback streams ``backend.export_weights()`` into
+    ``generator.update_weights()`` in the same process.
+    """

@@ -1,0 +1,239 @@
+"""What plugins build and what the run loop calls: the data passed around and the protocols.
+
+Conventions every plugin follows:
+
+- **Tokens, never re-tokenized text**, cross the generator/trainer boundary.
+- **Token-aligned per-token values**: for a sequence ``ids`` of length L, ``logprobs[t]`` is
+  ``log p(ids[t] | ids[:t])``; ``logprobs[0]`` is 0 and always masked. ``loss_mask[t]`` is 1
+  where ``ids[t]`` was produced by the model and should be trained on.
+- **Flat packed layout** inside micro-batches (``*_T`` tensors over all tokens of the
+  micro-batch, see :mod:`rlcore.packing`); losses are written over it.
+- **Global normalization**: a loss (and each of its metrics) returned for a micro-batch is that
+  micro-batch's *share* of the step value: it is divided by the step's global count of valid
+  tokens or sequences (:class:`StepTotals`), so summing over micro-batches and data-parallel
+  ranks gives the step value. Backends therefore **sum** gradients over data-parallel ranks.
+
+This module imports no torch at import time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlcore.packing import MicroBatch
+
+NamedTensors = list[tuple[str, "torch.Tensor"]]
+
+
+# ---- data ------------------------------------------------------------------------------------
+@attrs.define
+class Sample:
+    """One prompt of a dataset, with what the environment needs to score answers to it."""
+
+    prompt: str | list[dict[str, str]]  # plain text, or chat messages
+    answer: Any = None  # ground truth, for the environment
+    prompt_ids: list[int] | None = None  # filled by the dataset (chat template applied)
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+    index: int = -1  # position in its dataset (data-order resume)
+
+
+@attrs.define
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@attrs.define
+class GenerationResult:
+    """One sampled response. ``response_mask`` is 0 on tokens the model did not write
+    (observations spliced in by a multi-turn environment); None means all ones."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]  # generator's logprob of each response token (0 where mask is 0)
+    finish_reason: str  # "stop", "length", "abort", or "truncated_prompt"
+    text: str = ""
+    response_mask: list[int] | None = None
+    policy_version: int = 0
+    num_turns: int = 1
+
+
+@attrs.define
+class EnvStep:
+    """An environment's answer to one trajectory's latest model turn."""
+
+    reward: float = 0.0
+    done: bool = True
+    observation: str | None = None  # shown to the model as the next user/tool turn when not done
+    metrics: dict[str, float] = attrs.field(factory=dict)
+
+
+@attrs.define
+class StepTotals:
+    """Global counts of one optimizer step, over every micro-batch and data-parallel rank."""
+
+    num_valid_tokens: int
+    num_valid_seqs: int
+
+
+@attrs.define
+class SequenceBatch:
+    """The sequences of one training step, on CPU.
+
+    ``input_ids[i]`` is prompt + response of sequence i (1-D int64); ``loss_mask[i]`` matches it.
+    ``token_fields`` hold token-aligned per-token floats (``advantages``, ``old_logprobs``,
+    ``ref_logprobs``, ``gen_logprobs``); ``seq_fields`` hold one float per sequence
+    (``rewards``, ``advantages``).
+    """
+
+    input_ids: list[torch.Tensor]
+    loss_mask: list[torch.Tensor]
+    token_fields: dict[str, list[torch.Tensor]] = attrs.field(factory=dict)
+    seq_fields: dict[str, torch.Tensor] = attrs.field(factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def lengths(self) -> list[int]:
+        return [int(x.numel()) for x in self.input_ids]
+
+    def select(self, indices: Sequence[int]) -> SequenceBatch:
+        return SequenceBatch(
+            input_ids=[self.input_ids[i] for i in indices],
+            loss_mask=[self.loss_mask[i] for i in indices],
+            token_fields={k: [v[i] for i in indices] for k, v in self.token_fields.items()},
+            seq_fields={k: v[list(indices)] for k, v in self.seq_fields.items()},
+        )
+
+
+@attrs.frozen
+class WorldInfo:
+    """The process a backend is built in. torch.distributed is initialized before the factory runs."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+# ---- protocols -------------------------------------------------------------------------------
+@runtime_checkable
+class Algorithm(Protocol):
+    """Advantage estimation and loss of one RL (or SFT) algorithm."""
+
+    name: str
+    uses_reference: bool  # the step must compute ref_logprobs
+    uses_old_logprobs: bool  # the step must compute old_logprobs (importance ratio)
+    loss_level: Literal["token", "sequence"]  # which StepTotals count normalizes the loss
+
+    def shape_rewards(self, rewards_N: torch.Tensor, response_lengths_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
+        """Reward shaping before advantages (identity for most; DAPO's overlong penalty)."""
+
+    def keep_groups(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
+        """Bool [N]: which trajectories to train on (DAPO dynamic sampling/overlong filter)."""
+
+    def advantages(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
+        """Per-sequence advantages [N] from rewards and group ids."""
+
+    def loss(self, logprobs_T: torch.Tensor, mb: MicroBatch, totals: StepTotals) -> tuple[torch.Tensor, dict[str, float]]:
+        """This micro-batch's share of the step loss (see module docstring) and its metrics."""
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    """Trains the policy. Built once per trainer rank; every rank gets the same calls."""
+
+    def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
+        """Token-aligned float32 logprobs [L_i] of each sequence (CPU). Rank 0 returns all N;
+        other ranks may return None. ``reference=True`` uses the frozen initial policy."""
+
+    def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
+        """Optimizer step(s) on ``batch`` with ``algorithm.loss``; returns summed metrics plus
+        ``loss``, ``grad_norm``, ``lr``, ``num_micro_batches``. A non-finite loss skips the update
+        and returns ``{"skipped_nonfinite": 1.0, ...}``."""
+
+    def export_weights(self, dtype: Any = None, chunk_bytes: int = 1 << 30) -> Iterator[NamedTensors]:
+        """Chunks of (Hugging Face name, tensor) covering the whole model, each at most
+        ``chunk_bytes`` (one tensor larger than that forms its own chunk). Rank 0 yields; other
+        ranks iterate too (collectives) and yield nothing."""
+
+    def save_checkpoint(self, path: str) -> None: ...
+
+    def load_checkpoint(self, path: str) -> None: ...
+
+    def export_hf(self, path: str) -> None:
+        """Write the trained policy as a Hugging Face checkpoint (safetensors + config)."""
+
+    def offload(self) -> None:
+        """Release accelerator memory (colocated generation is about to run)."""
+
+    def onload(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Samples responses. ``weights_version`` counts refits."""
+
+    weights_version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationResult]]:
+        """``params.n`` results per prompt, in prompt order."""
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """One response, for streaming and multi-turn rollouts (many may be in flight)."""
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Token-aligned logprobs of given sequences (refit probes); index 0 is 0."""
+
+    def update_weights(self, chunks: Iterable[NamedTensors]) -> None:
+        """Load Hugging Face-named tensors in place; bumps ``weights_version``."""
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """Scores trajectories. Pure: never raises on model output; errors become reward 0."""
+
+    def step(self, samples: list[Sample], histories: list[list[str]]) -> list[EnvStep]:
+        """``histories[i]`` is every model turn of trajectory i so far (newest last)."""
+
+
+@runtime_checkable
+class PromptDataset(Protocol):
+    train: Sequence[Sample]
+    validation: Sequence[Sample] | None
+
+
+@runtime_checkable
+class MetricLogger(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    name: str
+
+    def transfer(self, backend: TrainingBackend, generator: Generator) -> dict[str, float]:
+        """Move the backend's current weights into the generator; return ``{"bytes": .., "seconds": ..}``."""

@@ -1,0 +1,1 @@
+"""Metric loggers (JSONL, TensorBoard, Weights & Biases, MLflow), registered by rlcore.builtin."""
