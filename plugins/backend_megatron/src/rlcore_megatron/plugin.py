@@ -1,3 +1,25 @@
-"""Registers this distribution's providers with rlcore (filled in by its issue)."""
+"""Registers the ``megatron`` training backend (section ``policy.megatron_cfg``).
 
-from rlcore import hookimpl  # noqa: F401
+Nothing heavy is imported here: the factory is a "module:attr" string resolved on first use.
+"""
+
+from __future__ import annotations
+
+from rlcore import hookimpl
+from rlcore_megatron.config import SECTION, MegatronConfig
+
+
+@hookimpl
+def rlcore_training_backends(register):
+    register(
+        "megatron",
+        "rlcore_megatron.backend:build_backend",
+        MegatronConfig,
+        section=SECTION,
+        precedence=10,  # wins over fsdp2 when both sections are enabled
+        devices=("cpu", "cuda"),
+        parallelism=("dp", "tp", "pp", "cp", "ep", "etp", "sp"),
+        packing=True,
+        architectures=("llama", "qwen2", "qwen3", "qwen3_moe"),
+        requires=("megatron.core",),
+    )

@@ -1,0 +1,191 @@
+"""Schema of ``policy.megatron_cfg``: NeMo-RL's user-facing Megatron keys, passed through to Megatron-Core.
+
+No torch or megatron imports here: ``rlcore plugins`` and config validation stay light.
+Defaults make a 1-GPU (or 1-process CPU) run work with no tuning. Combinations that depend on
+the world size, the model or the packing settings are checked by :func:`validate_parallelism`
+when the backend is built, and every error names the full key path.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+from attrs import field, frozen
+
+from rlcore.config.structure import ConfigError, doc
+
+SECTION = "policy.megatron_cfg"
+_positive = attrs.validators.gt(0)
+_non_negative = attrs.validators.ge(0)
+_optional_positive = attrs.validators.optional(attrs.validators.gt(0))
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@frozen
+class MegatronOptimizerConfig:
+    """-> ``megatron.core.optimizer.OptimizerConfig``."""
+
+    optimizer: Literal["adam", "sgd"] = field(default="adam", metadata=doc("'adam' is AdamW (decoupled weight decay)"))
+    lr: float = field(default=1e-6, validator=_positive, metadata=doc("peak learning rate"))
+    min_lr: float = field(default=0.0, validator=_non_negative, metadata=doc("floor of the decay schedule"))
+    weight_decay: float = field(default=0.01, validator=_non_negative, metadata=doc("decoupled weight decay"))
+    bf16: bool | None = field(default=None, metadata=doc("bf16 params with fp32 main weights; None = policy.precision == bfloat16"))
+    fp16: bool = field(default=False, metadata=doc("fp16 params with loss scaling"))
+    params_dtype: Dtype | None = field(default=None, metadata=doc("dtype the model is built in; None = policy.precision"))
+    adam_beta1: float = field(default=0.9, metadata=doc("Adam beta1"))
+    adam_beta2: float = field(default=0.999, metadata=doc("Adam beta2"))
+    adam_eps: float = field(default=1e-8, validator=_positive, metadata=doc("Adam epsilon"))
+    sgd_momentum: float = field(default=0.9, validator=_non_negative, metadata=doc("SGD momentum"))
+    use_distributed_optimizer: bool = field(default=True, metadata=doc("shard optimizer state over data-parallel ranks (ZeRO-1)"))
+    use_precision_aware_optimizer: bool = field(default=False, metadata=doc("keep optimizer state in lower precision (needs Transformer Engine's FusedAdam)"))
+    clip_grad: float = field(default=1.0, validator=_non_negative, metadata=doc("global gradient-norm clip; 0 disables"))
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{SECTION}.optimizer.{name}", f"must be in [0, 1), got {value!r}")
+        if self.fp16 and self.bf16:
+            raise ConfigError(f"{SECTION}.optimizer.fp16", "fp16 and bf16 are both true; choose one")
+
+
+@frozen
+class MegatronSchedulerConfig:
+    """-> ``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`` (in optimizer steps)."""
+
+    lr_warmup_iters: int = field(default=0, validator=_non_negative, metadata=doc("linear warmup steps"))
+    lr_warmup_init: float = field(default=0.0, validator=_non_negative, metadata=doc("learning rate at step 0 of warmup"))
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = field(
+        default="constant", metadata=doc("decay after warmup"))
+    lr_decay_iters: int | None = field(default=None, validator=_optional_positive, metadata=doc("steps to reach min_lr; None = grpo.max_num_steps"))
+    start_weight_decay: float | None = field(default=None, metadata=doc("weight decay at step 0; None = optimizer.weight_decay"))
+    end_weight_decay: float | None = field(default=None, metadata=doc("weight decay at the end; None = optimizer.weight_decay"))
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = field(default="constant", metadata=doc("weight-decay schedule"))
+    override_opt_param_scheduler: bool = field(default=False, metadata=doc("on resume, take these values over the checkpoint's"))
+    use_checkpoint_opt_param_scheduler: bool = field(default=True, metadata=doc("on resume, restore the scheduler state"))
+
+
+@frozen
+class MegatronDDPConfig:
+    """-> ``megatron.core.distributed.DistributedDataParallelConfig``."""
+
+    grad_reduce_in_fp32: bool = field(default=True, metadata=doc("accumulate and reduce gradients in fp32"))
+    overlap_grad_reduce: bool = field(default=False, metadata=doc("overlap the gradient reduce-scatter with backward"))
+    overlap_param_gather: bool = field(default=False, metadata=doc("overlap the parameter all-gather with forward (distributed optimizer)"))
+    average_in_collective: bool = field(default=False, metadata=doc(
+        "average inside the collective; rlcore losses are globally normalized, so gradients are SUMMED and this must stay false"))
+    use_custom_fsdp: bool = field(default=False, metadata=doc("Megatron FSDP instead of DDP (not supported by this backend yet)"))
+    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = field(
+        default="optim_grads_params", metadata=doc("Megatron FSDP sharding (used only with use_custom_fsdp)"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.average_in_collective:
+            raise ConfigError(f"{SECTION}.distributed_data_parallel_config.average_in_collective",
+                              "must be false: rlcore losses are already divided by global token counts, "
+                              "so data-parallel gradients are summed, not averaged")
+        if self.use_custom_fsdp:
+            raise ConfigError(f"{SECTION}.distributed_data_parallel_config.use_custom_fsdp",
+                              "Megatron FSDP is not supported by rlcore-megatron yet; use the distributed optimizer "
+                              "(optimizer.use_distributed_optimizer=true) or the fsdp2 backend")
+
+
+@frozen
+class MegatronConfig:
+    """``policy.megatron_cfg``: Megatron-Core training backend (selected by ``enabled: true``)."""
+
+    enabled: bool = field(default=False, metadata=doc("train with Megatron-Core"))
+    activation_checkpointing: Literal[False, True, "full", "selective"] = field(
+        default=False, metadata=doc("recompute activations in backward: true/'full' = whole layers, 'selective' = core attention"))
+    tensor_model_parallel_size: int = field(default=1, validator=_positive, metadata=doc("TP: shard matmuls over this many ranks"))
+    pipeline_model_parallel_size: int = field(default=1, validator=_positive, metadata=doc("PP: split layers into this many stages"))
+    context_parallel_size: int = field(default=1, validator=_positive, metadata=doc("CP: split each sequence over this many ranks (needs packing)"))
+    expert_model_parallel_size: int = field(default=1, validator=_positive, metadata=doc("EP: spread MoE experts over this many ranks"))
+    expert_tensor_parallel_size: int | None = field(default=None, validator=_optional_positive, metadata=doc("TP inside experts; None = tensor_model_parallel_size"))
+    sequence_parallel: bool = field(default=False, metadata=doc("shard norms/dropout activations along the sequence over TP ranks (needs TP > 1)"))
+    num_layers_in_first_pipeline_stage: int | None = field(default=None, validator=_optional_positive, metadata=doc("uneven PP: layers of stage 0"))
+    num_layers_in_last_pipeline_stage: int | None = field(default=None, validator=_optional_positive, metadata=doc("uneven PP: layers of the last stage"))
+    pipeline_dtype: Dtype | None = field(default=None, metadata=doc("dtype of tensors sent between stages; None = policy.precision"))
+    freeze_moe_router: bool = field(default=False, metadata=doc("do not train the MoE router weights"))
+    moe_router_dtype: Literal["fp32", "fp64"] | None = field(default="fp32", metadata=doc("router logits/softmax dtype; None = model dtype"))
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"] = field(
+        default="none", metadata=doc("auxiliary load balancing ('none' keeps the loss exactly the algorithm's)"))
+    moe_router_bias_update_rate: float = field(default=0.0, validator=_non_negative, metadata=doc("aux-loss-free expert bias update rate (0 = off)"))
+    apply_rope_fusion: bool = field(default=False, metadata=doc("fused RoPE kernel (needs Transformer Engine or Apex)"))
+    empty_unused_memory_level: Literal[0, 1, 2] = field(default=0, metadata=doc("torch.cuda.empty_cache: 0 never, 1 after each step, 2 also after each micro-batch pass"))
+    optimizer: MegatronOptimizerConfig = field(factory=MegatronOptimizerConfig, metadata=doc("optimizer"))
+    scheduler: MegatronSchedulerConfig = field(factory=MegatronSchedulerConfig, metadata=doc("learning-rate/weight-decay schedule"))
+    distributed_data_parallel_config: MegatronDDPConfig = field(factory=MegatronDDPConfig, metadata=doc("data-parallel gradient handling"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError(f"{SECTION}.sequence_parallel", "needs tensor_model_parallel_size > 1")
+        if self.pipeline_model_parallel_size == 1 and (self.num_layers_in_first_pipeline_stage or self.num_layers_in_last_pipeline_stage):
+            key = "num_layers_in_first_pipeline_stage" if self.num_layers_in_first_pipeline_stage else "num_layers_in_last_pipeline_stage"
+            raise ConfigError(f"{SECTION}.{key}", "needs pipeline_model_parallel_size > 1")
+
+    @property
+    def recompute(self) -> str | None:
+        """Megatron's ``recompute_granularity``."""
+        if self.activation_checkpointing in (True, "full"):
+            return "full"
+        return "selective" if self.activation_checkpointing == "selective" else None
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+
+def _key(name: str) -> str:
+    return f"{SECTION}.{name}"
+
+
+def validate_parallelism(cfg: MegatronConfig, world_size: int, *, num_layers: int, num_experts: int | None = None,
+                         packing: bool = True, num_query_groups: int | None = None, num_heads: int | None = None) -> int:
+    """Check the parallel sizes against the world, the model and packing; return the data-parallel size.
+
+    Raises :class:`ConfigError` naming the offending keys.
+    """
+    tp, pp, cp, ep = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                      cfg.context_parallel_size, cfg.expert_model_parallel_size)
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ConfigError(_key("tensor_model_parallel_size"),
+                          f"tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) x context_parallel_size "
+                          f"({cp}) = {model_parallel} does not divide the world size {world_size}")
+    dp = world_size // model_parallel
+    expert_parallel = cfg.etp * ep * pp
+    if world_size % expert_parallel:
+        raise ConfigError(_key("expert_model_parallel_size"),
+                          f"expert_tensor_parallel_size ({cfg.etp}) x expert_model_parallel_size ({ep}) x "
+                          f"pipeline_model_parallel_size ({pp}) = {expert_parallel} does not divide the world size {world_size}")
+    if cp > 1 and not packing:
+        raise ConfigError(_key("context_parallel_size"), f"context parallelism ({cp}) needs sequence packing: set policy.sequence_packing.enabled=true")
+    _validate_layers(cfg, num_layers)
+    if ep > 1 or cfg.expert_tensor_parallel_size:
+        if not num_experts:
+            raise ConfigError(_key("expert_model_parallel_size"), f"is {ep} but the model is dense (no experts)")
+        if num_experts % ep:
+            raise ConfigError(_key("expert_model_parallel_size"), f"{ep} does not divide the model's {num_experts} experts")
+    if num_query_groups is not None and num_query_groups % tp:
+        raise ConfigError(_key("tensor_model_parallel_size"), f"{tp} does not divide the model's {num_query_groups} key/value heads")
+    if num_heads is not None and num_heads % tp:
+        raise ConfigError(_key("tensor_model_parallel_size"), f"{tp} does not divide the model's {num_heads} attention heads")
+    return dp
+
+
+def _validate_layers(cfg: MegatronConfig, num_layers: int) -> None:
+    pp = cfg.pipeline_model_parallel_size
+    first, last = cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage
+    if first is None and last is None:
+        if num_layers % pp:
+            raise ConfigError(_key("pipeline_model_parallel_size"), f"{pp} stages do not divide the model's {num_layers} layers; "
+                              "set num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage for uneven stages")
+        return
+    middle_stages = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages > 0 and (rest % middle_stages or rest == 0)):
+        raise ConfigError(_key("num_layers_in_first_pipeline_stage"),
+                          f"num_layers_in_first_pipeline_stage={first}, num_layers_in_last_pipeline_stage={last} leave "
+                          f"{rest} of the model's {num_layers} layers for {middle_stages} middle stage(s) of "
+                          f"pipeline_model_parallel_size={pp}; they must divide evenly")

@@ -1,0 +1,77 @@
+"""policy.megatron_cfg schema and combination checks (no torch, no megatron)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rlcore.config import ConfigError, build_config, structure
+from rlcore_megatron.config import SECTION, MegatronConfig, validate_parallelism
+
+
+def make(**data) -> MegatronConfig:
+    return structure(MegatronConfig, data, SECTION)
+
+
+def test_defaults_work_on_one_process():
+    cfg = make()
+    assert cfg.enabled is False and cfg.tensor_model_parallel_size == 1
+    assert validate_parallelism(cfg, 1, num_layers=2) == 1
+    assert cfg.recompute is None and make(activation_checkpointing=True).recompute == "full"
+    assert make(activation_checkpointing="selective").recompute == "selective"
+
+
+def test_nested_blocks_and_unknown_keys_name_the_path():
+    cfg = make(optimizer={"lr": 1e-5, "clip_grad": 0.5}, scheduler={"lr_warmup_iters": 3},
+               distributed_data_parallel_config={"grad_reduce_in_fp32": False})
+    assert cfg.optimizer.lr == 1e-5 and cfg.scheduler.lr_warmup_iters == 3
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.tensor_model_parallel_sise.*tensor_model_parallel_size"):
+        make(tensor_model_parallel_sise=2)
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.optimizer\.lrr"):
+        make(optimizer={"lrr": 1.0})
+    with pytest.raises(ConfigError, match=r"average_in_collective"):
+        make(distributed_data_parallel_config={"average_in_collective": True})
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.sequence_parallel"):
+        make(sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size"):
+        make(tensor_model_parallel_size=0)
+
+
+@pytest.mark.parametrize("kwargs, world, message", [
+    (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 6, r"tensor_model_parallel_size \(2\) x pipeline_model_parallel_size \(2\).*world size 6"),
+    (dict(pipeline_model_parallel_size=3), 3, r"pipeline_model_parallel_size.*3 stages do not divide the model's 4 layers"),
+    (dict(expert_model_parallel_size=2), 2, r"expert_model_parallel_size.*dense"),
+    (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=4), 2, r"num_layers_in_first_pipeline_stage"),
+])
+def test_invalid_combinations_name_the_keys(kwargs, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_parallelism(make(**kwargs), world, num_layers=4)
+
+
+def test_context_parallel_needs_packing_and_uneven_stages_pass():
+    with pytest.raises(ConfigError, match=r"context_parallel_size.*sequence_packing"):
+        validate_parallelism(make(context_parallel_size=2), 2, num_layers=4, packing=False)
+    cfg = make(pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1)
+    assert validate_parallelism(cfg, 6, num_layers=4) == 2
+    assert validate_parallelism(make(expert_model_parallel_size=2), 2, num_layers=2, num_experts=4) == 2
+
+
+def test_registered_with_precedence_and_selected_by_section(tmp_path):
+    from rlcore.plugins import PluginManager
+    from rlcore_megatron import plugin
+
+    manager = PluginManager()
+    manager.register_module(plugin)
+    reg = manager.get("training_backend", "megatron")
+    assert reg.section == "policy.megatron_cfg" and reg.capabilities["precedence"] == 10
+    assert isinstance(reg.factory, str) and reg.factory.startswith("rlcore_megatron.")
+    config = build_config({"policy": {"model_name": str(tmp_path)}}, ["policy.megatron_cfg.enabled=true",
+                          "policy.megatron_cfg.activation_checkpointing=selective"], manager)
+    assert config.section(SECTION).enabled and config.section(SECTION).recompute == "selective"
+
+
+def test_plugin_import_stays_torch_free():
+    code = "import sys, rlcore_megatron.plugin, rlcore_megatron.config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
