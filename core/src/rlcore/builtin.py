@@ -15,3 +15,10 @@ def rlcore_loggers(register):
     register("tensorboard", "rlcore.loggers.tensorboard:TensorboardLogger", TensorboardLoggerConfig, requires=("tensorboard",))
     register("wandb", "rlcore.loggers.external:WandbLogger", WandbLoggerConfig, requires=("wandb",))
     register("mlflow", "rlcore.loggers.external:MlflowLogger", MlflowLoggerConfig, requires=("mlflow",))
+
+
+@hookimpl
+def rlcore_generators(register):
+    from rlcore.config.hf_generation import HFGenerationConfig
+
+    register("hf", "rlcore.hf_generator:build", HFGenerationConfig, devices=("cpu", "cuda"), async_engine=False, exact=True)

@@ -1,0 +1,19 @@
+"""Schema of the built-in ``hf`` generator's section (``policy.generation`` with backend: hf)."""
+
+from __future__ import annotations
+
+from attrs import field, frozen
+
+from rlcore.config.structure import doc
+
+
+@frozen
+class HFGenerationConfig:
+    backend: str = field(default="hf", metadata=doc("generator name"))
+    temperature: float = field(default=1.0, metadata=doc("sampling temperature; 0 = greedy"))
+    top_p: float = field(default=1.0, metadata=doc("nucleus sampling"))
+    top_k: int = field(default=-1, metadata=doc("top-k; -1 disables"))
+    max_new_tokens: int = field(default=64, metadata=doc("response length limit"))
+    stop_strings: tuple[str, ...] = field(default=(), metadata=doc("stop when the text ends with one of these"))
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata=doc("extra stop tokens besides EOS"))
+    dtype: str = field(default="float32", metadata=doc("weights dtype"))

@@ -1,0 +1,128 @@
+"""From prompts to a training batch: data order, rollouts, rewards, advantages, SequenceBatch."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, SequenceBatch
+
+
+class DataCursor:
+    """Seeded epoch-wise shuffled order over a dataset; ``position`` is all its state."""
+
+    def __init__(self, size: int, seed: int, position: int = 0):
+        if size == 0:
+            raise ValueError("the training dataset is empty")
+        self.size, self.seed, self.position = size, seed, position
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.size)
+
+    def take(self, count: int) -> list[int]:
+        out = []
+        for _ in range(count):
+            epoch, offset = divmod(self.position, self.size)
+            out.append(int(self._order(epoch)[offset]))
+            self.position += 1
+        return out
+
+
+@attrs.define
+class Trajectory:
+    sample: Sample
+    group: int
+    result: GenerationResult
+    reward: float = 0.0
+    env_metrics: dict[str, float] = attrs.field(factory=dict)
+
+    @property
+    def truncated(self) -> bool:
+        return self.result.finish_reason == "length"
+
+
+def sampling_params(generation_config: Any, n: int, seed: int | None, greedy: bool = False) -> SamplingParams:
+    """SamplingParams from whatever generator section is configured (keys shared by convention)."""
+    get = lambda key, default: getattr(generation_config, key, default)  # noqa: E731
+    return SamplingParams(
+        temperature=0.0 if greedy else get("temperature", 1.0),
+        top_p=1.0 if greedy else get("top_p", 1.0),
+        top_k=-1 if greedy else get("top_k", -1),
+        max_new_tokens=get("max_new_tokens", 256),
+        n=n,
+        stop=tuple(get("stop_strings", ()) or ()),
+        stop_token_ids=tuple(get("stop_token_ids", ()) or ()),
+        seed=seed,
+    )
+
+
+def score(environment, trajectories: list[Trajectory]) -> dict[str, float]:
+    """Rewards from the environment; an environment that raises costs reward 0, counted."""
+    metrics: dict[str, float] = {"env/errors": 0.0}
+    try:
+        steps = environment.step([t.sample for t in trajectories], [[t.result.text] for t in trajectories])
+        if len(steps) != len(trajectories):
+            raise ValueError(f"environment returned {len(steps)} results for {len(trajectories)} trajectories")
+    except Exception as exc:  # noqa: BLE001 - the run goes on; the failure is counted and shown
+        steps = [EnvStep(reward=0.0, metrics={"error": 1.0}) for _ in trajectories]
+        metrics["env/errors"] = float(len(trajectories))
+        print(f"warning: environment failed on a batch of {len(trajectories)}: {exc!r}; rewards set to 0")
+    for traj, step in zip(trajectories, steps):
+        reward = float(step.reward)
+        if not math.isfinite(reward):
+            metrics["env/errors"] += 1
+            reward = 0.0
+        traj.reward = reward
+        traj.env_metrics = dict(step.metrics)
+    for key in sorted({k for t in trajectories for k in t.env_metrics}):
+        metrics[f"env/{key}" if not key.startswith("env/") else key] = float(
+            np.mean([t.env_metrics.get(key, 0.0) for t in trajectories])
+        )
+    return metrics
+
+
+def is_correct(reward: float, env_metrics: dict[str, float]) -> bool:
+    for key in ("correct", "env/correct", "accuracy"):
+        if key in env_metrics:
+            return env_metrics[key] >= 0.5
+    return reward >= 1.0
+
+
+def to_sequence_batch(trajectories: list[Trajectory], advantages_N: torch.Tensor, max_len: int) -> SequenceBatch:
+    """Prompt + response ids with a token-aligned loss mask and per-token fields."""
+    input_ids, loss_mask, gen_lp, adv_tok = [], [], [], []
+    for i, traj in enumerate(trajectories):
+        prompt, response = traj.result.prompt_ids, traj.result.response_ids
+        mask = traj.result.response_mask or [1] * len(response)
+        ids = (list(prompt) + list(response))[:max_len]
+        keep = len(ids) - len(prompt)
+        input_ids.append(torch.tensor(ids, dtype=torch.long))
+        loss_mask.append(torch.tensor([0] * len(prompt) + list(mask[:keep]), dtype=torch.float32))
+        gen_lp.append(torch.tensor([0.0] * len(prompt) + list(traj.result.response_logprobs[:keep]), dtype=torch.float32))
+        adv_tok.append(torch.full((len(ids),), float(advantages_N[i]), dtype=torch.float32))
+    return SequenceBatch(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        token_fields={"gen_logprobs": gen_lp, "advantages": adv_tok},
+        seq_fields={
+            "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+            "advantages": advantages_N.to(torch.float32),
+        },
+    )
+
+
+def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    lengths = [len(t.result.response_ids) for t in trajectories]
+    rewards = [t.reward for t in trajectories]
+    return {
+        "train/reward_mean": float(np.mean(rewards)),
+        "train/accuracy": float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajectories])),
+        "rollout/mean_response_tokens": float(np.mean(lengths)),
+        "rollout/max_response_tokens": float(np.max(lengths)),
+        "rollout/truncated_fraction": float(np.mean([t.truncated for t in trajectories])),
+        "rollout/num_trajectories": float(len(trajectories)),
+    }

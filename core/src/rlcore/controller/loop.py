@@ -1,0 +1,316 @@
+"""One GRPO step after another: the data path of DESIGN.md, sync or async.
+
+Sync (on-policy): generate with policy version k, score, compute advantages, logprobs, train,
+refit. Async: a producer thread keeps generating the next batch with whatever weights the
+generator holds while the trainer trains; a batch older than ``max_trajectory_age_steps``
+policy versions is dropped (counted), and the algorithm's off-policy correction uses the
+generator's own logprobs. Refit waits for the generator to be between batches (a lock).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import warnings
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from rlcore.controller.batching import (
+    DataCursor, Trajectory, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
+)
+from rlcore.controller.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlcore.controller.timing import StepTimer
+from rlcore.interfaces import SequenceBatch
+
+
+class RefitError(RuntimeError):
+    """After a refit the generator's logprobs disagree with the trainer's beyond the threshold."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many non-finite losses in a row."""
+
+
+@attrs.define
+class Components:
+    config: Any
+    trainer: Any  # LocalTrainer / RayTrainerGroup: call(method, ...), export_chunks(...)
+    generator: Any
+    environment: Any
+    algorithm: Any
+    dataset: Any
+    transport: Any
+    loggers: list
+    reporter: Any
+    multi_turn: Any = None  # callable(samples, params) -> list[list[GenerationResult]] for multi-turn envs
+
+
+class GRPOLoop:
+    def __init__(self, c: Components):
+        self.c = c
+        cfg = c.config
+        self.grpo = cfg.grpo
+        self.generation_cfg = cfg.section("policy.generation")
+        self.refit_cfg = getattr(self.generation_cfg, "refit", None)
+        self.cursor = DataCursor(len(c.dataset.train), cfg.grpo.seed)
+        self.step = 0
+        self.policy_version = 0
+        self.nonfinite_in_a_row = 0
+        self.records: list[dict] = []
+        self.gen_lock = threading.Lock()
+        self.ckpt = CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_last_k) if cfg.checkpointing.enabled else None
+
+    # ---- rollouts ---------------------------------------------------------------------------
+    def _generate(self, samples, n: int, seed: int | None, greedy: bool = False):
+        params = sampling_params(self.generation_cfg, n, seed, greedy)
+        with self.gen_lock:
+            version = self.c.generator.weights_version
+            if self.c.multi_turn is not None:
+                results = self.c.multi_turn(samples, params)
+            else:
+                results = self.c.generator.generate([s.prompt_ids for s in samples], params)
+        return results, version
+
+    def _rollout_group(self, step: int, round_: int):
+        G = self.grpo.num_generations_per_prompt
+        samples = [self.c.dataset.train[i] for i in self.cursor.take(self.grpo.num_prompts_per_step)]
+        seed = (self.grpo.seed * 1_000_003 + step * 101 + round_) if self.grpo.deterministic else None
+        results, version = self._generate(samples, G, seed)
+        first_group = round_ * len(samples)  # unique group ids across refill rounds
+        trajectories = [Trajectory(s, first_group + g, r) for g, (s, rs) in enumerate(zip(samples, results)) for r in rs]
+        return trajectories, version
+
+    def collect(self, step: int, timer: StepTimer) -> tuple[list[Trajectory], dict, int]:
+        """Trajectories for one step, with DAPO-style refill when the algorithm drops groups."""
+        P = self.grpo.num_prompts_per_step
+        rounds = int(getattr(getattr(self.c.algorithm, "config", None), "max_refill_rounds", 0) or 0)
+        kept: list[Trajectory] = []
+        metrics: dict[str, float] = {}
+        version = self.c.generator.weights_version
+        for round_ in range(rounds + 1):
+            with timer.phase("generation"):
+                trajs, version = self._rollout_group(step, round_)
+            with timer.phase("reward"):
+                env_metrics = score(self.c.environment, trajs)
+            if round_ == 0:
+                metrics.update(env_metrics)
+                metrics.update(rollout_metrics(trajs))
+            rewards_N, groups_N, truncated_N = self._reward_tensors(trajs)
+            keep_N = self.c.algorithm.keep_groups(rewards_N, groups_N, truncated_N)
+            kept.extend(t for t, k in zip(trajs, keep_N.tolist()) if k)
+            metrics["rollout/refill_rounds"] = float(round_)
+            if len(kept) >= P * self.grpo.num_generations_per_prompt or rounds == 0:
+                break
+        kept = kept[: P * self.grpo.num_generations_per_prompt]
+        metrics["rollout/kept_trajectories"] = float(len(kept))
+        return kept, metrics, version
+
+    def _reward_tensors(self, trajs: list[Trajectory]):
+        rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        groups_N = torch.tensor([t.group for t in trajs], dtype=torch.long)
+        truncated_N = torch.tensor([t.truncated for t in trajs], dtype=torch.bool)
+        return rewards_N, groups_N, truncated_N
+
+    # ---- one step ---------------------------------------------------------------------------
+    def train_on(self, trajectories: list[Trajectory], timer: StepTimer) -> tuple[dict, SequenceBatch | None]:
+        algorithm, trainer = self.c.algorithm, self.c.trainer
+        if not trajectories:
+            return {"train/skipped_empty": 1.0}, None
+        rewards_N, groups_N, truncated_N = self._reward_tensors(trajectories)
+        lengths_N = torch.tensor([len(t.result.response_ids) for t in trajectories])
+        shaped_N = algorithm.shape_rewards(rewards_N, lengths_N, truncated_N)
+        advantages_N = algorithm.advantages(shaped_N, groups_N)
+        batch = to_sequence_batch(trajectories, advantages_N, self.c.config.policy.max_total_sequence_length)
+        with timer.phase("logprobs"):
+            if algorithm.uses_old_logprobs:
+                batch.token_fields["old_logprobs"] = trainer.call("logprobs", batch, what="'logprobs' (policy)")
+            if algorithm.uses_reference:
+                batch.token_fields["ref_logprobs"] = trainer.call("logprobs", batch, reference=True, what="'logprobs' (reference)")
+        with timer.phase("training"):
+            out = trainer.call("train", batch, algorithm, what="'train'")
+        metrics = {f"train/{k}": float(v) for k, v in out.items()}
+        if out.get("skipped_nonfinite"):
+            self.nonfinite_in_a_row += 1
+            warnings.warn(f"step {self.step}: non-finite loss, update skipped ({self.nonfinite_in_a_row} in a row)")
+            if self.nonfinite_in_a_row >= self.grpo.max_consecutive_nonfinite:
+                raise NonFiniteLossError(
+                    f"{self.nonfinite_in_a_row} non-finite losses in a row (grpo.max_consecutive_nonfinite); stopping"
+                )
+        else:
+            self.nonfinite_in_a_row = 0
+            self.policy_version += 1
+        return metrics, batch
+
+    def refit(self, probe_batch: SequenceBatch | None, timer: StepTimer) -> dict:
+        with timer.phase("refit"), self.gen_lock:
+            moved = self.c.transport.transfer(self.c.trainer, self.c.generator)
+        metrics = {"refit/seconds": float(moved.get("seconds", 0.0)), "refit/bytes": float(moved.get("bytes", 0.0))}
+        if metrics["refit/seconds"] > 0:
+            metrics["refit/gb_per_s"] = metrics["refit/bytes"] / metrics["refit/seconds"] / 1e9
+        if probe_batch is not None:
+            with timer.phase("refit"):
+                metrics.update(self.verify_refit(probe_batch))
+        return metrics
+
+    def verify_refit(self, batch: SequenceBatch) -> dict:
+        """Compare generator and trainer logprobs of a few sequences on the model's tokens."""
+        count = int(getattr(self.refit_cfg, "probe_num_sequences", 4) or 0)
+        if count <= 0:
+            return {}
+        probe = batch.select(range(min(count, len(batch))))
+        with self.gen_lock:
+            gen_lp = self.c.generator.score([ids.tolist() for ids in probe.input_ids])
+        train_lp = self.c.trainer.call("logprobs", probe, what="'logprobs' (refit probe)")
+        diff = 0.0
+        for g, t, m in zip(gen_lp, train_lp, probe.loss_mask):
+            g = torch.as_tensor(g, dtype=torch.float32)
+            d = (g - t.float()).abs() * (m > 0)
+            diff = max(diff, float(d.max()) if d.numel() else 0.0)
+        threshold = float(getattr(self.refit_cfg, "probe_threshold", 0.05))
+        if not math.isfinite(diff) or diff > threshold:
+            raise RefitError(
+                f"refit verification failed at step {self.step}: generator and trainer logprobs differ by up to "
+                f"{diff:.3g} on the probe batch (policy.generation.refit.probe_threshold={threshold}); "
+                "the weights the generator holds are not the trainer's"
+            )
+        return {"refit/probe_max_abs_logprob_diff": diff}
+
+    def validate(self) -> dict:
+        val = self.c.dataset.validation
+        if not val:
+            return {}
+        samples = list(val[: self.grpo.max_val_samples])
+        results, _ = self._generate(samples, 1, self.grpo.seed, greedy=True)
+        trajs = [Trajectory(s, i, rs[0]) for i, (s, rs) in enumerate(zip(samples, results))]
+        score(self.c.environment, trajs)
+        return {
+            "val/accuracy": float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajs])),
+            "val/reward_mean": float(np.mean([t.reward for t in trajs])),
+        }
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def maybe_resume(self) -> None:
+        if self.ckpt is None or not self.c.config.checkpointing.resume:
+            return
+        latest = self.ckpt.latest()
+        if latest is None:
+            return
+        state = CheckpointManager.load_loop_state(latest)
+        self.c.trainer.call("load_checkpoint", str(latest / "backend"), what="'load_checkpoint'")
+        self.step, self.policy_version = state["step"], state["policy_version"]
+        self.cursor.position, self.records = state["data_position"], state["records"]
+        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        set_rng_state(state["rng"])
+        self.c.transport.transfer(self.c.trainer, self.c.generator)
+        print(f"resumed from {latest} at step {self.step}")
+
+    def save(self) -> None:
+        state = {
+            "step": self.step, "policy_version": self.policy_version, "data_position": self.cursor.position,
+            "records": self.records, "nonfinite_in_a_row": self.nonfinite_in_a_row, "rng": rng_state(),
+        }
+        self.ckpt.save(self.step, lambda path: self.c.trainer.call("save_checkpoint", path, what="'save_checkpoint'"), state)
+
+    # ---- driver -----------------------------------------------------------------------------
+    def finish_step(self, record: dict, timer: StepTimer) -> None:
+        if self.grpo.val_period and self.step % self.grpo.val_period == 0:
+            with timer.phase("validation"):
+                record.update(self.validate())
+        if self.ckpt is not None and self.step % self.c.config.checkpointing.save_period == 0:
+            with timer.phase("checkpoint"):
+                self.save()
+        record.update(timer.finish())
+        record["step"] = self.step
+        record["policy_version"] = self.policy_version
+        self.records.append(record)
+        for logger in self.c.loggers:
+            logger.log({k: v for k, v in record.items() if k != "step"}, self.step)
+        self.c.reporter.step(record, self.step)
+
+    def run(self) -> list[dict]:
+        self.maybe_resume()
+        if self.grpo.val_at_start and self.step == 0:
+            start = self.validate()
+            if start:
+                self.records.append({"step": 0, **start})
+                for logger in self.c.loggers:
+                    logger.log(start, 0)
+        if self.grpo.async_grpo.enabled:
+            return self._run_async()
+        while self.step < self.grpo.max_num_steps:
+            self.step += 1
+            self._set_trainer_step()
+            timer = StepTimer()
+            trajectories, record, _ = self.collect(self.step, timer)
+            metrics, batch = self.train_on(trajectories, timer)
+            record.update(metrics)
+            record.update(self.refit(batch, timer))
+            self.finish_step(record, timer)
+        return self.records
+
+    def _set_trainer_step(self) -> None:
+        self.c.trainer.step = self.step
+
+    def _run_async(self) -> list[dict]:
+        max_age = self.grpo.async_grpo.max_trajectory_age_steps
+        batches: queue.Queue = queue.Queue(maxsize=1)
+        stop = threading.Event()
+        failure: list[BaseException] = []
+
+        def produce():
+            step = self.step
+            try:
+                while not stop.is_set():
+                    step += 1
+                    timer = StepTimer()
+                    item = self.collect(step, timer) + (timer,)
+                    while not stop.is_set():
+                        try:
+                            batches.put(item, timeout=0.5)
+                            break
+                        except queue.Full:
+                            continue
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                failure.append(exc)
+
+        producer = threading.Thread(target=produce, name="rlcore-rollouts", daemon=True)
+        producer.start()
+        dropped = 0
+        try:
+            while self.step < self.grpo.max_num_steps:
+                trajectories, record, version, gen_timer = self._next_batch(batches, failure)
+                age = self.policy_version - version
+                if age > max_age:
+                    dropped += 1
+                    continue
+                self.step += 1
+                self._set_trainer_step()
+                timer = StepTimer()
+                timer.phases.update(gen_timer.phases)
+                record.update({"async/trajectory_age": float(age), "async/dropped_stale_batches": float(dropped)})
+                metrics, batch = self.train_on(trajectories, timer)
+                record.update(metrics)
+                record.update(self.refit(batch, timer))
+                self.finish_step(record, timer)
+        finally:
+            stop.set()
+            producer.join(timeout=self.c.config.cluster.timeout_s)
+        return self.records
+
+    def _next_batch(self, batches: queue.Queue, failure: list):
+        waited = 0.0
+        while True:
+            if failure:
+                raise RuntimeError(f"the rollout thread failed: {failure[0]!r}") from failure[0]
+            try:
+                return batches.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+                if waited > self.c.config.cluster.timeout_s:
+                    raise TimeoutError(
+                        f"timeout: the trainer waited {waited:.0f}s (cluster.timeout_s) for the rollout thread's next batch"
+                    ) from None

@@ -1,0 +1,190 @@
+"""``rlcore.run``: build what the recipe names (or take the objects a user passes), place it, run.
+
+Placement: a CPU run with one trainer process, or any run with ``cluster.use_ray: false``, keeps
+everything in this process. Otherwise the trainer ranks are Ray actors (a local Ray instance is
+started when neither ``cluster.ray_address`` nor ``RAY_ADDRESS`` names a cluster), and the
+generator stays with the driver unless its plugin places its engines itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from rlcore.config import ConfigError, RunConfig, to_dict
+from rlcore.controller.loop import Components, GRPOLoop
+from rlcore.controller.report import Reporter, plot_curves, summary_table
+from rlcore.controller.timing import summarize
+from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
+from rlcore.plugins import get_plugin_manager
+
+
+class StreamTransport:
+    """Fallback refit: stream the trainer's HF-named chunks into ``generator.update_weights``."""
+
+    name = "stream"
+
+    def __init__(self, chunk_bytes: int = 256 << 20, dtype: Any = None):
+        self.chunk_bytes, self.dtype = chunk_bytes, dtype
+
+    def transfer(self, trainer, generator) -> dict[str, float]:
+        moved = {"bytes": 0}
+        start = time.perf_counter()
+
+        def counted():
+            for chunk in trainer.export_chunks(dtype=self.dtype, chunk_bytes=self.chunk_bytes):
+                moved["bytes"] += sum(t.numel() * t.element_size() for _, t in chunk)
+                yield chunk
+
+        generator.update_weights(counted())
+        return {"bytes": float(moved["bytes"]), "seconds": time.perf_counter() - start}
+
+
+class _PluginTransport:
+    """Adapts a plugin's transport (which takes the live backend) to the trainer handle."""
+
+    def __init__(self, transport):
+        self.inner, self.name = transport, getattr(transport, "name", type(transport).__name__)
+
+    def transfer(self, trainer, generator) -> dict[str, float]:
+        return self.inner.transfer(trainer.backend, generator)
+
+
+class _PassedBackend(LocalTrainer):
+    """A backend object given by the user (composable API), used in this process."""
+
+    def __init__(self, backend):
+        self.backend, self.step = backend, 0
+
+
+def select_backend(config: RunConfig, manager):
+    enabled = []
+    for reg in manager.registry["training_backend"].values():
+        section = config.section(reg.section)
+        if section is not None and getattr(section, "enabled", False):
+            enabled.append(reg)
+    if not enabled:
+        raise ConfigError("policy", "no training backend is enabled: set policy.dtensor_cfg.enabled=true or policy.megatron_cfg.enabled=true")
+    enabled.sort(key=lambda r: r.capabilities.get("precedence", 0), reverse=True)
+    top = enabled[0]
+    ties = [r.name for r in enabled if r.capabilities.get("precedence", 0) == top.capabilities.get("precedence", 0)]
+    if len(ties) > 1:
+        raise ConfigError("policy", f"several training backends are enabled with equal precedence: {ties}; disable all but one")
+    return top
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _device(config: RunConfig) -> str:
+    return "cuda" if config.cluster.gpus_per_node > 0 else "cpu"
+
+
+def build_trainer(config: RunConfig, manager, backend=None):
+    if backend is not None:
+        return _PassedBackend(backend)
+    reg = select_backend(config, manager)
+    device = _device(config)
+    world = config.cluster.gpus_per_node * config.cluster.num_nodes if device == "cuda" else config.cluster.cpu_workers
+    gen = config.section("policy.generation")
+    colocated = getattr(getattr(gen, "colocated", None), "enabled", True)
+    if device == "cuda" and not colocated:
+        resources = getattr(gen.colocated, "resources", None)
+        world -= getattr(resources, "gpus_per_node", 0) * getattr(resources, "num_nodes", 1)
+    use_ray = config.cluster.use_ray if config.cluster.use_ray is not None else world > 1
+    if not use_ray:
+        if world > 1:
+            raise ConfigError("cluster.use_ray", f"{world} trainer processes need Ray; set cluster.use_ray=true")
+        return LocalTrainer(reg, config, config.section(reg.section), device)
+    import ray
+
+    if not ray.is_initialized():
+        address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+        ray.init(address=address, include_dashboard=False, log_to_driver=True) if address else ray.init(
+            include_dashboard=False, num_cpus=max(world + 1, os.cpu_count() or 1))
+    return RayTrainerGroup(reg, config, config.section(reg.section), world, device, config.cluster.timeout_s)
+
+
+def build_components(config: RunConfig, **given) -> Components:
+    manager = get_plugin_manager()
+    policy = config.policy
+    tokenizer = given.get("tokenizer")
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(policy.tokenizer_name or policy.model_name)
+    algorithm = given.get("algorithm") or manager.get("algorithm", config.require_section("algorithm").name).build(config.section("algorithm"))
+    env_reg = manager.get("environment", config.env.name)
+    environment = given.get("environment") or env_reg.build(config.section(f"env.{config.env.name}"))
+    dataset = given.get("dataset")
+    if dataset is None:
+        data_cfg = config.require_section("data")
+        dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
+    trainer = build_trainer(config, manager, given.get("backend"))
+    generator = given.get("generator")
+    if generator is None:
+        gen_cfg = config.require_section("policy.generation")
+        placement = {"device": _device(config), "cluster": config.cluster}
+        generator = manager.get("generator", gen_cfg.backend).build(config, gen_cfg, placement)
+    transport = None
+    if hasattr(trainer, "backend"):
+        found = manager.weight_transport(backend=trainer.backend, generator=generator)
+        transport = _PluginTransport(found) if found is not None else None
+    refit = getattr(config.section("policy.generation"), "refit", None)
+    transport = transport or StreamTransport(chunk_bytes=int(getattr(refit, "chunk_bytes", 256 << 20)))
+    multi_turn = None
+    if env_reg.capabilities.get("multi_turn"):
+        from rlcore.rollout import make_multi_turn_runner
+
+        multi_turn = make_multi_turn_runner(generator, environment, tokenizer, config)
+    run_dir = Path(config.logger.log_dir)
+    loggers = given.get("loggers")
+    if loggers is None:
+        loggers = []
+        for reg in manager.registry["logger"].values():
+            section = config.section(reg.section)
+            if section is not None and getattr(section, "enabled", False):
+                loggers.append(reg.build(section, run_dir))
+    reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table)
+    return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn)
+
+
+def run(config: RunConfig, **given) -> dict:
+    if config is None:
+        raise ConfigError("", "rlcore.run needs a RunConfig (rlcore.load_config(path) or rlcore.build_config(dict))")
+    seed_everything(config.grpo.seed, config.grpo.deterministic)
+    run_dir = Path(config.logger.log_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    components = build_components(config, **given)
+    loop = GRPOLoop(components)
+    try:
+        with components.reporter:
+            records = loop.run()
+    finally:
+        for logger in components.loggers:
+            logger.close()
+        components.trainer.shutdown()
+        if "generator" not in given:
+            components.generator.shutdown()
+    summary = summarize([r for r in records if "timing/total" in r], config.grpo.summary_window)
+    first_val = next((r["val/accuracy"] for r in records if "val/accuracy" in r), None)
+    last_val = next((r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r), None)
+    summary.update({"val/accuracy_first": first_val, "val/accuracy_last": last_val, "steps": loop.step})
+    components.reporter.console.print(summary_table(summary, f"GRPO summary (mean of steps {summary.get('window_first')}-{summary.get('window_last')})"))
+    plot = plot_curves(records, run_dir / "curves.png")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return {"summary": summary, "records": records, "run_dir": str(run_dir), "plot": str(plot) if plot else None}

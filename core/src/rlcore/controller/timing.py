@@ -1,0 +1,49 @@
+"""Per-step phase timings and the end-of-run summary in NeMo-RL's table format."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+PHASES = ("generation", "reward", "refit", "logprobs", "training", "validation", "checkpoint")
+
+
+class StepTimer:
+    """Accumulates wall-clock seconds per phase for one step; ``other`` is what no phase covered."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - began
+
+    def finish(self) -> dict[str, float]:
+        total = time.perf_counter() - self.start
+        out = {f"timing/{k}": v for k, v in self.phases.items()}
+        out["timing/total"] = total
+        out["timing/other"] = max(0.0, total - sum(self.phases.values()))
+        return out
+
+
+def summarize(records: list[dict], window: tuple[int, int] | None = None) -> dict[str, float]:
+    """Mean of the timing columns over steps ``window`` (inclusive); default: all but the first."""
+    if not records:
+        return {}
+    if window is None:
+        first = records[0]["step"] + (1 if len(records) > 1 else 0)
+        window = (first, records[-1]["step"])
+    chosen = [r for r in records if window[0] <= r["step"] <= window[1]] or records
+    keys = ["timing/total", "timing/training", "timing/refit", "timing/generation", "timing/logprobs",
+            "timing/reward", "rollout/mean_response_tokens", "train/reward_mean", "val/accuracy"]
+    summary = {"window_first": window[0], "window_last": window[1], "num_steps": len(chosen)}
+    for key in keys:
+        values = [r[key] for r in chosen if key in r]
+        if values:
+            summary[key] = sum(values) / len(values)
+    return summary
