@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, PluginError) as exc:
-        err_console.print(f"error: {exc}", highlight=False, markup=False, style="bold red")
+        # soft_wrap: never break the message (key paths, file paths) at the terminal width.
+        err_console.print(f"error: {exc}", highlight=False, markup=False, style="bold red", soft_wrap=True)
         return 2
 
 

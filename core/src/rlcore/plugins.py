@@ -134,7 +134,6 @@ class PluginManager:
                     f"Fix or uninstall it, or skip it with RLCORE_DISABLE_PLUGINS={ep.name}"
                 ) from exc
             self.register_module(module, source)
-        self.pm.check_pending()
 
     def register_module(self, module: Any, source: Source | None = None) -> None:
         """Register one plugin object (a module or an instance with hookimpls)."""
@@ -143,7 +142,15 @@ class PluginManager:
             source = Source(name.split(".")[0], "local", f"{name} (registered in-process)")
         if self.pm.is_registered(module):
             return
-        self.pm.register(module, name=source.entry_point)
+        try:
+            self.pm.register(module, name=source.entry_point)
+            # Checked per plugin so the error names it: a misspelled hook would otherwise be
+            # silently ignored and its providers would be "not installed".
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            if self.pm.is_registered(module):
+                self.pm.unregister(module)
+            raise PluginError(f"plugin {source.describe()}: {exc}") from exc
         self.sources.append(source)
         self._collect(module, source)
 
@@ -152,7 +159,12 @@ class PluginManager:
             impl = getattr(module, hook_name, None)
             if impl is None:
                 continue
-            impl(register=self._registrar(kind, source))
+            try:
+                impl(register=self._registrar(kind, source))
+            except PluginError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failing hook must name its plugin
+                raise PluginError(f"plugin {source.describe()}: hook {hook_name} failed: {exc!r}") from exc
 
     def _registrar(self, kind: str, source: Source) -> Callable[..., None]:
         def register(name: str, factory: Any, config_cls: type | None = None, *, section: str | None = None, **capabilities):
