@@ -1,1 +1,1 @@
-"""See README.md."""
+"""rlcore-fsdp2: a PyTorch-native (FSDP2 + DTensor) training backend for rlcore. See README.md."""

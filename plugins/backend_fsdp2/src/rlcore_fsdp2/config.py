@@ -1,0 +1,47 @@
+"""Schema of ``policy.dtensor_cfg``: NeMo-RL's DTensor (FSDP2) keys plus a few of our own.
+
+No torch imports here: ``rlcore plugins`` and config validation stay light. Combinations that
+depend on the world size or the model (the device mesh, head counts divisible by the tensor
+parallel size) are checked when the backend is built (:mod:`rlcore_fsdp2.parallel_dims`), and
+every error names the full key path.
+"""
+
+from __future__ import annotations
+
+import attrs
+from attrs import field, frozen
+
+from rlcore.config.structure import ConfigError, doc
+
+SECTION = "policy.dtensor_cfg"
+_positive = attrs.validators.gt(0)
+
+
+@frozen
+class DTensorConfig:
+    """PyTorch-native parallelism: FSDP2 (``fully_shard``) over data-parallel ranks, DTensor
+    tensor/sequence parallelism inside each layer."""
+
+    enabled: bool = field(default=True, metadata=doc("use this backend (a higher-precedence enabled backend wins)"))
+    cpu_offload: bool = field(default=False, metadata=doc("keep sharded params, grads and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy; CUDA only)"))
+    sequence_parallel: bool = field(default=False, metadata=doc("shard norms and residuals over the sequence on the tensor-parallel ranks (needs tensor_parallel_size > 1)"))
+    activation_checkpointing: bool = field(default=False, metadata=doc("recompute each decoder layer's activations in the backward pass"))
+    tensor_parallel_size: int = field(default=1, validator=_positive, metadata=doc("tensor-parallel ranks (DTensor parallelize_module)"))
+    context_parallel_size: int = field(default=1, validator=_positive, metadata=doc("context-parallel ranks; only 1 is supported by this backend"))
+    custom_parallel_plan: str | None = field(default=None, metadata=doc(
+        "'module:attr' naming a dict {module pattern: ParallelStyle} or a callable(model) -> dict, "
+        "used instead of the built-in tensor-parallel plan"))
+    reshard_after_forward: bool = field(default=True, metadata=doc("free gathered params after forward (ZeRO-3); false keeps them until backward (ZeRO-2 like)"))
+    logprob_chunk_tokens: int = field(default=1024, validator=_positive, metadata=doc("rows of the logits turned into float32 log-softmax at a time"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.context_parallel_size != 1:
+            raise ConfigError(
+                f"{SECTION}.context_parallel_size",
+                f"is {self.context_parallel_size}, but the fsdp2 backend supports only 1 (packed sequences would need "
+                "varlen ring attention); use policy.megatron_cfg for context parallelism",
+            )
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ConfigError(f"{SECTION}.sequence_parallel", "needs tensor_parallel_size > 1 (it shards over the tensor-parallel ranks)")
+        if self.custom_parallel_plan is not None and ":" not in self.custom_parallel_plan:
+            raise ConfigError(f"{SECTION}.custom_parallel_plan", f"expected 'module:attr', got {self.custom_parallel_plan!r}")
