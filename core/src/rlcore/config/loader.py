@@ -75,8 +75,6 @@ def build_config(data: dict, overrides: list[str] = (), manager: PluginManager |
     """Validate a recipe given as a dict (plus overrides) into a :class:`RunConfig`."""
     manager = manager or get_plugin_manager()
     data = apply_overrides(data or {}, list(overrides))
-    if "sections" in data:
-        raise ConfigError("sections", "reserved name; plugin sections are written at their own paths")
     resolver = _section_resolver(manager)
     sections = {path: resolver for path in manager.sections()}
     found: dict[str, Any] = {}

@@ -136,7 +136,7 @@ class RunConfig:
     checkpointing: CheckpointingConfig = field(factory=CheckpointingConfig)
     env: EnvConfig = field(factory=EnvConfig)
     logger: LoggerConfig = field(factory=LoggerConfig)
-    sections: dict[str, Any] = field(factory=dict, metadata=doc("plugin sections by dotted path"))
+    sections: dict[str, Any] = field(factory=dict, metadata={**doc("plugin sections by dotted path"), "internal": True})
 
     def section(self, path: str, default: Any = None) -> Any:
         """The structured plugin section at ``path`` (e.g. ``policy.megatron_cfg``)."""

@@ -39,7 +39,21 @@ def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+# Sections of rlcore's own plugin distributions, to say what to install when one is missing.
+SECTION_PROVIDERS = {
+    "policy.dtensor_cfg": "rlcore-fsdp2",
+    "policy.megatron_cfg": "rlcore-megatron",
+    "policy.generation": "rlcore-vllm (or the built-in 'hf' generator)",
+    "env.math": "rlcore-math",
+    "env.math_tool": "rlcore-math",
+    "data": "rlcore-math (or another dataset plugin)",
+}
+
+
 def unknown_key_error(path: str, key: str, valid: list[str]) -> ConfigError:
+    provider = SECTION_PROVIDERS.get(join(path, key))
+    if provider is not None:
+        return ConfigError(join(path, key), f"no installed plugin provides this section; install {provider} (and check RLCORE_DISABLE_PLUGINS)")
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     hint = f"; did you mean '{join(path, close[0])}'?" if close else f"; valid keys here: {', '.join(sorted(valid))}"
     return ConfigError(join(path, key), f"unknown key{hint}")
@@ -72,7 +86,7 @@ def structure(cls: type, data: Any, path: str = "", sections: dict[str, SectionR
     if not isinstance(data, dict):
         raise ConfigError(path, f"expected a mapping for {cls.__name__}, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in attrs.fields(cls)}
+    fields = {f.name: f for f in attrs.fields(cls) if not f.metadata.get("internal")}
     prefix = f"{path}." if path else ""
     here = {p[len(prefix) :]: p for p in sections if p.startswith(prefix) and "." not in p[len(prefix) :]}
     for key in data:
@@ -97,7 +111,17 @@ def structure(cls: type, data: Any, path: str = "", sections: dict[str, SectionR
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:
-        raise ConfigError(path, str(exc)) from exc
+        raise ConfigError(_failing_field(path, exc, kwargs), str(exc)) from exc
+
+
+def _failing_field(path: str, exc: Exception, kwargs: dict) -> str:
+    """The dotted path of the field a validator rejected: attrs' messages start with "'name' ...",
+    hand-written ones by convention with "name ..."."""
+    message = str(exc.args[0]) if exc.args else ""
+    for name in kwargs:
+        if message.startswith((f"'{name}'", f"{name} ")):
+            return join(path, name)
+    return path
 
 
 def _parse_raw(tp: Any, raw: RawText, path: str) -> Any:
@@ -132,6 +156,9 @@ def convert(tp: Any, value: Any, path: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:  # "X | None": X's own error (key path, closest key) is the useful one
+            return convert(non_none[0], value, path)
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
