@@ -1,0 +1,178 @@
+"""``math_jsonl``: local JSONL/JSON/Parquet math problems, loaded through Hugging Face ``datasets``.
+
+Column presets:
+
+=============  ==============  ==============================================  =========
+preset         problem column  answer column                                   ground truth
+=============  ==============  ==============================================  =========
+``gsm8k``      ``question``    ``answer``: worked solution ending ``#### 72``  ``72``
+``math``       ``problem``     ``solution``: with a final ``\\boxed{...}``      its content
+``deepscaler``  ``problem``    ``answer``: the answer itself                   as is
+=============  ==============  ==============================================  =========
+
+Every row is checked before the run starts: a malformed row stops loading with a
+:class:`~rlcore_math.prompts.DataError` naming the file, the line (JSONL) or row, and the
+column, unless ``skip_bad_rows`` is set, in which case bad rows are skipped and counted in
+``dataset.stats``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from rlcore.interfaces import Sample
+
+from rlcore_math.config import MathFilesDatasetConfig
+from rlcore_math.grading import hash_answer, last_boxed
+from rlcore_math.prompts import DataError, MathDataset, log, messages_for, tokenize_split
+
+# preset -> (problem column, answer column, how the ground truth is taken from the answer column)
+PRESETS: dict[str, tuple[str, str, str]] = {
+    "gsm8k": ("question", "answer", "hash"),
+    "math": ("problem", "solution", "boxed"),
+    "deepscaler": ("problem", "answer", "verbatim"),
+}
+
+
+def build_math_files_dataset(config: MathFilesDatasetConfig, tokenizer: Any) -> MathDataset:
+    stats: dict[str, int] = {"bad_rows": 0}
+    train = _load_files(config.train_files, config, stats)
+    if config.validation_files:
+        validation = _load_files(config.validation_files, config, stats)
+    elif config.validation_size:
+        if config.validation_size >= len(train):
+            raise DataError(f"data.validation_size={config.validation_size} leaves no training rows (train has {len(train)})")
+        held_out = set(random.Random(config.seed).sample(range(len(train)), config.validation_size))
+        validation = [s for i, s in enumerate(train) if i in held_out]
+        train = [s for i, s in enumerate(train) if i not in held_out]
+    else:
+        validation = None
+    if config.max_samples is not None:
+        train = train[: config.max_samples]
+    train = tokenize_split(train, tokenizer, "train", config.max_prompt_tokens, stats)
+    if validation is not None:
+        validation = tokenize_split(validation, tokenizer, "validation", config.max_prompt_tokens, stats)
+    if stats["bad_rows"]:
+        log.warning("data: skipped %d malformed rows (data.skip_bad_rows=true)", stats["bad_rows"])
+    return MathDataset(train=train, validation=validation, stats=stats)
+
+
+def _columns(config: MathFilesDatasetConfig) -> tuple[str, str, str]:
+    prompt_col, answer_col, extraction = PRESETS.get(config.preset, (None, None, "verbatim"))
+    prompt_col = config.prompt_column or prompt_col
+    answer_col = config.answer_column or answer_col
+    if config.answer_extraction != "preset":
+        extraction = config.answer_extraction
+    return prompt_col, answer_col, extraction
+
+
+def _load_files(files: tuple[str, ...], config: MathFilesDatasetConfig, stats: dict[str, int]) -> list[Sample]:
+    samples: list[Sample] = []
+    for name in files:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise DataError(f"data file not found: {path}")
+        rows, where = _read_rows(path, config, stats)
+        samples.extend(_to_samples(rows, where, path, config, stats))
+    if not samples:
+        raise DataError(f"no usable rows in {', '.join(files)}")
+    return samples
+
+
+def _read_rows(path: Path, config: MathFilesDatasetConfig, stats: dict[str, int]) -> tuple[list[dict], list[str]]:
+    """Rows of one file and, for each, where it is ("line 12" for JSONL, "row 11" otherwise)."""
+    import datasets
+
+    suffix = path.suffix.lower()
+    builder = "parquet" if suffix == ".parquet" else "json"
+    if suffix not in (".parquet", ".jsonl", ".json", ".ndjson"):
+        raise DataError(f"{path}: unsupported file type '{suffix}' (use .jsonl, .json or .parquet)")
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=config.cache_dir)
+        rows = table.to_list()
+    except Exception as exc:  # noqa: BLE001 - re-diagnosed below with the line at fault
+        if builder == "parquet":
+            raise DataError(f"{path}: cannot read Parquet file: {exc}") from exc
+        return _read_json_lines(path, config, stats, exc)
+    if builder == "json" and suffix != ".json":
+        lines = _nonblank_line_numbers(path)
+        return rows, [f"line {n}" for n in lines] if len(lines) == len(rows) else [f"row {i}" for i in range(len(rows))]
+    return rows, [f"row {i}" for i in range(len(rows))]
+
+
+def _nonblank_line_numbers(path: Path) -> list[int]:
+    with path.open("rb") as f:
+        return [n for n, line in enumerate(f, start=1) if line.strip()]
+
+
+def _read_json_lines(path: Path, config: MathFilesDatasetConfig, stats: dict[str, int], cause: Exception):
+    """Line-by-line reading when ``datasets`` refused the file: find the bad line, or skip bad lines."""
+    rows, where = [], []
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+            except ValueError as exc:
+                if not config.skip_bad_rows:
+                    raise DataError(f"{path}, line {n}: invalid JSON ({exc}); fix the line or set data.skip_bad_rows=true") from None
+                stats["bad_rows"] += 1
+                continue
+            rows.append(row)
+            where.append(f"line {n}")
+    if not rows and not stats["bad_rows"]:
+        raise DataError(f"{path}: cannot read as JSON lines: {cause}")
+    return rows, where
+
+
+def _to_samples(rows: list[dict], where: list[str], path: Path, config: MathFilesDatasetConfig,
+                stats: dict[str, int]) -> list[Sample]:
+    prompt_col, answer_col, extraction = _columns(config)
+    samples = []
+    for row, location in zip(rows, where):
+        try:
+            question = _text(row, prompt_col)
+            answer = _ground_truth(_text(row, answer_col), extraction, answer_col)
+        except DataError as exc:
+            if not config.skip_bad_rows:
+                raise DataError(f"{path}, {location}: {exc}; fix the row or set data.skip_bad_rows=true") from None
+            stats["bad_rows"] += 1
+            continue
+        user = config.prompt_template.replace("{question}", question)
+        samples.append(Sample(prompt=messages_for(user, config.system_prompt), answer=answer,
+                              metadata={"source": str(path), "location": location, "question": question}))
+    return samples
+
+
+def _text(row: dict, column: str) -> str:
+    if column not in row or row[column] is None:
+        present = ", ".join(k for k, v in row.items() if v is not None)
+        raise DataError(f"missing column '{column}' (present: {present or 'none'})")
+    value = row[column]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DataError(f"column '{column}' must be text or a number, got {type(value).__name__}")
+    text = str(value).strip()
+    if not text:
+        raise DataError(f"column '{column}' is empty")
+    return text
+
+
+def _ground_truth(answer: str, extraction: str, column: str) -> str:
+    if extraction == "hash":
+        found = hash_answer(answer)
+        if found is None:
+            raise DataError(f"column '{column}' has no final answer after '####'")
+        return found
+    if extraction == "boxed":
+        found = last_boxed(answer)
+        if found is None or not found.strip():
+            raise DataError(f"column '{column}' has no closed \\boxed{{...}} answer")
+        return found.strip()
+    return answer

@@ -1,0 +1,238 @@
+"""Batched, parallel grading: a process pool with per-response deadlines, or Ray actors.
+
+Each worker grades in its own main thread, so :func:`rlcore_math.grading.grade_text`'s signal
+deadline works there. That deadline cannot interrupt a long C call (a huge sympy integer
+power, say), so the parent also watches each worker: a worker silent for longer than
+``timeout_s + kill_grace_s`` on one response is killed and replaced, that response scores
+``timeout`` and the rest of its chunk goes to the next free worker. The parent runs
+:func:`~rlcore_math.grading.precheck` first, so oversized responses never cross a pipe.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import signal
+import time
+import weakref
+from multiprocessing.connection import wait
+from typing import Any
+
+from rlcore_math.config import GradingConfig
+from rlcore_math.grading import Verdict, grade_text, precheck
+
+Task = tuple[int, str, str]  # (index in the batch, pre-checked text, gold)
+_STARTUP_GRACE_S = 60.0  # a fresh spawned worker imports sympy and math-verify first
+
+
+def _grade_chunk(chunk: list[Task], options: GradingConfig):
+    for index, text, gold in chunk:
+        yield index, grade_text(text, gold, timeout_s=options.timeout_s, float_rounding=options.float_rounding,
+                                answer_format=options.answer_format, strict_format=options.strict_format)
+
+
+def _worker_main(conn, options: GradingConfig) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    grade_text("1", "1", timeout_s=None)  # import and warm math-verify before the first batch
+    while True:
+        try:
+            chunk = conn.recv()
+        except (EOFError, OSError):
+            return  # parent went away
+        if chunk is None:
+            return
+        for index, verdict in _grade_chunk(chunk, options):
+            conn.send((index, tuple(verdict)))
+
+
+class _Worker:
+    def __init__(self, ctx, options: GradingConfig):
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, options), daemon=True, name="rlcore-math-grader")
+        self.process.start()
+        child.close()
+        self.chunk: collections.deque[Task] = collections.deque()
+        self.last_activity = time.monotonic() + _STARTUP_GRACE_S
+
+    def assign(self, chunk: list[Task]) -> None:
+        self.chunk = collections.deque(chunk)
+        self.last_activity = max(self.last_activity, time.monotonic())
+        self.conn.send(chunk)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class ProcessGradingPool:
+    """``num_workers`` spawned grader processes; :meth:`grade` scores a batch in parallel."""
+
+    def __init__(self, options: GradingConfig, start_method: str = "spawn"):
+        self.options = options
+        self._ctx = mp.get_context(start_method)
+        self._workers = [_Worker(self._ctx, options) for _ in range(options.num_workers)]
+        self.restarts = 0
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers)  # also runs at exit
+
+    def grade(self, responses: list[Any], golds: list[Any]) -> list[Verdict]:
+        verdicts, tasks = _prechecked(responses, golds, self.options)
+        size = max(1, min(self.options.chunk_size, -(-len(tasks) // len(self._workers))))
+        pending = collections.deque(tasks[i : i + size] for i in range(0, len(tasks), size))
+        hard_limit = self.options.timeout_s + self.options.kill_grace_s
+        busy: dict[int, _Worker] = {}
+        while pending or busy:
+            for slot, worker in enumerate(self._workers):
+                if slot not in busy and pending:
+                    worker.assign(pending.popleft())
+                    busy[slot] = worker
+            conns = {worker.conn: slot for slot, worker in busy.items()}
+            deadline = min(w.last_activity for w in busy.values()) + hard_limit
+            for conn in wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
+                self._receive(conns[conn], verdicts, busy, pending)
+            now = time.monotonic()
+            for slot, worker in list(busy.items()):
+                if now - worker.last_activity > hard_limit:
+                    self._replace(slot, verdicts, busy, pending, "timeout")
+        return verdicts
+
+    def _receive(self, slot: int, verdicts: list, busy: dict, pending: collections.deque) -> None:
+        worker = busy[slot]
+        try:
+            index, verdict = worker.conn.recv()
+        except (EOFError, OSError):  # the worker died (e.g. killed by the OS for memory)
+            self._replace(slot, verdicts, busy, pending, "error")
+            return
+        verdicts[index] = Verdict(*verdict)
+        worker.chunk.popleft()
+        worker.last_activity = time.monotonic()
+        if not worker.chunk:
+            del busy[slot]
+
+    def _replace(self, slot: int, verdicts: list, busy: dict, pending: collections.deque, status: str) -> None:
+        """Kill a stuck or dead worker: its current response gets ``status``, the rest is re-queued."""
+        worker = busy.pop(slot)
+        worker.kill()
+        stuck_index = worker.chunk.popleft()[0]
+        verdicts[stuck_index] = Verdict(False, False, status)
+        if worker.chunk:
+            pending.appendleft(list(worker.chunk))
+        self._workers[slot] = _Worker(self._ctx, self.options)
+        self.restarts += 1
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    for worker in workers:
+        try:
+            worker.conn.send(None)
+        except (OSError, ValueError):
+            pass
+    for worker in workers:
+        worker.process.join(timeout=2)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join(timeout=2)
+
+
+def _prechecked(responses: list[Any], golds: list[Any], options: GradingConfig) -> tuple[list[Verdict | None], list[Task]]:
+    """Verdicts of the responses the pre-check rejects, and tasks for the others."""
+    verdicts: list[Verdict | None] = [None] * len(responses)
+    tasks: list[Task] = []
+    for i, (response, gold) in enumerate(zip(responses, golds, strict=True)):
+        text, status = precheck(response, options.max_response_chars, options.answer_window_chars, options.max_nesting_depth)
+        if text is None:
+            verdicts[i] = Verdict(False, False, status)
+        else:
+            tasks.append((i, text, "" if gold is None else str(gold)))
+    return verdicts, tasks
+
+
+class InlineGrader:
+    """Grades in the calling thread (signal deadline only in the main thread). For tests and debugging."""
+
+    def __init__(self, options: GradingConfig):
+        self.options = options
+
+    def grade(self, responses: list[Any], golds: list[Any]) -> list[Verdict]:
+        verdicts, tasks = _prechecked(responses, golds, self.options)
+        for index, verdict in _grade_chunk(tasks, self.options):
+            verdicts[index] = verdict
+        return verdicts
+
+    def close(self) -> None:
+        pass
+
+
+class RayGradingPool:
+    """``num_workers`` Ray actors (0 CPUs reserved, so they never wait for trainer resources).
+
+    A Ray actor method runs in the actor's main thread, so the signal deadline works; a chunk
+    whose actor overruns every response's hard limit is killed, its actor replaced, and its
+    ungraded responses score ``timeout``.
+    """
+
+    def __init__(self, options: GradingConfig):
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
+        self._ray = ray
+        self.options = options
+        self._actor_cls = ray.remote(num_cpus=0, max_restarts=0)(_RayGrader)
+        self._actors = [self._actor_cls.remote(options) for _ in range(options.num_workers)]
+        self.restarts = 0
+
+    def grade(self, responses: list[Any], golds: list[Any]) -> list[Verdict]:
+        verdicts, tasks = _prechecked(responses, golds, self.options)
+        if not tasks:
+            return verdicts
+        n = len(self._actors)
+        size = max(1, min(self.options.chunk_size, -(-len(tasks) // n)))
+        chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]
+        hard_limit = self.options.timeout_s + self.options.kill_grace_s
+        for first in range(0, len(chunks), n):
+            wave = chunks[first : first + n]
+            refs = [self._actors[k].grade.remote(chunk) for k, chunk in enumerate(wave)]
+            done, _ = self._ray.wait(refs, num_returns=len(refs), timeout=hard_limit * size + _STARTUP_GRACE_S)
+            for k, (ref, chunk) in enumerate(zip(refs, wave)):
+                if ref in done:
+                    try:
+                        for index, verdict in self._ray.get(ref):
+                            verdicts[index] = Verdict(*verdict)
+                        continue
+                    except Exception:  # noqa: BLE001 - a dead actor: its chunk scores 'error'
+                        status = "error"
+                else:
+                    status = "timeout"
+                for index, _, _ in chunk:
+                    verdicts[index] = verdicts[index] or Verdict(False, False, status)
+                self._ray.kill(self._actors[k])
+                self._actors[k] = self._actor_cls.remote(self.options)
+                self.restarts += 1
+        return verdicts
+
+    def close(self) -> None:
+        for actor in self._actors:
+            self._ray.kill(actor)
+        self._actors = []
+
+
+class _RayGrader:
+    def __init__(self, options: GradingConfig):
+        self.options = options
+        grade_text("1", "1", timeout_s=None)
+
+    def grade(self, chunk: list[Task]) -> list[tuple[int, tuple]]:
+        return [(index, tuple(verdict)) for index, verdict in _grade_chunk(chunk, self.options)]
+
+
+def make_grader(options: GradingConfig):
+    """The grader ``options.executor`` names; each has ``grade(responses, golds)`` and ``close()``."""
+    if options.executor == "inline":
+        return InlineGrader(options)
+    if options.executor == "ray":
+        return RayGradingPool(options)
+    return ProcessGradingPool(options)
