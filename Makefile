@@ -27,7 +27,7 @@ $(STAMP): $(PYPROJECTS)
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/python -m rlcore.demo
+	$(BIN)/python -m rlcore.demo $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest

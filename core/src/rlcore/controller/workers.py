@@ -113,10 +113,12 @@ class RayTrainerGroup:
             actor_cls.remote(registration, config, section_config, rank, world_size, port, device)
             for rank in range(world_size)
         ]
-        self.pids = self._gather([a.pid.remote() for a in self.actors], "start-up (building the backend)")
+        # Start-up imports torch and builds the model in every rank: allow more than one step's wait.
+        self.pids = self._gather([a.pid.remote() for a in self.actors], "start-up (building the backend)", max(timeout_s, 600.0))
 
-    def _gather(self, refs: list, what: str) -> list:
-        ready, pending = self.ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+    def _gather(self, refs: list, what: str, timeout_s: float | None = None) -> list:
+        timeout_s = timeout_s or self.timeout_s
+        ready, pending = self.ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         results = [None] * len(refs)
         for rank, ref in enumerate(refs):
             if ref in pending:
@@ -130,7 +132,7 @@ class RayTrainerGroup:
             late = [rank for rank, ref in enumerate(refs) if ref in pending]
             done = [rank for rank in range(len(refs)) if rank not in late]
             raise WorkerError(
-                f"timeout: the driver waited {self.timeout_s:.0f}s (cluster.timeout_s) for trainer ranks {late} "
+                f"timeout: the driver waited {timeout_s:.0f}s (cluster.timeout_s) for trainer ranks {late} "
                 f"running {what} at step {self.step}; ranks {done} had finished"
             )
         return results

@@ -1,0 +1,128 @@
+"""The run loop end to end on CPU with real parts: fsdp2 backend, hf generator, math env.
+
+vLLM runs are covered by the demo and by tests/test_loop_vllm.py; here the built-in ``hf``
+generator keeps each run to seconds so resume, async and failure handling can be tested.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+TIMING_PREFIXES = ("timing/", "refit/seconds", "refit/gb_per_s", "train/seconds")
+
+
+def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
+    recipe = {
+        "policy": {
+            "model_name": str(model_dir), "precision": "float32", "max_total_sequence_length": 48,
+            "optimizer": {"lr": 1e-3, "weight_decay": 0.0}, "dtensor_cfg": {"enabled": True},
+            "generation": {"backend": "hf", "max_new_tokens": 3, "temperature": 1.0},
+        },
+        "algorithm": {"name": "grpo"},
+        "data": {"name": "arithmetic", "digits": 1, "num_validation": 8, "num_train": 64},
+        "env": {"name": "math", "math": {"executor": "inline"}},
+        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 4,
+                 "val_period": 2, "seed": 3, "deterministic": True},
+        "logger": {"log_dir": str(run_dir), "print_table": False},
+        "checkpointing": {"enabled": True, "checkpoint_dir": str(run_dir / "ckpt"), "save_period": 1, "keep_last_k": 3},
+    }
+    for key, value in extra.items():
+        node = recipe
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return recipe
+
+
+def run_recipe(recipe: dict, tmp: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    path = tmp / f"recipe-{os.urandom(3).hex()}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code = textwrap.dedent(f"""
+        import rlcore
+        if __name__ == "__main__":
+            rlcore.run(rlcore.load_config({str(path)!r}))
+    """)
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def load_records(run_dir: Path) -> dict[int, dict]:
+    records = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        records[record["step"]] = {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIXES)}
+    return records
+
+
+def test_resume_after_kill_matches_uninterrupted(tiny_model_dir, tmp_path):
+    straight = run_recipe(tiny_recipe(tiny_model_dir, tmp_path / "straight"), tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed_dir = tmp_path / "killed"
+    killed = run_recipe(tiny_recipe(tiny_model_dir, killed_dir), tmp_path, env={"RLCORE_FAULT": "crash:train:3"})
+    assert killed.returncode != 0
+    complete = sorted(p.name for p in (killed_dir / "ckpt").iterdir())
+    assert complete == ["step_000001", "step_000002"], complete  # step 3 never finished, nothing half-written
+    resumed = run_recipe(tiny_recipe(tiny_model_dir, killed_dir), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    a, b = load_records(tmp_path / "straight"), load_records(killed_dir)
+    for step in (3, 4):
+        assert a[step].keys() == b[step].keys()
+        for key in a[step]:
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
+    assert "val/accuracy" in a[4]
+
+
+def test_async_mode_respects_max_trajectory_age(tiny_model_dir, tmp_path):
+    recipe = tiny_recipe(tiny_model_dir, tmp_path / "async", **{
+        "grpo.async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}, "grpo.deterministic": False,
+        "algorithm.gen_is_cap": 2.0, "checkpointing.enabled": False,
+    })
+    done = run_recipe(recipe, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [r for r in load_records(tmp_path / "async").values() if "async/trajectory_age" in r]
+    assert len(records) == 4
+    assert all(0 <= r["async/trajectory_age"] <= 1 for r in records)
+    assert any(r["async/trajectory_age"] == 1 for r in records), "generation never overlapped training"
+
+
+def test_ray_trainer_crash_names_worker_and_keeps_checkpoint(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "crash"
+    recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "cluster.timeout_s": 120})
+    done = run_recipe(recipe, tmp_path, env={"RLCORE_FAULT": "crash:train:2"})
+    assert done.returncode != 0
+    assert "trainer rank 0" in done.stderr and "'train'" in done.stderr and "step 2" in done.stderr, done.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000001"]
+
+
+def test_ray_trainer_hang_times_out_with_report(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "hang"
+    recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "cluster.timeout_s": 15,
+                                                      "checkpointing.enabled": False, "grpo.max_num_steps": 2})
+    done = run_recipe(recipe, tmp_path, env={"RLCORE_FAULT": "hang:train:1"})
+    assert done.returncode != 0
+    assert "timeout" in done.stderr and "trainer ranks [0]" in done.stderr and "'train'" in done.stderr, done.stderr[-3000:]
+
+
+def test_non_colocated_trainer_process_refits_driver_generator(tiny_model_dir, tmp_path):
+    """Trainer in a Ray actor process, generator in the driver: weights cross processes each step."""
+    run_dir = tmp_path / "two-procs"
+    recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "checkpointing.enabled": False,
+                                                      "grpo.max_num_steps": 2})
+    done = run_recipe(recipe, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = load_records(run_dir)
+    for step in (1, 2):
+        assert records[step]["refit/bytes"] > 0
+        assert records[step]["refit/probe_max_abs_logprob_diff"] < 1e-4
