@@ -57,6 +57,7 @@ def sampling_params(generation_config: Any, n: int, seed: int | None, greedy: bo
         stop=tuple(get("stop_strings", ()) or ()),
         stop_token_ids=tuple(get("stop_token_ids", ()) or ()),
         seed=seed,
+        ignore_eos=bool(get("ignore_eos", False)),
     )
 
 

@@ -27,12 +27,18 @@ CHAT_TEMPLATE = (
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
-def build_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` with a chat template."""
+def build_tokenizer(vocab_size: int | None = None):
+    """A character-level ``PreTrainedTokenizerFast`` with a chat template.
+
+    ``vocab_size`` pads the vocabulary with ``<|extra_i|>`` tokens, so that a benchmark model
+    with a real-size vocabulary (128256) can decode any id it samples.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tokens = SPECIAL_TOKENS + CHARS
+    tokens += [f"<|extra_{i}|>" for i in range(max(0, (vocab_size or 0) - len(tokens)))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
