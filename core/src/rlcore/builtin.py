@@ -5,6 +5,15 @@ Factories are "module:attr" strings so that listing them imports no torch.
 
 from __future__ import annotations
 
+from rlcore.algorithms.config import (
+    DAPOConfig,
+    DrGRPOConfig,
+    GRPOConfig,
+    GSPOConfig,
+    ReinforcePPConfig,
+    RLOOConfig,
+    SFTConfig,
+)
 from rlcore.loggers.config import JsonlLoggerConfig, MlflowLoggerConfig, TensorboardLoggerConfig, WandbLoggerConfig
 from rlcore.plugins import hookimpl
 
@@ -22,3 +31,14 @@ def rlcore_generators(register):
     from rlcore.config.hf_generation import HFGenerationConfig
 
     register("hf", "rlcore.hf_generator:build", HFGenerationConfig, devices=("cpu", "cuda"), async_engine=False, exact=True)
+
+
+@hookimpl
+def rlcore_algorithms(register):
+    register("grpo", "rlcore.algorithms.grpo:GRPO", GRPOConfig, loss_level="token|sequence")
+    register("dapo", "rlcore.algorithms.dapo:DAPO", DAPOConfig, loss_level="token|sequence", dynamic_sampling=True)
+    register("gspo", "rlcore.algorithms.gspo:GSPO", GSPOConfig, loss_level="sequence")
+    register("dr_grpo", "rlcore.algorithms.dr_grpo:DrGRPO", DrGRPOConfig, loss_level="sequence")
+    register("rloo", "rlcore.algorithms.rloo:RLOO", RLOOConfig, loss_level="token|sequence")
+    register("reinforce_pp", "rlcore.algorithms.reinforce_pp:ReinforcePP", ReinforcePPConfig, loss_level="token|sequence")
+    register("sft", "rlcore.algorithms.sft:SFT", SFTConfig, loss_level="token")

@@ -1,0 +1,16 @@
+"""Built-in algorithms, registered by :mod:`rlcore.builtin` under the ``algorithm`` section.
+
+========== ======================================= ======================================
+name       module                                  what differs
+========== ======================================= ======================================
+grpo       :mod:`rlcore.algorithms.grpo`           group-normalized advantages, clipped ratio
+dapo       :mod:`rlcore.algorithms.dapo`           + dynamic sampling, overlong shaping/filter
+gspo       :mod:`rlcore.algorithms.gspo`           sequence-level importance ratio
+dr_grpo    :mod:`rlcore.algorithms.dr_grpo`        no std, constant length normalizer
+rloo       :mod:`rlcore.algorithms.rloo`           leave-one-out baseline
+reinforce_pp :mod:`rlcore.algorithms.reinforce_pp` batch-level advantage normalization
+sft        :mod:`rlcore.algorithms.sft`            masked negative log-likelihood
+========== ======================================= ======================================
+
+Importing this package imports no torch; the algorithm modules do.
+"""

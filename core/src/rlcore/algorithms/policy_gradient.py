@@ -1,0 +1,98 @@
+"""The clipped importance-ratio policy-gradient loss the GRPO family shares.
+
+Per valid token t of sequence i (m = loss mask, A = advantage, r = importance ratio)::
+
+    l_pg(t)  = max(-r A, -clip(r, 1 - eps_lo, 1 + eps_hi) A)          (PPO clip, DAPO clip-higher)
+    l_pg(t)  = min(l_pg(t), -c A)              if A < 0 and c is set  (dual clip, Ye et al. 2020)
+    l_pg(t) *= min(p_train / p_gen, C)         if gen_is_cap C is set (truncated IS, detached)
+    l_kl(t)  = k(log p_ref - log p)            k1, k2 or k3 estimator of KL(p || p_ref)
+    loss     = reduce(l_pg) + beta * reduce(l_kl)
+
+``p_train`` is the old policy's probability (``old_logprobs``) or, with ``use_old_logprobs:
+false``, the current one, detached (one on-policy update per batch: r = 1 with the right
+gradient). ``reduce`` divides by the step's global count of valid tokens (token level) or
+sequences (sequence level), so the loss is this micro-batch's share of the step loss. Subclasses
+choose the advantage estimator, the ratio (GSPO: per sequence) and the reduction (Dr.GRPO).
+
+Metrics, all shares that sum to the step value: ``policy_loss``, ``kl`` (the reduced KL
+estimate, before beta), ``clip_fraction``, ``dual_clip_fraction``, ``ratio_mean`` and, when the
+batch carries the generator's logprobs, ``gen_kl_error`` (mean |log p_gen - log p_train| over
+valid tokens) and ``is_truncated_fraction``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcore.algorithms.base import (
+    KL_ESTIMATORS,
+    REDUCTIONS,
+    AlgorithmBase,
+    check_loss_inputs,
+    clipped_surrogate,
+    masked,
+    metric_values,
+    token_advantages,
+    token_mean_share,
+    truncated_is_weights,
+)
+from rlcore.interfaces import StepTotals
+from rlcore.packing import MicroBatch
+
+
+class PolicyGradient(AlgorithmBase):
+    """Base of the GRPO family; subclasses implement :meth:`advantages`."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.uses_reference = self.config.kl_coef > 0
+        self.uses_old_logprobs = self.config.use_old_logprobs
+        self.loss_level = getattr(self.config, "loss_level", type(self).loss_level)
+
+    def required_fields(self) -> dict[str, str]:
+        fields = {}
+        if self.uses_old_logprobs:
+            fields["old_logprobs"] = "use_old_logprobs is true"
+        if self.uses_reference:
+            fields["ref_logprobs"] = f"kl_coef={self.config.kl_coef} > 0"
+        if self.config.gen_is_cap is not None:
+            fields["gen_logprobs"] = f"gen_is_cap={self.config.gen_is_cap} is set"
+        return fields
+
+    def ratio(self, log_ratio_T: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """Importance ratio per token from log p - log p_train (0 on masked tokens)."""
+        return torch.exp(log_ratio_T)
+
+    def reduce(self, loss_T: torch.Tensor, mask_T: torch.Tensor, mb: MicroBatch, totals: StepTotals) -> torch.Tensor:
+        return REDUCTIONS[self.loss_level](loss_T, mask_T, mb, totals)
+
+    def loss(self, logprobs_T: torch.Tensor, mb: MicroBatch, totals: StepTotals) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg = self.config
+        check_loss_inputs(self.name, logprobs_T, mb, totals, self.required_fields())
+        mask_T = mb.loss_mask_T.to(device=logprobs_T.device, dtype=logprobs_T.dtype)
+        valid_T = mask_T > 0
+        adv_T = token_advantages(self.name, mb).to(logprobs_T.device)
+        train_T = mb.token_fields["old_logprobs"] if self.uses_old_logprobs else logprobs_T.detach()
+        ratio_T = self.ratio(masked(logprobs_T - train_T, valid_T), mb)
+        pg_T, clipped_T, dual_T = clipped_surrogate(ratio_T, adv_T, cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.ratio_clip_c)
+
+        def share(x_T: torch.Tensor) -> torch.Tensor:
+            return token_mean_share(x_T.to(mask_T.dtype).detach(), mask_T, mb, totals)
+
+        metrics = {"clip_fraction": share(clipped_T), "ratio_mean": share(masked(ratio_T, valid_T))}
+        if cfg.ratio_clip_c is not None:
+            metrics["dual_clip_fraction"] = share(dual_T)
+        if "gen_logprobs" in mb.token_fields:
+            weights_T, abs_err_T, truncated_T = truncated_is_weights(train_T, mb.token_fields["gen_logprobs"], valid_T, cfg.gen_is_cap)
+            if weights_T is not None:
+                pg_T = pg_T * weights_T
+            metrics["gen_kl_error"] = share(abs_err_T)
+            metrics["is_truncated_fraction"] = share(truncated_T)
+        loss = self.reduce(pg_T, mask_T, mb, totals)
+        metrics["policy_loss"] = loss
+        if self.uses_reference:
+            log_r_T = masked(mb.token_fields["ref_logprobs"] - logprobs_T, valid_T)
+            kl = self.reduce(KL_ESTIMATORS[cfg.kl_estimator](log_r_T), mask_T, mb, totals)
+            metrics["kl"] = kl
+            loss = loss + cfg.kl_coef * kl
+        return loss, metric_values(metrics)
