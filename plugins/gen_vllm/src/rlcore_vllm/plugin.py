@@ -1,3 +1,22 @@
-"""Registers this distribution's providers with rlcore (filled in by its issue)."""
+"""Registers the ``vllm`` generator and its weight transports. Imports no torch and no vLLM."""
 
-from rlcore import hookimpl  # noqa: F401
+from __future__ import annotations
+
+from rlcore import hookimpl
+from rlcore_vllm.config import VllmConfig
+
+
+@hookimpl
+def rlcore_generators(register):
+    register(
+        "vllm", "rlcore_vllm.generator:factory", VllmConfig,
+        devices=("cpu", "cuda"), engines=("sync", "async"), placement=("colocated", "non_colocated"),
+        parallelism=("tp", "dp"), multi_turn=True, requires=("vllm",),
+    )
+
+
+@hookimpl
+def rlcore_weight_transport(backend, generator):
+    from rlcore_vllm.transport import pick_transport
+
+    return pick_transport(backend, generator)

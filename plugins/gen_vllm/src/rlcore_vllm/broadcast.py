@@ -1,0 +1,115 @@
+"""A weight broadcast group between a trainer and generation engines that live elsewhere.
+
+The trainer's sending rank is rank 0; each engine worker joins as ranks 1..N. The group is a
+plain torch ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) built on its own
+``TCPStore``, so it never touches either side's default process group (vLLM's workers and the
+trainer's FSDP/Megatron ranks keep theirs).
+
+Wire protocol, one refit: for each chunk the sender broadcasts a header (a JSON list of
+name/dtype/shape, as a length tensor and a byte tensor) and then one packed buffer per
+chunk; an empty header ends the refit. Only torch is needed on the trainer side (no vLLM).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from rlcore_vllm.codecs import _layout, _pack_into, _unpack
+
+END = "__rlcore_end__"
+
+
+class WeightGroup:
+    """One member of the broadcast group (rank 0 sends, the others receive)."""
+
+    def __init__(self, host: str, port: int, world_size: int, rank: int, backend: str = "gloo",
+                 timeout_s: float = 600.0, device: str = "cpu"):
+        import torch
+        import torch.distributed as dist
+
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"weight group backend must be 'gloo' or 'nccl', got {backend!r}")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.device = torch.device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+        store = dist.PrefixStore("rlcore-weights", self._store)
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+    def _broadcast(self, tensor) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def _header(self, entries: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Broadcast (rank 0) or receive (others) a chunk header; None ends the refit."""
+        import torch
+
+        if self.rank == 0:
+            raw = json.dumps(entries if entries is not None else END).encode()
+            length = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
+        else:
+            length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(length)
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
+        else:
+            data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self._broadcast(data)
+        decoded = json.loads(bytes(data.cpu().tolist()))
+        return None if decoded == END else decoded
+
+    def send(self, chunks: Iterable[list[tuple[str, Any]]]) -> dict[str, float]:
+        """Rank 0: stream every chunk to the engines; returns ``{"bytes": .., "chunks": ..}``."""
+        import torch
+
+        assert self.rank == 0, "only rank 0 sends"
+        total, count = 0, 0
+        for chunk in chunks:
+            if not chunk:
+                continue
+            entries, size = _layout(chunk)
+            self._header(entries)
+            buffer_U8 = torch.empty(size, dtype=torch.uint8, device=self.device)
+            _pack_into(buffer_U8, [(n, t.to(self.device)) for n, t in chunk], entries)
+            self._broadcast(buffer_U8)
+            total += sum(e["nbytes"] for e in entries)
+            count += 1
+        self._header(None)
+        return {"bytes": float(total), "chunks": float(count)}
+
+    def receive(self) -> Iterator[list[tuple[str, Any]]]:
+        """Ranks > 0: yield each received chunk until the sender ends the refit."""
+        import torch
+
+        assert self.rank > 0, "rank 0 sends"
+        while True:
+            entries = self._header(None)
+            if entries is None:
+                return
+            size = max(sum((e["nbytes"] + 63) // 64 * 64 for e in entries), 64)
+            buffer_U8 = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._broadcast(buffer_U8)
+            yield _unpack(buffer_U8, entries)
+
+    def close(self) -> None:
+        self.pg = None
+        self._store = None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,249 @@
+"""The ``vllm`` generator: rollouts, scoring and in-place weight updates on vLLM.
+
+One class over both engines (``async_engine`` picks ``AsyncLLM``); see :mod:`rlcore_vllm.engine`.
+Tokens in, tokens out: prompts are token ids, results carry the response ids and the engine's
+logprob of each sampled token (vLLM's raw logprobs, i.e. of the unmodified model distribution,
+which is what the trainer computes).
+
+Prompts longer than ``max_model_len - 1`` follow ``prompt_overflow``: ``truncate`` keeps their
+last tokens (the chat template's generation prompt is at the end), ``drop`` returns empty
+responses with ``finish_reason="truncated_prompt"``. Both are counted in :meth:`metrics`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from rlcore.interfaces import GenerationResult, NamedTensors, SamplingParams
+from rlcore_vllm.config import VllmConfig
+
+EXTENSION = "rlcore_vllm.worker_ext.RlcoreWorkerExtension"
+
+
+class VllmGenerator:
+    """A :class:`rlcore.interfaces.Generator` backed by one vLLM engine (``num_replicas`` via vLLM DP)."""
+
+    def __init__(self, model_path: str, config: VllmConfig | None = None, *, max_model_len: int = 1024,
+                 dtype: str = "float32", seed: int = 0, device: str = "cpu", tokenizer_path: str | None = None,
+                 engine_kwargs: dict[str, Any] | None = None):
+        self.config = config or VllmConfig()
+        self.model_path = str(model_path)
+        self.max_model_len = self.config.max_model_len or max_model_len
+        self.device = device
+        self.weights_version = 0
+        self.sleeping = False
+        self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
+        self.probe_sequences: list[list[int]] = []  # recent prompt+response ids, for refit probes
+        kwargs = self._engine_kwargs(dtype, seed, tokenizer_path)
+        kwargs.update(engine_kwargs or {})
+        if self.config.async_engine:
+            from rlcore_vllm.engine import AsyncEngine
+
+            self.engine = AsyncEngine(kwargs)
+        else:
+            if self.config.num_replicas > 1:
+                raise ValueError("policy.generation.num_replicas > 1 needs policy.generation.async_engine: true "
+                                 "(replicas are vLLM data-parallel engines behind AsyncLLM)")
+            from rlcore_vllm.engine import SyncEngine
+
+            self.engine = SyncEngine(kwargs)
+        self.tokenizer = _load_tokenizer(tokenizer_path or self.model_path)
+
+    def _engine_kwargs(self, dtype: str, seed: int, tokenizer_path: str | None) -> dict[str, Any]:
+        cfg = self.config
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path, tokenizer=tokenizer_path or self.model_path, dtype=dtype, seed=seed,
+            max_model_len=self.max_model_len, enforce_eager=cfg.enforce_eager, worker_extension_cls=EXTENSION,
+            tensor_parallel_size=cfg.tensor_parallel_size, enable_prefix_caching=cfg.enable_prefix_caching,
+            max_num_seqs=cfg.max_num_seqs, disable_log_stats=True,
+        )
+        if cfg.num_replicas > 1:
+            kwargs["data_parallel_size"] = cfg.num_replicas
+        if self.device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_space_gib * (1 << 30))
+        else:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = cfg.colocated.enabled
+        return kwargs
+
+    # ---- sampling ------------------------------------------------------------------------------
+    def default_params(self, **overrides) -> SamplingParams:
+        cfg = self.config
+        params = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
+                      stop=tuple(cfg.stop_strings), stop_token_ids=tuple(cfg.stop_token_ids))
+        params.update(overrides)
+        return SamplingParams(**params)
+
+    def _vllm_params(self, params: SamplingParams, prompt_len: int, n: int):
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        room = self.max_model_len - prompt_len
+        return VSP(
+            n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            max_tokens=max(1, min(params.max_new_tokens, room)), stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed, ignore_eos=params.ignore_eos,
+            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def _fit_prompt(self, prompt_ids: list[int]) -> list[int] | None:
+        """The prompt as it will be sent, or None when the overflow policy drops it."""
+        limit = self.max_model_len - 1
+        if len(prompt_ids) <= limit:
+            return list(prompt_ids)
+        if self.config.prompt_overflow == "drop":
+            self._metrics["generation/dropped_prompts"] += 1
+            return None
+        self._metrics["generation/truncated_prompts"] += 1
+        return list(prompt_ids[-limit:])
+
+    def _dropped(self, prompt_ids: list[int]) -> GenerationResult:
+        return GenerationResult(prompt_ids=list(prompt_ids), response_ids=[], response_logprobs=[],
+                                finish_reason="truncated_prompt", policy_version=self.weights_version)
+
+    def _results(self, request_output) -> list[GenerationResult]:
+        prompt_ids = list(request_output.prompt_token_ids)
+        results = []
+        for completion in request_output.outputs:
+            ids = list(completion.token_ids)
+            logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs or [], ids)]
+            if len(logprobs) != len(ids):
+                raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
+            results.append(GenerationResult(
+                prompt_ids=prompt_ids, response_ids=ids, response_logprobs=logprobs,
+                finish_reason=str(completion.finish_reason or "abort"), text=completion.text,
+                policy_version=self.weights_version,
+            ))
+        self.probe_sequences = ([prompt_ids + r.response_ids for r in results] + self.probe_sequences)[:16]
+        return results
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationResult]]:
+        self._check_awake()
+        fitted = [self._fit_prompt(p) for p in prompts]
+        requests = [(p, self._vllm_params(params, len(p), params.n)) for p in fitted if p is not None]
+        outputs = iter(self.engine.run(requests))
+        return [[self._dropped(orig)] * params.n if p is None else self._results(next(outputs))
+                for orig, p in zip(prompts, fitted)]
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        self._check_awake()
+        fitted = self._fit_prompt(prompt_ids)
+        if fitted is None:
+            return self._dropped(prompt_ids)
+        output = await self.engine.arun(fitted, self._vllm_params(params, len(fitted), 1))
+        return self._results(output)[0]
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Token-aligned logprobs of each sequence under the engine's weights (``prompt_logprobs``)."""
+        from vllm import SamplingParams as VSP
+
+        self._check_awake()
+        for i, seq in enumerate(sequences):
+            if not 2 <= len(seq) <= self.max_model_len - 1:
+                raise ValueError(f"score: sequence {i} has {len(seq)} tokens; need 2..{self.max_model_len - 1}")
+        params = VSP(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        outputs = self.engine.run([(list(seq), params) for seq in sequences])
+        scored = []
+        for seq, out in zip(sequences, outputs):
+            row = [0.0] + [float(step[token].logprob) for step, token in zip(out.prompt_logprobs[1:], seq[1:])]
+            scored.append(row)
+        return scored
+
+    # ---- weights -------------------------------------------------------------------------------
+    def encoding_for(self, tensor) -> str:
+        """How a tensor reaches the worker: direct in-process, CUDA IPC or shared memory."""
+        if self.engine.in_process:
+            return "direct"
+        return "cuda_ipc" if tensor.device.type == "cuda" else "shm"
+
+    def update_weights(self, chunks: Iterable[NamedTensors]) -> None:
+        """Load Hugging Face-named chunks in place (layer-wise reload in the workers)."""
+        from rlcore_vllm.codecs import encode
+
+        if self.sleeping:
+            self.wake_up()
+        sent = []
+        self.engine.rpc("rlcore_begin_update")
+        try:
+            for chunk in chunks:
+                if not chunk:
+                    continue
+                encoded = encode(chunk, self.encoding_for(chunk[0][1]))
+                sent.append(encoded)
+                self.engine.rpc("rlcore_load", encoded.payload)
+        finally:
+            self.engine.rpc("rlcore_finish_update")
+            for encoded in sent:
+                encoded.release()
+        self._after_update()
+
+    def _after_update(self) -> None:
+        self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
+        self.weights_version += 1
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0):
+        """Start joining a broadcast group as ranks 1..N; returns a future (the sender must join too)."""
+        import concurrent.futures
+
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        future = pool.submit(self.engine.rpc, "rlcore_join_weight_group", host, port, world_size, 1, backend, timeout_s)
+        pool.shutdown(wait=False)
+        return future
+
+    def receive_weights(self) -> int:
+        """Receive one refit from the broadcast group (blocks until the sender ends it)."""
+        received = self.engine.rpc("rlcore_receive_broadcast")
+        self._after_update()
+        return int(received[0])
+
+    def world_size(self) -> int:
+        """Engine workers that join a broadcast group."""
+        return self.config.tensor_parallel_size * self.config.num_replicas
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release weights and KV cache (GPU, colocated); a no-op on CPU, where vLLM has no sleep mode."""
+        if self.device != "cpu" and self.config.colocated.enabled and not self.sleeping:
+            self.engine.sleep(level=1)
+        self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.device != "cpu" and self.config.colocated.enabled and self.sleeping:
+            self.engine.wake_up()
+        self.sleeping = False
+
+    def _check_awake(self) -> None:
+        if self.sleeping:
+            raise RuntimeError("the vLLM generator is asleep; call wake_up() before generating")
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    def shutdown(self) -> None:
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.shutdown()
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def factory(config, section_config: VllmConfig, placement: dict) -> VllmGenerator:
+    """``factory(RunConfig, VllmConfig, placement)``; ``placement`` may set ``device`` and ``engine_kwargs``."""
+    policy = config.policy
+    device = placement.get("device") or ("cuda" if config.cluster.gpus_per_node > 0 else "cpu")
+    dtype = policy.precision if section_config.dtype == "auto" else section_config.dtype
+    if device == "cpu" and dtype == "float16":
+        raise ValueError("policy.generation.dtype: float16 is not supported by vLLM on CPU; use bfloat16 or float32")
+    seed = section_config.seed if section_config.seed is not None else config.grpo.seed
+    if device == "cuda":
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    return VllmGenerator(
+        policy.model_name, section_config, max_model_len=policy.max_total_sequence_length, dtype=dtype, seed=seed,
+        device=device, tokenizer_path=policy.tokenizer_name, engine_kwargs=placement.get("engine_kwargs"),
+    )

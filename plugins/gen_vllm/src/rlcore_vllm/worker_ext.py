@@ -1,0 +1,103 @@
+"""Methods added to every vLLM worker (``worker_extension_cls``), reached by ``collective_rpc``.
+
+A refit is ``rlcore_begin_update`` -> ``rlcore_load`` per chunk -> ``rlcore_finish_update``:
+vLLM's layer-wise reload (the machinery behind ``model_runner.reload_weights``) takes Hugging
+Face-named checkpoint tensors, re-runs each layer's post-load processing (CPU weight repacking,
+fused QKV/gate-up) once all of a layer's tensors arrived, and copies the result into the live
+kernel tensors, so CUDA graphs and the KV cache stay valid. Loading into ``model.load_weights``
+without it fails on CPU (weights were repacked after loading).
+
+Older vLLM builds without ``model_loader.reload`` fall back to collecting the chunks and calling
+``model_runner.reload_weights(weights_iterator=...)`` once at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlcore_vllm.codecs import decode
+
+
+def _layerwise():
+    try:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    except ImportError:
+        return None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+class RlcoreWorkerExtension:
+    """Mixed into vLLM's worker class; every name starts with ``rlcore_`` to avoid clashes."""
+
+    def rlcore_begin_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+
+        self.rlcore_pending = []
+        self.rlcore_loaded = 0
+        fns = _layerwise()
+        self.rlcore_layerwise = fns is not None
+        if fns is not None:
+            with set_current_vllm_config(self.vllm_config):
+                fns[0](self.model_runner.get_model())
+
+    def rlcore_load_tensors(self, named_tensors: list[tuple[str, Any]]) -> int:
+        from vllm.config import set_current_vllm_config
+
+        if not hasattr(self, "rlcore_layerwise"):
+            raise RuntimeError("rlcore_load called outside a weight update (call rlcore_begin_update first)")
+        named_tensors = [(n, t.to(self.device)) for n, t in named_tensors]
+        if self.rlcore_layerwise:
+            with set_current_vllm_config(self.vllm_config):
+                self.rlcore_loaded += len(self.model_runner.get_model().load_weights(named_tensors) or ())
+        else:
+            self.rlcore_pending.extend(named_tensors)
+        return sum(t.numel() * t.element_size() for _, t in named_tensors)
+
+    def rlcore_load(self, payload: dict[str, Any]) -> int:
+        return self.rlcore_load_tensors(decode(payload))
+
+    def rlcore_finish_update(self) -> int:
+        from vllm.config import set_current_vllm_config
+
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            if self.rlcore_layerwise:
+                _layerwise()[1](model, self.model_config)
+            else:
+                self.model_runner.reload_weights(weights_iterator=iter(self.rlcore_pending))
+        loaded = self.rlcore_loaded
+        del self.rlcore_pending, self.rlcore_layerwise, self.rlcore_loaded
+        self.model_runner.reset_encoder_cache() if hasattr(self.model_runner, "reset_encoder_cache") else None
+        return loaded
+
+    # ---- broadcast group (non-colocated refit) ------------------------------------------------
+    def rlcore_join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str,
+                                 timeout_s: float) -> int:
+        from rlcore_vllm.broadcast import WeightGroup
+
+        import torch
+
+        rank = rank_offset + getattr(self, "rank", 0)
+        device = "cpu" if backend == "gloo" else f"cuda:{torch.cuda.current_device()}"
+        self.rlcore_group = WeightGroup(host, port, world_size, rank, backend, timeout_s, device)
+        return rank
+
+    def rlcore_receive_broadcast(self) -> int:
+        """Receive one whole refit from the group and load it; returns bytes received."""
+        group = getattr(self, "rlcore_group", None)
+        if group is None:
+            raise RuntimeError("this engine has not joined a weight broadcast group (rlcore_join_weight_group)")
+        self.rlcore_begin_update()
+        total = 0
+        try:
+            for chunk in group.receive():
+                total += self.rlcore_load_tensors(chunk)
+        finally:
+            self.rlcore_finish_update()
+        return total
+
+    def rlcore_leave_weight_group(self) -> None:
+        group = getattr(self, "rlcore_group", None)
+        if group is not None:
+            group.close()
+            self.rlcore_group = None
