@@ -43,7 +43,8 @@ class GradingConfig:
         default=4_000, validator=_positive, metadata=doc("only the last N characters of a response are searched for the answer"),
     )
     max_nesting_depth: int = field(
-        default=48, validator=_positive, metadata=doc("responses nesting brackets deeper than this are rejected (env/rejected)"),
+        default=12, validator=_positive,
+        metadata=doc("answers nesting brackets deeper than this are rejected (env/rejected): sympy's LaTeX parsing is exponential in depth"),
     )
     float_rounding: int = field(default=6, validator=_non_negative, metadata=doc("decimal places compared for floats"))
     answer_format: AnswerFormat = field(

@@ -133,9 +133,13 @@ def _verify(text: str, gold: str, float_rounding: int) -> tuple[bool, str]:
     gold_parsed = _parse_gold(gold)
     if not gold_parsed:
         return False, "gold_error"
-    hashed = hash_answer(text)
-    if hashed is not None and last_boxed(text) is None:
-        text = "\\boxed{" + hashed + "}"  # '#### n' is GSM8K's final-answer marker, not just a number
+    # The last \boxed{} is the final answer (math-verify would merge several into a set), and
+    # '#### n' is GSM8K's final-answer marker, not just one more number.
+    boxed = last_boxed(text)
+    if boxed is not None:
+        text = "\\boxed{" + boxed + "}"
+    elif (hashed := hash_answer(text)) is not None:
+        text = "\\boxed{" + hashed + "}"
     pred = mv.parse(text, pred_config, parsing_timeout=None)
     if not pred:
         return False, "parse_error"

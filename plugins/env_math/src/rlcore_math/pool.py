@@ -11,6 +11,7 @@ power, say), so the parent also watches each worker: a worker silent for longer 
 from __future__ import annotations
 
 import collections
+import importlib
 import multiprocessing as mp
 import signal
 import time
@@ -25,14 +26,20 @@ Task = tuple[int, str, str]  # (index in the batch, pre-checked text, gold)
 _STARTUP_GRACE_S = 60.0  # a fresh spawned worker imports sympy and math-verify first
 
 
-def _grade_chunk(chunk: list[Task], options: GradingConfig):
+def _grade_chunk(chunk: list[Task], options: GradingConfig, grade_fn=grade_text):
     for index, text, gold in chunk:
-        yield index, grade_text(text, gold, timeout_s=options.timeout_s, float_rounding=options.float_rounding,
+        yield index, grade_fn(text, gold, timeout_s=options.timeout_s, float_rounding=options.float_rounding,
                                 answer_format=options.answer_format, strict_format=options.strict_format)
 
 
-def _worker_main(conn, options: GradingConfig) -> None:
+def _resolve(path: str):
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _worker_main(conn, options: GradingConfig, grade_fn_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    grade_fn = _resolve(grade_fn_path)
     grade_text("1", "1", timeout_s=None)  # import and warm math-verify before the first batch
     while True:
         try:
@@ -41,14 +48,14 @@ def _worker_main(conn, options: GradingConfig) -> None:
             return  # parent went away
         if chunk is None:
             return
-        for index, verdict in _grade_chunk(chunk, options):
+        for index, verdict in _grade_chunk(chunk, options, grade_fn):
             conn.send((index, tuple(verdict)))
 
 
 class _Worker:
-    def __init__(self, ctx, options: GradingConfig):
+    def __init__(self, ctx, options: GradingConfig, grade_fn_path: str):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, options), daemon=True, name="rlcore-math-grader")
+        self.process = ctx.Process(target=_worker_main, args=(child, options, grade_fn_path), daemon=True, name="rlcore-math-grader")
         self.process.start()
         child.close()
         self.chunk: collections.deque[Task] = collections.deque()
@@ -66,12 +73,17 @@ class _Worker:
 
 
 class ProcessGradingPool:
-    """``num_workers`` spawned grader processes; :meth:`grade` scores a batch in parallel."""
+    """``num_workers`` spawned grader processes; :meth:`grade` scores a batch in parallel.
 
-    def __init__(self, options: GradingConfig, start_method: str = "spawn"):
+    ``grade_fn`` ("module:attr", signature of :func:`~rlcore_math.grading.grade_text`) is what
+    workers call per response; tests swap it to exercise the kill-and-replace path.
+    """
+
+    def __init__(self, options: GradingConfig, start_method: str = "spawn", grade_fn: str = "rlcore_math.grading:grade_text"):
         self.options = options
         self._ctx = mp.get_context(start_method)
-        self._workers = [_Worker(self._ctx, options) for _ in range(options.num_workers)]
+        self._grade_fn = grade_fn
+        self._workers = [_Worker(self._ctx, options, grade_fn) for _ in range(options.num_workers)]
         self.restarts = 0
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)  # also runs at exit
 
@@ -117,7 +129,7 @@ class ProcessGradingPool:
         verdicts[stuck_index] = Verdict(False, False, status)
         if worker.chunk:
             pending.appendleft(list(worker.chunk))
-        self._workers[slot] = _Worker(self._ctx, self.options)
+        self._workers[slot] = _Worker(self._ctx, self.options, self._grade_fn)
         self.restarts += 1
 
     def close(self) -> None:
