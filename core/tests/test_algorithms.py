@@ -165,6 +165,19 @@ def test_on_policy_ratio_is_one_with_reinforce_gradient():
     assert grads[0].tolist() == pytest.approx([0.0, -0.2, -0.2])
 
 
+@pytest.mark.parametrize("cls", [GRPO, DAPO, GSPO, DrGRPO, RLOO, ReinforcePP, SFT])
+def test_empty_micro_batch_is_a_zero_loss_step(cls):
+    """A data-parallel rank with fewer bins runs empty micro-batches (padding only)."""
+    batch, _ = _example(ref_log_ratio=0.1, gen_log_w={0: [0.0, 0.0], 1: [0.0, 0.0, 0.0]})
+    (mb,) = make_micro_batches(batch, 64, dp_rank=1, dp_size=2, pad_to_multiple=4)
+    assert mb.num_seqs == 0 and mb.num_tokens == 4
+    lp_T = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    loss, metrics = cls().loss(lp_T, mb, step_totals(batch))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and lp_T.grad.abs().sum() == 0
+    assert metrics and all(v == 0.0 for v in metrics.values())
+
+
 # ---- advantages ------------------------------------------------------------------------------
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
 GROUPS = torch.tensor([0, 0, 0, 0, 7, 7, 7, 7])

@@ -57,8 +57,10 @@ def masked(x_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
 
 
 def per_seq_sum(values_T: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """Sum of each sequence's token values [n] (padding must already be zeroed)."""
-    return values_T.new_zeros(mb.num_seqs).index_add(0, mb.seq_index_T.clamp(min=0).to(values_T.device), values_T)
+    """Sum of each sequence's token values [n]; padding tokens (index -1) go to a dropped slot."""
+    index_T = mb.seq_index_T.to(values_T.device)
+    index_T = torch.where(index_T < 0, mb.num_seqs, index_T)
+    return values_T.new_zeros(mb.num_seqs + 1).index_add(0, index_T, values_T)[:-1]
 
 
 # ---- reductions: micro-batch share of a step mean -------------------------------------------
