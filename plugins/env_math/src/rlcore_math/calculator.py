@@ -68,7 +68,7 @@ class Calculator:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise CalcError(f"{type(value).__name__} literals are not allowed; {_ALLOWED_HELP}")
             if isinstance(value, float) and not math.isfinite(value):
-                raise CalcError("number out of range")
+                raise CalcError("number too large")
             return self._bounded(Fraction(value))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](self._eval(node.operand, depth + 1))
@@ -83,8 +83,6 @@ class Calculator:
             return self._power(left, right)
         if isinstance(op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
             raise CalcError("division by zero")
-        if isinstance(op, ast.Mult) and left and right and _digits(left) + _digits(right) > self.max_digits + 1:
-            raise CalcError(f"result too large (more than {self.max_digits} digits)")
         return Fraction(_BINARY[type(op)](left, right))
 
     def _power(self, base: Fraction, exponent: Fraction) -> Fraction:
@@ -100,15 +98,16 @@ class Calculator:
         return base**exp
 
     def _bounded(self, value: Fraction) -> Fraction:
-        if _digits(value) > self.max_digits:
+        if _too_many_digits(value.numerator, self.max_digits) or _too_many_digits(value.denominator, self.max_digits):
             raise CalcError(f"result too large (more than {self.max_digits} digits)")
         return value
 
 
-def _digits(value: Fraction) -> int:
-    """Digits of the larger of numerator and denominator (cheap: from the bit length)."""
-    bits = max(abs(value.numerator).bit_length(), value.denominator.bit_length())
-    return int(bits * 0.30103) + 1
+def _too_many_digits(n: int, limit: int) -> bool:
+    bits = abs(n).bit_length()
+    if bits * 0.30103 > limit + 1:  # surely too many; avoids str() of a huge int
+        return True
+    return len(str(abs(n))) > limit
 
 
 def _describe(node: ast.AST) -> str:
