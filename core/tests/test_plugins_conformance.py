@@ -12,7 +12,7 @@ import pytest
 from rlcore.config import structure
 from rlcore.interfaces import Sample
 from rlcore.plugins import get_plugin_manager
-from rlcore.testing.conformance import AlgorithmConformance, EnvironmentConformance
+from rlcore.testing.conformance import AlgorithmConformance, EnvironmentConformance, GeneratorConformance
 
 MANAGER = get_plugin_manager()
 ALGORITHMS = sorted(MANAGER.registry["algorithm"])
@@ -133,3 +133,17 @@ def test_algorithm_suite_catches_micro_batch_local_normalization():
     with pytest.raises(AssertionError):
         suite.test_micro_batch_losses_sum_to_the_step_loss(LocalMean(grpo.config), 1, 24, 1)
     assert torch.is_tensor(grpo.advantages(torch.ones(2), torch.zeros(2, dtype=torch.long)))
+
+
+# ---- rlcore's built-in generator ----------------------------------------------------------------
+class TestBuiltinHFGenerator(GeneratorConformance):
+    @pytest.fixture(scope="class")
+    def generator_model_dir(self, tiny_model_dir):
+        return tiny_model_dir
+
+    @pytest.fixture(scope="class")
+    def generator(self, generator_model_dir):
+        from rlcore.config import build_config
+
+        config = build_config({"policy": {"model_name": str(generator_model_dir), "generation": {"backend": "hf"}}})
+        return MANAGER.get("generator", "hf").build(config, config.section("policy.generation"), {})
