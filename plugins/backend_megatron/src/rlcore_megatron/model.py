@@ -1,0 +1,193 @@
+"""Hugging Face config -> Megatron-Core ``TransformerConfig`` + ``GPTModel`` (this rank's shard).
+
+Layer spec: Transformer Engine's when ``transformer_engine`` imports, otherwise the local spec
+with :class:`SDPACoreAttention` in place of the local ``DotProductAttention`` (which
+materializes the s x s score matrix and ran out of memory at 4096 tokens on an H200).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from rlcore.config import ConfigError
+from rlcore_megatron.config import SECTION, MegatronConfig
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure means "not usable"
+        return False
+    return True
+
+
+def architecture(hf_config) -> str:
+    names = list(getattr(hf_config, "architectures", None) or [])
+    for name in names:
+        if name in SUPPORTED:
+            return SUPPORTED[name]
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type in SUPPORTED.values():
+        return model_type
+    raise ConfigError("policy.model_name", f"architecture {names or model_type!r} is not supported by rlcore-megatron "
+                      f"(supported: {', '.join(SUPPORTED)})")
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention on ``torch.nn.functional.scaled_dot_product_attention`` (flash kernels on GPU).
+
+    Inputs ``query`` [s, b, heads, d], ``key``/``value`` [s, b, groups, d] (sbhd), or in the packed
+    thd layout [t, heads, d] with ``packed_seq_params.cu_seqlens_q`` giving sequence boundaries:
+    each packed sequence attends causally to itself only. Output [s, b, heads*d] / [t, heads*d].
+    With context parallelism, K/V are all-gathered over the CP group and each rank's queries use
+    causal offsets (see :func:`_cp_attention`).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 pg_collection: Any = None):
+        super().__init__(config=config)
+        self.attn_mask_type = attn_mask_type
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _sdpa(self, q_BHSD, k_BGSD, v_BGSD, is_causal=True):
+        return F.scaled_dot_product_attention(
+            q_BHSD, k_BGSD, v_BGSD, is_causal=is_causal, scale=self.softmax_scale, enable_gqa=True,
+            dropout_p=self.dropout_p if self.training else 0.0)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention does not take an attention bias")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._forward_thd(query, key, value, packed_seq_params)
+        # sbhd -> bhsd
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out_BHSD = self._sdpa(q, k, v)
+        s, b = query.shape[0], query.shape[1]
+        return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _forward_thd(self, query_THD, key_TGD, value_TGD, params: PackedSeqParams):
+        bounds = params.cu_seqlens_q.tolist()
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query_THD, key_TGD, value_TGD))
+            outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
+        out_THD = torch.cat(outs, dim=0)
+        return out_THD.reshape(out_THD.shape[0], -1)
+
+
+def _patch_router_gemm() -> None:
+    """megatron-core 0.16.1 without Transformer Engine leaves ``te_general_gemm`` undefined in
+    ``moe_utils`` while the fp32/fp64 router still tests it against None (NameError)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def layer_spec(hf_config, num_experts: int | None):
+    qk_norm = architecture(hf_config) in ("qwen3", "qwen3_moe")
+    if have_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm)
+    _patch_router_gemm()
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def transformer_config(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dtype, on_cpu: bool) -> TransformerConfig:
+    arch = architecture(hf_config)
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    moe: dict[str, Any] = {}
+    if arch == "qwen3_moe":
+        moe = dict(
+            num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_router_pre_softmax=not hf_config.norm_topk_prob,
+            moe_router_score_function="softmax", moe_grouped_gemm=False,
+            moe_aux_loss_coeff=0.0, moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+            moe_router_dtype=cfg.moe_router_dtype, moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+            moe_router_enable_expert_bias=cfg.moe_router_bias_update_rate > 0, moe_permute_fusion=False,
+        )
+    pipeline_dtype = DTYPES[cfg.pipeline_dtype] if cfg.pipeline_dtype else params_dtype
+    recompute = cfg.recompute
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=num_heads,
+        num_query_groups=hf_config.num_key_value_heads, kv_channels=head_dim, ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=arch == "qwen2", qk_layernorm=arch in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=cfg.apply_rope_fusion, params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16, pipeline_dtype=pipeline_dtype, use_cpu_initialization=on_cpu,
+        perform_initialization=True, tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size, context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size, expert_tensor_parallel_size=cfg.etp,
+        sequence_parallel=cfg.sequence_parallel, num_layers_in_first_pipeline_stage=cfg.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=cfg.num_layers_in_last_pipeline_stage, variable_seq_lengths=True,
+        recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+        recompute_modules=["core_attn"] if recompute == "selective" else None,
+        cross_entropy_loss_fusion=False, moe_token_dispatcher_type="alltoall", **moe,
+    )
+
+
+def rope_kwargs(hf_config) -> dict[str, Any]:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    kwargs: dict[str, Any] = {"rotary_base": int(theta)}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "llama3":
+        kwargs.update(rope_scaling=True, rope_scaling_factor=float(params.get("factor", 8.0)))
+    elif rope_type not in ("default", None):
+        raise ConfigError("policy.model_name", f"rope type {rope_type!r} is not supported by rlcore-megatron yet")
+    return kwargs
+
+
+def build_gpt_model(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dtype, on_cpu: bool) -> GPTModel:
+    """This rank's shard of the model (random init; weights are loaded by :mod:`rlcore_megatron.convert`)."""
+    tp = cfg.tensor_model_parallel_size
+    if hf_config.vocab_size % tp:
+        raise ConfigError(f"{SECTION}.tensor_model_parallel_size",
+                          f"{tp} does not divide the model's vocabulary size {hf_config.vocab_size}")
+    tconfig = transformer_config(hf_config, cfg, params_dtype=params_dtype, on_cpu=on_cpu)
+    num_experts = getattr(hf_config, "num_experts", None) if architecture(hf_config) == "qwen3_moe" else None
+    model = GPTModel(
+        config=tconfig, transformer_layer_spec=layer_spec(hf_config, num_experts), vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings, pre_process=mpu.is_pipeline_first_stage(),
+        post_process=mpu.is_pipeline_last_stage(), parallel_output=True,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope", rotary_percent=1.0, **rope_kwargs(hf_config),
+    )
+    if not on_cpu:
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def packed_seq_params(cu_seqlens_N1: torch.Tensor, total: int, max_seqlen: int) -> PackedSeqParams:
+    """thd parameters for one packed micro-batch; trailing padding is one extra (masked) sequence."""
+    cu = cu_seqlens_N1.to(torch.int32)
+    if int(cu[-1]) < total:
+        cu = torch.cat([cu, cu.new_tensor([total])])
+        max_seqlen = max(max_seqlen, total - int(cu_seqlens_N1[-1]))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
