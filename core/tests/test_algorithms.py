@@ -293,3 +293,17 @@ def test_registered_and_built_through_plugins():
         cfg = build_config({"policy": {"model_name": "x"}, "algorithm": {"name": name}}, manager=manager)
         alg = manager.get("algorithm", name).build(cfg.section("algorithm"))
         assert isinstance(alg, Algorithm) and alg.name == name and isinstance(alg.config, cls)
+
+
+def test_listing_algorithms_imports_no_torch(run_python):
+    result = run_python("""
+        import json, sys
+        from rlcore.plugins import get_plugin_manager
+        names = sorted(get_plugin_manager().registry["algorithm"])
+        import rlcore.algorithms.config
+        print(json.dumps({"names": names, "torch": "torch" in sys.modules}))
+    """)
+    assert result.returncode == 0, result.stderr
+    out = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+    assert not out["torch"]
+    assert set(out["names"]) >= {"grpo", "dapo", "gspo", "dr_grpo", "rloo", "reinforce_pp", "sft"}
