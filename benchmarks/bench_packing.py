@@ -69,7 +69,8 @@ def main() -> None:
             r = bench_plan(lengths, max_tokens, dp, args.repeats)
             print(f"{r['max_tokens']:>10} {r['dp']:>3} {r['micro_batches_per_rank']:>8} {r['fill']:>8.2%} {r['seconds']:>8.3f}")
     n_layout = 2048
-    print(f"make_micro_batches (layout of {n_layout} sequences, 16384-token budget): {bench_layout(n_layout, 16384, args.seed):.3f} s")
+    seconds = bench_layout(n_layout, 16384, args.seed)
+    print(f"make_micro_batches (layout of {n_layout} sequences, 16384-token budget): {seconds:.3f} s")
 
 
 if __name__ == "__main__":

@@ -202,7 +202,8 @@ def test_reinforce_pp_batch_normalization_hand_values():
 
 
 def test_dapo_dynamic_sampling_overlong_shaping_and_filtering():
-    alg = DAPO(C.DAPOConfig(max_response_length=10, overlong_buffer_length=4, overlong_penalty_factor=0.5, overlong_filtering=True))
+    cfg = C.DAPOConfig(max_response_length=10, overlong_buffer_length=4, overlong_penalty_factor=0.5, overlong_filtering=True)
+    alg = DAPO(cfg)
     assert alg.max_refill_rounds == 3 and alg.config.ratio_clip_max == 0.28
     lengths = torch.tensor([5, 6, 8, 10, 12])
     shaped = alg.shape_rewards(torch.ones(5), lengths, torch.tensor([False] * 4 + [True]))

@@ -186,7 +186,8 @@ def test_packed_attention_is_per_sequence(setup):
     (mb,) = make_micro_batches(batch, 64)
     with torch.no_grad():
         packed = packed_logprobs(model, mb)
-        alone = torch.cat([token_logprobs(model(input_ids=batch.input_ids[i][None]).logits[0], batch.input_ids[i]) for i in mb.seq_ids])
+        ids = [batch.input_ids[i] for i in mb.seq_ids]
+        alone = torch.cat([token_logprobs(model(input_ids=x[None]).logits[0], x) for x in ids])
     assert (packed[: alone.numel()] - alone).abs().max() < TOL
 
 

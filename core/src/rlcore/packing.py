@@ -170,7 +170,9 @@ def _check_batch(batch: SequenceBatch) -> None:
             raise ValueError(f"loss_mask[{i}] has shape {tuple(batch.loss_mask[i].shape)}, input_ids[{i}] has {tuple(ids.shape)}")
         for name, values in batch.token_fields.items():
             if values[i].shape != ids.shape:
-                raise ValueError(f"token field '{name}'[{i}] has shape {tuple(values[i].shape)}, input_ids[{i}] has {tuple(ids.shape)}")
+                raise ValueError(
+                    f"token field '{name}'[{i}] has shape {tuple(values[i].shape)}, input_ids[{i}] has {tuple(ids.shape)}"
+                )
     for name, values in batch.seq_fields.items():
         if values.shape[:1] != (n,):
             raise ValueError(f"seq field '{name}' has shape {tuple(values.shape)}, expected [{n}] (one per sequence)")
@@ -185,7 +187,7 @@ def _layout(batch: SequenceBatch, seq_ids: list[int], pad_to_multiple: int) -> M
     cu = torch.zeros(len(seq_ids) + 1, dtype=torch.int32)
     if lengths:
         cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    position_ids_T = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths] + [torch.arange(num_padding, dtype=torch.int64)])
+    position_ids_T = torch.cat([torch.arange(n, dtype=torch.int64) for n in [*lengths, num_padding]])
     seq_index_T = torch.cat([torch.full((n,), j, dtype=torch.int64) for j, n in enumerate(lengths)]
                             + [torch.full((num_padding,), -1, dtype=torch.int64)])
     loss_mask_T = _flat([batch.loss_mask[i] for i in seq_ids], total, torch.float32)

@@ -24,12 +24,17 @@ from rlcore.packing import MicroBatch
 def check_loss_inputs(name: str, logprobs_T: torch.Tensor, mb: MicroBatch, totals: StepTotals, fields: dict[str, str]) -> None:
     """Shapes match the micro-batch, required token fields are there (``fields``: field -> why)."""
     if logprobs_T.shape != mb.input_ids_T.shape:
-        raise ValueError(f"{name}.loss: logprobs_T has shape {tuple(logprobs_T.shape)}, the micro-batch has {mb.num_tokens} tokens")
+        raise ValueError(
+            f"{name}.loss: logprobs_T has shape {tuple(logprobs_T.shape)}, the micro-batch has {mb.num_tokens} tokens"
+        )
     for field, why in fields.items():
         if field not in mb.token_fields:
             raise ValueError(f"{name}.loss: token field '{field}' is missing ({why}); have {sorted(mb.token_fields)}")
         if mb.token_fields[field].shape != logprobs_T.shape:
-            raise ValueError(f"{name}.loss: token field '{field}' has shape {tuple(mb.token_fields[field].shape)}, logprobs_T has {tuple(logprobs_T.shape)}")
+            raise ValueError(
+                f"{name}.loss: token field '{field}' has shape {tuple(mb.token_fields[field].shape)}, "
+                f"logprobs_T has {tuple(logprobs_T.shape)}"
+            )
     if totals.num_valid_tokens <= 0 or totals.num_valid_seqs <= 0:
         raise ValueError(f"{name}.loss: the step has no valid tokens ({totals}); every response is masked")
 
@@ -47,7 +52,8 @@ def token_advantages(name: str, mb: MicroBatch) -> torch.Tensor:
     bad = (~torch.isfinite(adv_T) & (mb.loss_mask_T > 0)).nonzero().flatten()
     if bad.numel():
         t = int(bad[0])
-        raise ValueError(f"{name}.loss: advantage of token {t} (sequence {mb.seq_ids[int(mb.seq_index_T[t])]}) is {float(adv_T[t])}")
+        seq = mb.seq_ids[int(mb.seq_index_T[t])]
+        raise ValueError(f"{name}.loss: advantage of token {t} (sequence {seq}) is {float(adv_T[t])}")
     return adv_T
 
 
@@ -104,7 +110,9 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def truncated_is_weights(train_T: torch.Tensor, gen_T: torch.Tensor, valid_T: torch.Tensor, cap: float | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+def truncated_is_weights(
+    train_T: torch.Tensor, gen_T: torch.Tensor, valid_T: torch.Tensor, cap: float | None
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Truncated importance weights min(p_train / p_gen, cap) (detached; None without a cap),
     |log p_gen - log p_train| per token and the truncated-token flags."""
     log_w = masked(train_T.detach() - gen_T, valid_T)

@@ -22,7 +22,9 @@ def _optional(validator):
 
 def _check_dual_clip(instance, attribute, value):
     if value is not None and value <= 1.0:
-        raise ValueError(f"{attribute.name} must be > 1 (dual clip bounds the loss of negative-advantage tokens at c*|A|), got {value}")
+        raise ValueError(
+            f"{attribute.name} must be > 1 (dual clip bounds the loss of negative-advantage tokens at c*|A|), got {value}"
+        )
 
 
 def _check_clip_min(instance, attribute, value):
@@ -34,13 +36,32 @@ def _check_clip_min(instance, attribute, value):
 class PolicyGradientConfig:
     """Clipped importance-ratio policy gradient, KL to the reference and off-policy correction."""
 
-    ratio_clip_min: float = field(default=0.2, validator=_check_clip_min, metadata=doc("ratio clipped below at 1 - ratio_clip_min"))
-    ratio_clip_max: float = field(default=0.2, validator=_non_negative, metadata=doc("ratio clipped above at 1 + ratio_clip_max (DAPO clip-higher: > ratio_clip_min)"))
-    ratio_clip_c: float | None = field(default=None, validator=_check_dual_clip, metadata=doc("dual clip: loss of A<0 tokens at most c*|A|; None disables (c > 1)"))
-    kl_coef: float = field(default=0.0, validator=_non_negative, metadata=doc("weight of the KL penalty to the reference policy; 0 skips the reference pass"))
-    kl_estimator: Literal["k1", "k2", "k3"] = field(default="k3", metadata=doc("KL estimator: k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r with r = p_ref / p"))
-    use_old_logprobs: bool = field(default=True, metadata=doc("ratio against the old policy's logprobs; false = one on-policy update per batch, saves that pass"))
-    gen_is_cap: float | None = field(default=None, validator=_optional(_positive), metadata=doc("truncated importance sampling cap of p_train / p_generator; None disables"))
+    ratio_clip_min: float = field(
+        default=0.2, validator=_check_clip_min, metadata=doc("ratio clipped below at 1 - ratio_clip_min")
+    )
+    ratio_clip_max: float = field(
+        default=0.2, validator=_non_negative,
+        metadata=doc("ratio clipped above at 1 + ratio_clip_max (DAPO clip-higher: > ratio_clip_min)"),
+    )
+    ratio_clip_c: float | None = field(
+        default=None, validator=_check_dual_clip,
+        metadata=doc("dual clip: loss of A<0 tokens at most c*|A|; None disables (c > 1)"),
+    )
+    kl_coef: float = field(
+        default=0.0, validator=_non_negative,
+        metadata=doc("weight of the KL penalty to the reference policy; 0 skips the reference pass"),
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = field(
+        default="k3", metadata=doc("KL estimator: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r with r = p_ref / p")
+    )
+    use_old_logprobs: bool = field(
+        default=True,
+        metadata=doc("ratio against the old policy's logprobs; false = one on-policy update per batch, saves that pass"),
+    )
+    gen_is_cap: float | None = field(
+        default=None, validator=_optional(_positive),
+        metadata=doc("truncated importance sampling cap of p_train / p_generator; None disables"),
+    )
 
 
 @frozen(kw_only=True)
@@ -55,7 +76,10 @@ class GroupAdvantageConfig(PolicyGradientConfig):
 @frozen(kw_only=True)
 class GRPOConfig(GroupAdvantageConfig):
     name: Literal["grpo"] = field(default="grpo", metadata=doc("algorithm"))
-    loss_level: Literal["token", "sequence"] = field(default="token", metadata=doc("token: mean over the step's tokens; sequence: mean over sequences of per-sequence token means"))
+    loss_level: Literal["token", "sequence"] = field(
+        default="token",
+        metadata=doc("token: mean over the step's tokens; sequence: mean over sequences of per-sequence token means"),
+    )
 
 
 def _check_overlong(instance, attribute, value):
@@ -63,33 +87,52 @@ def _check_overlong(instance, attribute, value):
         if instance.max_response_length is None:
             raise ValueError("overlong_buffer_length > 0 needs max_response_length")
         if instance.overlong_buffer_length > instance.max_response_length:
-            raise ValueError(f"overlong_buffer_length ({instance.overlong_buffer_length}) exceeds max_response_length ({instance.max_response_length})")
+            raise ValueError(
+                f"overlong_buffer_length ({instance.overlong_buffer_length}) exceeds "
+                f"max_response_length ({instance.max_response_length})"
+            )
 
 
 @frozen(kw_only=True)
 class DAPOConfig(GroupAdvantageConfig):
     name: Literal["dapo"] = field(default="dapo", metadata=doc("algorithm"))
-    ratio_clip_max: float = field(default=0.28, validator=_non_negative, metadata=doc("clip-higher: ratio clipped above at 1 + ratio_clip_max"))
+    ratio_clip_max: float = field(
+        default=0.28, validator=_non_negative, metadata=doc("clip-higher: ratio clipped above at 1 + ratio_clip_max")
+    )
     loss_level: Literal["token", "sequence"] = field(default="token", metadata=doc("DAPO uses token-level normalization"))
     dynamic_sampling: bool = field(default=True, metadata=doc("drop groups whose rewards are all equal (zero gradient)"))
-    max_refill_rounds: int = field(default=3, validator=_non_negative, metadata=doc("extra generation rounds the run loop may do to refill dropped groups"))
+    max_refill_rounds: int = field(
+        default=3, validator=_non_negative, metadata=doc("extra generation rounds the run loop may do to refill dropped groups")
+    )
     overlong_filtering: bool = field(default=False, metadata=doc("do not train on truncated responses"))
-    max_response_length: int | None = field(default=None, validator=_optional(_positive), metadata=doc("L_max of the overlong penalty (usually the generation limit)"))
-    overlong_buffer_length: int = field(default=0, validator=[_non_negative, _check_overlong], metadata=doc("L_cache: penalty ramps over the last L_cache tokens before L_max; 0 disables"))
+    max_response_length: int | None = field(
+        default=None, validator=_optional(_positive), metadata=doc("L_max of the overlong penalty (usually the generation limit)")
+    )
+    overlong_buffer_length: int = field(
+        default=0, validator=[_non_negative, _check_overlong],
+        metadata=doc("L_cache: penalty ramps over the last L_cache tokens before L_max; 0 disables"),
+    )
     overlong_penalty_factor: float = field(default=1.0, validator=_non_negative, metadata=doc("penalty at (and past) L_max"))
 
 
 @frozen(kw_only=True)
 class GSPOConfig(GroupAdvantageConfig):
     name: Literal["gspo"] = field(default="gspo", metadata=doc("algorithm"))
-    ratio_clip_min: float = field(default=3e-4, validator=_check_clip_min, metadata=doc("sequence ratio clipped below at 1 - ratio_clip_min"))
-    ratio_clip_max: float = field(default=4e-4, validator=_non_negative, metadata=doc("sequence ratio clipped above at 1 + ratio_clip_max"))
+    ratio_clip_min: float = field(
+        default=3e-4, validator=_check_clip_min, metadata=doc("sequence ratio clipped below at 1 - ratio_clip_min")
+    )
+    ratio_clip_max: float = field(
+        default=4e-4, validator=_non_negative, metadata=doc("sequence ratio clipped above at 1 + ratio_clip_max")
+    )
 
 
 @frozen(kw_only=True)
 class DrGRPOConfig(PolicyGradientConfig):
     name: Literal["dr_grpo"] = field(default="dr_grpo", metadata=doc("algorithm"))
-    normalizer_length: int = field(default=1024, validator=_positive, metadata=doc("constant token normalizer per sequence (usually the max response length)"))
+    normalizer_length: int = field(
+        default=1024, validator=_positive,
+        metadata=doc("constant token normalizer per sequence (usually the max response length)"),
+    )
 
 
 @frozen(kw_only=True)
@@ -101,7 +144,9 @@ class RLOOConfig(PolicyGradientConfig):
 @frozen(kw_only=True)
 class ReinforcePPConfig(PolicyGradientConfig):
     name: Literal["reinforce_pp"] = field(default="reinforce_pp", metadata=doc("algorithm"))
-    group_baseline: bool = field(default=True, metadata=doc("subtract the group mean before batch normalization (REINFORCE++-baseline)"))
+    group_baseline: bool = field(
+        default=True, metadata=doc("subtract the group mean before batch normalization (REINFORCE++-baseline)")
+    )
     std_floor: float = field(default=1e-6, validator=_positive, metadata=doc("batch std is floored at this value"))
     loss_level: Literal["token", "sequence"] = field(default="token", metadata=doc("token or sequence mean (see grpo)"))
 

@@ -83,7 +83,8 @@ class PolicyGradient(AlgorithmBase):
         if cfg.ratio_clip_c is not None:
             metrics["dual_clip_fraction"] = share(dual_T)
         if "gen_logprobs" in mb.token_fields:
-            weights_T, abs_err_T, truncated_T = truncated_is_weights(train_T, mb.token_fields["gen_logprobs"], valid_T, cfg.gen_is_cap)
+            gen_T = mb.token_fields["gen_logprobs"]
+            weights_T, abs_err_T, truncated_T = truncated_is_weights(train_T, gen_T, valid_T, cfg.gen_is_cap)
             if weights_T is not None:
                 pg_T = pg_T * weights_T
             metrics["gen_kl_error"] = share(abs_err_T)
