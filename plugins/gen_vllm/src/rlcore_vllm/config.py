@@ -46,11 +46,6 @@ class RefitConfig:
     timeout_s: float = field(default=600.0, validator=_positive, metadata=doc("limit of one refit"))
 
 
-def _overflow(instance, attribute, value):
-    if value not in ("truncate", "drop"):
-        raise ValueError(f"prompt_overflow must be 'truncate' or 'drop', got {value!r}")
-
-
 @frozen
 class VllmConfig:
     """vLLM generation (sync ``LLM`` or ``AsyncLLM``) for rollouts."""
@@ -63,13 +58,14 @@ class VllmConfig:
     max_new_tokens: int = field(default=512, validator=_positive, metadata=doc("response length limit"))
     stop_strings: tuple[str, ...] = field(default=(), metadata=doc("stop when any is generated (kept out of the response text)"))
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=doc("stop on these ids besides EOS"))
+    ignore_eos: bool = field(default=False, metadata=doc("keep generating past EOS (benchmarks)"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=doc("engine weights dtype; auto = policy.precision"))
     gpu_memory_utilization: float = field(default=0.5, validator=_fraction, metadata=doc("share of GPU memory vLLM may take"))
     enforce_eager: bool = field(default=False, metadata=doc("no CUDA graphs / torch.compile"))
     tensor_parallel_size: int = field(default=1, validator=_positive, metadata=doc("vLLM tensor parallelism per replica"))
     num_replicas: int = field(default=1, validator=_positive, metadata=doc("data-parallel engine replicas; requests are balanced across them"))
     max_model_len: int | None = field(default=None, metadata=doc("prompt + response limit; None = policy.max_total_sequence_length"))
-    prompt_overflow: str = field(default="truncate", validator=_overflow, metadata=doc("over-long prompts: 'truncate' (keep the last tokens) or 'drop'"))
+    prompt_overflow: Literal["truncate", "drop"] = field(default="truncate", metadata=doc("over-long prompts: 'truncate' (keep the last tokens) or 'drop'"))
     colocated: ColocatedConfig = field(factory=ColocatedConfig, metadata=doc("placement"))
     refit: RefitConfig = field(factory=RefitConfig, metadata=doc("weight updates"))
     kv_cache_space_gib: float = field(default=1.0, validator=_positive, metadata=doc("KV cache size on CPU (GiB)"))

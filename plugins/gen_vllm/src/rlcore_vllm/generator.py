@@ -32,6 +32,7 @@ class VllmGenerator:
         self.model_path = str(model_path)
         self.max_model_len = self.config.max_model_len or max_model_len
         self.device = device
+        self.dtype = dtype
         self.weights_version = 0
         self.sleeping = False
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
@@ -72,7 +73,8 @@ class VllmGenerator:
     def default_params(self, **overrides) -> SamplingParams:
         cfg = self.config
         params = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                      stop=tuple(cfg.stop_strings), stop_token_ids=tuple(cfg.stop_token_ids))
+                      stop=tuple(cfg.stop_strings), stop_token_ids=tuple(cfg.stop_token_ids),
+                      ignore_eos=cfg.ignore_eos)
         params.update(overrides)
         return SamplingParams(**params)
 
@@ -122,10 +124,17 @@ class VllmGenerator:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationResult]]:
         self._check_awake()
         fitted = [self._fit_prompt(p) for p in prompts]
-        requests = [(p, self._vllm_params(params, len(p), params.n)) for p in fitted if p is not None]
+        # vLLM refuses n > 1 with greedy sampling: send n identical requests instead.
+        copies, n = (params.n, 1) if params.temperature == 0 and params.n > 1 else (1, params.n)
+        requests = [(p, self._vllm_params(params, len(p), n)) for p in fitted if p is not None for _ in range(copies)]
         outputs = iter(self.engine.run(requests))
-        return [[self._dropped(orig)] * params.n if p is None else self._results(next(outputs))
-                for orig, p in zip(prompts, fitted)]
+        results = []
+        for orig, p in zip(prompts, fitted):
+            if p is None:
+                results.append([self._dropped(orig) for _ in range(params.n)])
+            else:
+                results.append([r for _ in range(copies) for r in self._results(next(outputs))])
+        return results
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         self._check_awake()

@@ -1,0 +1,179 @@
+"""Multi-turn rollouts over any generator's ``agenerate`` and an environment's ``step``.
+
+A trajectory alternates model turns and environment observations::
+
+    prompt | model turn 1 | [end of turn] observation 1 + next generation prompt | model turn 2 | ...
+
+Tokens only ever get appended: each model turn's ids are taken as generated, and an observation
+is tokenized on its own as the *suffix* the chat template adds for it (the text the template
+renders for ``[..., assistant, observation]`` after ``[..., assistant]``, plus the generation
+prompt), so earlier turns are never re-tokenized and the trainer sees exactly what was sampled.
+If a turn ended without the template's end-of-turn marker (a stop string, the length limit),
+the marker is appended first. Observation and marker tokens get ``response_mask`` 0 and
+logprob 0; model tokens get mask 1 and the generator's logprobs.
+
+Every trajectory runs as its own coroutine (``asyncio.gather``), so with an async engine many
+are in flight at once and each turn is scheduled as soon as its observation is ready.
+Limits: ``max_turns`` model turns, ``max_total_tokens`` prompt + response tokens.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams
+
+_MARK = "\u2063rlcore-turn\u2063"  # content no real turn contains, to cut template renderings
+
+
+@attrs.define
+class MultiTurnTrajectory:
+    sample: Sample
+    result: GenerationResult  # prompt_ids + every appended token, with response_mask
+    reward: float = 0.0
+    done: bool = False
+    turns: list[str] = attrs.field(factory=list)  # each model turn's text
+    env_metrics: dict[str, float] = attrs.field(factory=dict)
+
+
+class ChatSuffixes:
+    """Token ids the chat template puts around an observation, computed once per role."""
+
+    def __init__(self, tokenizer, observation_role: str = "user"):
+        self.tokenizer = tokenizer
+        self.role = observation_role
+        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
+        rendered = self._render(base, add_generation_prompt=False)
+        cut = rendered.rindex(_MARK) + len(_MARK)
+        self.end_of_turn_text = rendered[cut:]
+        self.end_of_turn_ids = self._encode(self.end_of_turn_text)
+        self._prefix_len = len(rendered)
+        self._base = base
+
+    def _render(self, messages, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def observation_ids(self, observation: str) -> list[int]:
+        """The ids that follow a closed assistant turn: the observation turn and the generation prompt."""
+        full = self._render(self._base + [{"role": self.role, "content": observation}], add_generation_prompt=True)
+        return self._encode(full[self._prefix_len :])
+
+    def closes_turn(self, response_ids: Sequence[int]) -> bool:
+        n = len(self.end_of_turn_ids)
+        return n == 0 or list(response_ids[-n:]) == self.end_of_turn_ids
+
+
+@attrs.define
+class _State:
+    prompt_ids: list[int]
+    ids: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    mask: list[int] = attrs.field(factory=list)
+    finish_reason: str = "stop"
+    version: int | None = None
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, model: bool) -> None:
+        self.ids.extend(ids)
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.mask.extend([1 if model else 0] * len(ids))
+
+    def total(self) -> int:
+        return len(self.prompt_ids) + len(self.ids)
+
+
+class MultiTurnRunner:
+    """Runs ``n`` multi-turn trajectories per sample concurrently; callable like ``generator.generate``."""
+
+    def __init__(self, generator, environment, tokenizer, *, max_turns: int = 3, max_total_tokens: int = 1024,
+                 observation_role: str = "user", turn_stop_strings: Sequence[str] = ()):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.generator, self.environment = generator, environment
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.turn_stop = tuple(turn_stop_strings)
+        self.suffixes = ChatSuffixes(tokenizer, observation_role)
+        self.last_trajectories: list[list[MultiTurnTrajectory]] = []
+
+    def _turn_params(self, params: SamplingParams, room: int, seed: int | None) -> SamplingParams:
+        return attrs.evolve(params, n=1, max_new_tokens=min(params.max_new_tokens, room), seed=seed,
+                            stop=tuple(dict.fromkeys(tuple(params.stop) + self.turn_stop)))
+
+    async def _env_step(self, sample: Sample, history: list[str]) -> EnvStep:
+        try:
+            (step,) = await asyncio.to_thread(self.environment.step, [sample], [list(history)])
+        except Exception:  # noqa: BLE001 - an environment failure ends the trajectory with reward 0, counted
+            return EnvStep(reward=0.0, done=True, metrics={"error": 1.0})
+        return step
+
+    async def run_one(self, sample: Sample, params: SamplingParams, seed: int | None = None) -> MultiTurnTrajectory:
+        if sample.prompt_ids is None:
+            raise ValueError(f"sample {sample.index} has no prompt_ids (the dataset must tokenize prompts)")
+        state = _State(list(sample.prompt_ids))
+        traj = MultiTurnTrajectory(sample, result=None)  # type: ignore[arg-type]
+        for turn in range(self.max_turns):
+            room = self.max_total_tokens - state.total()
+            if room <= 0:
+                state.finish_reason = "length"
+                break
+            turn_seed = None if seed is None else seed + 7919 * turn
+            out = await self.generator.agenerate(state.prompt_ids + state.ids, self._turn_params(params, room, turn_seed))
+            state.version = out.policy_version if state.version is None else min(state.version, out.policy_version)
+            state.append(out.response_ids, out.response_logprobs, model=True)
+            state.finish_reason = out.finish_reason
+            traj.turns.append(out.text)
+            step = await self._env_step(sample, traj.turns)
+            traj.reward, traj.done, traj.env_metrics = float(step.reward), bool(step.done), dict(step.metrics)
+            if step.done or turn == self.max_turns - 1 or out.finish_reason in ("abort", "truncated_prompt"):
+                break
+            closing = [] if self.suffixes.closes_turn(out.response_ids) else self.suffixes.end_of_turn_ids
+            observation = closing + self.suffixes.observation_ids(step.observation or "")
+            if state.total() + len(observation) >= self.max_total_tokens:
+                state.finish_reason = "length"
+                break
+            state.append(observation, None, model=False)
+        traj.result = GenerationResult(
+            prompt_ids=state.prompt_ids, response_ids=state.ids, response_logprobs=state.logprobs,
+            finish_reason=state.finish_reason, text="".join(traj.turns), response_mask=state.mask,
+            policy_version=state.version or 0, num_turns=len(traj.turns),
+        )
+        return traj
+
+    async def arun(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[MultiTurnTrajectory]]:
+        jobs = [self.run_one(s, params, None if params.seed is None else params.seed + 104729 * (i * params.n + k))
+                for i, s in enumerate(samples) for k in range(params.n)]
+        flat = await asyncio.gather(*jobs)
+        return [list(flat[i * params.n : (i + 1) * params.n]) for i in range(len(samples))]
+
+    def __call__(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[GenerationResult]]:
+        """``params.n`` results per sample (the loop's contract); trajectories with rewards are kept
+        in ``last_trajectories``."""
+        self.last_trajectories = asyncio.run(self.arun(samples, params))
+        return [[t.result for t in group] for group in self.last_trajectories]
+
+
+def make_multi_turn_runner(generator, environment, tokenizer, config: Any) -> MultiTurnRunner:
+    """Build a runner from a :class:`rlcore.config.RunConfig`: ``max_turns``, ``observation_role`` and
+    ``turn_stop_strings`` are read from the environment's section (then the generation section)."""
+    env_section = config.section(f"env.{config.env.name}")
+    gen_section = config.section("policy.generation")
+
+    def pick(key, default):
+        for section in (env_section, gen_section):
+            if section is not None and getattr(section, key, None) is not None:
+                return getattr(section, key)
+        return default
+
+    return MultiTurnRunner(
+        generator, environment, tokenizer, max_turns=int(pick("max_turns", 3)),
+        max_total_tokens=config.policy.max_total_sequence_length, observation_role=str(pick("observation_role", "user")),
+        turn_stop_strings=tuple(pick("turn_stop_strings", ())),
+    )

@@ -1,0 +1,68 @@
+"""Registration and configuration: no engine, no torch needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rlcore.config import ConfigError, structure
+from rlcore_vllm.config import VllmConfig
+
+
+def test_registered_under_the_shared_generation_section():
+    from rlcore.plugins import PluginManager
+
+    manager = PluginManager()
+    manager.load_entry_points()
+    reg = manager.get("generator", "vllm")
+    assert reg.section == "policy.generation" and reg.config_cls is VllmConfig
+    assert reg.capabilities["engines"] == ("sync", "async")
+
+
+def test_listing_plugins_imports_neither_torch_nor_vllm():
+    code = ("import sys; from rlcore.plugins import PluginManager; m = PluginManager(); m.load_entry_points(); "
+            "m.get('generator', 'vllm'); bad = [x for x in ('torch', 'vllm') if x in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_config_from_a_recipe_mapping():
+    cfg = structure(VllmConfig, {"backend": "vllm", "async_engine": True, "stop_strings": ["</answer>"],
+                                 "colocated": {"enabled": False, "resources": {"gpus_per_node": 1}},
+                                 "refit": {"chunk_bytes": 1024, "probe_threshold": 0.1}},
+                    "policy.generation")
+    assert cfg.async_engine and cfg.stop_strings == ("</answer>",) and not cfg.colocated.enabled
+    assert cfg.colocated.resources.gpus_per_node == 1 and cfg.refit.chunk_bytes == 1024
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"temprature": 0.5}, "policy.generation.temprature"),
+    ({"refit": {"chunk_byte": 1}}, "policy.generation.refit.chunk_byte"),
+    ({"prompt_overflow": "wrap"}, "policy.generation.prompt_overflow"),
+    ({"top_p": 1.5}, "policy.generation.top_p"),
+])
+def test_bad_keys_and_values_name_the_key(data, key):
+    with pytest.raises(ConfigError) as err:
+        structure(VllmConfig, data, "policy.generation")
+    assert err.value.key == key
+    assert key.rsplit(".", 1)[-1] in str(err.value)
+
+
+def test_codecs_round_trip_direct_and_shared_memory():
+    import torch
+
+    from rlcore_vllm.codecs import decode, encode
+
+    chunk = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.arange(7, dtype=torch.bfloat16)),
+             ("c", torch.randn(2, 2, dtype=torch.float64).t())]
+    for mode in ("direct", "shm"):
+        encoded = encode(chunk, mode)
+        out = decode(encoded.payload)
+        assert [n for n, _ in out] == [n for n, _ in chunk]
+        for (_, want), (_, got) in zip(chunk, out):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        encoded.release()
+    with pytest.raises(ValueError, match="unknown weight encoding"):
+        encode(chunk, "pigeon")
