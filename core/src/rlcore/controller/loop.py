@@ -87,7 +87,7 @@ class GRPOLoop:
     def collect(self, step: int, timer: StepTimer) -> tuple[list[Trajectory], dict, int]:
         """Trajectories for one step, with DAPO-style refill when the algorithm drops groups."""
         P = self.grpo.num_prompts_per_step
-        rounds = int(getattr(getattr(self.c.algorithm, "config", None), "max_refill_rounds", 0) or 0)
+        rounds = int(getattr(self.c.algorithm, "max_refill_rounds", 0) or 0)
         kept: list[Trajectory] = []
         metrics: dict[str, float] = {}
         version = self.c.generator.weights_version
@@ -100,8 +100,11 @@ class GRPOLoop:
                 metrics.update(env_metrics)
                 metrics.update(rollout_metrics(trajs))
             rewards_N, groups_N, truncated_N = self._reward_tensors(trajs)
+            # Whole groups are kept or dropped here (dynamic sampling); single trajectories the
+            # algorithm filters (overlong) stay in their group's baseline and are masked in train_on.
             keep_N = self.c.algorithm.keep_groups(rewards_N, groups_N, truncated_N)
-            kept.extend(t for t, k in zip(trajs, keep_N.tolist()) if k)
+            kept_groups = set(groups_N[keep_N].tolist())
+            kept.extend(t for t in trajs if t.group in kept_groups)
             metrics["rollout/refill_rounds"] = float(round_)
             if len(kept) >= P * self.grpo.num_generations_per_prompt or rounds == 0:
                 break
@@ -125,6 +128,9 @@ class GRPOLoop:
         shaped_N = algorithm.shape_rewards(rewards_N, lengths_N, truncated_N)
         advantages_N = algorithm.advantages(shaped_N, groups_N)
         batch = to_sequence_batch(trajectories, advantages_N, self.c.config.policy.max_total_sequence_length)
+        keep_N = algorithm.keep_groups(rewards_N, groups_N, truncated_N)
+        for i in torch.nonzero(~keep_N).flatten().tolist():
+            batch.loss_mask[i] = torch.zeros_like(batch.loss_mask[i])
         with timer.phase("logprobs"):
             if algorithm.uses_old_logprobs:
                 batch.token_fields["old_logprobs"] = trainer.call("logprobs", batch, what="'logprobs' (policy)")
