@@ -182,3 +182,19 @@ def test_usage_errors(run_cli):
     assert run_cli("fly").returncode == 2
     result = run_cli("config", "/nonexistent/recipe.yaml")
     assert result.returncode == 2 and "recipe not found" in result.stderr
+
+
+def test_core_readme_examples_run(run_python):
+    import re
+
+    readme = (REPO / "core" / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        result = run_python(block)
+        assert result.returncode == 0, f"core/README.md example failed:\n{block}\n{result.stderr}"
+    first = run_python(blocks[0]).stdout
+    assert "reward=0.0" in first and "did you mean 'env.exact.strip'" in first
+    counts = run_python(blocks[1]).stdout.strip()
+    one, many = re.findall(r"\((\d+), (-?[\d.e-]+)\)", counts)
+    assert one[0] == "1" and int(many[0]) > 1 and one[1] == many[1], counts
