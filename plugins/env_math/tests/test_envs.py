@@ -122,7 +122,7 @@ def test_ray_executor_grades_like_the_process_pool():
     temp_dir = tempfile.mkdtemp(prefix="rlm-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     try:
-        env = _build("math", executor="ray", num_workers=2, timeout_s=2.0)
+        env = _build("math", executor="ray", num_workers=1, timeout_s=1.0)
         samples = [Sample(prompt="q", answer=a) for a in ("72", "1", "\\frac12")]
         steps = env.step(samples, [["#### 72"], ["\\boxed{9^{9^{9}}}"], ["\\boxed{0.5}"]])
         assert [s.reward for s in steps] == [1.0, 0.0, 1.0]

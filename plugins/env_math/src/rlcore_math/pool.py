@@ -2,10 +2,11 @@
 
 Each worker grades in its own main thread, so :func:`rlcore_math.grading.grade_text`'s signal
 deadline works there. That deadline cannot interrupt a long C call (a huge sympy integer
-power, say), so the parent also watches each worker: a worker silent for longer than
-``timeout_s + kill_grace_s`` on one response is killed and replaced, that response scores
-``timeout`` and the rest of its chunk goes to the next free worker. The parent runs
-:func:`~rlcore_math.grading.precheck` first, so oversized responses never cross a pipe.
+power, say), so the parent also watches each worker's progress counter (shared memory, so
+verdicts can travel in batches): a worker stuck for longer than ``timeout_s + kill_grace_s`` on
+one response is killed and replaced, that response scores ``timeout`` and the rest of its chunk
+goes to the next free worker. The parent runs :func:`~rlcore_math.grading.precheck` first, so
+oversized responses never cross a pipe.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ def _resolve(path: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def _worker_main(conn, options: GradingConfig, grade_fn_path: str) -> None:
+_FLUSH_S = 0.02  # a worker sends its verdicts at least this often (and at the end of a chunk)
+
+
+def _worker_main(conn, progress, options: GradingConfig, grade_fn_path: str) -> None:
+    """Grade chunks; ``progress.value`` counts responses started, so the parent can tell which one is stuck."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     grade_fn = _resolve(grade_fn_path)
     grade_text("1", "1", timeout_s=None)  # import and warm math-verify before the first batch
@@ -48,23 +53,49 @@ def _worker_main(conn, options: GradingConfig, grade_fn_path: str) -> None:
             return  # parent went away
         if chunk is None:
             return
-        for index, verdict in _grade_chunk(chunk, options, grade_fn):
-            conn.send((index, tuple(verdict)))
+        out, flushed = [], time.monotonic()
+        for task in chunk:
+            progress.value += 1
+            for index, verdict in _grade_chunk([task], options, grade_fn):
+                out.append((index, tuple(verdict)))
+            if time.monotonic() - flushed > _FLUSH_S:
+                conn.send(out)
+                out, flushed = [], time.monotonic()
+        conn.send(out)
 
 
 class _Worker:
+    """One grader process, its pipe, and what the parent knows of its progress."""
+
     def __init__(self, ctx, options: GradingConfig, grade_fn_path: str):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, options, grade_fn_path), daemon=True, name="rlcore-math-grader")
+        self.progress = ctx.Value("q", 0, lock=False)  # shared memory: read without any message
+        self.process = ctx.Process(target=_worker_main, args=(child, self.progress, options, grade_fn_path),
+                                   daemon=True, name="rlcore-math-grader")
         self.process.start()
         child.close()
-        self.chunk: collections.deque[Task] = collections.deque()
-        self.last_activity = time.monotonic() + _STARTUP_GRACE_S
+        self.chunk: dict[int, Task] = {}  # batch index -> task, not yet answered
+        self.order: list[int] = []  # batch indices of the current chunk, in grading order
+        self.sent = 0  # responses sent before the current chunk
+        self.seen = (0, time.monotonic() + _STARTUP_GRACE_S)  # (progress, when it was first seen)
 
     def assign(self, chunk: list[Task]) -> None:
-        self.chunk = collections.deque(chunk)
-        self.last_activity = max(self.last_activity, time.monotonic())
+        self.sent = self.progress.value
+        self.chunk = {task[0]: task for task in chunk}
+        self.order = [task[0] for task in chunk]
+        self.seen = (self.progress.value, max(self.seen[1], time.monotonic()))
         self.conn.send(chunk)
+
+    def stalled_since(self) -> float:
+        value = self.progress.value
+        if value != self.seen[0]:
+            self.seen = (value, time.monotonic())
+        return self.seen[1]
+
+    def current(self) -> int | None:
+        """Batch index of the response being graded now (None if it has not started one)."""
+        position = self.progress.value - self.sent - 1
+        return self.order[position] if 0 <= position < len(self.order) else None
 
     def kill(self) -> None:
         self.process.kill()
@@ -74,6 +105,10 @@ class _Worker:
 
 class ProcessGradingPool:
     """``num_workers`` spawned grader processes; :meth:`grade` scores a batch in parallel.
+
+    A worker whose progress counter has not moved for ``timeout_s + kill_grace_s`` is killed
+    and replaced; the response it was on scores ``timeout`` (``error`` if the worker died on its
+    own), and its other unanswered responses go back in the queue.
 
     ``grade_fn`` ("module:attr", signature of :func:`~rlcore_math.grading.grade_text`) is what
     workers call per response; tests swap it to exercise the kill-and-replace path.
@@ -99,36 +134,38 @@ class ProcessGradingPool:
                     worker.assign(pending.popleft())
                     busy[slot] = worker
             conns = {worker.conn: slot for slot, worker in busy.items()}
-            deadline = min(w.last_activity for w in busy.values()) + hard_limit
+            deadline = min(w.stalled_since() for w in busy.values()) + hard_limit
             for conn in wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
                 self._receive(conns[conn], verdicts, busy, pending)
             now = time.monotonic()
             for slot, worker in list(busy.items()):
-                if now - worker.last_activity > hard_limit:
+                if now - worker.stalled_since() > hard_limit:
                     self._replace(slot, verdicts, busy, pending, "timeout")
         return verdicts
 
     def _receive(self, slot: int, verdicts: list, busy: dict, pending: collections.deque) -> None:
         worker = busy[slot]
         try:
-            index, verdict = worker.conn.recv()
+            answered = worker.conn.recv()
         except (EOFError, OSError):  # the worker died (e.g. killed by the OS for memory)
             self._replace(slot, verdicts, busy, pending, "error")
             return
-        verdicts[index] = Verdict(*verdict)
-        worker.chunk.popleft()
-        worker.last_activity = time.monotonic()
+        for index, verdict in answered:
+            verdicts[index] = Verdict(*verdict)
+            worker.chunk.pop(index, None)
         if not worker.chunk:
             del busy[slot]
 
     def _replace(self, slot: int, verdicts: list, busy: dict, pending: collections.deque, status: str) -> None:
         """Kill a stuck or dead worker: its current response gets ``status``, the rest is re-queued."""
         worker = busy.pop(slot)
+        stuck = worker.current()
         worker.kill()
-        stuck_index = worker.chunk.popleft()[0]
-        verdicts[stuck_index] = Verdict(False, False, status)
+        if stuck is not None and stuck in worker.chunk:
+            del worker.chunk[stuck]
+            verdicts[stuck] = Verdict(False, False, status)
         if worker.chunk:
-            pending.appendleft(list(worker.chunk))
+            pending.appendleft([worker.chunk[i] for i in worker.order if i in worker.chunk])
         self._workers[slot] = _Worker(self._ctx, self.options, self._grade_fn)
         self.restarts += 1
 
@@ -142,8 +179,8 @@ def _shutdown(workers: list[_Worker]) -> None:
             worker.conn.send(None)
         except (OSError, ValueError):
             pass
-    for worker in workers:
-        worker.process.join(timeout=2)
+    for worker in workers:  # stateless workers: a short wait, then no ceremony
+        worker.process.join(timeout=0.5)
         if worker.process.is_alive():
             worker.process.kill()
             worker.process.join(timeout=2)
