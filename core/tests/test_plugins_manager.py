@@ -288,3 +288,26 @@ def test_weight_transport_is_first_result_latest_plugin_first(fake_site, monkeyp
     # Entry points load in name order (wt_a, then wt_b); pluggy asks the latest first.
     assert manager.weight_transport(backend="be", generator="gen") == "transport-b"
     assert manager.weight_transport(backend="be", generator="only-a") == "transport-a"
+
+
+def test_a_config_section_has_one_owner(fake_site, monkeypatch):
+    fake_site.add_plugin("rlcore-mybackend", "mybackend", """
+        from rlcore import hookimpl
+
+        @hookimpl
+        def rlcore_training_backends(register):
+            register("mine", "x:y", section="policy.dtensor_cfg")
+    """)
+    with pytest.raises(PluginError, match=r"training_backend 'mine' from rlcore-mybackend.*section 'policy.dtensor_cfg' is already "
+                                          r"owned by training_backend 'fsdp2' from rlcore-fsdp2"):
+        load(monkeypatch, disable="")
+    # Shared sections (policy.generation, algorithm, data) take any number of providers.
+    fake_site.add_plugin("rlcore-mygen", "mygen", """
+        from rlcore import hookimpl
+
+        @hookimpl
+        def rlcore_generators(register):
+            register("mygen", "x:y")
+    """)
+    manager = load(monkeypatch, disable="mybackend")
+    assert len(manager.by_section("policy.generation")) >= 2

@@ -187,6 +187,12 @@ class PluginManager:
                     f"duplicate {kind} name '{name}': provided by {existing.source.describe()} "
                     f"and by {source.describe()}. Disable one with RLCORE_DISABLE_PLUGINS=<entry point name>"
                 )
+            owner = None if section in SHARED_SECTION_KEYS else next((r for r in self.iter_registrations() if r.section == section), None)
+            if owner is not None:  # two schemas for one section: the config would pick one silently
+                raise PluginError(
+                    f"{where}: config section '{section}' is already owned by {owner.kind} '{owner.name}' "
+                    f"from {owner.source.describe()}; sections other than {sorted(SHARED_SECTION_KEYS)} have one owner"
+                )
             self.registry[kind][name] = Registration(kind, name, factory, config_cls, section, dict(capabilities), source)
 
         return register
