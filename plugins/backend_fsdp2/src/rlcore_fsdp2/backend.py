@@ -1,0 +1,328 @@
+"""The ``fsdp2`` training backend: a Hugging Face causal LM under FSDP2 (+ DTensor TP/SP).
+
+Each trainer rank builds one :class:`FSDP2Backend`; every rank gets the same calls with the same
+:class:`~rlcore.interfaces.SequenceBatch` and takes its data-parallel share of it through
+:func:`rlcore.packing.make_micro_batches`. Micro-batches are packed rows whose attention stays
+inside each sequence (:mod:`rlcore_fsdp2.attention`); logprobs come from
+:func:`rlcore.ops.token_logprobs` (chunked, never full-vocab float32 for the whole row).
+
+Training follows rlcore's global normalization: the algorithm's loss of a micro-batch is already
+its share of the step loss (divided by :func:`rlcore.packing.step_totals` of the whole optimizer
+step), so gradients are accumulated over micro-batches and SUMMED over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from rlcore.config.schema import RunConfig
+from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
+from rlcore.ops import token_logprobs
+from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
+from rlcore_fsdp2 import attention, checkpoint
+from rlcore_fsdp2.config import DTensorConfig
+from rlcore_fsdp2.parallel_dims import ParallelDims
+from rlcore_fsdp2.parallelize import parallelize
+from rlcore_fsdp2.schedule import lr_factor
+from rlcore_fsdp2.weights import (DTYPES, Offloader, ReferencePolicy, chunked, iter_hf_tensors, to_dtype,
+                                  write_hf_checkpoint)
+
+log = logging.getLogger(__name__)
+
+
+def build_backend(config: RunConfig, section_config: DTensorConfig | None, world: WorldInfo) -> FSDP2Backend:
+    """Factory registered as ``fsdp2`` (see :mod:`rlcore_fsdp2.plugin`)."""
+    return FSDP2Backend(config, section_config or DTensorConfig(), world)
+
+
+class FSDP2Backend:
+    """Implements :class:`rlcore.interfaces.TrainingBackend`."""
+
+    def __init__(self, config: RunConfig, cfg: DTensorConfig, world: WorldInfo, *, hf_config: Any = None, seed: int | None = None):
+        """``hf_config``: build a random-init model from this transformers config instead of
+        loading ``policy.model_name`` (benchmarks)."""
+        if not dist.is_initialized():
+            raise RuntimeError("fsdp2 backend: torch.distributed must be initialized before the backend is built")
+        if dist.get_world_size() != world.world_size:
+            raise RuntimeError(f"fsdp2 backend: WorldInfo says world_size={world.world_size} but torch.distributed "
+                               f"has {dist.get_world_size()} ranks")
+        self.config, self.cfg, self.world, self.policy = config, cfg, world, config.policy
+        self.device = self._init_device(world)
+        self.dims = ParallelDims.from_config(cfg.tensor_parallel_size, cfg.context_parallel_size, world.world_size)
+        self.compute_dtype = DTYPES[self.policy.precision]
+        # Master weights and gradient reduction stay in fp32 (fp64 for float64 runs).
+        self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
+        self.hf_config = self._load_hf_config(hf_config)
+        self.dims.check_model(self.hf_config)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_rank = self.mesh["dp_shard"].get_local_rank()
+        self.model = self._build_model(hf_config is not None, seed if seed is not None else config.grpo.seed)
+        parallelize(self.model, self.dims, self.mesh, cfg, param_dtype=self.compute_dtype,
+                    reduce_dtype=self.master_dtype, device_type=self.device.type)
+        self.params = list(self.model.parameters())
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        self.reference = ReferencePolicy(self.params)
+        self.offloader = Offloader()
+        self.step = 0
+
+    # ---- construction ----------------------------------------------------------------------
+    @staticmethod
+    def _init_device(world: WorldInfo) -> torch.device:
+        if world.device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("fsdp2 backend: WorldInfo.device is 'cuda' but CUDA is not available")
+            torch.cuda.set_device(world.local_rank)
+            return torch.device("cuda", world.local_rank)
+        return torch.device("cpu")
+
+    def _load_hf_config(self, hf_config: Any) -> Any:
+        from transformers import AutoConfig
+
+        if hf_config is not None:
+            return hf_config
+        path = Path(self.policy.model_name)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"policy.model_name: {str(path)!r} is not a local Hugging Face checkpoint "
+                                    "directory (no config.json); the fsdp2 backend never downloads models")
+        return AutoConfig.from_pretrained(path)
+
+    def _build_model(self, random_init: bool, seed: int) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        impl = attention.register()
+        if random_init:
+            torch.manual_seed(seed)
+            with torch.device(self.device):
+                model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.master_dtype, attn_implementation=impl)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.policy.model_name, dtype=self.master_dtype,
+                                                         attn_implementation=impl)
+            model.to(self.device)
+        model.config.use_cache = False
+        return model
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        opt = self.policy.optimizer
+        kwargs = {"foreach": True} if self.device.type == "cuda" and not self.cfg.cpu_offload else {}
+        return torch.optim.AdamW(self.params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                 weight_decay=opt.weight_decay, **kwargs)
+
+    def _lr_lambda(self, step: int) -> float:
+        sched, opt = self.policy.scheduler, self.policy.optimizer
+        decay_steps = sched.decay_steps if sched.decay_steps is not None else self.config.grpo.max_num_steps
+        return lr_factor(step, warmup_steps=sched.warmup_steps, decay_style=sched.decay_style,
+                         decay_steps=decay_steps, lr=opt.lr, min_lr=opt.min_lr)
+
+    # ---- forward ---------------------------------------------------------------------------
+    @property
+    def _pad_multiple(self) -> int:
+        return self.dims.tp if self.cfg.sequence_parallel else 1
+
+    def _micro_batches(self, batch: SequenceBatch, *, train: bool) -> list[MicroBatch]:
+        packing = self.policy.sequence_packing
+        return make_micro_batches(
+            batch, packing.train_mb_tokens if train else packing.logprob_mb_tokens, self.dp_rank, self.dims.dp_shard,
+            pad_to_multiple=self._pad_multiple, pack=packing.enabled,
+            micro_batch_size=self.policy.train_micro_batch_size if train else self.policy.logprob_batch_size)
+
+    def _to_device(self, mb: MicroBatch) -> MicroBatch:
+        dev = self.device
+        return attrs.evolve(
+            mb, input_ids_T=mb.input_ids_T.to(dev), position_ids_T=mb.position_ids_T.to(dev),
+            cu_seqlens=mb.cu_seqlens.to(dev), seq_index_T=mb.seq_index_T.to(dev), loss_mask_T=mb.loss_mask_T.to(dev),
+            token_fields={k: v.to(dev) for k, v in mb.token_fields.items()},
+            seq_fields={k: v.to(dev) for k, v in mb.seq_fields.items()})
+
+    def _forward_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """Token-aligned logprobs [T] of a (device) micro-batch; float32 (float64 for float64 runs)."""
+        cu, max_len = attention.attention_cu_seqlens(mb.cu_seqlens, mb.num_tokens, self.device)
+        out = self.model(input_ids=mb.input_ids_T[None], position_ids=mb.position_ids_T[None], use_cache=False,
+                         cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+        return token_logprobs(out.logits[0], mb.input_ids_T, mb.cu_seqlens, chunk_tokens=self.cfg.logprob_chunk_tokens)
+
+    # ---- TrainingBackend -------------------------------------------------------------------
+    def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
+        if reference:
+            with self.reference.swapped_in():
+                return self._logprobs(batch)
+        return self._logprobs(batch)
+
+    @torch.no_grad()
+    def _logprobs(self, batch: SequenceBatch) -> list[torch.Tensor] | None:
+        self.model.eval()
+        mine: dict[int, torch.Tensor] = {}
+        for mb in self._micro_batches(batch, train=False):
+            logprobs_T = self._forward_logprobs(self._to_device(mb)).float().cpu()
+            for seq_id, values in zip(mb.seq_ids, unpack(logprobs_T, mb)):
+                mine[seq_id] = values.clone()
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        merged: dict[int, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        missing = [i for i in range(len(batch)) if i not in merged]
+        if missing:
+            raise RuntimeError(f"fsdp2 backend: no logprobs came back for sequences {missing[:5]} (packing plan mismatch)")
+        return [merged[i] for i in range(len(batch))]
+
+    def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
+        """One optimizer step per ``policy.train_global_batch_size`` sequences (all of them when
+        unset); returns the mean over optimizer steps of each step's summed metrics, plus
+        ``lr`` (last), ``num_micro_batches`` (per rank, all steps) and ``num_optimizer_steps``."""
+        if len(batch) == 0:
+            raise ValueError("fsdp2 backend: train() got an empty batch")
+        gbs = self.policy.train_global_batch_size or len(batch)
+        self.model.train()
+        results = [self._train_step(batch.select(range(start, min(start + gbs, len(batch)))), algorithm)
+                   for start in range(0, len(batch), gbs)]
+        return _combine(results)
+
+    def _train_step(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
+        totals = step_totals(batch)
+        micro_batches = self._micro_batches(batch, train=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        metrics: dict[str, float] = defaultdict(float)
+        for mb in micro_batches:
+            mb = self._to_device(mb)
+            logprobs_T = self._forward_logprobs(mb)
+            if mb.num_seqs == 0:
+                # Padding-only micro-batch: a zero loss that still runs backward, so the FSDP
+                # collectives of every rank stay in lockstep.
+                loss, mb_metrics = logprobs_T.sum() * 0.0, {}
+            else:
+                loss, mb_metrics = algorithm.loss(logprobs_T, mb, totals)
+            loss.backward()
+            loss_sum += loss.detach().to(torch.float64)
+            for key, value in mb_metrics.items():
+                metrics[key] += float(value)
+        loss_total, metrics = self._reduce_over_dp(loss_sum, metrics)
+        grad_norm = self._clip_grad_norm()
+        lr = self.optimizer.param_groups[0]["lr"]
+        result = {**metrics, "loss": loss_total, "grad_norm": grad_norm, "lr": lr,
+                  "num_micro_batches": float(len(micro_batches))}
+        if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
+            log.warning("fsdp2 backend: non-finite loss %s / grad norm %s; skipping the update", loss_total, grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            return {**result, "skipped_nonfinite": 1.0}
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return result
+
+    def _reduce_over_dp(self, loss_sum: torch.Tensor, metrics: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """Sum the loss and metrics over data-parallel ranks (TP peers hold the same values)."""
+        group = self.mesh["dp_shard"].get_group()
+        parts: list[Any] = [None] * self.dims.dp_shard
+        dist.all_gather_object(parts, (float(loss_sum), dict(metrics)), group=group)
+        total: dict[str, float] = defaultdict(float)
+        for _, part in parts:
+            for key, value in part.items():
+                total[key] += value
+        return sum(loss for loss, _ in parts), dict(total)
+
+    @torch.no_grad()
+    def _clip_grad_norm(self) -> float:
+        """Global L2 norm over all shards (params may live on different meshes: TP'd layers on
+        (dp, tp), replicated MoE experts on dp only), then clip to ``policy.max_grad_norm``."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+        total_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for group in groups.values():
+            norm = torch.nn.utils.get_total_norm(group, 2.0)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            total_sq += norm.to(device=self.device, dtype=torch.float64) ** 2
+        total = float(total_sq.sqrt())
+        max_norm = self.policy.max_grad_norm
+        if max_norm is not None and max_norm > 0 and math.isfinite(total):
+            coef = min(1.0, max_norm / (total + 1e-6))
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return total
+
+    def export_weights(self, dtype: Any = None, chunk_bytes: int = 1 << 30):
+        """Chunks of (HF name, tensor on this backend's device) in ``dtype`` (default: the
+        training precision). Rank 0 yields; the others iterate for the collectives."""
+        if chunk_bytes < 1:
+            raise ValueError(f"export_weights: chunk_bytes must be >= 1, got {chunk_bytes}")
+        named = iter_hf_tensors(self.model, to_dtype(dtype) or self.compute_dtype, self.device, dist.get_rank())
+        yield from chunked(named, chunk_bytes)
+
+    def export_hf(self, path: str, dtype: Any = None, shard_bytes: int = 5 << 30) -> None:
+        """Safetensors + config + tokenizer, in ``dtype`` (default: the loaded checkpoint's dtype)."""
+        dtype = to_dtype(dtype) or _config_dtype(self.hf_config) or self.compute_dtype
+        chunks = self.export_weights(dtype, shard_bytes)
+        if dist.get_rank() == 0:
+            tokenizer = self.policy.tokenizer_name or self.policy.model_name
+            write_hf_checkpoint(chunks, Path(path), self.hf_config, dtype, tokenizer if Path(tokenizer).is_dir() else None)
+        else:
+            for _ in chunks:
+                pass
+        dist.barrier()
+
+    def save_checkpoint(self, path: str) -> None:
+        checkpoint.save(path, self.model, self.optimizer, self.scheduler, self.step, self.hf_config, self.device)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.step = checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.hf_config, self.device)
+
+    def offload(self) -> None:
+        self._reshard()
+        self.offloader.offload(Offloader.tensors(self.model, self.optimizer), self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        self.offloader.onload()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def shutdown(self) -> None:
+        self.offloader.saved = []
+        self.model = self.optimizer = self.scheduler = self.reference = None  # type: ignore[assignment]
+        self.params = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _reshard(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def _config_dtype(hf_config: Any) -> torch.dtype | None:
+    dtype = getattr(hf_config, "dtype", None)
+    try:
+        return to_dtype(dtype)
+    except ValueError:
+        return None
+
+
+def _combine(results: list[dict[str, float]]) -> dict[str, float]:
+    """Mean over optimizer steps; counts are summed, ``lr`` is the last step's."""
+    keys = {k for r in results for k in r}
+    out = {k: sum(r.get(k, 0.0) for r in results) / len(results) for k in keys}
+    out["num_micro_batches"] = sum(r["num_micro_batches"] for r in results)
+    out["lr"] = results[-1]["lr"]
+    out["num_optimizer_steps"] = float(sum(1 for r in results if "skipped_nonfinite" not in r))
+    if any("skipped_nonfinite" in r for r in results):
+        out["skipped_nonfinite"] = float(sum(r.get("skipped_nonfinite", 0.0) for r in results))
+    return out

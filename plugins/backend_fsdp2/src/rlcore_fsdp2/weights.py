@@ -1,0 +1,201 @@
+"""Moving the sharded weights around: export for refit and to Hugging Face safetensors, the frozen
+reference policy swapped in from CPU, and offloading of accelerator memory.
+
+Everything works on the *local shards* of FSDP2/DTensor parameters, so no rank ever holds the
+full model more than one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from rlcore_fsdp2.parallelize import hf_name
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def to_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)} or a torch.dtype")
+    return DTYPES[name]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own shard (a view sharing storage with the parameter)."""
+    return t._local_tensor if isinstance(t, DTensor) else t.data
+
+
+def gather_full(param: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """All-gather one parameter (cast first: half the traffic in bf16). A collective on every rank."""
+    if not isinstance(param, DTensor):
+        return param.detach().to(device=device, dtype=dtype)
+    shard = DTensor.from_local(param._local_tensor.detach().to(device=device, dtype=dtype), param.device_mesh,
+                               param.placements, shape=param.shape, stride=param.stride(), run_check=False)
+    return shard.full_tensor()
+
+
+def iter_hf_tensors(model: nn.Module, dtype: torch.dtype, device: torch.device, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face checkpoint name, full tensor) for every parameter; yields on rank 0 only.
+
+    transformers' reverse weight conversion maps in-memory layouts back to checkpoint names
+    (e.g. Qwen3-MoE's fused ``experts.gate_up_proj`` to per-expert ``gate_proj``/``up_proj``),
+    which is what vLLM and ``from_pretrained`` load.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, param in model.named_parameters():
+        full = gather_full(param, dtype, device)
+        if rank == 0:
+            yield from revert_weight_conversion(model, {hf_name(name): full}).items()
+        del full
+
+
+def chunked(named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors into chunks of at most ``chunk_bytes`` (a larger tensor is a chunk of its own)."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, tensor))
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def write_hf_checkpoint(chunks: Iterable[list[tuple[str, torch.Tensor]]], path: Path, hf_config: Any,
+                        dtype: torch.dtype, tokenizer_dir: str | None) -> None:
+    """Rank 0: one safetensors file per chunk (+ index when several), config, tokenizer."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    files: list[tuple[str, list[str]]] = []
+    for i, chunk in enumerate(chunks):
+        tmp = f"model-part-{i:05d}.safetensors"
+        # Clone: reverse conversion returns views of one fused tensor, which safetensors refuses.
+        save_file({n: t.detach().to("cpu").contiguous().clone() for n, t in chunk}, str(path / tmp), metadata={"format": "pt"})
+        files.append((tmp, [n for n, _ in chunk]))
+    if len(files) == 1:
+        (path / files[0][0]).rename(path / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, (tmp, names) in enumerate(files):
+            final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            (path / tmp).rename(path / final)
+            weight_map.update({n: final for n in names})
+        index = {"metadata": {}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    _write_config(hf_config, path, dtype)
+    if tokenizer_dir:
+        _copy_tokenizer(tokenizer_dir, path)
+
+
+def _write_config(hf_config: Any, path: Path, dtype: torch.dtype) -> None:
+    import copy
+
+    config = copy.deepcopy(hf_config)
+    config.dtype = dtype
+    # Our packed-attention name must not leak: a plain transformers/vLLM load would not know it.
+    config._attn_implementation = None
+    config.use_cache = True
+    config.save_pretrained(path)
+
+
+def _copy_tokenizer(tokenizer_dir: str, path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    generation = Path(tokenizer_dir) / "generation_config.json"
+    if generation.exists():
+        shutil.copy(generation, path / "generation_config.json")
+
+
+class ReferencePolicy:
+    """The initial weights' local shards, in CPU memory (pinned on CUDA), swapped into the
+    live parameters for reference logprobs: no second model copy on the accelerator."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        pin = torch.cuda.is_available() and any(local(p).is_cuda for p in params)
+        self.params = params
+        self.shards = [self._to_cpu(local(p), pin) for p in params]
+
+    @staticmethod
+    def _to_cpu(t: torch.Tensor, pin: bool) -> torch.Tensor:
+        copy = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        copy.copy_(t.detach())
+        return copy
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def swapped_in(self) -> Iterator[None]:
+        current = []
+        for p, ref in zip(self.params, self.shards):
+            shard = local(p)
+            current.append(self._to_cpu(shard, ref.is_pinned()))
+            shard.copy_(ref, non_blocking=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, cur in zip(self.params, current):
+                    local(p).copy_(cur, non_blocking=True)
+
+
+class Offloader:
+    """Frees accelerator memory of sharded params and optimizer state by copying each storage
+    to CPU and resizing it to 0 bytes; tensors (and the optimizer's references to them) stay
+    the same objects, so nothing has to be re-wired on the way back."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+
+    @staticmethod
+    def tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        for p in model.parameters():
+            yield local(p)
+            if p.grad is not None:
+                yield local(p.grad)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield local(value)
+
+    @torch.no_grad()
+    def offload(self, tensors: Iterable[torch.Tensor], device: torch.device) -> None:
+        if self.saved:
+            return
+        seen: set[int] = set()
+        pin = device.type == "cuda"
+        for t in tensors:
+            storage = t.untyped_storage()
+            if t.device != device or storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),))
+            copy = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            copy.copy_(view)
+            self.saved.append((storage, copy))
+        for storage, _ in self.saved:
+            storage.resize_(0)
+
+    @torch.no_grad()
+    def onload(self) -> None:
+        for storage, copy in self.saved:
+            storage.resize_(copy.numel())
+            view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (copy.numel(),))
+            view.copy_(copy, non_blocking=True)
+        self.saved = []
