@@ -27,7 +27,8 @@ class GradingConfig:
 
     executor: Literal["process", "ray", "inline"] = field(
         default="process",
-        metadata=doc("where graders run: 'process' (a local process pool), 'ray' (Ray actors) or 'inline' (this process; tests only)"),
+        metadata=doc("where graders run: 'process' (a local process pool), 'ray' (Ray actors) or 'inline' "
+                     "(the calling thread: no process start-up, but deadlines only in a main thread and nothing can kill a stuck C call)"),
     )
     num_workers: int = field(default=2, validator=_positive, metadata=doc("grader processes or Ray actors"))
     timeout_s: float = field(default=5.0, validator=_positive, metadata=doc("time limit of one verification (parse + compare)"))
