@@ -158,8 +158,9 @@ def test_wheels_alone_provide_the_plugins(wheels, tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["rlcore"].startswith(str(site))
     assert {d for d, _, _ in DISTRIBUTIONS.values()} <= set(report["dists"])
-    ours = {k: v for k, v in report["factories"].items() if v is None or v.startswith(str(site)) or "rlcore" in v}
-    unresolved = sorted(k for k, v in ours.items() if v is None)
+    factories = report["factories"]
+    assert "algorithm:grpo" in factories and "training_backend:megatron" in factories
+    unresolved = sorted(k for k, v in factories.items() if v is None)
     assert not unresolved, f"factories whose module is not in the wheels: {unresolved}"
-    outside = sorted(f"{k} -> {v}" for k, v in ours.items() if not v.startswith(str(site)))
+    outside = sorted(f"{k} -> {v}" for k, v in factories.items() if not v.startswith(str(site)))
     assert not outside, f"factories resolved outside the installed wheels: {outside}"
