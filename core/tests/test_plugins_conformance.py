@@ -56,6 +56,10 @@ class TestRegisteredAlgorithms(AlgorithmConformance):
 @pytest.mark.parametrize("name, settings", ALGORITHM_VARIANTS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(ALGORITHM_VARIANTS)])
 class TestAlgorithmVariants(AlgorithmConformance):
     @pytest.fixture
+    def algorithm_name(self, name):
+        return name
+
+    @pytest.fixture
     def algorithm(self, name, settings):
         if name not in ALGORITHMS:
             pytest.fail(f"algorithm {name!r} is not registered")
