@@ -139,7 +139,9 @@ def main() -> None:
     run("qwen3_tp", scenario_arch, spec["qwen3"], True, tensor_parallel_size=2, sequence_parallel=True,
         activation_checkpointing=True)
     run("qwen3_moe", scenario_arch, spec["qwen3_moe"], True)
-    run("qwen3_moe_tp", scenario_arch, spec["qwen3_moe"], True, tensor_parallel_size=2, packing=False)
+    run("qwen3_moe_tp", scenario_arch, spec["qwen3_moe"], True, tensor_parallel_size=2, sequence_parallel=True,
+        packing=False)
+    run("qwen2_tied_tp", scenario_arch, spec["qwen2_tied"], True, tensor_parallel_size=2, sequence_parallel=True)
     run("errors", scenario_errors, spec)
     results["timings"] = timings
     torch.save(results, Path(spec["out"]) / f"rank{dist.get_rank()}.pt")

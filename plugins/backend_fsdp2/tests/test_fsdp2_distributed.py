@@ -73,6 +73,7 @@ def run(tiny_model_factory, tmp_path_factory):
         "qwen2": str(tiny_model_factory("qwen2")),
         "qwen3": str(tiny_model_factory("qwen3", **heads)),
         "qwen3_moe": str(tiny_model_factory("qwen3_moe", **heads)),
+        "qwen2_tied": str(tiny_model_factory("qwen2", tie_word_embeddings=True, **heads)),
         "gpt2": str(gpt2),
         "ckpt": str(out / "ckpt"),
         "hf_out": str(out / "hf_export"),
@@ -101,11 +102,12 @@ def references(run):
 
     out = {}
     batch = make_batch(1)
-    for arch in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+    for arch, name in [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3_moe", "qwen3_moe"),
+                       ("qwen2_tied", "qwen2_tied_tp")]:
         model = load_hf(spec[arch])
         with torch.no_grad():
             out[f"{arch}/logprobs"] = [hf_logprobs(model, ids) for ids in batch.input_ids]
-        trained = results[0][arch].get("step1") or results[0][arch]
+        trained = results[0][name].get("step1") or results[0][name]
         if isinstance(trained, dict) and "batch" in trained:
             out[f"{arch}/stats"] = reference_train(model, trained["batch"], algorithm(), gbs=4)
             out[f"{arch}/params"] = hf_state(model)
@@ -158,6 +160,15 @@ def test_tensor_parallel_equals_data_parallel(run, references, arch):
         assert float((a - b).abs().max()) < TOL, f"{arch} TP=2 logprobs of sequence {i} differ from TP=1"
     assert max_diff(tp["params"], dp["params"]) < TOL
     assert max_diff(tp["params"], references[f"{arch}/params"]) < TOL
+
+
+def test_tensor_parallel_with_tied_embeddings(run, references):
+    """Qwen2 with tied embeddings (kept replicated over TP) under TP=2 + sequence parallelism."""
+    res = scenario(run, "qwen2_tied_tp")
+    for i, (a, b) in enumerate(zip(res["logprobs"], references["qwen2_tied/logprobs"])):
+        assert float((a - b).abs().max()) < TOL, f"sequence {i}"
+    assert "lm_head.weight" not in res["params"]  # tied: exported once, as the embedding
+    assert max_diff(res["params"], references["qwen2_tied/params"]) < TOL
 
 
 def test_reference_policy_is_the_initial_weights(run):
