@@ -1,0 +1,99 @@
+"""Generation throughput of the rlcore vLLM generator (sync engine), eager and with CUDA graphs.
+
+Default: the 1.2B Llama shape (hidden 2048, 16 layers, GQA 32/8, vocab 128256, intermediate
+8192), random weights (vLLM's dummy loader, bf16), 512 prompts of 128 random tokens x 512 new
+tokens with ``ignore_eos``. Each mode runs in its own process (a fresh engine); one warm-up
+batch, then ``--repeats`` timed batches, median reported. Prints one JSON line per mode.
+
+    python benchmarks/bench_generation.py                     # GPU, both modes
+    python benchmarks/bench_generation.py --tiny              # CPU check: tiny model, eager only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def run_mode(args) -> dict:
+    import torch
+
+    from _vllm_bench_common import config_only_model, gpu_env_defaults, has_cuda
+
+    cuda = has_cuda()
+    if cuda:
+        gpu_env_defaults()
+    from rlcore.interfaces import SamplingParams
+    from rlcore_vllm.config import VllmConfig
+    from rlcore_vllm.generator import VllmGenerator
+
+    dtype = "bfloat16" if cuda else "float32"
+    model_dir = config_only_model(Path(args.workdir) / args.shape, args.shape, dtype)
+    cfg = VllmConfig(enforce_eager=args.mode == "eager", gpu_memory_utilization=args.gpu_memory_utilization,
+                     max_num_seqs=args.max_num_seqs, kv_cache_space_gib=args.kv_cache_space_gib, enable_prefix_caching=False)
+    start = time.perf_counter()
+    gen = VllmGenerator(str(model_dir), cfg, max_model_len=args.prompt_len + args.new_tokens + 8, dtype=dtype, seed=0,
+                        device="cuda" if cuda else "cpu", engine_kwargs={"load_format": "dummy"})
+    startup_s = time.perf_counter() - start
+    g = torch.Generator().manual_seed(0)
+    vocab = gen.tokenizer.vocab_size if hasattr(gen.tokenizer, "vocab_size") else 100
+    prompts = torch.randint(10, min(vocab, 30000), (args.num_prompts, args.prompt_len), generator=g).tolist()
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    gen.generate(prompts[: max(1, args.num_prompts // 8)], SamplingParams(max_new_tokens=16, ignore_eos=True))  # warm-up
+    times, tokens = [], 0
+    for _ in range(args.repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        results = gen.generate(prompts, params)
+        times.append(time.perf_counter() - t0)
+        tokens = sum(len(r[0].response_ids) for r in results)
+    gen.shutdown()
+    seconds = statistics.median(times)
+    return {"bench": "generation", "shape": args.shape, "mode": args.mode, "device": "cuda" if cuda else "cpu",
+            "num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            "generated_tokens": tokens, "seconds_median": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+            "engine_start_s": round(startup_s, 1), "repeats": args.repeats}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU check: tiny model, 32 prompts x 32 tokens, eager")
+    parser.add_argument("--shape", default=None, choices=["1.2b", "8b", "tiny"])
+    parser.add_argument("--mode", default=None, choices=["eager", "graphs", "both"])
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--kv-cache-space-gib", type=float, default=0.5)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+    tiny = args.tiny
+    args.shape = args.shape or ("tiny" if tiny else "1.2b")
+    args.mode = args.mode or ("eager" if tiny else "both")
+    args.num_prompts = args.num_prompts or (32 if tiny else 512)
+    args.prompt_len = args.prompt_len or (32 if tiny else 128)
+    args.new_tokens = args.new_tokens or (32 if tiny else 512)
+    if tiny:
+        args.repeats = min(args.repeats, 2)
+    if args.mode != "both":
+        args.workdir = args.workdir or tempfile.mkdtemp(prefix="rlcore-bench-gen-")
+        print(json.dumps(run_mode(args)), flush=True)
+        return
+    for mode in ("eager", "graphs"):  # a fresh process (and engine) per mode
+        argv = [a for a in sys.argv[1:] if not a.startswith("--mode")]
+        subprocess.run([sys.executable, __file__, *argv, "--mode", mode], check=True)
+
+
+if __name__ == "__main__":
+    main()
