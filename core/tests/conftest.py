@@ -16,11 +16,6 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-# The four plugin distributions of this repository (the shared venv has them installed editable).
-REPO_PLUGINS = ("rlcore-fsdp2", "rlcore-megatron", "rlcore-vllm", "rlcore-math")
-ISOLATE_REPO_PLUGINS = ",".join(REPO_PLUGINS)
-
 
 class FakeSite:
     """A directory of fake installed distributions with ``rlcore`` entry points."""
@@ -43,7 +38,7 @@ class FakeSite:
     def add_distribution(self, dist: str, entry_points: dict[str, str], version: str = "1.0.0", requires=("rlcore",)) -> None:
         info = self.root / f"{dist.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
-        metadata = [f"Metadata-Version: 2.1", f"Name: {dist}", f"Version: {version}"]
+        metadata = ["Metadata-Version: 2.1", f"Name: {dist}", f"Version: {version}"]
         metadata += [f"Requires-Dist: {r}" for r in requires]
         (info / "METADATA").write_text("\n".join(metadata) + "\n")
         lines = ["[rlcore]"] + [f"{name} = {target}" for name, target in entry_points.items()]
