@@ -48,13 +48,13 @@ class Reporter:
         if not self.enabled:
             return
         if not self._header_printed:
-            self.console.print(" ".join(f"{name:>10}" for name, _, _ in STEP_COLUMNS), style="bold", highlight=False)
+            self.console.print(" ".join(f"{name:>10}" for name, _, _ in STEP_COLUMNS), style="bold", highlight=False, soft_wrap=True)
             self._header_printed = True
         cells = []
         for _, key, fmt in STEP_COLUMNS:
             value = record.get(key)
             cells.append(f"{fmt.format(value) if value is not None else '-':>10}")
-        self.console.print(" ".join(cells), highlight=False)
+        self.console.print(" ".join(cells), highlight=False, soft_wrap=True)
 
 
 def summary_table(summary: dict, title: str) -> Table:
