@@ -1,11 +1,12 @@
 """Throughput of math grading (rlcore-math): graded responses per second.
 
-Synthetic GSM8K-length responses (about 6 worked steps, ~700-1000 characters, ending in
-'#### n' or '\\boxed{n}', half of them right), in GRPO-shaped batches: P prompts x G samples,
-the G samples of a prompt sharing its ground truth. Numbers are drawn fresh for every response
-so that no cache sees the same text twice.
+Synthetic GSM8K-length responses (6 worked steps, ~750 characters, ending in '#### n' or
+'\\boxed{n}', half of them right; ``--style math``: ending in a LaTeX fraction to compare by
+value), in GRPO-shaped batches: P prompts x G samples, the G samples of a prompt sharing its
+ground truth. Numbers are drawn fresh for every response, so that no cache sees the same text
+twice.
 
-    .venv/bin/python benchmarks/bench_grading.py [--workers 2] [--prompts 64] [--group 8] [--batches 8]
+    .venv/bin/python benchmarks/bench_grading.py [--workers 2] [--prompts 64] [--group 8] [--batches 8] [--style gsm8k|math]
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import random
 import time
 
 
-def make_response(rng: random.Random, gold: int, right: bool) -> str:
+def make_response(rng: random.Random, gold: int, right: bool, style: str) -> str:
     lines = []
     total = 0
     names = ["apples", "pencils", "dollars", "minutes", "pages", "marbles", "cookies", "stickers"]
@@ -28,7 +29,10 @@ def make_response(rng: random.Random, gold: int, right: bool) -> str:
                      f"so {a} {op} {b} = <<{a}{op}{b}={value}>>{value} {rng.choice(names)} in this part.")
     lines.append(f"Adding the parts up and checking the arithmetic once more gives the final count.")
     answer = gold if right else gold + rng.randrange(1, 9)
-    lines.append(f"#### {answer}" if rng.random() < 0.5 else f"The answer is $\\boxed{{{answer}}}$.")
+    if style == "math":  # a LaTeX fraction answer, equal in value to the gold but written differently
+        lines.append(f"So the probability is $\\boxed{{\\frac{{{2 * answer}}}{{{2 * (answer + 7)}}}}}$.")
+    else:
+        lines.append(f"#### {answer}" if rng.random() < 0.5 else f"The answer is $\\boxed{{{answer}}}$.")
     return "\n".join(lines)
 
 
@@ -47,13 +51,13 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def make_batch(rng: random.Random, prompts: int, group: int) -> tuple[list[str], list[str]]:
+def make_batch(rng: random.Random, prompts: int, group: int, style: str) -> tuple[list[str], list[str]]:
     responses, golds = [], []
     for _ in range(prompts):
         gold = rng.randrange(10, 100_000)
         for _ in range(group):
-            responses.append(make_response(rng, gold, rng.random() < 0.5))
-            golds.append(str(gold))
+            responses.append(make_response(rng, gold, rng.random() < 0.5, style))
+            golds.append(f"\\frac{{{gold}}}{{{gold + 7}}}" if style == "math" else str(gold))
     return responses, golds
 
 
@@ -65,15 +69,19 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chunk-size", type=int, default=None, help="responses per worker message (default: the config's)")
+    parser.add_argument("--style", default="gsm8k", choices=["gsm8k", "math"],
+                        help="gsm8k: integer answers ('#### n' or \\boxed{n}); math: LaTeX fractions compared by value")
     args = parser.parse_args()
 
     from rlcore_math.config import GradingConfig
     from rlcore_math.pool import make_grader
 
     rng = random.Random(args.seed)
-    batches = [make_batch(rng, args.prompts, args.group) for _ in range(args.batches + 1)]
+    batches = [make_batch(rng, args.prompts, args.group, args.style) for _ in range(args.batches + 1)]
     chars = sum(len(r) for r in batches[0][0]) / len(batches[0][0])
-    grader = make_grader(GradingConfig(executor=args.executor, num_workers=args.workers))
+    extra = {"chunk_size": args.chunk_size} if args.chunk_size else {}
+    grader = make_grader(GradingConfig(executor=args.executor, num_workers=args.workers, **extra))
     try:
         warm = grader.grade(*batches[0])  # worker start-up and imports are not counted
         expected = sum(v.correct for v in warm)
@@ -91,7 +99,7 @@ def main() -> None:
         cpu = cpu_seconds(pids) - cpu_started
     finally:
         grader.close()
-    print(f"executor={args.executor} workers={args.workers} batch={args.prompts}x{args.group} "
+    print(f"style={args.style} executor={args.executor} workers={args.workers} batch={args.prompts}x{args.group} "
           f"mean response {chars:.0f} chars")
     print(f"graded {graded} responses in {seconds:.2f}s: {graded / seconds:.0f} responses/s "
           f"(correct {correct / graded:.2f}, statuses {statuses}, warm-up batch correct {expected})")

@@ -36,7 +36,7 @@ class GradingConfig:
         default=2.0, validator=_positive,
         metadata=doc("extra time after timeout_s before a stuck grader process is killed and replaced"),
     )
-    chunk_size: int = field(default=32, validator=_positive, metadata=doc("responses sent to a worker at once"))
+    chunk_size: int = field(default=64, validator=_positive, metadata=doc("responses sent to a worker at once"))
     max_response_chars: int = field(
         default=100_000, validator=_positive, metadata=doc("longer responses are rejected (reward 0, env/rejected) before parsing"),
     )
