@@ -20,13 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def run_mode(args) -> dict:
     import torch
 
-    from _vllm_bench_common import config_only_model, gpu_env_defaults, has_cuda
+    from rlcore_vllm.benchmarking import config_only_model, gpu_env_defaults, has_cuda
 
     cuda = has_cuda()
     if cuda:

@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 class RandomTrainer:
@@ -53,7 +52,7 @@ class RandomTrainer:
 def run_shape(args) -> dict:
     import torch
 
-    from _vllm_bench_common import config_only_model, gpu_env_defaults, has_cuda, hf_named_shapes
+    from rlcore_vllm.benchmarking import config_only_model, gpu_env_defaults, has_cuda, hf_named_shapes
 
     cuda = has_cuda()
     if cuda:

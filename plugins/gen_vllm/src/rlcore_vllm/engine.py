@@ -164,5 +164,17 @@ class AsyncEngine:
         if engine is not None:
             engine.shutdown()
         if self._loop.is_running():
+            try:
+                self._call(_cancel_other_tasks(), timeout=10)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancel AsyncLLM's background tasks so the loop stops without 'Task was destroyed' noise."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

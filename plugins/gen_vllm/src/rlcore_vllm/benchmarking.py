@@ -1,4 +1,4 @@
-"""Shared by bench_generation.py and bench_refit.py: model shapes, a config-only model directory
+"""Helpers of benchmarks/bench_generation.py and bench_refit.py: model shapes, a config-only model directory
 (vLLM random-initializes it with ``load_format="dummy"``), GPU environment defaults."""
 
 from __future__ import annotations
