@@ -150,3 +150,16 @@ def test_broadcast_transport_in_one_process(async_generator, hf_model):
         assert diff < 1e-3
     finally:
         async_generator.config = config
+
+
+from rlcore.testing.conformance import GeneratorConformance  # noqa: E402
+
+
+class TestAsyncConformance(GeneratorConformance):
+    @pytest.fixture
+    def generator(self, async_generator):
+        return async_generator
+
+    @pytest.fixture
+    def generator_model_dir(self, vllm_model_dir):
+        return vllm_model_dir
