@@ -45,7 +45,8 @@ def _worker_main(conn, progress, options: GradingConfig, grade_fn_path: str) -> 
     """Grade chunks; ``progress.value`` counts responses started, so the parent can tell which one is stuck."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     grade_fn = _resolve(grade_fn_path)
-    grade_text("1", "1", timeout_s=None)  # import and warm math-verify before the first batch
+    import rlcore_math.warm  # noqa: F401 - already done when forked from a preloaded forkserver
+    conn.send([])  # ready: the parent starts its stall clock now
     while True:
         try:
             chunk = conn.recv()
@@ -103,6 +104,24 @@ class _Worker:
         self.conn.close()
 
 
+def _context(start_method: str):
+    """A multiprocessing context; for "forkserver", one whose server preloads :mod:`rlcore_math.warm`.
+
+    The fork server is started once per process, from a clean interpreter (no threads, no torch),
+    and forks workers that already have math-verify imported and warm. If something else started
+    it first, workers import math-verify themselves: slower to start, otherwise the same.
+    """
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver  # noqa: SLF001 - the stdlib exposes no "is it running?"
+        if getattr(server, "_forkserver_pid", None) is None:
+            preload = list(getattr(server, "_preload_modules", ["__main__"]))
+            ctx.set_forkserver_preload(preload + [m for m in ("rlcore_math.warm",) if m not in preload])
+    return ctx
+
+
 class ProcessGradingPool:
     """``num_workers`` spawned grader processes; :meth:`grade` scores a batch in parallel.
 
@@ -114,9 +133,9 @@ class ProcessGradingPool:
     workers call per response; tests swap it to exercise the kill-and-replace path.
     """
 
-    def __init__(self, options: GradingConfig, start_method: str = "spawn", grade_fn: str = "rlcore_math.grading:grade_text"):
+    def __init__(self, options: GradingConfig, start_method: str = "forkserver", grade_fn: str = "rlcore_math.grading:grade_text"):
         self.options = options
-        self._ctx = mp.get_context(start_method)
+        self._ctx = _context(start_method)
         self._grade_fn = grade_fn
         self._workers = [_Worker(self._ctx, options, grade_fn) for _ in range(options.num_workers)]
         self.restarts = 0
@@ -153,6 +172,7 @@ class ProcessGradingPool:
         for index, verdict in answered:
             verdicts[index] = Verdict(*verdict)
             worker.chunk.pop(index, None)
+        worker.seen = (worker.progress.value, time.monotonic())  # alive (also ends the start-up grace)
         if not worker.chunk:
             del busy[slot]
 
