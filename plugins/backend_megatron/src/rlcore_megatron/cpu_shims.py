@@ -9,6 +9,8 @@ CPU is patched here, in one place, so the rest of the plugin is the GPU code pat
 - A :class:`torch.overrides.TorchFunctionMode` rewrites tensor factory calls and ``.to``/``.cuda``
   moves that name a CUDA device to the CPU: the pipeline schedules and the default causal mask
   hard-code ``device="cuda"``.
+- ``Tensor.type()`` reports CPU tensors as ``torch.cuda.*Tensor``: Megatron's optimizers accept
+  only those type strings.
 - ``torch.cuda.Stream``/``current_stream``/``stream`` give one do-nothing CPU stream (MoE token
   dispatch moves routing counts to the host on a side stream).
 - MoE all-to-all split sizes are turned into host numbers as on GPU.
@@ -50,6 +52,9 @@ class CudaToCpuMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name == "cuda":  # Tensor.cuda(...)
             return args[0]
+        if name == "type" and len(args) == 1 and not kwargs:  # Tensor.type(): the optimizers check for CUDA types
+            result = func(*args)
+            return result.replace("torch.", "torch.cuda.", 1) if result.startswith("torch.") and ".cuda." not in result else result
         if name == "to" and args:
             args = tuple("cpu" if _is_cuda(a) and not isinstance(a, int) else a for a in args)
         return func(*args, **kwargs)

@@ -1,0 +1,295 @@
+"""The Megatron-Core training backend (:class:`rlcore.interfaces.TrainingBackend`).
+
+Every micro-batch is one packed sequence stream (thd layout, ``PackedSeqParams``), padded to a
+multiple of TP. Logprobs come from Megatron's vocab-parallel cross entropy, so full-vocabulary
+logits are never gathered on one rank. Losses are the algorithm's share of the step value
+(global normalization by :func:`rlcore.packing.step_totals`); Megatron's DDP runs in per-token
+mode so data-parallel gradients are summed. Schedules come from ``get_forward_backward_func``
+(pipeline-parallel when PP > 1).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from rlcore.config import RunConfig
+from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
+from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
+from rlcore_megatron import checkpoint, cpu_shims, parallel
+from rlcore_megatron.config import MegatronConfig
+from rlcore_megatron.convert import iter_hf_weights, load_hf_into_megatron
+from rlcore_megatron.model import packed_seq_params
+
+
+def build_backend(config: RunConfig, section_config: MegatronConfig, world: WorldInfo) -> MegatronBackend:
+    """Factory registered as ``megatron`` (torch.distributed is initialized by the caller)."""
+    return MegatronBackend(config, section_config, world)
+
+
+def token_logprobs_vocab_parallel(logits_1TV: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Token-aligned logprobs [T] from this TP rank's vocabulary shard of the logits.
+
+    ``out[t] = log_softmax(logits[t-1])[ids[t]]`` through Megatron's vocab-parallel cross entropy
+    (max/sum-exp reduced over the TP group); 0 at each sequence's first token and on padding.
+    """
+    logits_TV = logits_1TV[0]
+    ids_T = mb.input_ids_T.to(logits_TV.device)
+    nll_T1 = tensor_parallel.vocab_parallel_cross_entropy(logits_TV[:-1].float(), ids_T[1:])
+    logprobs_T = torch.cat([nll_T1.new_zeros(1), -nll_T1])
+    valid_T = torch.zeros_like(logprobs_T, dtype=torch.bool)
+    cu = mb.cu_seqlens.tolist()
+    for start, end in zip(cu[:-1], cu[1:]):
+        valid_T[start + 1 : end] = True
+    return torch.where(valid_T, logprobs_T, torch.zeros_like(logprobs_T))
+
+
+class MegatronBackend:
+    """Trains the policy with Megatron-Core; see the module docstring."""
+
+    def __init__(self, config: RunConfig, cfg: MegatronConfig, world: WorldInfo):
+        from transformers import AutoConfig
+
+        self.run, self.cfg, self.world = config, cfg, world
+        self.on_cpu = world.device == "cpu" or not torch.cuda.is_available()
+        if self.on_cpu:
+            cpu_shims.install()
+        else:
+            torch.cuda.set_device(world.local_rank)
+        self.model_path = config.policy.model_name
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.grpo.seed)
+        self.ranks = parallel.Ranks.current()
+        model = parallel.build_model(cfg, self.hf_config, config, on_cpu=self.on_cpu)
+        load_hf_into_megatron(model, self.model_path, self.hf_config)
+        self.model = parallel.wrap_ddp(model, cfg)
+        self.optimizer = parallel.build_optimizer(self.model, cfg, config)
+        self.scheduler = parallel.build_scheduler(self.optimizer, cfg, config)
+        # The reference policy is the initial one: a host copy of this rank's shard.
+        self._reference = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()}
+        self.step = 0
+        self._offloaded = False
+
+    # ---- helpers -----------------------------------------------------------------------------
+    @property
+    def module(self):
+        return self.model.module
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.module.named_parameters()}
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def _pad_multiple(self) -> int:
+        tp, cp = self.cfg.tensor_model_parallel_size, self.cfg.context_parallel_size
+        return 2 * cp * tp if cp > 1 else tp
+
+    def _micro_batches(self, batch: SequenceBatch, max_tokens: int, micro_batch_size: int) -> list[MicroBatch]:
+        packing = self.run.policy.sequence_packing
+        return make_micro_batches(batch, max_tokens, self.ranks.dp, self.dp_size, pad_to_multiple=self._pad_multiple(),
+                                  pack=packing.enabled, micro_batch_size=micro_batch_size)
+
+    def _forward_step(self, loss_fn, data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        device = self._device
+        ids = mb.input_ids_T.to(device)[None]
+        pos = mb.position_ids_T.to(device)[None]
+        params = packed_seq_params(mb.cu_seqlens.to(device), int(mb.input_ids_T.numel()), int(mb.max_seqlen))
+        output = model(ids, pos, None, packed_seq_params=params)
+        return output, partial(loss_fn, mb)
+
+    def _run_schedule(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
+        schedule = get_forward_backward_func()
+        return schedule(
+            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(mbs), model=[self.model],
+            num_microbatches=len(mbs), seq_length=max(int(mb.input_ids_T.numel()) for mb in mbs), micro_batch_size=1,
+            forward_only=forward_only,
+        ) or []
+
+    # ---- logprobs ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
+        if reference:
+            with self._swapped(self._reference):
+                return self._logprobs(batch)
+        return self._logprobs(batch)
+
+    def _logprobs(self, batch: SequenceBatch) -> list[torch.Tensor] | None:
+        policy = self.run.policy
+        mbs = self._micro_batches(batch, policy.sequence_packing.logprob_mb_tokens, policy.logprob_batch_size)
+
+        def loss_fn(mb, output):
+            lp_T = token_logprobs_vocab_parallel(output, mb)
+            values = dict(zip(mb.seq_ids, (t.cpu() for t in unpack(lp_T, mb))))
+            return lp_T.sum() * 0.0, torch.tensor(1), {"logprobs": values}
+
+        self.module.eval()
+        try:
+            outputs = self._run_schedule(mbs, loss_fn, forward_only=True)
+        finally:
+            self.module.train()
+        local: dict[int, torch.Tensor] = {}
+        if self.ranks.reports:
+            for out in outputs:
+                local.update(out["logprobs"])
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(local, gathered, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        merged: dict[int, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        missing = [i for i in range(len(batch)) if i not in merged]
+        if missing:
+            raise RuntimeError(f"rlcore-megatron: no logprobs came back for sequences {missing[:10]}")
+        return [merged[i].float() for i in range(len(batch))]
+
+    class _Swap:
+        def __init__(self, backend, state):
+            self.backend, self.state, self.saved = backend, state, None
+
+        def __enter__(self):
+            weights = self.backend._weights()
+            self.saved = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+            with torch.no_grad():
+                for k, v in weights.items():
+                    v.copy_(self.state[k])
+
+        def __exit__(self, *exc):
+            with torch.no_grad():
+                for k, v in self.backend._weights().items():
+                    v.copy_(self.saved[k])
+
+    def _swapped(self, state):
+        return self._Swap(self, state)
+
+    # ---- training ----------------------------------------------------------------------------
+    def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
+        gbs = self.run.policy.train_global_batch_size or len(batch)
+        results = [self._train_step(batch.select(range(a, min(a + gbs, len(batch)))), algorithm)
+                   for a in range(0, max(len(batch), 1), gbs)]
+        if len(results) == 1:
+            return results[0]
+        out = {k: sum(r.get(k, 0.0) for r in results) for k in results[0]}
+        out["lr"], out["grad_norm"] = results[-1]["lr"], max(r["grad_norm"] for r in results)
+        return out
+
+    def _train_step(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
+        start = time.perf_counter()
+        policy = self.run.policy
+        totals = step_totals(batch)
+        mbs = self._micro_batches(batch, policy.sequence_packing.train_mb_tokens, policy.train_micro_batch_size)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run_schedule(mbs, partial(self._loss_fn, algorithm, totals), forward_only=False)
+        metrics = self._reduce_metrics(outputs)
+        if not math.isfinite(metrics.get("loss", 0.0)):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            metrics.update(skipped_nonfinite=1.0, grad_norm=float("nan"), lr=self._lr(), num_micro_batches=float(len(mbs)))
+            return metrics
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:  # fp16 loss-scale overflow
+            metrics["skipped_nonfinite"] = 1.0
+        else:
+            self.scheduler.step(increment=1)
+            self.step += 1
+        if self.cfg.empty_unused_memory_level >= 1 and not self.on_cpu:
+            torch.cuda.empty_cache()
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else 0.0, lr=self._lr(),
+                       num_micro_batches=float(len(mbs)), train_seconds=time.perf_counter() - start)
+        return metrics
+
+    def _loss_fn(self, algorithm: Algorithm, totals: StepTotals, mb: MicroBatch, output):
+        logprobs_T = token_logprobs_vocab_parallel(output, mb)
+        mb_cpu = mb  # the algorithm reads mask/fields; move them next to the logprobs
+        if logprobs_T.device.type != "cpu":
+            mb_cpu = _to_device(mb, logprobs_T.device)
+        loss, metrics = algorithm.loss(logprobs_T, mb_cpu, totals)
+        reduced = {k: float(v) for k, v in metrics.items()}
+        reduced["loss"] = float(loss.detach())
+        return loss, torch.tensor(1, dtype=torch.int), {"metrics": reduced}
+
+    def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
+        """Sum over micro-batches and data-parallel replicas; every rank gets the result."""
+        local: dict[str, float] = {}
+        if self.ranks.reports:
+            for out in outputs:
+                for k, v in out["metrics"].items():
+                    local[k] = local.get(k, 0.0) + v
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        total: dict[str, float] = {}
+        for part in everyone:
+            for k, v in part.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ---- weights -----------------------------------------------------------------------------
+    def export_weights(self, dtype=None, chunk_bytes: int = 1 << 30) -> Iterator[NamedTensors]:
+        chunk: NamedTensors = []
+        size = 0
+        for name, tensor in iter_hf_weights(self.module, self.hf_config):
+            tensor = tensor.to(dtype) if dtype is not None else tensor
+            nbytes = tensor.numel() * tensor.element_size()
+            if chunk and size + nbytes > chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append((name, tensor))
+            size += nbytes
+        if chunk:
+            yield chunk
+
+    def export_hf(self, path: str) -> None:
+        checkpoint.export_hf(self, path)
+
+    def save_checkpoint(self, path: str) -> None:
+        checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        checkpoint.load(self, path)
+
+    # ---- memory ------------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Move parameters, gradient buffers and optimizer state to host memory (GPU only)."""
+        if self.on_cpu or self._offloaded:
+            return
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            buffer.offload_to_cpu(move_params=True, move_grads=True)
+        self.optimizer.offload_to_cpu()
+        torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def onload(self) -> None:
+        if self.on_cpu or not self._offloaded:
+            return
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            buffer.reload_from_cpu(move_params=True, move_grads=True)
+        self.optimizer.restore_from_cpu()
+        self._offloaded = False
+
+    def shutdown(self) -> None:
+        self._reference.clear()
+
+
+def _to_device(mb: MicroBatch, device) -> MicroBatch:
+    import attrs
+
+    return attrs.evolve(
+        mb, loss_mask_T=mb.loss_mask_T.to(device), seq_index_T=mb.seq_index_T.to(device),
+        token_fields={k: v.to(device) for k, v in mb.token_fields.items()},
+        seq_fields={k: v.to(device) for k, v in mb.seq_fields.items()},
+    )

@@ -1,0 +1,146 @@
+"""Checkpoints through Megatron's ``dist_checkpointing``, and Hugging Face export.
+
+A checkpoint directory holds:
+- ``megatron/``: model and optimizer state as sharded tensors (each rank writes its shards;
+  resumable under the same layout, and the model part under another TP/PP layout);
+- ``extra/rank_<r>.pt``: per-rank scheduler state, step counter and RNG states (CPU, CUDA and
+  Megatron's RNG tracker), so that a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+# Fully parallel save/load with no gathering; reshardable across data-parallel sizes.
+SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _sharded(backend, *, is_loading: bool) -> dict:
+    model_sd = backend.module.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": backend.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)}
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(backend, path: str) -> None:
+    root = Path(path)
+    rank = dist.get_rank()
+    if rank == 0:
+        (root / "megatron").mkdir(parents=True, exist_ok=True)
+        (root / "extra").mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(backend, is_loading=False), str(root / "megatron"),
+                            content_metadata=SHARDING)
+    extra = {"scheduler": backend.scheduler.state_dict(), "step": backend.step, "optimizer_steps": backend.step,
+             "rng": _rng_state()}
+    torch.save(extra, root / "extra" / f"rank_{rank}.pt")
+    dist.barrier()
+
+
+def _init_adam_state(optimizer) -> None:
+    """Give every parameter a (zero) Adam state with a ``step``: without Apex/TE, Megatron's
+    distributed optimizer reads one common step from the state even before the first update."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0)
+                    state.setdefault("exp_avg", torch.zeros_like(p.data))
+                    state.setdefault("exp_avg_sq", torch.zeros_like(p.data))
+
+
+def _set_adam_steps(optimizer, step: int) -> None:
+    """Without Apex/TE, Megatron's distributed optimizer restores torch AdamW's per-parameter
+    ``step`` from its template (0 before the first update) and as ONE tensor shared by every
+    state (which AdamW would increment once per parameter). Set each its own count of updates."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if "step" in state:
+                state["step"] = torch.tensor(float(step))
+
+
+def load(backend, path: str) -> None:
+    root = Path(path)
+    if not (root / "megatron").is_dir():
+        raise FileNotFoundError(f"{root} is not an rlcore-megatron checkpoint (no megatron/ directory)")
+    _init_adam_state(backend.optimizer)
+    state = dist_checkpointing.load(_sharded(backend, is_loading=True), str(root / "megatron"))
+    backend.module.load_state_dict(state["model"])
+    with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
+        backend.optimizer.load_state_dict(state["optimizer"])
+    extra_file = root / "extra" / f"rank_{dist.get_rank()}.pt"
+    if not extra_file.is_file():
+        raise FileNotFoundError(f"{extra_file} is missing: the checkpoint was written with a different world size")
+    extra = torch.load(extra_file, weights_only=False)
+    backend.scheduler.load_state_dict(extra["scheduler"])
+    backend.step = int(extra["step"])
+    _set_adam_steps(backend.optimizer, extra.get("optimizer_steps", backend.step))
+    _set_rng_state(extra["rng"])
+    dist.barrier()
+
+
+def export_hf(backend, path: str, shard_bytes: int = 4 << 30) -> None:
+    """Write safetensors shards (+ index), config and tokenizer files; rank 0 writes, all ranks iterate."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    rank = dist.get_rank()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    dtype = backend.module.config.params_dtype
+    files: list[tuple[str, list[str]]] = []
+    for i, chunk in enumerate(backend.export_weights(dtype=dtype, chunk_bytes=shard_bytes)):
+        name = f"model-{i + 1:05d}.safetensors"
+        save_file({n: t.detach().cpu().contiguous() for n, t in chunk}, str(out / name), metadata={"format": "pt"})
+        files.append((name, [n for n, _ in chunk]))
+    if rank == 0:
+        _write_index(out, files)
+        backend.hf_config.save_pretrained(out)
+        _copy_tokenizer(Path(backend.model_path), out)
+    dist.barrier()
+
+
+def _write_index(out: Path, files: list[tuple[str, list[str]]]) -> None:
+    if len(files) == 1:
+        (out / files[0][0]).rename(out / "model.safetensors")
+        return
+    total = sum((out / f).stat().st_size for f, _ in files)
+    weight_map = {n: f for f, names in files for n in names}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                 "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt"):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)

@@ -1,0 +1,232 @@
+"""One rank of the 2-process gloo checks (launched by test_distributed.py).
+
+Usage: python dist_worker.py RANK WORLD PORT MODELS_JSON OUT_DIR. Runs every scenario in one
+process (imports cost more than the checks on a loaded 2-core machine) and writes
+``OUT_DIR/rank_<r>.json`` with one measured number per check; the test asserts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class SumNLL:
+    """Advantage-weighted token NLL, globally normalized: loss = -sum(A_t * m_t * logp_t) / N_valid_tokens."""
+
+    name, uses_reference, uses_old_logprobs, loss_level = "test_pg", False, False, "token"
+
+    def loss(self, logprobs_T, mb, totals):
+        weighted_T = mb.token_fields["advantages"].to(logprobs_T) * mb.loss_mask_T.to(logprobs_T) * logprobs_T
+        loss = -weighted_T.sum() / max(totals.num_valid_tokens, 1)
+        return loss, {"valid_tokens": float(mb.loss_mask_T.sum())}
+
+
+def make_batch(seed: int, n: int = 6, vocab: int = 100):
+    from rlcore.interfaces import SequenceBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids, masks, adv = [], [], []
+    for i in range(n):
+        length = int(torch.randint(5, 24, (1,), generator=g))
+        ids.append(torch.randint(3, vocab, (length,), generator=g))
+        mask = torch.ones(length)
+        mask[: length // 3] = 0  # prompt part
+        masks.append(mask)
+        adv.append(torch.full((length,), float(torch.randn(1, generator=g))))
+    return SequenceBatch(input_ids=ids, loss_mask=masks, token_fields={"advantages": adv})
+
+
+def run_config(path: str, mb_tokens: int = 40, **mcfg):
+    from rlcore.config import RunConfig
+    from rlcore.config.schema import PolicyConfig, SequencePackingConfig
+    from rlcore_megatron.config import MegatronConfig, MegatronOptimizerConfig
+
+    policy = PolicyConfig(model_name=path, precision="float32",
+                          sequence_packing=SequencePackingConfig(train_mb_tokens=mb_tokens, logprob_mb_tokens=mb_tokens))
+    # eps well above fp32 summation noise of tiny gradients: Adam's first step is lr*g/(|g|+eps), which
+    # amplifies reduction-order differences ~lr/(4 eps) times where |g| ~ eps.
+    opt = MegatronOptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-6)
+    return RunConfig(policy=policy), MegatronConfig(enabled=True, optimizer=opt, **mcfg)
+
+
+def backend_for(path: str, **mcfg):
+    from rlcore.interfaces import WorldInfo
+    from rlcore_megatron.backend import build_backend
+
+    run, cfg = run_config(path, **mcfg)
+    return build_backend(run, cfg, WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size()))
+
+
+def megatron_logits(backend, batch) -> list[torch.Tensor] | None:
+    """Full-vocab logits per sequence on rank 0, through the backend's schedule (PP-aware)."""
+    from megatron.core import parallel_state as mpu
+    from rlcore.packing import unpack
+
+    mbs = backend._micro_batches(batch, 64, 4)
+
+    def loss_fn(mb, output):
+        parts = [torch.empty_like(output) for _ in range(mpu.get_tensor_model_parallel_world_size())]
+        dist.all_gather(parts, output.contiguous(), group=mpu.get_tensor_model_parallel_group())
+        full_TV = torch.cat(parts, -1)[0]
+        rows = dict(zip(mb.seq_ids, unpack(full_TV, mb)))
+        return output.sum() * 0, torch.tensor(1), {"rows": rows}
+
+    with torch.no_grad():
+        outs = backend._run_schedule(mbs, loss_fn, forward_only=True)
+    local = {}
+    if backend.ranks.reports:
+        for o in outs:
+            local.update(o["rows"])
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged = {k: v for part in gathered for k, v in part.items()}
+    return [merged[i] for i in range(len(batch))]
+
+
+def hf_logits(model, batch) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(ids[None]).logits[0] for ids in batch.input_ids]
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def check_parity(path: str, **mcfg) -> float:
+    from transformers import AutoModelForCausalLM
+
+    backend = backend_for(path, **mcfg)
+    batch = make_batch(1)
+    backend.module.eval()  # MoE with TP refuses to *train* without sequence parallelism
+    ours = megatron_logits(backend, batch)
+    ref = hf_logits(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), batch)
+    return max_diff(ours, ref)
+
+
+def reference_step(path: str, batch, run, cfg):
+    """Plain single-process HF + torch AdamW step with the backend's hyperparameters and loss."""
+    from rlcore.ops import token_logprobs
+    from rlcore.packing import make_micro_batches, step_totals
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    totals, algo, o = step_totals(batch), SumNLL(), cfg.optimizer
+    total_loss = 0.0
+    for mb in make_micro_batches(batch, run.policy.sequence_packing.train_mb_tokens):
+        logits = torch.cat([model(batch.input_ids[i][None]).logits[0] for i in mb.seq_ids])
+        logits = torch.nn.functional.pad(logits, (0, 0, 0, mb.input_ids_T.numel() - logits.shape[0]))
+        loss, _ = algo.loss(token_logprobs(logits, mb.input_ids_T, mb.cu_seqlens), mb, totals)
+        loss.backward()
+        total_loss += float(loss)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad))
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    opt.step()
+    return total_loss, grad_norm, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def exported(backend) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for chunk in backend.export_weights(chunk_bytes=1 << 16) for n, t in chunk}
+
+
+def check_training(path: str, tmp: Path, out: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    batch1, batch2 = make_batch(2, n=8), make_batch(3, n=8)
+    backend = backend_for(path)
+    metrics = backend.train(batch1, SumNLL())
+    weights1 = exported(backend)
+    if dist.get_rank() == 0:
+        run, cfg = run_config(path)
+        ref_loss, ref_norm, ref_weights = reference_step(path, batch1, run, cfg)
+        out["grad_norm_rel_diff"] = abs(metrics["grad_norm"] - ref_norm) / ref_norm
+        out["train_loss_diff"] = abs(metrics["loss"] - ref_loss)
+        out["train_loss"] = metrics["loss"]
+        out["train_weight_diff"] = max(float((weights1[k] - ref_weights[k]).abs().max()) for k in ref_weights)
+        out["train_weight_change"] = max(float((weights1[k] - v).abs().max()) for k, v in
+                                         AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items())
+        out["num_micro_batches"] = metrics["num_micro_batches"]
+    # export -> reload into transformers
+    backend.export_hf(str(tmp / "export"))
+    ours = megatron_logits(backend, batch2)
+    if dist.get_rank() == 0:
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp / "export", dtype=torch.float32)
+        out["export_tensor_diff"] = max(float((reloaded.state_dict()[k] - v).abs().max()) for k, v in weights1.items())
+        out["export_logits_diff"] = max_diff(ours, hf_logits(reloaded, batch2))
+    # logprobs: policy vs reference
+    lp = backend.logprobs(batch2)
+    ref_lp = backend.logprobs(batch2, reference=True)
+    if dist.get_rank() == 0:
+        from rlcore.ops import token_logprobs
+
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        expect = [token_logprobs(base(ids[None]).logits[0].detach(), ids) for ids in batch2.input_ids]
+        out["ref_logprob_diff"] = max_diff(ref_lp, expect)
+        expect_now = [token_logprobs(ours[i], ids) for i, ids in enumerate(batch2.input_ids)]
+        out["policy_logprob_diff"] = max_diff(lp, expect_now)
+    # resume equals uninterrupted
+    backend.save_checkpoint(str(tmp / "ckpt"))
+    m2 = backend.train(batch2, SumNLL())
+    uninterrupted = exported(backend)
+    fresh = backend_for(path)
+    fresh.load_checkpoint(str(tmp / "ckpt"))
+    m2b = fresh.train(batch2, SumNLL())
+    resumed = exported(fresh)
+    if dist.get_rank() == 0:
+        out["resume_weight_diff"] = max(float((uninterrupted[k] - resumed[k]).abs().max()) for k in uninterrupted)
+        out["resume_loss_diff"] = abs(m2["loss"] - m2b["loss"])
+        out["resume_lr"] = [m2["lr"], m2b["lr"]]
+    # a non-finite loss skips the update
+    bad = make_batch(4, n=4)
+    bad.token_fields["advantages"][0][:] = float("nan")
+    before = exported(fresh)
+    m3 = fresh.train(bad, SumNLL())
+    after = exported(fresh)
+    if dist.get_rank() == 0:
+        out["nonfinite_skipped"] = m3.get("skipped_nonfinite", 0.0)
+        out["nonfinite_weight_change"] = max(float((before[k] - after[k]).abs().max()) for k in before)
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    models, tmp = json.loads(sys.argv[4]), Path(sys.argv[5])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict = {}
+    scenarios = [(f"tp2_{arch}", lambda a=arch: check_parity(models[a], tensor_model_parallel_size=2))
+                 for arch in ("llama", "qwen2", "qwen3", "qwen3_moe")]
+    scenarios += [("pp2_llama", lambda: check_parity(models["llama"], pipeline_model_parallel_size=2)),
+                  ("ep2_qwen3_moe", lambda: check_parity(models["qwen3_moe"], expert_model_parallel_size=2))]
+    for name, fn in scenarios:
+        start = time.time()
+        try:
+            out[name] = fn()
+        except Exception:  # noqa: BLE001 - reported to the test, which fails naming the scenario
+            out[name] = "ERROR " + traceback.format_exc()
+        out[name + "_s"] = time.time() - start
+    start = time.time()
+    try:
+        check_training(models["llama"], tmp, out)
+    except Exception:  # noqa: BLE001
+        out["training"] = "ERROR " + traceback.format_exc()
+    out["training_s"] = time.time() - start
+    for key, value in out.items():
+        if isinstance(value, str) and value.startswith("ERROR"):
+            print(f"[rank {rank}] {key}: {value}", file=sys.stderr)
+    (tmp / f"rank_{rank}.json").write_text(json.dumps(out, indent=1, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
