@@ -57,6 +57,7 @@ def _use_varlen(query: torch.Tensor, dropout: float) -> bool:
             and _varlen_kwargs() is not None)
 
 
+@torch.compiler.disable  # one kernel (or a host loop on CPU): keep it out of compiled layers' graphs
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              **kwargs) -> tuple[torch.Tensor, None]:
@@ -73,7 +74,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         from torch.nn.attention.varlen import varlen_attn
 
         max_len = int(kwargs.get("max_length_q") or tokens)
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+        q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, H, D]
         out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, **_varlen_kwargs())
         return out.unsqueeze(0), None
     bounds = cu.tolist()

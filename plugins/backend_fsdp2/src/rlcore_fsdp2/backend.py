@@ -136,10 +136,11 @@ class FSDP2Backend:
             micro_batch_size=self.policy.train_micro_batch_size if train else self.policy.logprob_batch_size)
 
     def _to_device(self, mb: MicroBatch) -> MicroBatch:
+        """Token tensors on the device; ``cu_seqlens`` stays on CPU (read on the host: no syncs)."""
         dev = self.device
         return attrs.evolve(
             mb, input_ids_T=mb.input_ids_T.to(dev), position_ids_T=mb.position_ids_T.to(dev),
-            cu_seqlens=mb.cu_seqlens.to(dev), seq_index_T=mb.seq_index_T.to(dev), loss_mask_T=mb.loss_mask_T.to(dev),
+            seq_index_T=mb.seq_index_T.to(dev), loss_mask_T=mb.loss_mask_T.to(dev),
             token_fields={k: v.to(dev) for k, v in mb.token_fields.items()},
             seq_fields={k: v.to(dev) for k, v in mb.seq_fields.items()})
 

@@ -32,6 +32,7 @@ class DTensorConfig:
         "'module:attr' naming a dict {module pattern: ParallelStyle} or a callable(model) -> dict, "
         "used instead of the built-in tensor-parallel plan"))
     reshard_after_forward: bool = field(default=True, metadata=doc("free gathered params after forward (ZeRO-3); false keeps them until backward (ZeRO-2 like)"))
+    compile: bool = field(default=False, metadata=doc("torch.compile each decoder layer's forward (fuses norm/rotary/SwiGLU ops; the first steps compile)"))
     logprob_chunk_tokens: int = field(default=1024, validator=_positive, metadata=doc("rows of the logits turned into float32 log-softmax at a time"))
 
     def __attrs_post_init__(self) -> None:

@@ -9,8 +9,10 @@ FSDP hooks sit outside the recomputed region):
    projections, vocab-parallel embedding and LM head; with sequence parallelism the norms and
    residual stream are sharded along the sequence. MoE experts and the router stay replicated
    over TP ranks (each TP rank runs them on the full, gathered activations).
-2. :func:`apply_ac` — ``checkpoint_wrapper`` around each decoder layer.
-3. :func:`apply_fsdp` — ``fully_shard`` per decoder layer, then the root, with a
+2. :func:`apply_compile` (optional) — ``torch.compile`` of each decoder layer's ``forward``
+   (module names and the FSDP hooks stay outside the compiled code).
+3. :func:`apply_ac` — ``checkpoint_wrapper`` around each decoder layer.
+4. :func:`apply_fsdp` — ``fully_shard`` per decoder layer, then the root, with a
    ``MixedPrecisionPolicy`` (params cast to the compute dtype, gradients reduced in fp32/fp64)
    and optional CPU offload. Gradients are SUMMED over data-parallel ranks (divide factor 1):
    rlcore losses are already divided by global token counts.
@@ -134,6 +136,11 @@ def apply_tp(model: nn.Module, tp_mesh: Any, cfg: DTensorConfig) -> None:
     parallelize_module(model, tp_mesh, plan)
 
 
+def apply_compile(model: nn.Module) -> None:
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward)
+
+
 def apply_ac(model: nn.Module) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -164,10 +171,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, redu
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, cfg: DTensorConfig, *, param_dtype: torch.dtype,
                 reduce_dtype: torch.dtype, device_type: str) -> nn.Module:
-    """TP/SP -> AC -> FSDP2, in place; returns ``model``."""
+    """TP/SP -> compile -> AC -> FSDP2, in place; returns ``model``."""
     dims.check_model(model.config)
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], cfg)
+    if cfg.compile:
+        apply_compile(model)
     if cfg.activation_checkpointing:
         apply_ac(model)
     apply_fsdp(model, mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
