@@ -30,6 +30,7 @@ class SyncEngine:
 
         self.llm = LLM(**engine_kwargs)
         self._lock = threading.Lock()
+        self._lock_start = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._batcher: threading.Thread | None = None
         self._closed = False
@@ -48,20 +49,21 @@ class SyncEngine:
     async def arun(self, prompt_ids: list[int], sampling_params) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        with self._lock_start:
+            if self._batcher is None:
+                self._batcher = threading.Thread(target=self._batch_loop, name="rlcore-vllm-batcher", daemon=True)
+                self._batcher.start()
         self._queue.put((prompt_ids, sampling_params, future, loop))
-        if self._batcher is None or not self._batcher.is_alive():
-            self._batcher = threading.Thread(target=self._batch_loop, name="rlcore-vllm-batcher", daemon=True)
-            self._batcher.start()
         return await future
 
     def _batch_loop(self) -> None:
+        """Runs until shutdown: each batch is whatever ``arun`` calls queued while the last one ran."""
         while not self._closed:
             try:
-                first = self._queue.get(timeout=1.0)
+                batch = [self._queue.get(timeout=0.5)]
             except queue.Empty:
-                return
-            batch = [first]
-            while True:  # whatever else arrived meanwhile joins this batch
+                continue
+            while True:
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:

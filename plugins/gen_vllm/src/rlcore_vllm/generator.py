@@ -36,7 +36,6 @@ class VllmGenerator:
         self.weights_version = 0
         self.sleeping = False
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
-        self.probe_sequences: list[list[int]] = []  # recent prompt+response ids, for refit probes
         kwargs = self._engine_kwargs(dtype, seed, tokenizer_path)
         kwargs.update(engine_kwargs or {})
         if self.config.async_engine:
@@ -118,7 +117,6 @@ class VllmGenerator:
                 finish_reason=str(completion.finish_reason or "abort"), text=completion.text,
                 policy_version=self.weights_version,
             ))
-        self.probe_sequences = ([prompt_ids + r.response_ids for r in results] + self.probe_sequences)[:16]
         return results
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationResult]]:
@@ -163,12 +161,17 @@ class VllmGenerator:
     # ---- weights -------------------------------------------------------------------------------
     def encoding_for(self, tensor) -> str:
         """How a tensor reaches the worker: direct in-process, CUDA IPC or shared memory."""
-        if self.engine.in_process:
+        single_worker = self.config.tensor_parallel_size == 1 and self.config.num_replicas == 1
+        if self.engine.in_process and single_worker:  # with TP, workers are processes of their own
             return "direct"
         return "cuda_ipc" if tensor.device.type == "cuda" else "shm"
 
     def update_weights(self, chunks: Iterable[NamedTensors]) -> None:
-        """Load Hugging Face-named chunks in place (layer-wise reload in the workers)."""
+        """Load Hugging Face-named chunks in place (layer-wise reload in the workers).
+
+        A failure part-way still finalizes the reload (layers not reached keep their old weights)
+        and re-raises without bumping ``weights_version``; the run loop's refit probe would flag
+        the mixed state if the error were swallowed."""
         from rlcore_vllm.codecs import encode
 
         if self.sleeping:

@@ -67,7 +67,6 @@ class RlcoreWorkerExtension:
                 self.model_runner.reload_weights(weights_iterator=iter(self.rlcore_pending))
         loaded = self.rlcore_loaded
         del self.rlcore_pending, self.rlcore_layerwise, self.rlcore_loaded
-        self.model_runner.reset_encoder_cache() if hasattr(self.model_runner, "reset_encoder_cache") else None
         return loaded
 
     # ---- broadcast group (non-colocated refit) ------------------------------------------------
@@ -77,7 +76,8 @@ class RlcoreWorkerExtension:
 
         import torch
 
-        rank = rank_offset + getattr(self, "rank", 0)
+        parallel = self.vllm_config.parallel_config  # data-parallel replicas each have local ranks 0..TP*PP-1
+        rank = rank_offset + parallel.data_parallel_rank * parallel.world_size + getattr(self, "rank", 0)
         device = "cpu" if backend == "gloo" else f"cuda:{torch.cuda.current_device()}"
         self.rlcore_group = WeightGroup(host, port, world_size, rank, backend, timeout_s, device)
         return rank
