@@ -192,3 +192,10 @@ def test_arithmetic_too_small_space_is_a_clear_error(tiny_tokenizer, tmp_path):
 
     with pytest.raises(ConfigError, match="operations"):
         build(tiny_tokenizer, tmp_path, name="arithmetic", operations=["/"])
+
+
+def test_arithmetic_level_conflicts_with_explicit_keys(tiny_tokenizer, tmp_path):
+    from rlcore.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data\.level.*remove data\.digits"):
+        build(tiny_tokenizer, tmp_path, name="arithmetic", level=3, digits=4)

@@ -12,7 +12,7 @@ from typing import Literal
 import attrs
 from attrs import field, frozen
 
-from rlcore.config.structure import doc
+from rlcore.config.structure import ConfigError, doc
 
 _positive = attrs.validators.gt(0)
 _non_negative = attrs.validators.ge(0)
@@ -103,11 +103,11 @@ class MathFilesDatasetConfig:
 
     def __attrs_post_init__(self):
         if not self.train_files:
-            raise ValueError("data.train_files: at least one training file is required")
+            raise ConfigError("data.train_files", "at least one training file is required")
         if self.preset == "custom" and (self.prompt_column is None or self.answer_column is None):
-            raise ValueError("data.preset 'custom' needs data.prompt_column and data.answer_column")
+            raise ConfigError("data.preset", "'custom' needs data.prompt_column and data.answer_column")
         if "{question}" not in self.prompt_template:
-            raise ValueError("data.prompt_template must contain '{question}'")
+            raise ConfigError("data.prompt_template", "must contain '{question}'")
 
 
 @frozen
@@ -132,11 +132,16 @@ class ArithmeticDatasetConfig:
     def __attrs_post_init__(self):
         bad = [op for op in self.operations if op not in ARITHMETIC_OPERATIONS]
         if bad or not self.operations:
-            raise ValueError(f"data.operations must be a non-empty list of {list(ARITHMETIC_OPERATIONS)}, got {list(self.operations)}")
-        if self.level is not None and self.level not in ARITHMETIC_LEVELS:
-            raise ValueError(f"data.level must be one of {sorted(ARITHMETIC_LEVELS)} or null, got {self.level}")
+            raise ConfigError("data.operations", f"must be a non-empty list of {list(ARITHMETIC_OPERATIONS)}, got {list(self.operations)}")
+        if self.level is not None:
+            if self.level not in ARITHMETIC_LEVELS:
+                raise ConfigError("data.level", f"must be one of {sorted(ARITHMETIC_LEVELS)} or null, got {self.level}")
+            defaults = {f.name: f.default for f in attrs.fields(type(self)) if f.name in ("digits", "operations", "num_terms")}
+            changed = [name for name, default in defaults.items() if getattr(self, name) != default]
+            if changed:
+                raise ConfigError("data.level", f"sets digits, operations and num_terms itself; remove data.{changed[0]} or data.level")
         if "{expr}" not in self.prompt_template:
-            raise ValueError("data.prompt_template must contain '{expr}'")
+            raise ConfigError("data.prompt_template", "must contain '{expr}'")
 
     def resolved(self) -> tuple[int, tuple[str, ...], int]:
         """(digits, operations, num_terms), from ``level`` when set."""

@@ -69,9 +69,13 @@ def precheck(response: object, max_chars: int, window: int, max_depth: int) -> t
     return text, "ok"
 
 
+_NOT_BRACKET_RE = re.compile(r"[^{}()\[\]]+")
+
+
 def _max_depth(text: str) -> int:
+    """Deepest bracket nesting, any kind closing any kind (so intervals like [0, 1) balance)."""
     depth = deepest = 0
-    for ch in text:
+    for ch in _NOT_BRACKET_RE.sub("", text):  # the loop then sees brackets only
         if ch in _OPENERS:
             depth += 1
             deepest = max(deepest, depth)

@@ -11,6 +11,7 @@ import attrs
 from rlcore.interfaces import Sample
 
 log = logging.getLogger("rlcore_math")
+_BATCH = 1024  # conversations per apply_chat_template call
 
 
 class DataError(ValueError):
@@ -37,17 +38,24 @@ def messages_for(user: str, system: str | None) -> list[dict[str, str]]:
     return messages + [{"role": "user", "content": user}]
 
 
-def encode(tokenizer: Any, messages: list[dict[str, str]], chat_template: bool = True) -> list[int]:
-    """Prompt token ids: the tokenizer's chat template with the generation prompt, or the plain text."""
+def encode_batch(tokenizer: Any, conversations: list[list[dict[str, str]]], chat_template: bool = True) -> list[list[int]]:
+    """Prompt token ids: the tokenizer's chat template with the generation prompt, or the plain text.
+
+    One ``apply_chat_template`` call over many conversations renders each and tokenizes them all
+    in one batched call: the same ids as one call per conversation, several times faster.
+    """
+    if not conversations:
+        return []
     if not chat_template:
-        return list(tokenizer.encode("".join(m["content"] for m in messages), add_special_tokens=False))
+        texts = ["".join(m["content"] for m in conv) for conv in conversations]
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"tokenizer {type(tokenizer).__name__} has no chat template; set data.chat_template=false "
                         "where the dataset allows it, or use a tokenizer with one")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    if hasattr(ids, "keys"):  # some tokenizers still answer a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    out = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if hasattr(out, "keys"):  # some tokenizers still answer a BatchEncoding
+        out = out["input_ids"]
+    return [[int(t) for t in ids] for ids in out]
 
 
 def tokenize_split(samples: Sequence[Sample], tokenizer: Any, split: str, max_prompt_tokens: int | None,
@@ -55,9 +63,11 @@ def tokenize_split(samples: Sequence[Sample], tokenizer: Any, split: str, max_pr
     """Fill ``prompt_ids`` and ``index``; drop (and count, and say so) prompts over the limit."""
     kept: list[Sample] = []
     longest = 0
-    for sample in samples:
-        ids = encode(tokenizer, sample.prompt if isinstance(sample.prompt, list) else messages_for(sample.prompt, None),
-                     chat_template)
+    conversations = [s.prompt if isinstance(s.prompt, list) else messages_for(s.prompt, None) for s in samples]
+    all_ids: list[list[int]] = []
+    for first in range(0, len(conversations), _BATCH):
+        all_ids += encode_batch(tokenizer, conversations[first : first + _BATCH], chat_template)
+    for sample, ids in zip(samples, all_ids):
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             longest = max(longest, len(ids))
             continue
