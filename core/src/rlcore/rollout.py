@@ -10,7 +10,8 @@ renders for ``[..., assistant, observation]`` after ``[..., assistant]``, plus t
 prompt), so earlier turns are never re-tokenized and the trainer sees exactly what was sampled.
 If a turn ended without the template's end-of-turn marker (a stop string, the length limit),
 the marker is appended first. Observation and marker tokens get ``response_mask`` 0 and
-logprob 0; model tokens get mask 1 and the generator's logprobs.
+logprob 0; model tokens get mask 1 and the generator's logprobs. The result's ``text`` is the
+final model turn (what an environment grades); every turn's text is in the trajectory.
 
 Every trajectory runs as its own coroutine (``asyncio.gather``), so with an async engine many
 are in flight at once and each turn is scheduled as soon as its observation is ready.
@@ -142,7 +143,7 @@ class MultiTurnRunner:
             state.append(observation, None, model=False)
         traj.result = GenerationResult(
             prompt_ids=state.prompt_ids, response_ids=state.ids, response_logprobs=state.logprobs,
-            finish_reason=state.finish_reason, text="".join(traj.turns), response_mask=state.mask,
+            finish_reason=state.finish_reason, text=traj.turns[-1] if traj.turns else "", response_mask=state.mask,
             policy_version=state.version or 0, num_turns=len(traj.turns),
         )
         return traj
