@@ -89,3 +89,24 @@ def test_dead_worker_scores_error_and_is_replaced():
         assert pool.restarts == 1
     finally:
         pool.close()
+
+
+def test_deadline_restores_an_outer_timer():
+    import signal
+
+    from rlcore_math.grading import GradeTimeout, call_with_deadline
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.6)
+        assert call_with_deadline(lambda: 7, 0.2) == 7
+        with pytest.raises(GradeTimeout):
+            call_with_deadline(lambda: time.sleep(1), 0.1)
+        remaining = signal.getitimer(signal.ITIMER_REAL)[0]
+        assert 0 < remaining < 0.6
+        time.sleep(remaining + 0.2)
+        assert fired == [True]  # the outer timer (pytest-timeout, say) still fired, with its handler
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -19,6 +19,7 @@ import functools
 import re
 import signal
 import threading
+import time
 from typing import NamedTuple
 
 STATUSES = ("ok", "parse_error", "timeout", "rejected", "gold_error", "format_error", "error")
@@ -155,16 +156,24 @@ def _raise_timeout(signum, frame):
 
 
 def call_with_deadline(fn, seconds: float | None):
-    """Run ``fn()`` with a SIGALRM deadline (main thread only; elsewhere without one)."""
+    """Run ``fn()`` with a SIGALRM deadline (main thread only; elsewhere without one).
+
+    An interval timer someone else had armed (pytest-timeout, say) is re-armed afterwards with
+    its remaining time, so it still fires (at most ``seconds`` late).
+    """
     if not seconds or threading.current_thread() is not threading.main_thread():
         return fn()
+    started = time.monotonic()
     previous = signal.signal(signal.SIGALRM, _raise_timeout)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         return fn()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_delay:
+            remaining = max(outer_delay - (time.monotonic() - started), 1e-3)
+            signal.setitimer(signal.ITIMER_REAL, remaining, outer_interval)
 
 
 def grade_text(text: str, gold: object, *, timeout_s: float | None, float_rounding: int = 6,
