@@ -180,6 +180,8 @@ def run(config: RunConfig, **given) -> dict:
         components.trainer.shutdown()
         if "generator" not in given:
             components.generator.shutdown()
+        if "environment" not in given and hasattr(components.environment, "close"):
+            components.environment.close()
     summary = summarize([r for r in records if "timing/total" in r], config.grpo.summary_window)
     first_val = next((r["val/accuracy"] for r in records if "val/accuracy" in r), None)
     last_val = next((r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r), None)
