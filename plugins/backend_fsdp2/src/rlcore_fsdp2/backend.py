@@ -237,17 +237,26 @@ class FSDP2Backend:
 
     @torch.no_grad()
     def _clip_grad_norm(self) -> float:
-        """Global L2 norm over all shards (params may live on different meshes: TP'd layers on
-        (dp, tp), replicated MoE experts on dp only), then clip to ``policy.max_grad_norm``."""
+        """Global L2 norm of all gradients, then clip to ``policy.max_grad_norm``.
+
+        Local shards' squared norms are summed per (mesh, sharded dims) and all-reduced over the
+        sharded mesh dims only (a replicated dim would count a shard twice). Params may live on
+        different meshes (TP'd layers on (dp, tp), replicated MoE experts on dp) and, with CPU
+        offload, on the host: this works for all of them where DTensor's own norm would not."""
         grads = [p.grad for p in self.params if p.grad is not None]
         groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
         for g in grads:
-            groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+            if isinstance(g, DTensor):
+                sharded = tuple(i for i, placement in enumerate(g.placements) if placement.is_shard())
+                groups[(g.device_mesh, sharded)].append(g._local_tensor)
+            else:
+                groups[(None, ())].append(g)
         total_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for group in groups.values():
-            norm = torch.nn.utils.get_total_norm(group, 2.0)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            total_sq += norm.to(device=self.device, dtype=torch.float64) ** 2
+        for (mesh, sharded), tensors in groups.items():
+            sq = torch.stack([n.to(self.device, torch.float64) for n in torch._foreach_norm(tensors)]).square().sum()
+            for dim in sharded:
+                dist.all_reduce(sq, group=mesh.get_group(dim))
+            total_sq += sq
         total = float(total_sq.sqrt())
         max_norm = self.policy.max_grad_norm
         if max_norm is not None and max_norm > 0 and math.isfinite(total):
