@@ -55,21 +55,27 @@ def token_logprobs_vocab_parallel(logits_1TV: torch.Tensor, mb: MicroBatch) -> t
 class MegatronBackend:
     """Trains the policy with Megatron-Core; see the module docstring."""
 
-    def __init__(self, config: RunConfig, cfg: MegatronConfig, world: WorldInfo):
+    def __init__(self, config: RunConfig, cfg: MegatronConfig, world: WorldInfo, *, hf_config=None, seed: int | None = None):
+        """``hf_config``: build a random-init model from this transformers config instead of
+        loading ``policy.model_name`` (benchmarks)."""
         from transformers import AutoConfig
 
         self.run, self.cfg, self.world = config, cfg, world
+        if dist.is_initialized() and dist.get_world_size() != world.world_size:
+            raise RuntimeError(f"rlcore-megatron: WorldInfo says world_size={world.world_size} but torch.distributed "
+                               f"has {dist.get_world_size()} ranks")
         self.on_cpu = world.device == "cpu" or not torch.cuda.is_available()
         if self.on_cpu:
             cpu_shims.install()
         else:
             torch.cuda.set_device(world.local_rank)
         self.model_path = config.policy.model_name
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
-        self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.grpo.seed)
+        self.hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(self.model_path)
+        self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.grpo.seed if seed is None else seed)
         self.ranks = parallel.Ranks.current()
         model = parallel.build_model(cfg, self.hf_config, config, on_cpu=self.on_cpu)
-        load_hf_into_megatron(model, self.model_path, self.hf_config)
+        if hf_config is None:
+            load_hf_into_megatron(model, self.model_path, self.hf_config)
         self.model = parallel.wrap_ddp(model, cfg)
         self.optimizer = parallel.build_optimizer(self.model, cfg, config)
         self.scheduler = parallel.build_scheduler(self.optimizer, cfg, config)
