@@ -104,7 +104,7 @@ class VllmGenerator:
         return GenerationResult(prompt_ids=list(prompt_ids), response_ids=[], response_logprobs=[],
                                 finish_reason="truncated_prompt", policy_version=self.weights_version)
 
-    def _results(self, request_output) -> list[GenerationResult]:
+    def _results(self, request_output, version: int) -> list[GenerationResult]:
         prompt_ids = list(request_output.prompt_token_ids)
         results = []
         for completion in request_output.outputs:
@@ -114,13 +114,13 @@ class VllmGenerator:
                 raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
             results.append(GenerationResult(
                 prompt_ids=prompt_ids, response_ids=ids, response_logprobs=logprobs,
-                finish_reason=str(completion.finish_reason or "abort"), text=completion.text,
-                policy_version=self.weights_version,
+                finish_reason=str(completion.finish_reason or "abort"), text=completion.text, policy_version=version,
             ))
         return results
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationResult]]:
         self._check_awake()
+        version = self.weights_version  # the weights these samples come from (a refit may follow)
         fitted = [self._fit_prompt(p) for p in prompts]
         # vLLM refuses n > 1 with greedy sampling: send n identical requests instead.
         copies, n = (params.n, 1) if params.temperature == 0 and params.n > 1 else (1, params.n)
@@ -131,16 +131,17 @@ class VllmGenerator:
             if p is None:
                 results.append([self._dropped(orig) for _ in range(params.n)])
             else:
-                results.append([r for _ in range(copies) for r in self._results(next(outputs))])
+                results.append([r for _ in range(copies) for r in self._results(next(outputs), version)])
         return results
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         self._check_awake()
+        version = self.weights_version
         fitted = self._fit_prompt(prompt_ids)
         if fitted is None:
             return self._dropped(prompt_ids)
         output = await self.engine.arun(fitted, self._vllm_params(params, len(fitted), 1))
-        return self._results(output)[0]
+        return self._results(output, version)[0]
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Token-aligned logprobs of each sequence under the engine's weights (``prompt_logprobs``)."""
