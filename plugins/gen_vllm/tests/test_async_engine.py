@@ -97,6 +97,8 @@ def test_multi_turn_32_trajectories_3_turns_concurrently(async_generator):
 def test_non_colocated_refit_from_a_trainer_process_over_gloo(async_generator, hf_model, tmp_path):
     from rlcore_vllm.broadcast import free_port
 
+    pytest.importorskip("rlcore_fsdp2", reason="the trainer process runs the FSDP2 backend (rlcore-fsdp2)")
+
     new_weights = perturbed_state_dict(hf_model, seed=21)
     reference = with_weights(hf_model, new_weights)
     reference.save_pretrained(tmp_path / "trained")
