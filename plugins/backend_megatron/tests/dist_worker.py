@@ -132,7 +132,40 @@ def reference_step(path: str, batch, run, cfg):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     opt.step()
-    return total_loss, grad_norm, {k: v.detach() for k, v in model.state_dict().items()}
+    return total_loss, grad_norm, checkpoint_names(model.state_dict())
+
+
+def checkpoint_names(state: dict) -> dict[str, torch.Tensor]:
+    """transformers 5 keeps MoE experts fused in memory; checkpoints (and our export) name each expert."""
+    out = {}
+    for name, t in state.items():
+        t = t.detach()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            pre = name[: -len("gate_up_proj")]
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{pre}{e}.gate_proj.weight"], out[f"{pre}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            pre = name[: -len("down_proj")]
+            for e, w in enumerate(t):
+                out[f"{pre}{e}.down_proj.weight"] = w
+        else:
+            out[name] = t
+    return out
+
+
+def train_vs_reference(path: str, **mcfg) -> dict:
+    """One step under a parallel layout vs the single-process reference: max |loss diff|, |weight diff|."""
+    batch = make_batch(5, n=8)
+    backend = backend_for(path, **mcfg)
+    metrics = backend.train(batch, SumNLL())
+    weights = exported(backend)
+    if dist.get_rank() != 0:
+        return {}
+    run, cfg = run_config(path, **mcfg)
+    ref_loss, ref_norm, ref_weights = reference_step(path, batch, run, cfg)
+    return {"loss": abs(metrics["loss"] - ref_loss), "grad_norm": abs(metrics["grad_norm"] - ref_norm) / ref_norm,
+            "weights": max(float((weights[k] - ref_weights[k]).abs().max()) for k in ref_weights)}
 
 
 def exported(backend) -> dict[str, torch.Tensor]:
@@ -214,6 +247,23 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - reported to the test, which fails naming the scenario
             out[name] = "ERROR " + traceback.format_exc()
         out[name + "_s"] = time.time() - start
+    variants = {
+        "tp2_sp_full_recompute_llama": ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                     activation_checkpointing="full")),
+        "pp2_selective_recompute_llama": ("llama", dict(pipeline_model_parallel_size=2, activation_checkpointing="selective")),
+        "tp2_qwen3": ("qwen3", dict(tensor_model_parallel_size=2)),
+        "tp2_sp_qwen2": ("qwen2", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+        "ep2_qwen3_moe": ("qwen3_moe", dict(expert_model_parallel_size=2)),
+        "tp2_sp_qwen3_moe": ("qwen3_moe", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    }
+    for name, (arch, mcfg) in variants.items():
+        start = time.time()
+        try:
+            for k, v in train_vs_reference(models[arch], **mcfg).items():
+                out[f"train_{name}_{k}"] = v
+        except Exception:  # noqa: BLE001
+            out[f"train_{name}"] = "ERROR " + traceback.format_exc()
+        out[f"train_{name}_s"] = time.time() - start
     start = time.time()
     try:
         check_training(models["llama"], tmp, out)

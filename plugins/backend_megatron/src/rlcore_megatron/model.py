@@ -103,16 +103,45 @@ def _patch_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def layer_spec(hf_config, num_experts: int | None):
+class RMSNorm(torch.nn.RMSNorm):
+    """RMSNorm for the local spec that also works with sequence parallelism.
+
+    Megatron's ``WrappedTorchNorm`` refuses ``sequence_parallel``. With it, each TP rank
+    normalizes its own slice of the sequence, so the weight's gradient is partial: marking the
+    weight ``sequence_parallel`` makes ``finalize_model_grads`` sum it over the TP group, as
+    Transformer Engine's norms are marked. Weights are in the model's dtype (``params_dtype``).
+    """
+
+    mark_sequence_parallel = True
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = bool(config.sequence_parallel and self.mark_sequence_parallel)
+
+
+class QKRMSNorm(RMSNorm):
+    """Per-head q/k norm: sees whole sequences (after the QKV all-gather); TP-summed as ``qk_layernorm``."""
+
+    mark_sequence_parallel = False
+
+
+def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None):
+    """The block spec: TE's layer spec if it imports, else the local one with SDPA attention and our norms."""
     qk_norm = architecture(hf_config) in ("qwen3", "qwen3_moe")
     if have_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
     _patch_router_gemm()
     spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_norm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return spec
+    layer = spec.submodules
+    layer.self_attention.submodules.core_attention = SDPACoreAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if qk_norm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = QKRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig), layer_norm=RMSNorm)
 
 
 def transformer_config(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dtype, on_cpu: bool) -> TransformerConfig:
@@ -173,7 +202,7 @@ def build_gpt_model(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dtype
     tconfig = transformer_config(hf_config, cfg, params_dtype=params_dtype, on_cpu=on_cpu)
     num_experts = getattr(hf_config, "num_experts", None) if architecture(hf_config) == "qwen3_moe" else None
     model = GPTModel(
-        config=tconfig, transformer_layer_spec=layer_spec(hf_config, num_experts), vocab_size=hf_config.vocab_size,
+        config=tconfig, transformer_layer_spec=layer_spec(hf_config, tconfig, num_experts), vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, pre_process=mpu.is_pipeline_first_stage(),
         post_process=mpu.is_pipeline_last_stage(), parallel_output=True,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
