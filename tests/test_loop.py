@@ -126,3 +126,17 @@ def test_non_colocated_trainer_process_refits_driver_generator(tiny_model_dir, t
     for step in (1, 2):
         assert records[step]["refit/bytes"] > 0
         assert records[step]["refit/probe_max_abs_logprob_diff"] < 1e-4
+
+
+def test_multi_turn_environment_runs_through_the_loop(tiny_model_dir, tmp_path):
+    """math_tool: rewards come from the turn-by-turn rollout, not from re-scoring the last turn."""
+    run_dir = tmp_path / "tool"
+    recipe = tiny_recipe(tiny_model_dir, run_dir, **{
+        "env": {"name": "math_tool", "math_tool": {"executor": "inline", "max_turns": 2}},
+        "checkpointing.enabled": False, "grpo.max_num_steps": 2, "grpo.val_period": 0,
+    })
+    done = run_recipe(recipe, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = load_records(run_dir)
+    assert records[2]["rollout/num_trajectories"] == 16
+    assert "env/correct" in records[2] and "train/loss" in records[2]

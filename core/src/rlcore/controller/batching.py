@@ -72,6 +72,12 @@ def score(environment, trajectories: list[Trajectory]) -> dict[str, float]:
         steps = [EnvStep(reward=0.0, metrics={"error": 1.0}) for _ in trajectories]
         metrics["env/errors"] = float(len(trajectories))
         print(f"warning: environment failed on a batch of {len(trajectories)}: {exc!r}; rewards set to 0")
+    return apply_env_steps(trajectories, steps, metrics)
+
+
+def apply_env_steps(trajectories: list[Trajectory], steps: list, metrics: dict[str, float] | None = None) -> dict[str, float]:
+    """Store each EnvStep's reward and metrics on its trajectory; return batch means of the metrics."""
+    metrics = {"env/errors": 0.0} if metrics is None else metrics
     for traj, step in zip(trajectories, steps):
         reward = float(step.reward)
         if not math.isfinite(reward):

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from rlcore.controller.batching import (
-    DataCursor, Trajectory, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
+    DataCursor, Trajectory, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
 )
+from rlcore.interfaces import EnvStep
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import SequenceBatch
@@ -66,23 +67,33 @@ class GRPOLoop:
 
     # ---- rollouts ---------------------------------------------------------------------------
     def _generate(self, samples, n: int, seed: int | None, greedy: bool = False):
+        """Results per sample; for multi-turn environments also the EnvSteps the rollout ended with."""
         params = sampling_params(self.generation_cfg, n, seed, greedy)
+        final_steps = None
         with self.gen_lock:
             version = self.c.generator.weights_version
             if self.c.multi_turn is not None:
                 results = self.c.multi_turn(samples, params)
+                final_steps = [[EnvStep(reward=t.reward, metrics=t.env_metrics) for t in group]
+                               for group in self.c.multi_turn.last_trajectories]
             else:
                 results = self.c.generator.generate([s.prompt_ids for s in samples], params)
-        return results, version
+        return results, version, final_steps
+
+    def _score(self, trajs: list[Trajectory], final_steps) -> dict[str, float]:
+        """Multi-turn rollouts were scored turn by turn already; single-turn ones are scored now."""
+        if final_steps is None:
+            return score(self.c.environment, trajs)
+        return apply_env_steps(trajs, [step for group in final_steps for step in group])
 
     def _rollout_group(self, step: int, round_: int):
         G = self.grpo.num_generations_per_prompt
         samples = [self.c.dataset.train[i] for i in self.cursor.take(self.grpo.num_prompts_per_step)]
         seed = (self.grpo.seed * 1_000_003 + step * 101 + round_) if self.grpo.deterministic else None
-        results, version = self._generate(samples, G, seed)
+        results, version, final_steps = self._generate(samples, G, seed)
         first_group = round_ * len(samples)  # unique group ids across refill rounds
         trajectories = [Trajectory(s, first_group + g, r) for g, (s, rs) in enumerate(zip(samples, results)) for r in rs]
-        return trajectories, version
+        return trajectories, version, final_steps
 
     def collect(self, step: int, timer: StepTimer) -> tuple[list[Trajectory], dict, int]:
         """Trajectories for one step, with DAPO-style refill when the algorithm drops groups."""
@@ -93,9 +104,9 @@ class GRPOLoop:
         version = self.c.generator.weights_version
         for round_ in range(rounds + 1):
             with timer.phase("generation"):
-                trajs, version = self._rollout_group(step, round_)
+                trajs, version, final_steps = self._rollout_group(step, round_)
             with timer.phase("reward"):
-                env_metrics = score(self.c.environment, trajs)
+                env_metrics = self._score(trajs, final_steps)
             if round_ == 0:
                 metrics.update(env_metrics)
                 metrics.update(rollout_metrics(trajs))
@@ -110,6 +121,9 @@ class GRPOLoop:
                 break
         kept = kept[: P * self.grpo.num_generations_per_prompt]
         metrics["rollout/kept_trajectories"] = float(len(kept))
+        generator_metrics = getattr(self.c.generator, "metrics", None)
+        if callable(generator_metrics):
+            metrics.update({k: float(v) for k, v in generator_metrics().items()})
         return kept, metrics, version
 
     def _reward_tensors(self, trajs: list[Trajectory]):
@@ -190,9 +204,9 @@ class GRPOLoop:
         if not val:
             return {}
         samples = list(val[: self.grpo.max_val_samples])
-        results, _ = self._generate(samples, 1, self.grpo.seed, greedy=True)
+        results, _, final_steps = self._generate(samples, 1, self.grpo.seed, greedy=True)
         trajs = [Trajectory(s, i, rs[0]) for i, (s, rs) in enumerate(zip(samples, results))]
-        score(self.c.environment, trajs)
+        self._score(trajs, final_steps)
         return {
             "val/accuracy": float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajs])),
             "val/reward_mean": float(np.mean([t.reward for t in trajs])),
