@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     init_single_process_group(device)
     hf_config = model_config(args.tiny)
-    print(f"device={device} torch={torch.__version__} N_matmul={matmul_params(hf_config) / 1e9:.3f}e9 "
+    print(f"device={device} torch={torch.__version__} N_matmul={matmul_params(hf_config):,} "
           f"micro-batches/step={args.micro_batches} x {args.mb_tokens} tokens, lengths [{args.min_len}, {args.max_len}]")
     variants = ["eager"] + (["compile"] if args.compile else [])
     rows = []

@@ -51,8 +51,9 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, s
     dist.barrier()
 
 
-def check_compatible(path: Path, model_sd: dict[str, Any], hf_config: Any) -> None:
-    """Raise ValueError naming the first parameter whose presence or shape differs."""
+def check_compatible(path: Path, model_sd: dict[str, Any], hf_config: Any) -> dict[str, Any]:
+    """Raise ValueError naming the first parameter whose presence or shape differs; returns
+    the checkpoint's metadata by key."""
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"{path} is not a torch.distributed.checkpoint directory (no .metadata file)")
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -70,6 +71,7 @@ def check_compatible(path: Path, model_sd: dict[str, Any], hf_config: Any) -> No
     extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k[len("model."):] not in model_sd)
     if extra:
         raise ValueError(f"{where}: it has parameters this model lacks, e.g. '{extra[0]}' ({len(extra)} in all)")
+    return saved
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -78,13 +80,17 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, s
     path = Path(path)
     # get_state_dict initializes the optimizer state (a zero-lr step) so DCP has tensors to load into.
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    check_compatible(path, model_sd, hf_config)
+    saved = check_compatible(path, model_sd, hf_config)
+    state = {"model": model_sd, "optim": optim_sd, "trainer": _trainer_state(scheduler, 0)}
     rng_key = f"rng_rank{dist.get_rank()}"
-    state = {"model": model_sd, "optim": optim_sd, "trainer": _trainer_state(scheduler, 0), rng_key: _rng_state(device)}
+    rng = {k: v for k, v in _rng_state(device).items() if f"{rng_key}.{k}" in saved}
+    if rng:  # absent when resuming on more ranks (or another device type) than were saved
+        state[rng_key] = rng
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(json.loads(state["trainer"]["scheduler"]))
-    torch.set_rng_state(state[rng_key]["cpu"])
-    if "cuda" in state[rng_key]:
+    if "cpu" in rng:
+        torch.set_rng_state(state[rng_key]["cpu"])
+    if "cuda" in rng:
         torch.cuda.set_rng_state(state[rng_key]["cuda"], device)
     return int(state["trainer"]["step"])
