@@ -53,7 +53,7 @@ def run_config(path: str, mb_tokens: int = 40, **mcfg):
                           sequence_packing=SequencePackingConfig(train_mb_tokens=mb_tokens, logprob_mb_tokens=mb_tokens))
     # eps well above fp32 summation noise of tiny gradients: Adam's first step is lr*g/(|g|+eps), which
     # amplifies reduction-order differences ~lr/(4 eps) times where |g| ~ eps.
-    opt = MegatronOptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-6)
+    opt = MegatronOptimizerConfig(lr=1e-3, weight_decay=0.01, adam_eps=1e-6)  # betas, clip_grad from policy
     return RunConfig(policy=policy), MegatronConfig(enabled=True, optimizer=opt, **mcfg)
 
 
@@ -118,7 +118,9 @@ def reference_step(path: str, batch, run, cfg):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    totals, algo, o = step_totals(batch), SumNLL(), cfg.optimizer
+    from rlcore_megatron.parallel import optimizer_config
+
+    totals, algo, o = step_totals(batch), SumNLL(), optimizer_config(cfg, run)  # unset keys resolved from policy
     total_loss = 0.0
     for mb in make_micro_batches(batch, run.policy.sequence_packing.train_mb_tokens):
         logits = torch.cat([model(batch.input_ids[i][None]).logits[0] for i in mb.seq_ids])

@@ -27,6 +27,7 @@ def test_nested_blocks_and_unknown_keys_name_the_path():
     cfg = make(optimizer={"lr": 1e-5, "clip_grad": 0.5}, scheduler={"lr_warmup_iters": 3},
                distributed_data_parallel_config={"grad_reduce_in_fp32": False})
     assert cfg.optimizer.lr == 1e-5 and cfg.scheduler.lr_warmup_iters == 3
+    assert make().optimizer.adam_beta1 is None  # unset: taken from policy.optimizer when the backend is built
     with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.tensor_model_parallel_sise.*tensor_model_parallel_size"):
         make(tensor_model_parallel_sise=2)
     with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.optimizer\.lrr"):

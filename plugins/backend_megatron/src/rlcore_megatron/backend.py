@@ -185,9 +185,12 @@ class MegatronBackend:
         results = [self._train_step(batch.select(range(a, min(a + gbs, len(batch)))), algorithm)
                    for a in range(0, max(len(batch), 1), gbs)]
         if len(results) == 1:
-            return results[0]
-        out = {k: sum(r.get(k, 0.0) for r in results) for k in results[0]}
-        out["lr"], out["grad_norm"] = results[-1]["lr"], max(r["grad_norm"] for r in results)
+            return {**results[0], "num_optimizer_steps": 1.0}
+        # Several optimizer steps: each metric averaged over them (as the fsdp2 backend reports).
+        keys = {k for r in results for k in r}
+        out = {k: sum(r.get(k, 0.0) for r in results) / len(results) for k in keys}
+        out.update(lr=results[-1]["lr"], num_micro_batches=sum(r["num_micro_batches"] for r in results),
+                   num_optimizer_steps=float(len(results)))
         return out
 
     def _train_step(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:

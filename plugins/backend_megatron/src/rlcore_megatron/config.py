@@ -19,32 +19,34 @@ SECTION = "policy.megatron_cfg"
 _positive = attrs.validators.gt(0)
 _non_negative = attrs.validators.ge(0)
 _optional_positive = attrs.validators.optional(attrs.validators.gt(0))
+_optional_non_negative = attrs.validators.optional(attrs.validators.ge(0))
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 @frozen
 class MegatronOptimizerConfig:
-    """-> ``megatron.core.optimizer.OptimizerConfig``."""
+    """-> ``megatron.core.optimizer.OptimizerConfig``. Unset (None) keys take the values of
+    ``policy.optimizer`` / ``policy.max_grad_norm``, so switching backends keeps the recipe's settings."""
 
     optimizer: Literal["adam", "sgd"] = field(default="adam", metadata=doc("'adam' is AdamW (decoupled weight decay)"))
-    lr: float = field(default=1e-6, validator=_positive, metadata=doc("peak learning rate"))
-    min_lr: float = field(default=0.0, validator=_non_negative, metadata=doc("floor of the decay schedule"))
-    weight_decay: float = field(default=0.01, validator=_non_negative, metadata=doc("decoupled weight decay"))
+    lr: float | None = field(default=None, validator=_optional_positive, metadata=doc("peak learning rate; None = policy.optimizer.lr"))
+    min_lr: float | None = field(default=None, validator=_optional_non_negative, metadata=doc("floor of the decay schedule; None = policy.optimizer.min_lr"))
+    weight_decay: float | None = field(default=None, validator=_optional_non_negative, metadata=doc("decoupled weight decay; None = policy.optimizer.weight_decay"))
     bf16: bool | None = field(default=None, metadata=doc("bf16 params with fp32 main weights; None = policy.precision == bfloat16"))
     fp16: bool = field(default=False, metadata=doc("fp16 params with loss scaling"))
     params_dtype: Dtype | None = field(default=None, metadata=doc("dtype the model is built in; None = policy.precision"))
-    adam_beta1: float = field(default=0.9, metadata=doc("Adam beta1"))
-    adam_beta2: float = field(default=0.999, metadata=doc("Adam beta2"))
-    adam_eps: float = field(default=1e-8, validator=_positive, metadata=doc("Adam epsilon"))
+    adam_beta1: float | None = field(default=None, metadata=doc("Adam beta1; None = policy.optimizer.betas[0]"))
+    adam_beta2: float | None = field(default=None, metadata=doc("Adam beta2; None = policy.optimizer.betas[1]"))
+    adam_eps: float | None = field(default=None, validator=_optional_positive, metadata=doc("Adam epsilon; None = policy.optimizer.eps"))
     sgd_momentum: float = field(default=0.9, validator=_non_negative, metadata=doc("SGD momentum"))
     use_distributed_optimizer: bool = field(default=True, metadata=doc("shard optimizer state over data-parallel ranks (ZeRO-1)"))
     use_precision_aware_optimizer: bool = field(default=False, metadata=doc("keep optimizer state in lower precision (needs Transformer Engine's FusedAdam)"))
-    clip_grad: float = field(default=1.0, validator=_non_negative, metadata=doc("global gradient-norm clip; 0 disables"))
+    clip_grad: float | None = field(default=None, validator=_optional_non_negative, metadata=doc("global gradient-norm clip, 0 disables; None = policy.max_grad_norm"))
 
     def __attrs_post_init__(self) -> None:
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
+            if value is not None and not 0.0 <= value < 1.0:
                 raise ConfigError(f"{SECTION}.optimizer.{name}", f"must be in [0, 1), got {value!r}")
         if self.fp16 and self.bf16:
             raise ConfigError(f"{SECTION}.optimizer.fp16", "fp16 and bf16 are both true; choose one")
@@ -52,13 +54,14 @@ class MegatronOptimizerConfig:
 
 @frozen
 class MegatronSchedulerConfig:
-    """-> ``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`` (in optimizer steps)."""
+    """-> ``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`` (in optimizer steps).
+    Unset (None) keys take the values of ``policy.scheduler``."""
 
-    lr_warmup_iters: int = field(default=0, validator=_non_negative, metadata=doc("linear warmup steps"))
+    lr_warmup_iters: int | None = field(default=None, validator=attrs.validators.optional(_non_negative), metadata=doc("linear warmup steps; None = policy.scheduler.warmup_steps"))
     lr_warmup_init: float = field(default=0.0, validator=_non_negative, metadata=doc("learning rate at step 0 of warmup"))
-    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = field(
-        default="constant", metadata=doc("decay after warmup"))
-    lr_decay_iters: int | None = field(default=None, validator=_optional_positive, metadata=doc("steps to reach min_lr; None = grpo.max_num_steps"))
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] | None = field(
+        default=None, metadata=doc("decay after warmup; None = policy.scheduler.decay_style"))
+    lr_decay_iters: int | None = field(default=None, validator=_optional_positive, metadata=doc("steps to reach min_lr; None = policy.scheduler.decay_steps or grpo.max_num_steps"))
     start_weight_decay: float | None = field(default=None, metadata=doc("weight decay at step 0; None = optimizer.weight_decay"))
     end_weight_decay: float | None = field(default=None, metadata=doc("weight decay at the end; None = optimizer.weight_decay"))
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = field(default="constant", metadata=doc("weight-decay schedule"))

@@ -105,32 +105,42 @@ def wrap_ddp(model, cfg: MegatronConfig):
     return wrapped
 
 
-def build_optimizer(wrapped, cfg: MegatronConfig, run: RunConfig):
-    o = cfg.optimizer
+def _pick(value, default):
+    return default if value is None else value
+
+
+def optimizer_config(cfg: MegatronConfig, run: RunConfig) -> OptimizerConfig:
+    """``policy.megatron_cfg.optimizer`` with unset keys taken from ``policy.optimizer``/``max_grad_norm``."""
+    o, p = cfg.optimizer, run.policy.optimizer
     dtype = params_dtype(cfg, run)
-    bf16 = o.bf16 if o.bf16 is not None else dtype == torch.bfloat16
-    opt_config = OptimizerConfig(
-        optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, bf16=bf16, fp16=o.fp16,
-        params_dtype=dtype, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-        sgd_momentum=o.sgd_momentum, use_distributed_optimizer=o.use_distributed_optimizer,
-        use_precision_aware_optimizer=o.use_precision_aware_optimizer, clip_grad=o.clip_grad,
+    return OptimizerConfig(
+        optimizer=o.optimizer, lr=_pick(o.lr, p.lr), min_lr=_pick(o.min_lr, p.min_lr),
+        weight_decay=_pick(o.weight_decay, p.weight_decay), bf16=_pick(o.bf16, dtype == torch.bfloat16), fp16=o.fp16,
+        params_dtype=dtype, adam_beta1=_pick(o.adam_beta1, p.betas[0]), adam_beta2=_pick(o.adam_beta2, p.betas[1]),
+        adam_eps=_pick(o.adam_eps, p.eps), sgd_momentum=o.sgd_momentum, use_distributed_optimizer=o.use_distributed_optimizer,
+        use_precision_aware_optimizer=o.use_precision_aware_optimizer,
+        clip_grad=_pick(o.clip_grad, run.policy.max_grad_norm or 0.0),
     )
-    optimizer = get_megatron_optimizer(opt_config, [wrapped])
+
+
+def build_optimizer(wrapped, cfg: MegatronConfig, run: RunConfig):
+    optimizer = get_megatron_optimizer(optimizer_config(cfg, run), [wrapped])
     if wrapped.ddp_config.overlap_param_gather:
         wrapped.config.param_sync_func = wrapped.start_param_sync
-    if o.fp16:
+    if cfg.optimizer.fp16:
         wrapped.config.grad_scale_func = optimizer.scale_loss
     return optimizer
 
 
 def build_scheduler(optimizer, cfg: MegatronConfig, run: RunConfig) -> OptimizerParamScheduler:
-    s, o = cfg.scheduler, cfg.optimizer
-    decay = s.lr_decay_iters or run.grpo.max_num_steps
-    wd_start = o.weight_decay if s.start_weight_decay is None else s.start_weight_decay
-    wd_end = o.weight_decay if s.end_weight_decay is None else s.end_weight_decay
+    s, o, ps = cfg.scheduler, optimizer_config(cfg, run), run.policy.scheduler
+    warmup = _pick(s.lr_warmup_iters, ps.warmup_steps)
+    decay = s.lr_decay_iters or ps.decay_steps or run.grpo.max_num_steps
+    wd_start = _pick(s.start_weight_decay, o.weight_decay)
+    wd_end = _pick(s.end_weight_decay, o.weight_decay)
     return OptimizerParamScheduler(
-        optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.lr_warmup_iters,
-        lr_decay_steps=max(decay, s.lr_warmup_iters + 1), lr_decay_style=s.lr_decay_style, start_wd=wd_start,
+        optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=max(decay, warmup + 1), lr_decay_style=_pick(s.lr_decay_style, ps.decay_style), start_wd=wd_start,
         end_wd=wd_end, wd_incr_steps=max(decay, 1), wd_incr_style=s.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=s.override_opt_param_scheduler,
