@@ -37,10 +37,12 @@ def with_logprob_fields(batch, old, ref, seed: int):
 
 
 def algorithm():
-    from rlcore.algorithms.config import GRPOConfig
-    from rlcore.algorithms.grpo import GRPO
+    """The registered ``grpo`` with a KL term (exercises reference logprobs) and tight clipping."""
+    from rlcore.config.structure import structure
+    from rlcore.plugins import get_plugin_manager
 
-    return GRPO(GRPOConfig(kl_coef=0.1, ratio_clip_min=0.02, ratio_clip_max=0.02))
+    reg = get_plugin_manager().get("algorithm", "grpo")
+    return reg.build(structure(reg.config_cls, {"kl_coef": 0.1, "ratio_clip_min": 0.02, "ratio_clip_max": 0.02}))
 
 
 def run_config(model_dir: str, *, gbs: int | None = None, packing: bool = True, **dtensor):
