@@ -72,7 +72,7 @@ def megatron_logits(backend, batch) -> list[torch.Tensor] | None:
 
     mbs = backend._micro_batches(batch, 64, 4)
 
-    def loss_fn(mb, output):
+    def loss_fn(mb, _logprobs_fn, output):
         parts = [torch.empty_like(output) for _ in range(mpu.get_tensor_model_parallel_world_size())]
         dist.all_gather(parts, output.contiguous(), group=mpu.get_tensor_model_parallel_group())
         full_TV = torch.cat(parts, -1)[0]
@@ -109,6 +109,24 @@ def check_parity(path: str, **mcfg) -> float:
     ours = megatron_logits(backend, batch)
     ref = hf_logits(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), batch)
     return max_diff(ours, ref)
+
+
+def check_logprobs(path: str, **mcfg) -> float:
+    """Backend logprobs (rank 0) vs Hugging Face; every rank returns the same number."""
+    from rlcore.ops import token_logprobs
+    from transformers import AutoModelForCausalLM
+
+    backend = backend_for(path, **mcfg)
+    batch = make_batch(6, n=5)
+    ours = backend.logprobs(batch)
+    diff = [0.0]
+    if dist.get_rank() == 0:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            ref = [token_logprobs(hf(ids[None]).logits[0], ids) for ids in batch.input_ids]
+        diff = [max_diff(ours, ref)]
+    dist.broadcast_object_list(diff, src=0)
+    return diff[0]
 
 
 def reference_step(path: str, batch, run, cfg):
@@ -241,7 +259,8 @@ def main() -> None:
     scenarios = [(f"tp2_{arch}", lambda a=arch: check_parity(models[a], tensor_model_parallel_size=2))
                  for arch in ("llama", "qwen2", "qwen3", "qwen3_moe")]
     scenarios += [("pp2_llama", lambda: check_parity(models["llama"], pipeline_model_parallel_size=2)),
-                  ("ep2_qwen3_moe", lambda: check_parity(models["qwen3_moe"], expert_model_parallel_size=2))]
+                  ("ep2_qwen3_moe", lambda: check_parity(models["qwen3_moe"], expert_model_parallel_size=2)),
+                  ("cp2_logprobs_qwen2", lambda: check_logprobs(models["qwen2"], context_parallel_size=2))]
     for name, fn in scenarios:
         start = time.time()
         try:
@@ -257,6 +276,7 @@ def main() -> None:
         "tp2_sp_qwen2": ("qwen2", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
         "ep2_qwen3_moe": ("qwen3_moe", dict(expert_model_parallel_size=2)),
         "tp2_sp_qwen3_moe": ("qwen3_moe", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+        "cp2_llama": ("llama", dict(context_parallel_size=2)),
     }
     for name, (arch, mcfg) in variants.items():
         start = time.time()

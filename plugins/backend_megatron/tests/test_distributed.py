@@ -70,6 +70,11 @@ def test_ep2_moe_logits_match_hugging_face(results):
     assert value(results, "ep2_qwen3_moe") < 1e-4
 
 
+def test_cp2_logprobs_match_hugging_face(results):
+    # context parallelism: load-balanced chunks per sequence, K/V all-gathered over the CP group
+    assert value(results, "cp2_logprobs_qwen2") < 1e-4
+
+
 def test_training_step_matches_plain_pytorch_adamw(results):
     # DP=2 with the distributed optimizer vs one process: same loss, grad norm (gradients SUMMED over
     # data-parallel ranks) and updated weights in Hugging Face names.
@@ -102,13 +107,13 @@ def test_nonfinite_loss_skips_update(results):
 
 
 TRAIN_VARIANTS = ("tp2_sp_full_recompute_llama", "pp2_selective_recompute_llama", "tp2_qwen3", "tp2_sp_qwen2",
-                  "ep2_qwen3_moe", "tp2_sp_qwen3_moe")
+                  "ep2_qwen3_moe", "tp2_sp_qwen3_moe", "cp2_llama")
 
 
 @pytest.mark.parametrize("variant", TRAIN_VARIANTS)
 def test_parallel_layouts_train_like_one_process(results, variant):
-    # TP (+ sequence parallel with our RMSNorm), PP schedules, expert parallel, full/selective
-    # recompute: one optimizer step equals the plain single-process step.
+    # TP (+ sequence parallel with our RMSNorm), PP schedules, expert parallel, context parallel
+    # (all-gathered K/V), full/selective recompute: one optimizer step equals the plain single-process step.
     assert value(results, f"train_{variant}_loss") < 1e-5
     assert value(results, f"train_{variant}_grad_norm") < 1e-5
     assert value(results, f"train_{variant}_weights") < 1e-5

@@ -24,7 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from rlcore.config import RunConfig
 from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
-from rlcore_megatron import checkpoint, cpu_shims, parallel
+from rlcore_megatron import checkpoint, context_parallel, cpu_shims, parallel
 from rlcore_megatron.config import MegatronConfig
 from rlcore_megatron.convert import iter_hf_weights, load_hf_into_megatron
 from rlcore_megatron.model import packed_seq_params
@@ -106,13 +106,20 @@ class MegatronBackend:
                                   pack=packing.enabled, micro_batch_size=micro_batch_size)
 
     def _forward_step(self, loss_fn, data_iterator, model):
+        """Run one micro-batch; ``loss_fn(mb, logprobs_fn, output)`` gets token-aligned logprobs via ``logprobs_fn``."""
         mb: MicroBatch = next(data_iterator)
         device = self._device
-        ids = mb.input_ids_T.to(device)[None]
-        pos = mb.position_ids_T.to(device)[None]
-        params = packed_seq_params(mb.cu_seqlens.to(device), int(mb.input_ids_T.numel()), int(mb.max_seqlen))
+        if self.ranks.cp_size > 1:
+            lay = context_parallel.layout(mb, self.ranks.cp_size, self.ranks.cp, self._pad_multiple())
+            ids, pos, params = context_parallel.inputs(mb, lay, device)
+            logprobs_fn = partial(context_parallel.cp_logprobs, lay=lay)
+        else:
+            ids = mb.input_ids_T.to(device)[None]
+            pos = mb.position_ids_T.to(device)[None]
+            params = packed_seq_params(mb.cu_seqlens.to(device), int(mb.input_ids_T.numel()), int(mb.max_seqlen))
+            logprobs_fn = partial(token_logprobs_vocab_parallel, mb=mb)
         output = model(ids, pos, None, packed_seq_params=params)
-        return output, partial(loss_fn, mb)
+        return output, partial(loss_fn, mb, logprobs_fn)
 
     def _run_schedule(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
         schedule = get_forward_backward_func()
@@ -134,8 +141,8 @@ class MegatronBackend:
         policy = self.run.policy
         mbs = self._micro_batches(batch, policy.sequence_packing.logprob_mb_tokens, policy.logprob_batch_size)
 
-        def loss_fn(mb, output):
-            lp_T = token_logprobs_vocab_parallel(output, mb)
+        def loss_fn(mb, logprobs_fn, output):
+            lp_T = logprobs_fn(output)
             values = dict(zip(mb.seq_ids, (t.cpu() for t in unpack(lp_T, mb))))
             return lp_T.sum() * 0.0, torch.tensor(1), {"logprobs": values}
 
@@ -219,15 +226,17 @@ class MegatronBackend:
                        num_micro_batches=float(len(mbs)), train_seconds=time.perf_counter() - start)
         return metrics
 
-    def _loss_fn(self, algorithm: Algorithm, totals: StepTotals, mb: MicroBatch, output):
-        logprobs_T = token_logprobs_vocab_parallel(output, mb)
+    def _loss_fn(self, algorithm: Algorithm, totals: StepTotals, mb: MicroBatch, logprobs_fn, output):
+        logprobs_T = logprobs_fn(output)
         mb_cpu = mb  # the algorithm reads mask/fields; move them next to the logprobs
         if logprobs_T.device.type != "cpu":
             mb_cpu = _to_device(mb, logprobs_T.device)
         loss, metrics = algorithm.loss(logprobs_T, mb_cpu, totals)
         reduced = {k: float(v) for k, v in metrics.items()}
         reduced["loss"] = float(loss.detach())
-        return loss, torch.tensor(1, dtype=torch.int), {"metrics": reduced}
+        # Under CP every rank holds the whole logprob vector (all-reduced with autograd) and computes
+        # the same loss; the all-reduce's backward sums the CP ranks' gradients, hence the division.
+        return loss / self.ranks.cp_size, torch.tensor(1, dtype=torch.int), {"metrics": reduced}
 
     def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
         """Sum over micro-batches and data-parallel replicas; every rank gets the result."""

@@ -66,16 +66,22 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def _sdpa(self, q_BHSD, k_BGSD, v_BGSD, is_causal=True):
+    def _sdpa(self, q_BHSD, k_BGSD, v_BGSD, mask=None):
         return F.scaled_dot_product_attention(
-            q_BHSD, k_BGSD, v_BGSD, is_causal=is_causal, scale=self.softmax_scale, enable_gqa=True,
+            q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale, enable_gqa=True,
             dropout_p=self.dropout_p if self.training else 0.0)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention does not take an attention bias")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if self.config.context_parallel_size > 1:
+                from rlcore_megatron.context_parallel import cp_attention
+
+                return cp_attention(self._sdpa, query, key, value, packed_seq_params)
             return self._forward_thd(query, key, value, packed_seq_params)
+        if self.config.context_parallel_size > 1:
+            raise NotImplementedError("context parallelism needs the packed (thd) layout")
         # sbhd -> bhsd
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         out_BHSD = self._sdpa(q, k, v)

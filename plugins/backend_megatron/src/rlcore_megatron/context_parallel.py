@@ -1,0 +1,123 @@
+"""Context parallelism for packed micro-batches without Transformer Engine.
+
+Megatron's thd convention under CP (the one its RoPE follows): every sequence is padded to a
+multiple of ``2*CP`` (here ``2*CP*TP`` so that sequence parallelism also divides), cut into
+``2*CP`` chunks, and CP rank ``r`` holds chunks ``r`` and ``2*CP-1-r`` of every sequence (load
+balance under the causal mask). ``cu_seqlens`` given to the model are the *global* padded
+boundaries.
+
+Attention (:func:`cp_attention`) all-gathers K/V over the CP group (with autograd) and lets each
+local query chunk attend causally to the keys before it. Logprobs (:func:`cp_logprobs`): each
+rank computes next-token logprobs for its own positions, scatters them into the global layout
+and an autograd all-reduce over CP gives every rank the full token-aligned vector, so any
+algorithm (token- or sequence-level) sees whole sequences.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.distributed.nn.functional as dist_nn
+from megatron.core import parallel_state as mpu
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from rlcore.packing import MicroBatch
+
+
+@attrs.frozen
+class CPLayout:
+    """Where the micro-batch's tokens are in the padded global layout and on this rank."""
+
+    cu_padded: tuple[int, ...]  # global boundaries of the padded segments (sequences + trailing padding)
+    local_idx: torch.Tensor  # int64 [P/cp]: global padded positions held by this rank
+    labels_P: torch.Tensor  # int64 [P]: next token of each padded position (0 where none)
+    src_T: torch.Tensor  # int64 [T]: padded position whose prediction is token t's logprob
+    valid_T: torch.Tensor  # bool [T]: token t has a logprob (not first of its sequence, not padding)
+
+
+def _chunks(length: int, cp: int, rank: int) -> tuple[int, int]:
+    c = length // (2 * cp)
+    return rank * c, (2 * cp - 1 - rank) * c
+
+
+def layout(mb: MicroBatch, cp: int, rank: int, multiple: int) -> CPLayout:
+    cu = mb.cu_seqlens.tolist()
+    segments = [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    if mb.num_padding:
+        segments.append((cu[-1], cu[-1] + mb.num_padding))
+    ids_T = mb.input_ids_T
+    cu_padded, labels, local, src = [0], [], [], torch.zeros(ids_T.numel(), dtype=torch.long)
+    valid = torch.zeros(ids_T.numel(), dtype=torch.bool)
+    for i, (start, end) in enumerate(segments):
+        n = end - start
+        padded = -(-n // multiple) * multiple
+        base = cu_padded[-1]
+        seg_labels = torch.zeros(padded, dtype=torch.long)
+        seg_labels[: n - 1] = ids_T[start + 1 : end]
+        labels.append(seg_labels)
+        c = padded // (2 * cp)
+        for a in _chunks(padded, cp, rank):
+            local.append(torch.arange(base + a, base + a + c))
+        if i < len(cu) - 1 and n > 1:  # a real sequence: token j (>= 1) is predicted at position j-1
+            src[start + 1 : end] = torch.arange(base, base + n - 1)
+            valid[start + 1 : end] = True
+        cu_padded.append(base + padded)
+    return CPLayout(tuple(cu_padded), torch.cat(local), torch.cat(labels), src, valid)
+
+
+def inputs(mb: MicroBatch, lay: CPLayout, device) -> tuple[torch.Tensor, torch.Tensor, PackedSeqParams]:
+    """This rank's ids/positions [1, P/cp] and the global-boundary thd params."""
+    total = lay.cu_padded[-1]
+    ids_P = torch.zeros(total, dtype=torch.long)
+    pos_P = torch.zeros(total, dtype=torch.long)
+    cu = mb.cu_seqlens.tolist()
+    starts = cu[:-1] + ([cu[-1]] if mb.num_padding else [])
+    for i, start in enumerate(starts):
+        n = (cu[i + 1] if i < len(cu) - 1 else cu[-1] + mb.num_padding) - start
+        base = lay.cu_padded[i]
+        ids_P[base : base + n] = mb.input_ids_T[start : start + n]
+        pos_P[base : lay.cu_padded[i + 1]] = torch.arange(lay.cu_padded[i + 1] - base)
+    cu_t = torch.tensor(lay.cu_padded, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(lay.cu_padded[:-1], lay.cu_padded[1:]))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=longest, max_seqlen_kv=longest)
+    return ids_P[lay.local_idx].to(device)[None], pos_P[lay.local_idx].to(device)[None], params
+
+
+def cp_logprobs(logits_1TV: torch.Tensor, lay: CPLayout) -> torch.Tensor:
+    """Token-aligned logprobs [T] of the whole micro-batch, on every CP rank (differentiable)."""
+    from megatron.core import tensor_parallel
+
+    device = logits_1TV.device
+    labels = lay.labels_P.to(device)[lay.local_idx.to(device)]
+    local_lp = -tensor_parallel.vocab_parallel_cross_entropy(logits_1TV[0].float(), labels)
+    full_P = torch.zeros(lay.cu_padded[-1], dtype=local_lp.dtype, device=device).index_put((lay.local_idx.to(device),), local_lp)
+    full_P = dist_nn.all_reduce(full_P, group=mpu.get_context_parallel_group())
+    out_T = full_P[lay.src_T.to(device)]
+    return torch.where(lay.valid_T.to(device), out_T, torch.zeros_like(out_T))
+
+
+def cp_attention(sdpa, query_THD, key_TGD, value_TGD, params: PackedSeqParams) -> torch.Tensor:
+    """Causal attention of this rank's query chunks over the all-gathered keys/values of each sequence."""
+    group = mpu.get_context_parallel_group()
+    cp, rank = group.size(), group.rank()
+    cu = params.cu_seqlens_q.tolist()
+    t_local = query_THD.shape[0]
+    keys = torch.cat(dist_nn.all_gather(key_TGD.contiguous(), group=group))
+    values = torch.cat(dist_nn.all_gather(value_TGD.contiguous(), group=group))
+    outs = []
+    for start, end in zip(cu[:-1], cu[1:]):
+        length, off = end - start, start // cp
+        c = length // (2 * cp)
+        order = [(j * t_local + off + torch.arange(c)) if j < cp else ((2 * cp - 1 - j) * t_local + off + c + torch.arange(c))
+                 for j in range(2 * cp)]
+        perm = torch.cat(order).to(keys.device)
+        k_full, v_full = keys[perm], values[perm]
+        for half, a in enumerate(_chunks(length, cp, rank)):
+            q = query_THD[off + half * c : off + (half + 1) * c]
+            mask = torch.ones(c, a + c, dtype=torch.bool, device=q.device).tril(diagonal=a)
+            out = sdpa(q.transpose(0, 1)[None], k_full[: a + c].transpose(0, 1)[None], v_full[: a + c].transpose(0, 1)[None],
+                       mask=mask)
+            outs.append(out[0].transpose(0, 1))
+    out_THD = torch.cat(outs, dim=0)
+    return out_THD.reshape(out_THD.shape[0], -1)
+
