@@ -96,6 +96,13 @@ def scenario_resume(model_dir: str, ckpt: str):
     backend = build(model_dir, gbs=4)
     backend.load_checkpoint(ckpt)
     out = {"step2": train_flow(backend, 2), "step": backend.step}
+    # One sequence for two data-parallel ranks: rank 1 runs an empty (padding-only) micro-batch.
+    from rlcore.plugins import get_plugin_manager
+
+    sft = get_plugin_manager().get("algorithm", "sft")
+    single = make_batch(5, n=1)
+    out["single_logprobs"] = backend.logprobs(single)
+    out["single_metrics"] = backend.train(single, sft.build(sft.config_cls()))
     backend.shutdown()
     return out
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _fsdp2_common import algorithm, hf_logprobs, hf_state, load_hf, max_diff, reference_train
+from _fsdp2_common import algorithm, hf_logprobs, hf_state, load_hf, make_batch, max_diff, reference_train
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("_fsdp2_worker.py")
@@ -98,8 +98,6 @@ def scenario(run, name: str) -> dict:
 def references(run):
     """Single-process HF results, computed once: logprobs and params after the training step."""
     spec, results = run
-    from _fsdp2_common import make_batch
-
     out = {}
     batch = make_batch(1)
     for arch, name in [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3_moe", "qwen3_moe"),
@@ -196,6 +194,14 @@ def test_checkpoint_resume_equals_uninterrupted(run):
     assert straight["metrics"]["loss"] == resumed["step2"]["metrics"]["loss"]
 
 
+def test_fewer_sequences_than_ranks(run):
+    res = scenario(run, "resume")
+    assert len(res["single_logprobs"]) == 1 and res["single_logprobs"][0].shape == (len(make_batch(5, n=1).input_ids[0]),)
+    metrics = res["single_metrics"]
+    assert metrics["num_micro_batches"] == 1.0 and metrics["nll"] > 0 and metrics["grad_norm"] > 0
+    assert "skipped_nonfinite" not in metrics
+
+
 def test_nonfinite_loss_skips_the_update(run):
     res = scenario(run, "llama")
     assert res["nonfinite_metrics"]["skipped_nonfinite"] == 2.0  # both optimizer steps of the call
@@ -203,7 +209,6 @@ def test_nonfinite_loss_skips_the_update(run):
 
 
 def test_exported_checkpoint_reloads_in_transformers(run):
-    from _fsdp2_common import make_batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec, _ = run
