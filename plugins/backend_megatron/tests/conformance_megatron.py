@@ -1,0 +1,50 @@
+"""rlcore's training-backend conformance suite against the megatron backend (world size 1, gloo).
+
+Not collected directly (the CPU shims patch torch process-wide, which other plugins' tests in the
+same pytest process should not see): ``test_conformance.py`` runs this file in a subprocess.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from rlcore.testing.conformance import TrainingBackendConformance
+
+
+@pytest.fixture(scope="module")
+def single_process_group():
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class TestMegatronConformance(TrainingBackendConformance):
+    logprob_atol = 1e-5  # fp32
+
+    @pytest.fixture(scope="class")
+    def backend_model_dir(self, tiny_model_dir):
+        return tiny_model_dir
+
+    @pytest.fixture(scope="class")
+    def training_backend(self, single_process_group, backend_model_dir):
+        from rlcore.config import build_config
+        from rlcore.interfaces import WorldInfo
+        from rlcore.plugins import get_plugin_manager
+
+        manager = get_plugin_manager()
+        config = build_config({"policy": {"model_name": str(backend_model_dir), "precision": "float32",
+                                          "sequence_packing": {"train_mb_tokens": 24, "logprob_mb_tokens": 24},
+                                          "megatron_cfg": {"enabled": True}}}, manager=manager)
+        reg = manager.get("training_backend", "megatron")
+        backend = reg.build(config, config.section(reg.section), WorldInfo())
+        yield backend
+        backend.shutdown()

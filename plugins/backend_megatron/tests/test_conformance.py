@@ -1,0 +1,17 @@
+"""Runs rlcore's TrainingBackendConformance against the megatron backend in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_megatron_backend_passes_conformance():
+    suite = Path(__file__).with_name("conformance_megatron.py")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(suite), "-q", "-x", "-p", "no:cacheprovider"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "4 passed" in proc.stdout, proc.stdout[-2000:]
