@@ -4,6 +4,8 @@
     python benchmarks/bench_train_fsdp2.py --steps 10 --compile  # also the torch.compile variant
     python benchmarks/bench_train_fsdp2.py --tiny --steps 3      # CPU smoke run (tiny shape, fp32)
 
+On the GPU machines (nothing installed there): prefix ``PYTHONPATH=core/src:plugins/backend_fsdp2/src``.
+
 Model: Llama-3.2-1B shape (hidden 2048, 16 layers, 32 query / 8 key-value heads, head_dim 64,
 intermediate 8192, vocab 128256, tied embeddings), random-init from the config, built by the
 backend itself (``FSDP2Backend(..., hf_config=...)``), fp32 master weights, bf16 compute,
