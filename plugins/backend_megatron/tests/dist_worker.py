@@ -105,7 +105,7 @@ def check_parity(path: str, **mcfg) -> float:
 
     backend = backend_for(path, **mcfg)
     batch = make_batch(1)
-    backend.module.eval()  # MoE with TP refuses to *train* without sequence parallelism
+    backend.module.eval()
     ours = megatron_logits(backend, batch)
     ref = hf_logits(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), batch)
     return max_diff(ours, ref)
@@ -256,7 +256,8 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict = {}
-    scenarios = [(f"tp2_{arch}", lambda a=arch: check_parity(models[a], tensor_model_parallel_size=2))
+    scenarios = [(f"tp2_{arch}", lambda a=arch: check_parity(models[a], tensor_model_parallel_size=2,
+                                                           sequence_parallel=a == "qwen3_moe"))  # MoE+TP needs SP
                  for arch in ("llama", "qwen2", "qwen3", "qwen3_moe")]
     scenarios += [("pp2_llama", lambda: check_parity(models["llama"], pipeline_model_parallel_size=2)),
                   ("ep2_qwen3_moe", lambda: check_parity(models["qwen3_moe"], expert_model_parallel_size=2)),

@@ -170,6 +170,9 @@ def validate_parallelism(cfg: MegatronConfig, world_size: int, *, num_layers: in
             raise ConfigError(_key("expert_model_parallel_size"), f"is {ep} but the model is dense (no experts)")
         if num_experts % ep:
             raise ConfigError(_key("expert_model_parallel_size"), f"{ep} does not divide the model's {num_experts} experts")
+    if num_experts and tp > 1 and not cfg.sequence_parallel:
+        raise ConfigError(_key("sequence_parallel"), f"must be true for a mixture-of-experts model with "
+                          f"tensor_model_parallel_size={tp} (Megatron-Core trains MoE under TP only with sequence parallelism)")
     if num_query_groups is not None and num_query_groups % tp:
         raise ConfigError(_key("tensor_model_parallel_size"), f"{tp} does not divide the model's {num_query_groups} key/value heads")
     if num_heads is not None and num_heads % tp:
