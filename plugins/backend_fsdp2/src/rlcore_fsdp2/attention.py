@@ -7,9 +7,10 @@ arguments (transformers forwards them to the attention function untouched) and:
 
 - on CUDA in bf16/fp16, :func:`torch.nn.attention.varlen.varlen_attn` runs FlashAttention's
   varlen kernel over the whole row (no mask is ever materialized);
-- otherwise (CPU, fp32/fp64) each sequence runs through causal
-  :func:`~torch.nn.functional.scaled_dot_product_attention` on its own slice: exact, and the
-  memory is that of the longest sequence rather than a ``T x T`` block-diagonal mask.
+- otherwise (CPU, fp32/fp64) causal :func:`~torch.nn.functional.scaled_dot_product_attention`
+  runs per sequence: one call over a padded ``[n, H, max_len, D]`` batch when the sequences
+  have similar lengths (padding costs at most 2x the exact work), else one call per sequence.
+  Either is exact and needs far less than a ``T x T`` block-diagonal mask.
 
 Trailing padding is attended as a sequence of its own: its outputs are finite (never read), so
 ``0 * garbage`` cannot turn into NaN in the backward matmuls.
@@ -78,14 +79,32 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, **_varlen_kwargs())
         return out.unsqueeze(0), None
     bounds = cu.tolist()
-    gqa = key.shape[1] != query.shape[1]
-    pieces = [
-        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
-                                       is_causal=True, scale=scaling, enable_gqa=gqa)
-        for a, b in zip(bounds[:-1], bounds[1:]) if b > a
-    ]
-    out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout, is_causal=True, scale=scaling,
+                             enable_gqa=key.shape[1] != query.shape[1])
+    if len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= 2 * sum(n * n for n in lengths):
+        out = _padded_rows(sdpa, query, key, value, bounds, lengths)
+    else:
+        pieces = [sdpa(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _padded_rows(sdpa, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+                 lengths: list[int]) -> torch.Tensor:
+    """Similar-length sequences as one causal SDPA over a [n, H, max_len, D] batch.
+
+    Row i reads tokens ``start_i .. start_i + max_len`` (clamped): its real queries only see keys
+    at or before their own position, all inside sequence i, so whatever fills the tail is never
+    attended by a kept output, and the tail's outputs are dropped."""
+    tokens, max_len = query.shape[2], max(lengths)
+    starts = torch.tensor([a for a, b in zip(bounds[:-1], bounds[1:]) if b > a], device=query.device)
+    offsets = torch.arange(max_len, device=query.device)
+    index_NL = (starts[:, None] + offsets[None, :]).clamp(max=tokens - 1)
+    keep_NL = offsets[None, :] < torch.tensor(lengths, device=query.device)[:, None]
+    rows = [x[0][:, index_NL].transpose(0, 1) for x in (query, key, value)]  # [n, H, max_len, D]
+    out_NHLD = sdpa(*rows)
+    return out_NHLD.transpose(0, 1)[:, keep_NL].unsqueeze(0)  # [1, H, T, D], packed order
 
 
 def register() -> str:
