@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlcore.config.schema import RunConfig
+from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
 from rlcore.ops import token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
@@ -58,6 +59,9 @@ class FSDP2Backend:
         self.config, self.cfg, self.world, self.policy = config, cfg, world, config.policy
         self.device = self._init_device(world)
         self.dims = ParallelDims.from_config(cfg.tensor_parallel_size, cfg.context_parallel_size, world.world_size)
+        if self.policy.precision == "float16":
+            raise ConfigError("policy.precision", "float16 is not supported by the fsdp2 backend (it has no loss "
+                              "scaling, so small gradients would underflow); use bfloat16")
         self.compute_dtype = DTYPES[self.policy.precision]
         # Master weights and gradient reduction stay in fp32 (fp64 for float64 runs).
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
