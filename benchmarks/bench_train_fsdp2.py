@@ -1,8 +1,8 @@
 """Training throughput and MFU of the fsdp2 backend on a 1.2B Llama shape, packed micro-batches.
 
-    python benchmarks/bench_train_fsdp2.py --steps 10            # one H200: bf16, 4096-token micro-batches
-    python benchmarks/bench_train_fsdp2.py --steps 10 --compile  # also the torch.compile variant
-    python benchmarks/bench_train_fsdp2.py --tiny --steps 3      # CPU smoke run (tiny shape, fp32)
+    python benchmarks/bench_train_fsdp2.py --steps 10                  # one H200: eager and torch.compile variants
+    python benchmarks/bench_train_fsdp2.py --steps 10 --variants eager # only the eager one
+    python benchmarks/bench_train_fsdp2.py --tiny --steps 3            # CPU smoke run (tiny shape, fp32, eager)
 
 On the GPU machines (nothing installed there): prefix ``PYTHONPATH=core/src:plugins/backend_fsdp2/src``.
 
@@ -50,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--mb-tokens", type=int, default=4096, help="token budget of a micro-batch")
     p.add_argument("--min-len", type=int, default=256)
     p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--compile", action="store_true", help="also run the torch.compile variant (compared in one run)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated: eager, compile (per-layer torch.compile); default both on GPU, eager with --tiny")
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--tiny", action="store_true", help="tiny shape on CPU in fp32 (smoke test)")
@@ -169,6 +170,11 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    variants = (args.variants or ("eager" if args.tiny else "eager,compile")).split(",")
+    unknown = set(variants) - {"eager", "compile"}
+    if unknown:
+        print(f"unknown variant(s) {sorted(unknown)}; choose from eager, compile", file=sys.stderr)
+        return 2
     if device == "cpu" and not args.tiny:
         print("no CUDA device: use --tiny for the CPU smoke run", file=sys.stderr)
         return 2
@@ -182,7 +188,6 @@ def main(argv=None) -> int:
     hf_config = model_config(args.tiny)
     print(f"device={device} torch={torch.__version__} N_matmul={matmul_params(hf_config):,} "
           f"micro-batches/step={args.micro_batches} x {args.mb_tokens} tokens, lengths [{args.min_len}, {args.max_len}]")
-    variants = ["eager"] + (["compile"] if args.compile else [])
     rows = []
     for name in variants:
         try:
