@@ -145,6 +145,7 @@ def main() -> None:
     run("qwen3", scenario_arch, spec["qwen3"], True)
     run("qwen3_tp", scenario_arch, spec["qwen3"], True, tensor_parallel_size=2, sequence_parallel=True,
         activation_checkpointing=True)
+    run("qwen3_tp_plain", scenario_arch, spec["qwen3"], True, tensor_parallel_size=2)
     run("qwen3_moe", scenario_arch, spec["qwen3_moe"], True)
     run("qwen3_moe_tp", scenario_arch, spec["qwen3_moe"], True, tensor_parallel_size=2, sequence_parallel=True,
         packing=False)
