@@ -79,7 +79,9 @@ def megatron_logits(backend, batch) -> list[torch.Tensor] | None:
         rows = dict(zip(mb.seq_ids, unpack(full_TV, mb)))
         return output.sum() * 0, torch.tensor(1), {"rows": rows}
 
-    with torch.no_grad():
+    from rlcore_megatron import cpu_shims
+
+    with torch.no_grad(), cpu_shims.active():  # a private call: the public methods enter the shims themselves
         outs = backend._run_schedule(mbs, loss_fn, forward_only=True)
     local = {}
     if backend.ranks.reports:

@@ -58,8 +58,6 @@ class MegatronBackend:
     def __init__(self, config: RunConfig, cfg: MegatronConfig, world: WorldInfo, *, hf_config=None, seed: int | None = None):
         """``hf_config``: build a random-init model from this transformers config instead of
         loading ``policy.model_name`` (benchmarks)."""
-        from transformers import AutoConfig
-
         self.run, self.cfg, self.world = config, cfg, world
         if dist.is_initialized() and dist.get_world_size() != world.world_size:
             raise RuntimeError(f"rlcore-megatron: WorldInfo says world_size={world.world_size} but torch.distributed "
@@ -69,6 +67,12 @@ class MegatronBackend:
             cpu_shims.install()
         else:
             torch.cuda.set_device(world.local_rank)
+        with cpu_shims.active():
+            self._build(config, cfg, hf_config, seed)
+
+    def _build(self, config: RunConfig, cfg: MegatronConfig, hf_config, seed: int | None) -> None:
+        from transformers import AutoConfig
+
         self.model_path = config.policy.model_name
         self.hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(self.model_path)
         self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.grpo.seed if seed is None else seed)
@@ -116,7 +120,7 @@ class MegatronBackend:
         else:
             ids = mb.input_ids_T.to(device)[None]
             pos = mb.position_ids_T.to(device)[None]
-            params = packed_seq_params(mb.cu_seqlens.to(device), int(mb.input_ids_T.numel()), int(mb.max_seqlen))
+            params = packed_seq_params(mb.cu_seqlens, int(mb.input_ids_T.numel()), int(mb.max_seqlen), device)
             logprobs_fn = partial(token_logprobs_vocab_parallel, mb=mb)
         output = model(ids, pos, None, packed_seq_params=params)
         return output, partial(loss_fn, mb, logprobs_fn)
@@ -131,6 +135,7 @@ class MegatronBackend:
 
     # ---- logprobs ----------------------------------------------------------------------------
     @torch.no_grad()
+    @cpu_shims.shimmed
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
         if reference:
             with self._swapped(self._reference):
@@ -187,6 +192,7 @@ class MegatronBackend:
         return self._Swap(self, state)
 
     # ---- training ----------------------------------------------------------------------------
+    @cpu_shims.shimmed
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
         gbs = self.run.policy.train_global_batch_size or len(batch)
         results = [self._train_step(batch.select(range(a, min(a + gbs, len(batch)))), algorithm)
@@ -258,6 +264,9 @@ class MegatronBackend:
 
     # ---- weights -----------------------------------------------------------------------------
     def export_weights(self, dtype=None, chunk_bytes: int = 1 << 30) -> Iterator[NamedTensors]:
+        return cpu_shims.shimmed_iter(self._export_weights(dtype, chunk_bytes))
+
+    def _export_weights(self, dtype, chunk_bytes: int) -> Iterator[NamedTensors]:
         chunk: NamedTensors = []
         size = 0
         for name, tensor in iter_hf_weights(self.module, self.hf_config):
@@ -271,16 +280,20 @@ class MegatronBackend:
         if chunk:
             yield chunk
 
+    @cpu_shims.shimmed
     def export_hf(self, path: str) -> None:
         checkpoint.export_hf(self, path)
 
+    @cpu_shims.shimmed
     def save_checkpoint(self, path: str) -> None:
         checkpoint.save(self, path)
 
+    @cpu_shims.shimmed
     def load_checkpoint(self, path: str) -> None:
         checkpoint.load(self, path)
 
     # ---- memory ------------------------------------------------------------------------------
+    @cpu_shims.shimmed
     def offload(self) -> None:
         """Move parameters, gradient buffers and optimizer state to host memory (GPU only)."""
         if self.on_cpu or self._offloaded:
@@ -291,6 +304,7 @@ class MegatronBackend:
         torch.cuda.empty_cache()
         self._offloaded = True
 
+    @cpu_shims.shimmed
     def onload(self) -> None:
         if self.on_cpu or not self._offloaded:
             return

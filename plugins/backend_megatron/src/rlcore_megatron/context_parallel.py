@@ -80,6 +80,7 @@ def inputs(mb: MicroBatch, lay: CPLayout, device) -> tuple[torch.Tensor, torch.T
     cu_t = torch.tensor(lay.cu_padded, dtype=torch.int32, device=device)
     longest = max(b - a for a, b in zip(lay.cu_padded[:-1], lay.cu_padded[1:]))
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=longest, max_seqlen_kv=longest)
+    params.host_bounds = lay.cu_padded
     return ids_P[lay.local_idx].to(device)[None], pos_P[lay.local_idx].to(device)[None], params
 
 
@@ -100,7 +101,7 @@ def cp_attention(sdpa, query_THD, key_TGD, value_TGD, params: PackedSeqParams) -
     """Causal attention of this rank's query chunks over the all-gathered keys/values of each sequence."""
     group = mpu.get_context_parallel_group()
     cp, rank = group.size(), group.rank()
-    cu = params.cu_seqlens_q.tolist()
+    cu = getattr(params, "host_bounds", None) or params.cu_seqlens_q.tolist()
     t_local = query_THD.shape[0]
     keys = torch.cat(dist_nn.all_gather(key_TGD.contiguous(), group=group))
     values = torch.cat(dist_nn.all_gather(value_TGD.contiguous(), group=group))

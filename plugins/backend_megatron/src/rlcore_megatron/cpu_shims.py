@@ -8,7 +8,8 @@ CPU is patched here, in one place, so the rest of the plugin is the GPU code pat
   nothing (the schedules, timers and the distributed optimizer call them).
 - A :class:`torch.overrides.TorchFunctionMode` rewrites tensor factory calls and ``.to``/``.cuda``
   moves that name a CUDA device to the CPU: the pipeline schedules and the default causal mask
-  hard-code ``device="cuda"``.
+  hard-code ``device="cuda"``. It is entered around each backend call (:func:`active`,
+  :func:`shimmed`), not for the whole process.
 - ``Tensor.type()`` reports CPU tensors as ``torch.cuda.*Tensor``: Megatron's optimizers accept
   only those type strings.
 - ``torch.cuda.Stream``/``current_stream``/``stream`` give one do-nothing CPU stream (MoE token
@@ -145,7 +146,7 @@ def install() -> bool:
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    mrandom.initialize_rng_tracker = functools.partial(lambda *a, **k: None)
+    mrandom.initialize_rng_tracker = lambda *a, **k: None
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: None
     torch.cuda.manual_seed = lambda seed: None
@@ -155,6 +156,36 @@ def install() -> bool:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _move_to_host
-    CudaToCpuMode().__enter__()  # stays on for the life of the process
     _INSTALLED = True
     return True
+
+
+def active():
+    """Context in which megatron code runs: the CUDA->CPU function mode when the shims are installed.
+
+    The mode is entered per backend call rather than for the whole process, so other code in the
+    same process (a colocated generator, other tests) runs unaffected and at full speed.
+    """
+    return CudaToCpuMode() if _INSTALLED else contextlib.nullcontext()
+
+
+def shimmed(method):
+    """Decorator for backend methods: run them inside :func:`active`."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with active():
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+def shimmed_iter(iterator):
+    """Advance ``iterator`` inside :func:`active`, yield its items outside it."""
+    while True:
+        with active():
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+        yield item

@@ -89,7 +89,8 @@ class SDPACoreAttention(MegatronModule):
         return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _forward_thd(self, query_THD, key_TGD, value_TGD, params: PackedSeqParams):
-        bounds = params.cu_seqlens_q.tolist()
+        # Host copy made once per micro-batch (no device sync per layer on GPU).
+        bounds = getattr(params, "host_bounds", None) or params.cu_seqlens_q.tolist()
         outs = []
         for start, end in zip(bounds[:-1], bounds[1:]):
             if end == start:
@@ -219,10 +220,13 @@ def build_gpt_model(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dtype
     return model
 
 
-def packed_seq_params(cu_seqlens_N1: torch.Tensor, total: int, max_seqlen: int) -> PackedSeqParams:
+def packed_seq_params(cu_seqlens_N1: torch.Tensor, total: int, max_seqlen: int, device=None) -> PackedSeqParams:
     """thd parameters for one packed micro-batch; trailing padding is one extra (masked) sequence."""
-    cu = cu_seqlens_N1.to(torch.int32)
-    if int(cu[-1]) < total:
-        cu = torch.cat([cu, cu.new_tensor([total])])
-        max_seqlen = max(max_seqlen, total - int(cu_seqlens_N1[-1]))
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    bounds = [int(b) for b in cu_seqlens_N1.cpu().tolist()]
+    if bounds[-1] < total:
+        max_seqlen = max(max_seqlen, total - bounds[-1])
+        bounds.append(total)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    params.host_bounds = tuple(bounds)
+    return params
