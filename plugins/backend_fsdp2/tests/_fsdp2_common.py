@@ -61,6 +61,13 @@ def run_config(model_dir: str, *, gbs: int | None = None, packing: bool = True, 
     return RunConfig(policy=policy, sections={SECTION: DTensorConfig(**dtensor)})
 
 
+def attention_only_plan(model, sequence_parallel: bool):
+    """A custom_parallel_plan: the built-in plan minus the MLP entries (MLPs stay replicated over TP)."""
+    from rlcore_fsdp2.parallelize import tp_plan
+
+    return {k: v for k, v in tp_plan(model, sequence_parallel).items() if ".mlp" not in k}
+
+
 # ---- single-process references ---------------------------------------------------------------
 def load_hf(model_dir, dtype=torch.float32):
     from transformers import AutoModelForCausalLM

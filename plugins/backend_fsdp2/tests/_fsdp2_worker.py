@@ -60,7 +60,11 @@ def train_flow(backend, batch_seed: int):
 
 def scenario_arch(model_dir: str, train: bool, **kwargs):
     backend = build(model_dir, gbs=4, **kwargs)
-    out = {"logprobs": backend.logprobs(make_batch(1))}
+    layer = backend.model.model.layers[0]
+    layer = getattr(layer, "_checkpoint_wrapped_module", layer)
+    out = {"logprobs": backend.logprobs(make_batch(1)),
+           "placements": {name: [str(p) for p in getattr(param, "placements", ())]
+                          for name, param in layer.named_parameters() if name.endswith("proj.weight")}}
     if train:
         out.update(train_flow(backend, 1))
     backend.shutdown()
@@ -145,7 +149,8 @@ def main() -> None:
     run("qwen3", scenario_arch, spec["qwen3"], True)
     run("qwen3_tp", scenario_arch, spec["qwen3"], True, tensor_parallel_size=2, sequence_parallel=True,
         activation_checkpointing=True)
-    run("qwen3_tp_plain", scenario_arch, spec["qwen3"], True, tensor_parallel_size=2)
+    run("qwen3_tp_plain", scenario_arch, spec["qwen3"], True, tensor_parallel_size=2,
+        custom_parallel_plan="_fsdp2_common:attention_only_plan")
     run("qwen3_moe", scenario_arch, spec["qwen3_moe"], True)
     run("qwen3_moe_tp", scenario_arch, spec["qwen3_moe"], True, tensor_parallel_size=2, sequence_parallel=True,
         packing=False)

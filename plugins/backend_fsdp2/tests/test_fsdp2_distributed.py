@@ -152,7 +152,7 @@ def test_training_changed_the_weights(run, references):
 
 
 @pytest.mark.parametrize("name, arch", [("qwen3_tp", "qwen3"),  # + sequence parallel + activation checkpointing
-                                        ("qwen3_tp_plain", "qwen3"),  # TP alone
+                                        ("qwen3_tp_plain", "qwen3"),  # TP alone, custom plan
                                         ("qwen3_moe_tp", "qwen3_moe")])  # + sequence parallel, no packing
 def test_tensor_parallel_equals_data_parallel(run, references, name, arch):
     tp, dp = scenario(run, name), scenario(run, arch)
@@ -160,6 +160,13 @@ def test_tensor_parallel_equals_data_parallel(run, references, name, arch):
         assert float((a - b).abs().max()) < TOL, f"{arch} TP=2 logprobs of sequence {i} differ from TP=1"
     assert max_diff(tp["params"], dp["params"]) < TOL
     assert max_diff(tp["params"], references[f"{arch}/params"]) < TOL
+
+
+def test_custom_parallel_plan_replaces_the_builtin_one(run):
+    custom, builtin = scenario(run, "qwen3_tp_plain")["placements"], scenario(run, "qwen3_tp")["placements"]
+    assert len(custom["self_attn.q_proj.weight"]) == 2 and len(custom["mlp.gate_proj.weight"]) == 1  # MLP: FSDP only
+    assert len(builtin["mlp.gate_proj.weight"]) == 2  # (dp_shard, tp) by the built-in plan
+    assert len(scenario(run, "qwen3")["placements"]["mlp.gate_proj.weight"]) == 1
 
 
 def test_tensor_parallel_with_tied_embeddings(run, references):
