@@ -300,7 +300,8 @@ class MegatronBackend:
             return
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
             buffer.offload_to_cpu(move_params=True, move_grads=True)
-        self.optimizer.offload_to_cpu()
+        self._move_optimizer_state("cpu")
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self._offloaded = True
 
@@ -310,8 +311,26 @@ class MegatronBackend:
             return
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
             buffer.reload_from_cpu(move_params=True, move_grads=True)
-        self.optimizer.restore_from_cpu()
+        self._move_optimizer_state(self._device)
+        torch.cuda.synchronize()
         self._offloaded = False
+
+    def _move_optimizer_state(self, device) -> None:
+        """Optimizer state and the main-weight copies that own their storage. Main weights that are
+        views of model parameters (fp32 training) move with the parameter buffers instead, and
+        AdamW's ``step`` counters stay on the host (torch's AdamW wants them there)."""
+        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(sub, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if p._base is None:
+                        p.data = p.data.to(device, non_blocking=True)
+            for state in inner.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and key != "step":
+                        state[key] = value.to(device, non_blocking=True)
 
     def shutdown(self) -> None:
         self._reference.clear()

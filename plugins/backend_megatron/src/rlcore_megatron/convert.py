@@ -33,6 +33,9 @@ LAYER_MAP = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "mlp.router.weight": "mlp.gate.weight",
+    # Transformer Engine's spec fuses the pre-norms into the following linear layers.
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
 }
 
 
