@@ -1,0 +1,164 @@
+"""Full GRPO steps through the production loop, reported in NeMo-RL's step-time format.
+
+Each configuration builds a random-init model from a config (no downloads), runs
+``--steps`` GRPO steps with ``rlcore.run`` (the same loop as ``rlcore run``), discards the first
+``--warmup`` steps and prints one row: total step, policy training, refit, generation, logprobs,
+mean generated tokens per sample, plus generated tokens per GPU-second, training MFU and refit
+GB/s. Rewards come from the real ``math`` environment on synthetic arithmetic prompts; a random
+model scores about 0, which changes nothing in the work a step does (responses run to
+``max_new_tokens`` with ``ignore_eos``).
+
+    python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --config llama1b-megatron   # one H200
+    python benchmarks/bench_grpo_step.py --tiny                                              # CPU check
+
+MFU counts 6 * N_params * trained tokens + causal attention (6 * layers * hidden * tokens * mean
+seq len) against 989 TFLOP/s per GPU (H200 bf16 dense datasheet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PEAK_FLOPS = 989e12
+SHAPES = {
+    "tiny": dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256, vocab_size=128, max_positions=512),
+    "llama1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192, vocab_size=128256, max_positions=20480),
+    "llama8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=128256, max_positions=20480),
+}
+# name -> (shape, backend, overrides)
+CONFIGS = {
+    "tiny-fsdp2": ("tiny", "fsdp2", {}),
+    "tiny-fsdp2-async": ("tiny", "fsdp2", {"grpo.async_grpo.enabled": True}),
+    "llama1b-fsdp2": ("llama1b", "fsdp2", {}),
+    "llama1b-megatron": ("llama1b", "megatron", {}),
+    "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True}),
+    "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True}),
+    "llama8b-megatron-tp2": ("llama8b", "megatron", {"policy.megatron_cfg.tensor_model_parallel_size": 2, "cluster.gpus_per_node": 2}),
+    "llama8b-fsdp2": ("llama8b", "fsdp2", {"cluster.gpus_per_node": 2}),
+}
+
+
+def build_model(shape: str, root: Path) -> Path:
+    from rlcore.testing.tiny import build_tiny_model, build_tokenizer
+
+    path = root / f"model-{shape}"
+    if not (path / "config.json").is_file():
+        kwargs = dict(SHAPES[shape])
+        build_tiny_model(path, "llama", dtype="bfloat16" if shape != "tiny" else "float32", **kwargs)
+        build_tokenizer(kwargs["vocab_size"]).save_pretrained(path)
+    return path
+
+
+def recipe(model: Path, backend: str, run_dir: Path, args, gpu: bool) -> dict:
+    shape_tokens = args.max_new_tokens
+    return {
+        "policy": {
+            "model_name": str(model), "precision": "bfloat16" if gpu else "float32",
+            "max_total_sequence_length": shape_tokens + 64,
+            "optimizer": {"lr": 1e-6}, "train_global_batch_size": None,
+            "sequence_packing": {"enabled": True, "train_mb_tokens": args.mb_tokens, "logprob_mb_tokens": 2 * args.mb_tokens},
+            "dtensor_cfg": {"enabled": backend == "fsdp2"},
+            "megatron_cfg": {"enabled": backend == "megatron"},
+            "generation": {"backend": args.generator, "max_new_tokens": shape_tokens, "ignore_eos": True, "temperature": 1.0,
+                           **({"dtype": "bfloat16"} if gpu else {})},
+        },
+        "algorithm": {"name": "grpo", "kl_coef": args.kl_coef},
+        "data": {"name": "arithmetic", "digits": 3, "num_validation": 8},
+        "env": {"name": "math", "math": {"executor": "process"}},
+        "grpo": {"num_prompts_per_step": args.prompts, "num_generations_per_prompt": args.samples,
+                 "max_num_steps": args.steps, "seed": 0, "summary_window": [args.warmup + 1, args.steps]},
+        "cluster": {"gpus_per_node": 1 if gpu else 0},
+        "logger": {"log_dir": str(run_dir), "print_table": True},
+    }
+
+
+def set_key(tree: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
+def row(name: str, shape: str, result: dict, gpus: int, args) -> dict:
+    s = result["summary"]
+    cfg = SHAPES[shape]
+    params = sum_params(cfg)
+    samples = args.prompts * args.samples
+    tokens_per_sample = s.get("rollout/mean_response_tokens", 0.0)
+    gen_tokens = samples * tokens_per_sample
+    seq_len = tokens_per_sample + 16
+    train_flops = samples * seq_len * (6 * params + 6 * cfg["num_layers"] * cfg["hidden_size"] * seq_len)
+    records = [r for r in result["records"] if s["window_first"] <= r.get("step", -1) <= s["window_last"]]
+    refit_gbps = [r["refit/gb_per_s"] for r in records if "refit/gb_per_s" in r]
+    return {
+        "config": name, "gpus": gpus, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
+        "refit_s": s.get("timing/refit"), "generation_s": s.get("timing/generation"), "logprobs_s": s.get("timing/logprobs"),
+        "tokens_per_sample": tokens_per_sample,
+        "gen_tokens_per_gpu_s": gen_tokens / (s["timing/total"] * gpus),
+        "train_mfu": train_flops / (s["timing/training"] * gpus * PEAK_FLOPS) if s.get("timing/training") else None,
+        "refit_gb_per_s": sum(refit_gbps) / len(refit_gbps) if refit_gbps else None,
+        "steps_averaged": s.get("num_steps"),
+    }
+
+
+def sum_params(cfg: dict) -> float:
+    h, layers, vocab, inter = cfg["hidden_size"], cfg["num_layers"], cfg["vocab_size"], cfg["intermediate_size"]
+    kv = h * cfg["num_kv_heads"] // cfg["num_heads"]
+    per_layer = h * h * 2 + 2 * h * kv + 3 * h * inter + 2 * h
+    return layers * per_layer + 2 * vocab * h + h
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", choices=sorted(CONFIGS))
+    parser.add_argument("--tiny", action="store_true", help="CPU check: tiny shape, few tokens")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--mb-tokens", type=int, default=8192)
+    parser.add_argument("--kl-coef", type=float, default=0.0)
+    parser.add_argument("--generator", default="vllm")
+    parser.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR", tempfile.gettempdir() + "/rlcore-bench"))
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    if args.tiny:
+        args.config = args.config or ["tiny-fsdp2"]
+        args.prompts, args.samples, args.max_new_tokens, args.steps, args.warmup = 4, 4, 16, 3, 1
+    import rlcore
+    import torch
+
+    gpu = torch.cuda.is_available()
+    root = Path(args.workdir)
+    rows = []
+    for name in args.config or ["llama1b-fsdp2", "llama1b-megatron"]:
+        shape, backend, overrides = CONFIGS[name]
+        model = build_model(shape, root)
+        tree = recipe(model, backend, root / f"run-{name}", args, gpu)
+        for key, value in overrides.items():
+            set_key(tree, key, value)
+        started = time.perf_counter()
+        result = rlcore.run(rlcore.build_config(tree))
+        gpus = tree["cluster"]["gpus_per_node"] or 1
+        rows.append(row(name, shape, result, gpus, args))
+        print(json.dumps(rows[-1]), f"(wall {time.perf_counter() - started:.0f}s)", flush=True)
+    print("\n| config | GPUs | step (s) | train | refit | generation | logprobs | tokens/sample | gen tok/GPU-s | train MFU | refit GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    for r in rows:
+        print(f"| {r['config']} | {r['gpus']} | {fmt(r['step_s'])} | {fmt(r['train_s'])} | {fmt(r['refit_s'])} | "
+              f"{fmt(r['generation_s'])} | {fmt(r['logprobs_s'])} | {fmt(r['tokens_per_sample'], '{:.0f}')} | "
+              f"{fmt(r['gen_tokens_per_gpu_s'], '{:.0f}')} | {fmt(r['train_mfu'], '{:.1%}')} | {fmt(r['refit_gb_per_s'], '{:.1f}')} |")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
