@@ -14,6 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -47,14 +48,17 @@ def make_batch(seed: int, n: int = 6, vocab: int = 100):
 def run_config(path: str, mb_tokens: int = 40, **mcfg):
     from rlcore.config import RunConfig
     from rlcore.config.schema import PolicyConfig, SequencePackingConfig
-    from rlcore_megatron.config import MegatronConfig, MegatronOptimizerConfig
+    from rlcore_megatron.config import MegatronConfig
 
     policy = PolicyConfig(model_name=path, precision="float32",
                           sequence_packing=SequencePackingConfig(train_mb_tokens=mb_tokens, logprob_mb_tokens=mb_tokens))
     # eps well above fp32 summation noise of tiny gradients: Adam's first step is lr*g/(|g|+eps), which
     # amplifies reduction-order differences ~lr/(4 eps) times where |g| ~ eps.
-    opt = MegatronOptimizerConfig(lr=1e-3, weight_decay=0.01, adam_eps=1e-6)  # betas, clip_grad from policy
+    opt = mcfg.pop("optimizer", MegatronOptimizerConfig(lr=1e-3, weight_decay=0.01, adam_eps=1e-6))  # betas, clip_grad from policy
     return RunConfig(policy=policy), MegatronConfig(enabled=True, optimizer=opt, **mcfg)
+
+
+from rlcore_megatron.config import MegatronOptimizerConfig  # noqa: E402
 
 
 def backend_for(path: str, **mcfg):
@@ -190,6 +194,41 @@ def train_vs_reference(path: str, **mcfg) -> dict:
             "weights": max(float((weights[k] - ref_weights[k]).abs().max()) for k in ref_weights)}
 
 
+def check_vs_fsdp2(path: str) -> dict:
+    """The same step on the fsdp2 backend (DP=2) and on megatron (DP=2, distributed optimizer).
+
+    Weight decay 0: fsdp2 decays every parameter, Megatron (like most recipes) skips norms/biases.
+    """
+    from rlcore.config.schema import OptimizerConfig
+    from rlcore.interfaces import WorldInfo
+    from rlcore_fsdp2.backend import FSDP2Backend
+    from rlcore_fsdp2.config import DTensorConfig
+
+    batch = make_batch(7, n=8)
+    run, _ = run_config(path)
+    policy = attrs.evolve(run.policy, optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0, eps=1e-6))
+    run = attrs.evolve(run, policy=policy)
+    world = WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size())
+    fsdp2 = FSDP2Backend(run, DTensorConfig(), world)
+    m_fsdp2 = fsdp2.train(batch, SumNLL())
+    w_fsdp2 = exported(fsdp2)
+    fsdp2.shutdown()
+    meg = backend_for(path, optimizer=MegatronOptimizerConfig(lr=1e-3, weight_decay=0.0, adam_eps=1e-6))
+    m_meg = meg.train(batch, SumNLL())
+    w_meg = exported(meg)
+    if dist.get_rank() != 0:
+        return {}
+    return {"loss": abs(m_meg["loss"] - m_fsdp2["loss"]),
+            "weights": max(float((w_meg[k] - w_fsdp2[k]).abs().max()) for k in w_fsdp2),
+            "change": max(float((w_meg[k] - v).abs().max()) for k, v in checkpoint_tensors(path).items())}
+
+
+def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
 def exported(backend) -> dict[str, torch.Tensor]:
     return {n: t.clone() for chunk in backend.export_weights(chunk_bytes=1 << 16) for n, t in chunk}
 
@@ -289,6 +328,18 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             out[f"train_{name}"] = "ERROR " + traceback.format_exc()
         out[f"train_{name}_s"] = time.time() - start
+    start = time.time()
+    try:
+        import rlcore_fsdp2  # noqa: F401 - the comparison needs the other backend installed
+    except ImportError:
+        out["fsdp2_compare"] = "SKIP rlcore-fsdp2 is not installed"
+    else:
+        try:
+            for k, v in check_vs_fsdp2(models["llama"]).items():
+                out[f"fsdp2_compare_{k}"] = v
+        except Exception:  # noqa: BLE001
+            out["fsdp2_compare"] = "ERROR " + traceback.format_exc()
+    out["fsdp2_compare_s"] = time.time() - start
     start = time.time()
     try:
         check_training(models["llama"], tmp, out)

@@ -86,6 +86,14 @@ def test_training_step_matches_plain_pytorch_adamw(results):
     assert value(results, "num_micro_batches") >= 2
 
 
+def test_training_step_matches_fsdp2_backend(results):
+    if str(results.get("fsdp2_compare", "")).startswith("SKIP"):
+        pytest.skip(results["fsdp2_compare"])
+    assert value(results, "fsdp2_compare_change") > 5e-4
+    assert value(results, "fsdp2_compare_loss") < 1e-6
+    assert value(results, "fsdp2_compare_weights") < 1e-5
+
+
 def test_export_reloads_into_transformers(results):
     assert value(results, "export_tensor_diff") == 0.0
     assert value(results, "export_logits_diff") < 1e-4
