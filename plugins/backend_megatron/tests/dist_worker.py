@@ -319,6 +319,8 @@ def main() -> None:
         "ep2_qwen3_moe": ("qwen3_moe", dict(expert_model_parallel_size=2)),
         "tp2_sp_qwen3_moe": ("qwen3_moe", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
         "cp2_llama": ("llama", dict(context_parallel_size=2)),
+        "tp2_sp_ep2_etp1_qwen3_moe": ("qwen3_moe", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                        expert_model_parallel_size=2, expert_tensor_parallel_size=1)),
     }
     for name, (arch, mcfg) in variants.items():
         start = time.time()

@@ -156,6 +156,7 @@ class MegatronBackend:
             outputs = self._run_schedule(mbs, loss_fn, forward_only=True)
         finally:
             self.module.train()
+        self._maybe_empty_cache(2)
         local: dict[int, torch.Tensor] = {}
         if self.ranks.reports:
             for out in outputs:
@@ -214,6 +215,7 @@ class MegatronBackend:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(mbs, partial(self._loss_fn, algorithm, totals), forward_only=False)
+        self._maybe_empty_cache(2)
         metrics = self._reduce_metrics(outputs)
         if not math.isfinite(metrics.get("loss", 0.0)):
             self.model.zero_grad_buffer()
@@ -226,8 +228,7 @@ class MegatronBackend:
         else:
             self.scheduler.step(increment=1)
             self.step += 1
-        if self.cfg.empty_unused_memory_level >= 1 and not self.on_cpu:
-            torch.cuda.empty_cache()
+        self._maybe_empty_cache(1)
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else 0.0, lr=self._lr(),
                        num_micro_batches=float(len(mbs)), train_seconds=time.perf_counter() - start)
         return metrics
@@ -258,6 +259,10 @@ class MegatronBackend:
             for k, v in part.items():
                 total[k] = total.get(k, 0.0) + v
         return total
+
+    def _maybe_empty_cache(self, level: int) -> None:
+        if self.cfg.empty_unused_memory_level >= level and not self.on_cpu:
+            torch.cuda.empty_cache()
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

@@ -115,7 +115,7 @@ class MegatronConfig:
         default="none", metadata=doc("auxiliary load balancing ('none' keeps the loss exactly the algorithm's)"))
     moe_router_bias_update_rate: float = field(default=0.0, validator=_non_negative, metadata=doc("aux-loss-free expert bias update rate (0 = off)"))
     apply_rope_fusion: bool = field(default=False, metadata=doc("fused RoPE kernel (needs Transformer Engine or Apex)"))
-    empty_unused_memory_level: Literal[0, 1, 2] = field(default=0, metadata=doc("torch.cuda.empty_cache: 0 never, 1 after each step, 2 also after each micro-batch pass"))
+    empty_unused_memory_level: Literal[0, 1, 2] = field(default=0, metadata=doc("torch.cuda.empty_cache: 0 never, 1 after each optimizer step, 2 also after each forward(-backward) pass over the micro-batches"))
     optimizer: MegatronOptimizerConfig = field(factory=MegatronOptimizerConfig, metadata=doc("optimizer"))
     scheduler: MegatronSchedulerConfig = field(factory=MegatronSchedulerConfig, metadata=doc("learning-rate/weight-decay schedule"))
     distributed_data_parallel_config: MegatronDDPConfig = field(factory=MegatronDDPConfig, metadata=doc("data-parallel gradient handling"))
