@@ -10,6 +10,7 @@ mode so data-parallel gradients are summed. Schedules come from ``get_forward_ba
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -173,24 +174,20 @@ class MegatronBackend:
             raise RuntimeError(f"rlcore-megatron: no logprobs came back for sequences {missing[:10]}")
         return [merged[i].float() for i in range(len(batch))]
 
-    class _Swap:
-        def __init__(self, backend, state):
-            self.backend, self.state, self.saved = backend, state, None
-
-        def __enter__(self):
-            weights = self.backend._weights()
-            self.saved = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+    @contextlib.contextmanager
+    def _swapped(self, state: dict[str, torch.Tensor]):
+        """Temporarily load ``state`` (host copies of this rank's shard) into the model."""
+        weights = self._weights()
+        saved = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+        with torch.no_grad():
+            for k, v in weights.items():
+                v.copy_(state[k])
+        try:
+            yield
+        finally:
             with torch.no_grad():
                 for k, v in weights.items():
-                    v.copy_(self.state[k])
-
-        def __exit__(self, *exc):
-            with torch.no_grad():
-                for k, v in self.backend._weights().items():
-                    v.copy_(self.saved[k])
-
-    def _swapped(self, state):
-        return self._Swap(self, state)
+                    v.copy_(saved[k])
 
     # ---- training ----------------------------------------------------------------------------
     @cpu_shims.shimmed
@@ -217,7 +214,7 @@ class MegatronBackend:
         outputs = self._run_schedule(mbs, partial(self._loss_fn, algorithm, totals), forward_only=False)
         self._maybe_empty_cache(2)
         metrics = self._reduce_metrics(outputs)
-        if not math.isfinite(metrics.get("loss", 0.0)):
+        if not math.isfinite(metrics.get("loss", 0.0)) or not self._grads_finite():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             metrics.update(skipped_nonfinite=1.0, grad_norm=float("nan"), lr=self._lr(), num_micro_batches=float(len(mbs)))
@@ -259,6 +256,13 @@ class MegatronBackend:
             for k, v in part.items():
                 total[k] = total.get(k, 0.0) + v
         return total
+
+    def _grads_finite(self) -> bool:
+        """Every rank's gradient buffers are finite (one flag all-reduced over the world)."""
+        ok = all(bool(torch.isfinite(b.grad_data).all()) for b in self.model.buffers + self.model.expert_parallel_buffers)
+        flag = torch.tensor([1.0 if ok else 0.0], device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() == 1.0)
 
     def _maybe_empty_cache(self, level: int) -> None:
         if self.cfg.empty_unused_memory_level >= level and not self.on_cpu:
