@@ -35,6 +35,7 @@ SHAPES = {
 CONFIGS = {
     "tiny-fsdp2": ("tiny", "fsdp2", {}),
     "tiny-fsdp2-async": ("tiny", "fsdp2", {"grpo.async_grpo.enabled": True}),
+    "tiny-megatron": ("tiny", "megatron", {}),
     "llama1b-fsdp2": ("llama1b", "fsdp2", {}),
     "llama1b-megatron": ("llama1b", "megatron", {}),
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True}),

@@ -266,7 +266,12 @@ class GRPOLoop:
             self._set_trainer_step()
             timer = StepTimer()
             trajectories, record, _ = self.collect(self.step, timer)
+            # Colocated engines release their memory while the trainer works (a no-op on CPU).
+            with timer.phase("generation"):
+                self.c.generator.sleep()
             metrics, batch = self.train_on(trajectories, timer)
+            with timer.phase("refit"):
+                self.c.generator.wake_up()
             record.update(metrics)
             record.update(self.refit(batch, timer))
             self.finish_step(record, timer)
