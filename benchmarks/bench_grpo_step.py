@@ -40,8 +40,9 @@ CONFIGS = {
     "llama1b-megatron": ("llama1b", "megatron", {}),
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True}),
-    "llama8b-megatron-tp2": ("llama8b", "megatron", {"policy.megatron_cfg.tensor_model_parallel_size": 2, "cluster.gpus_per_node": 2}),
-    "llama8b-fsdp2": ("llama8b", "fsdp2", {"cluster.gpus_per_node": 2}),
+    "llama8b-megatron-tp2": ("llama8b", "megatron", {"policy.megatron_cfg.tensor_model_parallel_size": 2, "cluster.gpus_per_node": 2,
+                                                      "policy.generation.gpu_memory_utilization": 0.3}),
+    "llama8b-fsdp2": ("llama8b", "fsdp2", {"cluster.gpus_per_node": 2, "policy.generation.gpu_memory_utilization": 0.3}),
 }
 
 
