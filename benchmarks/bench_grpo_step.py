@@ -52,7 +52,8 @@ def build_model(shape: str, root: Path) -> Path:
     path = root / f"model-{shape}"
     if not (path / "config.json").is_file():
         kwargs = dict(SHAPES[shape])
-        build_tiny_model(path, "llama", dtype="bfloat16" if shape != "tiny" else "float32", **kwargs)
+        real_size = shape != "tiny"
+        build_tiny_model(path, "llama", dtype="bfloat16" if real_size else "float32", init_std=None if real_size else 0.05, **kwargs)
         build_tokenizer(kwargs["vocab_size"]).save_pretrained(path)
     return path
 

@@ -79,7 +79,7 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
         first = (step - 1) * batch_size
         samples = [dataset.train[(first + i) % len(dataset.train)] for i in range(batch_size)]
         metrics = trainer.call("train", sft_batch(samples, tokenizer), algorithm)
-        if step % 50 == 0 or step == max_steps:
+        if step % 25 == 0 or step == max_steps:
             transport.transfer(trainer, evaluator)
             accuracy = greedy_accuracy(evaluator, environment, val)
             history.append({"step": step, "loss": float(metrics.get("loss", float("nan"))), "val_accuracy": accuracy})

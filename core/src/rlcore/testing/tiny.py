@@ -75,8 +75,12 @@ def tiny_config(arch: str = "llama", *, vocab_size: int = 128, hidden_size: int 
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
 
 
-def build_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0, dtype: str = "float32", **config_kwargs) -> Path:
-    """Random-init a tiny model of ``arch``, save it with its tokenizer to ``path``; return ``path``."""
+def build_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0, dtype: str = "float32",
+                     init_std: float | None = 0.05, **config_kwargs) -> Path:
+    """Random-init a tiny model of ``arch``, save it with its tokenizer to ``path``; return ``path``.
+
+    ``init_std`` redraws every matrix from N(0, init_std) (None keeps transformers' own init,
+    right for real-size shapes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -89,8 +93,8 @@ def build_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0, dt
     # Larger-than-default init spread makes logits differ across tokens, so parity tests bite.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.05)
+            if param.dim() >= 2 and init_std is not None:
+                param.normal_(0.0, init_std)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     model.generation_config.save_pretrained(path)
