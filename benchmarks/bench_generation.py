@@ -90,7 +90,12 @@ def main() -> None:
         print(json.dumps(run_mode(args)), flush=True)
         return
     for mode in ("eager", "graphs"):  # a fresh process (and engine) per mode
-        argv = [a for a in sys.argv[1:] if not a.startswith("--mode")]
+        argv, skip = [], False
+        for arg in sys.argv[1:]:  # drop "--mode X" and "--mode=X"
+            if skip or arg.startswith("--mode"):
+                skip = arg == "--mode" and not skip
+                continue
+            argv.append(arg)
         subprocess.run([sys.executable, __file__, *argv, "--mode", mode], check=True)
 
 
