@@ -31,6 +31,12 @@ SHAPES = {
     "llama1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192, vocab_size=128256, max_positions=20480),
     "llama8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=128256, max_positions=20480),
 }
+NEMO_8B_ROW = {
+    "cluster.gpus_per_node": 8, "grpo.num_prompts_per_step": 64, "grpo.num_generations_per_prompt": 32,
+    "policy.train_global_batch_size": 512, "policy.max_total_sequence_length": 4096,
+    "policy.generation.max_new_tokens": 795, "policy.generation.num_replicas": 8,
+    "policy.generation.gpu_memory_utilization": 0.3,
+}
 # name -> (shape, backend, overrides)
 CONFIGS = {
     "tiny-fsdp2": ("tiny", "fsdp2", {}),
@@ -43,6 +49,13 @@ CONFIGS = {
     "llama8b-megatron-tp2": ("llama8b", "megatron", {"policy.megatron_cfg.tensor_model_parallel_size": 2, "cluster.gpus_per_node": 2,
                                                       "policy.generation.gpu_memory_utilization": 0.3}),
     "llama8b-fsdp2": ("llama8b", "fsdp2", {"cluster.gpus_per_node": 2, "policy.generation.gpu_memory_utilization": 0.3}),
+    # NeMo-RL's published Llama 3.1-8B row (issue 10): 2048 rollouts (64 prompts x 32), global
+    # batch 512, max sequence 4096, ~795 generated tokens a sample, colocated, 8 GPUs.
+    "llama8b-nemo-8gpu-megatron": ("llama8b", "megatron", {**NEMO_8B_ROW, "policy.megatron_cfg.tensor_model_parallel_size": 2}),
+    "llama8b-nemo-8gpu-fsdp2": ("llama8b", "fsdp2", NEMO_8B_ROW),
+    # The same shape of run at tiny scale on CPU: 8 gloo trainer processes (Ray actors).
+    "tiny-8rank-fsdp2": ("tiny", "fsdp2", {"cluster.cpu_workers": 8, "cluster.use_ray": True, "policy.train_global_batch_size": 8}),
+    "tiny-8rank-megatron": ("tiny", "megatron", {"cluster.cpu_workers": 8, "cluster.use_ray": True, "policy.train_global_batch_size": 8}),
 }
 
 

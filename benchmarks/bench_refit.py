@@ -37,16 +37,9 @@ class RandomTrainer:
                         for n, s in named_shapes]
 
     def export_weights(self, dtype=None, chunk_bytes: int = 1 << 30):
-        chunk, size = [], 0
-        for name, tensor in self.tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            if chunk and size + nbytes > chunk_bytes:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append((name, tensor))
-            size += nbytes
-        if chunk:
-            yield chunk
+        from rlcore.weights import chunked
+
+        yield from chunked(self.tensors, chunk_bytes)
 
 
 def run_shape(args) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from rlcore.weights import chunked
+
 
 class StateDictBackend:
     """Exports HF-named tensors in byte-bounded chunks, as a training backend's ``export_weights``."""
@@ -12,17 +14,8 @@ class StateDictBackend:
         self.state_dict = state_dict
 
     def export_weights(self, dtype=None, chunk_bytes: int = 1 << 30):
-        chunk, size = [], 0
-        for name, tensor in self.state_dict.items():
-            tensor = tensor.to(dtype) if dtype is not None else tensor
-            nbytes = tensor.numel() * tensor.element_size()
-            if chunk and size + nbytes > chunk_bytes:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append((name, tensor))
-            size += nbytes
-        if chunk:
-            yield chunk
+        named = ((n, t.to(dtype) if dtype is not None else t) for n, t in self.state_dict.items())
+        yield from chunked(named, chunk_bytes)
 
 
 def perturbed_state_dict(model, scale: float = 0.03, seed: int = 1) -> dict[str, torch.Tensor]:

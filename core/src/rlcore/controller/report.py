@@ -60,7 +60,8 @@ class Reporter:
 def summary_table(summary: dict, title: str) -> Table:
     """The NeMo-RL table row: Step, Train, Refit, Generation, Logprobs, Tokens/sample (seconds)."""
     table = Table(title=title)
-    for column in ("steps", "Step (s)", "Train", "Refit", "Generation", "Logprobs", "Reward", "Tokens/sample"):
+    # Short headers: the table must fit 80 columns (rich's width when output is not a terminal).
+    for column in ("steps", "Step s", "Train", "Refit", "Gen", "Logprobs", "Reward", "Tok/sample"):
         table.add_column(column, justify="right")
 
     def cell(key, fmt="{:.2f}"):

@@ -34,6 +34,7 @@ from rlcore_fsdp2.config import DTensorConfig
 from rlcore_fsdp2.parallel_dims import ParallelDims
 from rlcore_fsdp2.parallelize import parallelize
 from rlcore_fsdp2.schedule import lr_factor
+from rlcore.weights import gather_sequences_to_rank0
 from rlcore_fsdp2.weights import (DTYPES, Offloader, ReferencePolicy, chunked, iter_hf_tensors, to_dtype,
                                   write_hf_checkpoint)
 
@@ -172,17 +173,7 @@ class FSDP2Backend:
             logprobs_T = self._forward_logprobs(self._to_device(mb)).float().cpu()
             for seq_id, values in zip(mb.seq_ids, unpack(logprobs_T, mb)):
                 mine[seq_id] = values.clone()
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if dist.get_rank() != 0:
-            return None
-        merged: dict[int, torch.Tensor] = {}
-        for part in gathered:
-            merged.update(part)
-        missing = [i for i in range(len(batch)) if i not in merged]
-        if missing:
-            raise RuntimeError(f"fsdp2 backend: no logprobs came back for sequences {missing[:5]} (packing plan mismatch)")
-        return [merged[i] for i in range(len(batch))]
+        return gather_sequences_to_rank0(mine, len(batch), "fsdp2 backend")
 
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
         """One optimizer step per ``policy.train_global_batch_size`` sequences (all of them when

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rlcore.weights import chunked  # noqa: F401 - re-exported for the backend
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -60,21 +62,6 @@ def iter_hf_tensors(model: nn.Module, dtype: torch.dtype, device: torch.device, 
         if rank == 0:
             yield from revert_weight_conversion(model, {hf_name(name): full}).items()
         del full
-
-
-def chunked(named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group tensors into chunks of at most ``chunk_bytes`` (a larger tensor is a chunk of its own)."""
-    chunk: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > chunk_bytes:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append((name, tensor))
-        size += nbytes
-    if chunk:
-        yield chunk
 
 
 def write_hf_checkpoint(chunks: Iterable[list[tuple[str, torch.Tensor]]], path: Path, hf_config: Any,

@@ -25,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from rlcore.config import RunConfig
 from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
+from rlcore.weights import chunked, gather_sequences_to_rank0
 from rlcore_megatron import checkpoint, context_parallel, cpu_shims, parallel
 from rlcore_megatron.config import MegatronConfig
 from rlcore_megatron.convert import iter_hf_weights, load_hf_into_megatron
@@ -162,17 +163,8 @@ class MegatronBackend:
         if self.ranks.reports:
             for out in outputs:
                 local.update(out["logprobs"])
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(local, gathered, dst=0)
-        if dist.get_rank() != 0:
-            return None
-        merged: dict[int, torch.Tensor] = {}
-        for part in gathered:
-            merged.update(part)
-        missing = [i for i in range(len(batch)) if i not in merged]
-        if missing:
-            raise RuntimeError(f"rlcore-megatron: no logprobs came back for sequences {missing[:10]}")
-        return [merged[i].float() for i in range(len(batch))]
+        merged = gather_sequences_to_rank0(local, len(batch), "rlcore-megatron")
+        return None if merged is None else [values.float() for values in merged]
 
     @contextlib.contextmanager
     def _swapped(self, state: dict[str, torch.Tensor]):
@@ -276,18 +268,8 @@ class MegatronBackend:
         return cpu_shims.shimmed_iter(self._export_weights(dtype, chunk_bytes))
 
     def _export_weights(self, dtype, chunk_bytes: int) -> Iterator[NamedTensors]:
-        chunk: NamedTensors = []
-        size = 0
-        for name, tensor in iter_hf_weights(self.module, self.hf_config):
-            tensor = tensor.to(dtype) if dtype is not None else tensor
-            nbytes = tensor.numel() * tensor.element_size()
-            if chunk and size + nbytes > chunk_bytes:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append((name, tensor))
-            size += nbytes
-        if chunk:
-            yield chunk
+        named = iter_hf_weights(self.module, self.hf_config)
+        yield from chunked(((n, t.to(dtype) if dtype is not None else t) for n, t in named), chunk_bytes)
 
     @cpu_shims.shimmed
     def export_hf(self, path: str) -> None:
