@@ -1,7 +1,7 @@
 """rlcore's training-backend conformance suite against the megatron backend (world size 1, gloo).
 
 Not collected directly (the CPU shims replace a few ``torch.cuda`` functions process-wide, which
-other plugins' tests in the same pytest process should not see): ``test_conformance.py`` runs
+other plugins' tests in the same pytest process should not see): ``test_megatron_conformance.py`` runs
 this file in a subprocess.
 """
 
