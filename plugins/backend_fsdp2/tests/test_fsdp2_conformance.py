@@ -3,30 +3,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from rlcore.testing.conformance import TrainingBackendConformance
 
 
-@pytest.fixture(scope="module")
-def single_process_group():
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # someone else's group: use it, leave it
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
+# single_process_group: rlcore.testing's pytest plugin.
 class TestFSDP2Conformance(TrainingBackendConformance):
     logprob_atol = 1e-5  # fp32, same kernels as transformers
 

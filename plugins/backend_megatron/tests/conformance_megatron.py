@@ -7,27 +7,12 @@ this file in a subprocess.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from rlcore.testing.conformance import TrainingBackendConformance
 
 
-@pytest.fixture(scope="module")
-def single_process_group():
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
+# single_process_group: rlcore.testing's pytest plugin.
 class TestMegatronConformance(TrainingBackendConformance):
     logprob_atol = 1e-5  # fp32
 

@@ -37,3 +37,21 @@ def tiny_model_factory(tmp_path_factory):
         return cache[key]
 
     return factory
+
+
+@pytest.fixture(scope="module")
+def single_process_group():
+    """A world-size-1 gloo process group, as a training backend expects to find (reuses one
+    that is already initialized and leaves it alone)."""
+    import torch.distributed as dist
+
+    from rlcore.controller.workers import free_port
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
