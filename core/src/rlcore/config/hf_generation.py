@@ -8,6 +8,15 @@ from rlcore.config.structure import doc
 
 
 @frozen
+class HFRefitConfig:
+    """Refit settings the run loop reads from any generator's section."""
+
+    chunk_bytes: int = field(default=256 << 20, metadata=doc("bytes per streamed chunk of weights"))
+    probe_threshold: float = field(default=0.05, metadata=doc("fail when the probe's mean |logprob gap| exceeds this"))
+    probe_num_sequences: int = field(default=4, metadata=doc("sequences scored by both sides after each refit; 0 disables"))
+
+
+@frozen
 class HFGenerationConfig:
     backend: str = field(default="hf", metadata=doc("generator name"))
     temperature: float = field(default=1.0, metadata=doc("sampling temperature; 0 = greedy"))
@@ -17,3 +26,4 @@ class HFGenerationConfig:
     stop_strings: tuple[str, ...] = field(default=(), metadata=doc("stop when the text ends with one of these"))
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=doc("extra stop tokens besides EOS"))
     dtype: str = field(default="float32", metadata=doc("weights dtype"))
+    refit: HFRefitConfig = field(factory=HFRefitConfig, metadata=doc("refit chunking and verification"))
