@@ -10,7 +10,6 @@ right-padded [B, L] batch, and data-parallel size 1 vs 2 (two gloo processes, su
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -192,16 +191,11 @@ def test_packed_attention_is_per_sequence(setup):
 
 
 # ---- data parallel: 2 gloo processes ---------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dp_worker(rank: int, world: int, port: int, out: str) -> None:
+def _dp_worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A file rendezvous: no free-port race with the other tests' processes.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     model = build_model()
     batch = build_batch(model)
     totals = step_totals(batch)
@@ -215,15 +209,16 @@ def _dp_worker(rank: int, world: int, port: int, out: str) -> None:
         results[key] = (grad, dict(zip(metrics, values.tolist())), [len(m.seq_ids) for m in mbs])
     if rank == 0:
         torch.save(results, out)
+    dist.barrier()  # nobody tears gloo down while the other rank still talks to it
     dist.destroy_process_group()
 
 
 def test_gradient_invariant_to_data_parallel_size(setup, tmp_path):
     model, batch = setup
     out = tmp_path / "dp2.pt"
-    port = _free_port()
+    rendezvous = tmp_path / "rendezvous"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(port), str(out)], env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(rendezvous), str(out)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
     try:
         logs = [p.communicate(timeout=120)[0].decode() for p in procs]
@@ -244,4 +239,4 @@ def test_gradient_invariant_to_data_parallel_size(setup, tmp_path):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    _dp_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    _dp_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -158,6 +158,7 @@ def main() -> None:
     run("errors", scenario_errors, spec)
     results["timings"] = timings
     torch.save(results, Path(spec["out"]) / f"rank{dist.get_rank()}.pt")
+    dist.barrier()  # gloo torn down while the other rank still talks to it can abort ("terminate called...")
     dist.destroy_process_group()
 
 
