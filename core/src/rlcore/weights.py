@@ -43,3 +43,19 @@ def gather_sequences_to_rank0(local: dict[int, torch.Tensor], num_sequences: int
     if missing:
         raise RuntimeError(f"{who}: no logprobs came back for sequences {missing[:10]} (packing plan mismatch between ranks)")
     return [merged[i] for i in range(num_sequences)]
+
+
+def stream_into(generator, chunks: Iterable[list[NamedTensor]]) -> dict[str, float]:
+    """Feed ``chunks`` to ``generator.update_weights``; return ``{"bytes", "seconds"}`` moved."""
+    import time
+
+    moved = {"bytes": 0}
+    start = time.perf_counter()
+
+    def counted():
+        for chunk in chunks:
+            moved["bytes"] += sum(t.numel() * t.element_size() for _, t in chunk)
+            yield chunk
+
+    generator.update_weights(counted())
+    return {"bytes": float(moved["bytes"]), "seconds": time.perf_counter() - start}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.timing import summarize
 from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
 from rlcore.plugins import get_plugin_manager
+from rlcore.weights import stream_into
 
 
 class StreamTransport:
@@ -36,16 +36,7 @@ class StreamTransport:
         self.chunk_bytes, self.dtype = chunk_bytes, dtype
 
     def transfer(self, trainer, generator) -> dict[str, float]:
-        moved = {"bytes": 0}
-        start = time.perf_counter()
-
-        def counted():
-            for chunk in trainer.export_chunks(dtype=self.dtype, chunk_bytes=self.chunk_bytes):
-                moved["bytes"] += sum(t.numel() * t.element_size() for _, t in chunk)
-                yield chunk
-
-        generator.update_weights(counted())
-        return {"bytes": float(moved["bytes"]), "seconds": time.perf_counter() - start}
+        return stream_into(generator, trainer.export_chunks(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
 
 
 class _PluginTransport:

@@ -18,7 +18,6 @@ import concurrent.futures
 import time
 from typing import Any
 
-from rlcore_vllm.codecs import chunk_nbytes
 
 
 def _torch_dtype(name: str | None):
@@ -36,16 +35,9 @@ class ColocatedTransport:
         self.chunk_bytes, self.dtype = chunk_bytes, dtype
 
     def transfer(self, backend, generator) -> dict[str, float]:
-        moved = {"bytes": 0}
-        start = time.perf_counter()
+        from rlcore.weights import stream_into
 
-        def counted():
-            for chunk in backend.export_weights(dtype=self.dtype, chunk_bytes=self.chunk_bytes):
-                moved["bytes"] += chunk_nbytes(chunk)
-                yield chunk
-
-        generator.update_weights(counted())
-        return {"bytes": float(moved["bytes"]), "seconds": time.perf_counter() - start}
+        return stream_into(generator, backend.export_weights(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
 
 
 class BroadcastTransport:
