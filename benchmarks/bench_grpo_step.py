@@ -94,13 +94,6 @@ def recipe(model: Path, backend: str, run_dir: Path, args, gpu: bool) -> dict:
     }
 
 
-def set_key(tree: dict, dotted: str, value) -> None:
-    *parents, last = dotted.split(".")
-    for part in parents:
-        tree = tree.setdefault(part, {})
-    tree[last] = value
-
-
 def row(name: str, shape: str, result: dict, gpus: int, args) -> dict:
     s = result["summary"]
     cfg = SHAPES[shape]
@@ -151,6 +144,8 @@ def main() -> None:
     import rlcore
     import torch
 
+    from rlcore.config.loader import set_dotted
+
     gpu = torch.cuda.is_available()
     root = Path(args.workdir)
     rows = []
@@ -159,7 +154,7 @@ def main() -> None:
         model = build_model(shape, root)
         tree = recipe(model, backend, root / f"run-{name}", args, gpu)
         for key, value in overrides.items():
-            set_key(tree, key, value)
+            set_dotted(tree, key, value)
         started = time.perf_counter()
         result = rlcore.run(rlcore.build_config(tree))
         gpus = tree["cluster"]["gpus_per_node"] or 1

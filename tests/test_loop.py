@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlcore.config.loader import set_dotted
+
 pytestmark = pytest.mark.slow
 
 TIMING_PREFIXES = ("timing/", "refit/seconds", "refit/gb_per_s", "train/seconds")
@@ -37,11 +39,7 @@ def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
         "checkpointing": {"enabled": True, "checkpoint_dir": str(run_dir / "ckpt"), "save_period": 1, "keep_last_k": 3},
     }
     for key, value in extra.items():
-        node = recipe
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
+        set_dotted(recipe, key, value)
     return recipe
 
 

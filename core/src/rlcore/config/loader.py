@@ -111,14 +111,17 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), manager: Plu
         raise ConfigError(exc.key, f"{exc.message} (in {path})") from exc
 
 
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """``tree["a"]["b"]["c"] = value`` for ``dotted == "a.b.c"``, creating missing levels."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
 def to_dict(config: RunConfig) -> dict:
     """The resolved config as one nested dict, plugin sections at their paths."""
     out = unstructure(config)
-    sections = out.pop("sections")
-    for path, value in sections.items():
-        node = out
-        *parents, last = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
+    for path, value in out.pop("sections").items():
+        set_dotted(out, path, value)
     return out

@@ -104,8 +104,10 @@ def build_trainer(config: RunConfig, manager, backend=None):
 
     if not ray.is_initialized():
         address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, include_dashboard=False, log_to_driver=True) if address else ray.init(
-            include_dashboard=False, num_cpus=max(world + 1, os.cpu_count() or 1))
+        if address:
+            ray.init(address=address, include_dashboard=False)
+        else:  # a local instance with a CPU slot per trainer rank, even on a 2-core machine
+            ray.init(include_dashboard=False, num_cpus=max(world + 1, os.cpu_count() or 1))
     return RayTrainerGroup(reg, config, config.section(reg.section), world, device, config.cluster.timeout_s)
 
 

@@ -18,7 +18,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
