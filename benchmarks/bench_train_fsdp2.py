@@ -56,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--tiny", action="store_true", help="tiny shape on CPU in fp32 (smoke test)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", metavar="DIR", help="profile 2 more steps: print tables, write DIR/<variant>.json.gz")
     return p.parse_args(argv)
 
 
@@ -121,6 +122,43 @@ def build_backend(args, hf_config, device: str, compile_layers: bool):
     return FSDP2Backend(config, cfg, WorldInfo(device=device), hf_config=hf_config, seed=args.seed)
 
 
+def profile_steps(step, steps: int, out_dir: str, label: str, device: str) -> None:
+    """Run ``step()`` ``steps`` times under torch.profiler; print where the time went.
+
+    Prints wall time per step against the summed time of GPU kernels (a GPU idle most of the step
+    points at host-side overhead or synchronization), the top operators by self device time and
+    by self host time, and writes a gzipped Chrome trace to ``out_dir/<label>.json.gz``.
+    """
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities, record_shapes=False, with_stack=True) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) / steps if device == "cuda" else 0.0
+    print(f"[profile {label}] wall {wall * 1e3:.1f} ms/step, GPU kernels {device_us / 1e3:.1f} ms/step "
+          f"({100 * device_us / 1e6 / wall:.0f}% busy)", flush=True)
+    if device == "cuda":
+        print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70), flush=True)
+    by_stack = prof.key_averages(group_by_stack_n=6)
+    print(by_stack.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    raw = os.path.join(out_dir, f"{label}.json")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -149,6 +187,8 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
             mbs.append(metrics["num_micro_batches"])
         if not all(v == v for v in metrics.values()):
             raise RuntimeError(f"non-finite metrics at step {step}: {metrics}")
+    if args.profile:
+        profile_steps(lambda: backend.train(make_batch(args, hf_config.vocab_size, gen), algo), 2, args.profile, name, device)
     med = statistics.median(times)
     i = times.index(med) if med in times else 0
     result = {

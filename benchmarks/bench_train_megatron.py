@@ -58,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny shape on CPU in fp32 (smoke test)")
     p.add_argument("--bf16", action="store_true", help="with --tiny: bf16 as on GPU (checks that code path on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", metavar="DIR", help="profile 2 more steps (rank 0): print tables, write DIR/<variant>.json.gz")
     return p.parse_args(argv)
 
 
@@ -132,6 +133,12 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
             mbs.append(metrics["num_micro_batches"])
         if not all(v == v for v in metrics.values()):
             raise RuntimeError(f"{name}: non-finite metrics at step {step}: {metrics}")
+    if args.profile and dist.get_rank() == 0:
+        common.profile_steps(lambda: backend.train(make_batch(args, hf_config.vocab_size, gen, dp), algo), 2,
+                             args.profile, name, device)
+    elif args.profile:  # the other ranks take the same steps, unprofiled
+        for _ in range(2):
+            backend.train(make_batch(args, hf_config.vocab_size, gen, dp), algo)
     gpus = dist.get_world_size()
     med = statistics.median(times)
     result = {

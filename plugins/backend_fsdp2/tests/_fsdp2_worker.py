@@ -152,6 +152,8 @@ def main() -> None:
     run("qwen3_tp_plain", scenario_arch, spec["qwen3"], True, tensor_parallel_size=2,
         custom_parallel_plan="_fsdp2_common:attention_only_plan")
     run("qwen3_moe", scenario_arch, spec["qwen3_moe"], True)
+    # Gradients reduced once per step (not per micro-batch), gathered params kept between passes.
+    run("qwen3_deferred", scenario_arch, spec["qwen3"], True, defer_grad_sync=True, reshard_after_forward=False)
     run("qwen3_moe_tp", scenario_arch, spec["qwen3_moe"], True, tensor_parallel_size=2, sequence_parallel=True,
         packing=False)
     run("qwen2_tied_tp", scenario_arch, spec["qwen2_tied"], True, tensor_parallel_size=2, sequence_parallel=True)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlcore_fsdp2.attention import _padded_rows, attention_cu_seqlens, varlen_attention_forward
+from rlcore.attention import _padded_rows
+from rlcore_fsdp2.attention import attention_cu_seqlens, varlen_attention_forward
 
 
 def _inputs(lengths, pad, heads=4, kv_heads=2, dim=16, seed=0):

@@ -43,7 +43,8 @@ def model_dir(tmp_path_factory):
 
 
 def test_varlen_path_matches_per_sequence_sdpa():
-    from rlcore_fsdp2.attention import _use_varlen, attention_cu_seqlens, varlen_attention_forward
+    from rlcore.attention import use_varlen
+    from rlcore_fsdp2.attention import attention_cu_seqlens, varlen_attention_forward
 
     torch.manual_seed(0)
     lengths, pad = [37, 5, 120], 6
@@ -51,7 +52,7 @@ def test_varlen_path_matches_per_sequence_sdpa():
     q = torch.randn(1, 8, total, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 2, total, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, total, 64, device="cuda", dtype=torch.bfloat16)
-    assert _use_varlen(q, 0.0), "torch.nn.attention.varlen is not usable here"
+    assert use_varlen(q, 0.0), "torch.nn.attention.varlen is not usable here"
     cu = torch.tensor([0, 37, 42, 162], dtype=torch.int32)
     acu, max_len = attention_cu_seqlens(cu, total, "cuda")
     got, _ = varlen_attention_forward(None, q, k, v, None, scaling=0.125, cu_seq_lens_q=acu, max_length_q=max_len)

@@ -162,6 +162,16 @@ def test_tensor_parallel_equals_data_parallel(run, references, name, arch):
     assert max_diff(tp["params"], references[f"{arch}/params"]) < TOL
 
 
+def test_deferred_gradient_sync_equals_per_micro_batch_reduction(run, references):
+    """defer_grad_sync accumulates unsharded fp32 grads over the micro-batches and reduces once;
+    reshard_after_forward=false keeps gathered params across passes (logprobs must free them)."""
+    deferred, plain = scenario(run, "qwen3_deferred"), scenario(run, "qwen3")
+    for i, (a, b) in enumerate(zip(deferred["logprobs"], plain["logprobs"])):
+        assert float((a - b).abs().max()) < TOL, f"logprobs of sequence {i} differ"
+    assert deferred["metrics"]["num_micro_batches"] >= 3
+    assert max_diff(deferred["params"], references["qwen3/params"]) < TOL
+
+
 def test_custom_parallel_plan_replaces_the_builtin_one(run):
     custom, builtin = scenario(run, "qwen3_tp_plain")["placements"], scenario(run, "qwen3_tp")["placements"]
     assert len(custom["self_attn.q_proj.weight"]) == 2 and len(custom["mlp.gate_proj.weight"]) == 1  # MLP: FSDP only

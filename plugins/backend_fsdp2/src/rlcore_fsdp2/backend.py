@@ -32,7 +32,7 @@ from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore_fsdp2 import attention, checkpoint
 from rlcore_fsdp2.config import DTensorConfig
 from rlcore_fsdp2.parallel_dims import ParallelDims
-from rlcore_fsdp2.parallelize import parallelize
+from rlcore_fsdp2.parallelize import defer_grad_sync, parallelize
 from rlcore_fsdp2.schedule import lr_factor
 from rlcore.weights import gather_sequences_to_rank0
 from rlcore_fsdp2.weights import (DTYPES, Offloader, ReferencePolicy, chunked, iter_hf_tensors, to_dtype,
@@ -173,6 +173,9 @@ class FSDP2Backend:
             logprobs_T = self._forward_logprobs(self._to_device(mb)).float().cpu()
             for seq_id, values in zip(mb.seq_ids, unpack(logprobs_T, mb)):
                 mine[seq_id] = values.clone()
+        # Without reshard_after_forward the gathered params outlive a no-grad forward (no backward
+        # frees them): free them, so reference swaps, refits and offloading see only the shards.
+        self._reshard()
         return gather_sequences_to_rank0(mine, len(batch), "fsdp2 backend")
 
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
@@ -192,8 +195,13 @@ class FSDP2Backend:
         micro_batches = self._micro_batches(batch, train=True)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        metrics: dict[str, float] = defaultdict(float)
-        for mb in micro_batches:
+        metrics: dict[str, Any] = defaultdict(float)
+        defer = defer_grad_sync(self.cfg, self.dims)
+        for index, mb in enumerate(micro_batches):
+            if defer:  # reduce (and reshard) once, after the last micro-batch's backward
+                last = index == len(micro_batches) - 1
+                self.model.set_requires_gradient_sync(last)
+                self.model.set_reshard_after_backward(last)
             mb = self._to_device(mb)
             logprobs_T = self._forward_logprobs(mb)
             if mb.num_seqs == 0:
@@ -204,8 +212,9 @@ class FSDP2Backend:
                 loss, mb_metrics = algorithm.loss(logprobs_T, mb, totals)
             loss.backward()
             loss_sum += loss.detach().to(torch.float64)
-            for key, value in mb_metrics.items():
-                metrics[key] += float(value)
+            for key, value in mb_metrics.items():  # tensors stay on the device: no sync per micro-batch
+                metrics[key] = metrics[key] + (value.detach() if torch.is_tensor(value) else value)
+        metrics = {key: float(value) for key, value in metrics.items()}
         loss_total, metrics = self._reduce_over_dp(loss_sum, metrics)
         grad_norm = self._clip_grad_norm()
         lr = self.optimizer.param_groups[0]["lr"]

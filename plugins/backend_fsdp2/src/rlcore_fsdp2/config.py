@@ -31,7 +31,13 @@ class DTensorConfig:
     custom_parallel_plan: str | None = field(default=None, metadata=doc(
         "'module:attr' naming a dict {module pattern: ParallelStyle} or a callable(model) -> dict, "
         "used instead of the built-in tensor-parallel plan"))
-    reshard_after_forward: bool = field(default=True, metadata=doc("free gathered params after forward (ZeRO-3); false keeps them until backward (ZeRO-2 like)"))
+    reshard_after_forward: bool | None = field(default=None, metadata=doc(
+        "free gathered params after forward (ZeRO-3); false keeps them until backward (ZeRO-2 like); "
+        "default: true with several data-parallel ranks, false with one (nothing to free)"))
+    defer_grad_sync: bool | None = field(default=None, metadata=doc(
+        "accumulate unsharded fp32 gradients over a step's micro-batches and reduce-scatter once, after the last "
+        "(fewer collectives and hook work per micro-batch, a full gradient copy more memory per rank); "
+        "default: on with one data-parallel rank (no memory cost), off otherwise; never with cpu_offload"))
     compile: bool = field(default=False, metadata=doc("torch.compile each decoder layer's forward (fuses norm/rotary/SwiGLU ops; the first steps compile)"))
     logprob_chunk_tokens: int = field(default=1024, validator=_positive, metadata=doc("rows of the logits turned into float32 log-softmax at a time"))
 

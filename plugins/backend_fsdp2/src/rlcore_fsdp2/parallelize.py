@@ -169,6 +169,18 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, redu
                 module.set_force_sum_reduction_for_comms(True)
 
 
+def reshard_after_forward(cfg: DTensorConfig, dims: ParallelDims) -> bool:
+    """``reshard_after_forward`` if set, else only when there are shards to free memory for."""
+    return cfg.reshard_after_forward if cfg.reshard_after_forward is not None else dims.dp_shard > 1
+
+
+def defer_grad_sync(cfg: DTensorConfig, dims: ParallelDims) -> bool:
+    """``defer_grad_sync`` if set, else only with one data-parallel rank (unsharded grads cost nothing more)."""
+    if cfg.cpu_offload:
+        return False
+    return cfg.defer_grad_sync if cfg.defer_grad_sync is not None else dims.dp_shard == 1
+
+
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, cfg: DTensorConfig, *, param_dtype: torch.dtype,
                 reduce_dtype: torch.dtype, device_type: str) -> nn.Module:
     """TP/SP -> compile -> AC -> FSDP2, in place; returns ``model``."""
@@ -180,7 +192,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, cfg: DTensorCon
     if cfg.activation_checkpointing:
         apply_ac(model)
     apply_fsdp(model, mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-               cpu_offload=cfg.cpu_offload and device_type == "cuda", reshard_after_forward=cfg.reshard_after_forward)
+               cpu_offload=cfg.cpu_offload and device_type == "cuda", reshard_after_forward=reshard_after_forward(cfg, dims))
     return model
 
 

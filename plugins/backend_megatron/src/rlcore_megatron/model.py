@@ -20,6 +20,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from rlcore.attention import packed_causal_attention, sdpa
 from rlcore.config import ConfigError
 from rlcore_megatron.config import SECTION, MegatronConfig
 
@@ -48,11 +49,12 @@ def architecture(hf_config) -> str:
 
 
 class SDPACoreAttention(MegatronModule):
-    """Core attention on ``torch.nn.functional.scaled_dot_product_attention`` (flash kernels on GPU).
+    """Core attention on torch's flash kernels (:mod:`rlcore.attention`; never cuDNN, which re-plans
+    for every new sequence length).
 
     Inputs ``query`` [s, b, heads, d], ``key``/``value`` [s, b, groups, d] (sbhd), or in the packed
     thd layout [t, heads, d] with ``packed_seq_params.cu_seqlens_q`` giving sequence boundaries:
-    each packed sequence attends causally to itself only. Output [s, b, heads*d] / [t, heads*d].
+    each packed sequence attends causally to itself only (FlashAttention varlen on CUDA). Output [s, b, heads*d] / [t, heads*d].
     With context parallelism, K/V are all-gathered over the CP group and each rank's queries use
     causal offsets (see :func:`_cp_attention`).
     """
@@ -67,9 +69,8 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def _sdpa(self, q_BHSD, k_BGSD, v_BGSD, mask=None):
-        return F.scaled_dot_product_attention(
-            q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale, enable_gqa=True,
-            dropout_p=self.dropout_p if self.training else 0.0)
+        return sdpa(q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+                    enable_gqa=True, dropout_p=self.dropout_p if self.training else 0.0)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if attention_bias is not None:
@@ -89,15 +90,10 @@ class SDPACoreAttention(MegatronModule):
         return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _forward_thd(self, query_THD, key_TGD, value_TGD, params: PackedSeqParams):
-        # Host copy made once per micro-batch (no device sync per layer on GPU).
-        bounds = getattr(params, "host_bounds", None) or params.cu_seqlens_q.tolist()
-        outs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end == start:
-                continue
-            q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query_THD, key_TGD, value_TGD))
-            outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
-        out_THD = torch.cat(outs, dim=0)
+        # One FlashAttention varlen kernel over the stream on CUDA (bf16/fp16); exact per-sequence
+        # SDPA otherwise. Padding is the last segment of cu_seqlens (see packed_seq_params).
+        out_THD = packed_causal_attention(query_THD, key_TGD, value_TGD, params.cu_seqlens_q, int(params.max_seqlen_q),
+                                          scale=self.softmax_scale, dropout=self.dropout_p if self.training else 0.0)
         return out_THD.reshape(out_THD.shape[0], -1)
 
 

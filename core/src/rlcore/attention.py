@@ -1,0 +1,129 @@
+"""Causal attention over packed sequences, shared by the training backends.
+
+A packed micro-batch is one stream of ``T`` tokens holding several sequences back to back
+(``cu_seqlens`` boundaries). Each token may only attend to earlier tokens of its own sequence.
+:func:`packed_causal_attention` takes the thd layout (query ``[T, H, D]``, key/value
+``[T, G, D]`` with ``H % G == 0``) and:
+
+- on CUDA in bf16/fp16, runs FlashAttention's varlen kernel
+  (:func:`torch.nn.attention.varlen.varlen_attn`) over the whole stream: one kernel, no mask, no
+  host loop;
+- otherwise (CPU, fp32/fp64) runs causal :func:`~torch.nn.functional.scaled_dot_product_attention`
+  per sequence: one call over a padded ``[n, H, max_len, D]`` batch when the sequences have
+  similar lengths (padding costs at most 2x the exact work), else one call per sequence. Either
+  is exact and needs far less than a ``T x T`` block-diagonal mask.
+
+Every SDPA call here avoids the cuDNN backend on CUDA (:func:`sdpa`): cuDNN builds an execution
+plan for each new sequence length, which cost 3.5 ms of host time per call and stalled the GPU
+for ~70 ms per new shape on an H200 (measured: Megatron backend at 5% MFU with random lengths,
+``benchmarks/RESULTS.md``). RL batches have a new set of lengths at every step.
+
+Written here rather than taken from a library because the library kernels (flash-attn,
+Transformer Engine) are not installable on every machine rlcore targets; torch's own varlen
+kernel is, and this module only chooses between torch's kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+
+def attention_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int, device: torch.device | str) -> tuple[torch.Tensor, int]:
+    """Boundaries covering every token (int32 on ``device``) and the longest segment.
+
+    Trailing padding becomes one more segment: it attends to itself only, so its outputs are
+    finite (never read) and ``0 * garbage`` cannot turn into NaN in the backward matmuls.
+    """
+    cu = cu_seqlens.to(device="cpu", dtype=torch.int32)
+    if int(cu[-1]) < total_tokens:
+        cu = torch.cat([cu, torch.tensor([total_tokens], dtype=torch.int32)])
+    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return cu.to(device), max_len
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_kwargs() -> dict | None:
+    """Causal/GQA keyword arguments of this torch's ``varlen_attn`` (its signature changed in 2.11)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
+def use_varlen(query: torch.Tensor, dropout: float = 0.0) -> bool:
+    """Whether :func:`packed_causal_attention` takes the FlashAttention varlen kernel for ``query``."""
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0
+            and _varlen_kwargs() is not None)
+
+
+@functools.lru_cache(maxsize=1)
+def _non_cudnn_backends() -> list:
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
+    """:func:`torch.nn.functional.scaled_dot_product_attention` without the cuDNN backend on CUDA
+    (see the module docstring); ``enable_gqa`` is set when key/value have fewer heads."""
+    kwargs.setdefault("enable_gqa", key.shape[-3] != query.shape[-3])
+    guard = contextlib.nullcontext()
+    if query.is_cuda:
+        from torch.nn.attention import sdpa_kernel
+
+        guard = sdpa_kernel(_non_cudnn_backends())
+    with guard:
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+
+
+@torch.compiler.disable  # one kernel (or a host loop on CPU): keep it out of compiled layers' graphs
+def packed_causal_attention(query_THD: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torch.Tensor,
+                            cu_seqlens: torch.Tensor, max_len: int, *, scale: float | None = None,
+                            dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention within each packed sequence -> ``[T, H, D]``.
+
+    ``cu_seqlens``: int32 boundaries covering all ``T`` tokens (:func:`attention_cu_seqlens`), on
+    the tensors' device for the varlen kernel; ``max_len``: the longest segment.
+    """
+    if use_varlen(query_THD, dropout):
+        from torch.nn.attention.varlen import varlen_attn
+
+        q, k, v = (x.contiguous() for x in (query_THD, key_TGD, value_TGD))
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **_varlen_kwargs())
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    run = functools.partial(sdpa, dropout_p=dropout, is_causal=True, scale=scale)
+    q, k, v = (x.transpose(0, 1)[None] for x in (query_THD, key_TGD, value_TGD))  # [1, H, T, D]
+    if len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= 2 * sum(n * n for n in lengths):
+        out_1HTD = _padded_rows(run, q, k, v, bounds, lengths)
+    else:
+        pieces = [run(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        out_1HTD = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+    return out_1HTD[0].transpose(0, 1)
+
+
+def _padded_rows(run, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+                 lengths: list[int]) -> torch.Tensor:
+    """Similar-length sequences as one causal SDPA over a [n, H, max_len, D] batch.
+
+    Row i reads tokens ``start_i .. start_i + max_len`` (clamped): its real queries only see keys
+    at or before their own position, all inside sequence i, so whatever fills the tail is never
+    attended by a kept output, and the tail's outputs are dropped."""
+    tokens, max_len = query.shape[2], max(lengths)
+    starts = torch.tensor([a for a, b in zip(bounds[:-1], bounds[1:]) if b > a], device=query.device)
+    offsets = torch.arange(max_len, device=query.device)
+    index_NL = (starts[:, None] + offsets[None, :]).clamp(max=tokens - 1)
+    keep_NL = offsets[None, :] < torch.tensor(lengths, device=query.device)[:, None]
+    rows = [x[0][:, index_NL].transpose(0, 1) for x in (query, key, value)]  # [n, H, max_len, D]
+    out_NHLD = run(*rows)
+    return out_NHLD.transpose(0, 1)[:, keep_NL].unsqueeze(0)  # [1, H, T, D], packed order
