@@ -10,6 +10,11 @@ model scores about 0, which changes nothing in the work a step does (responses r
 
     python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --config llama1b-megatron   # one H200
     python benchmarks/bench_grpo_step.py --tiny                                              # CPU check
+    python benchmarks/bench_grpo_step.py --config llama1b-tool-sync --config llama1b-tool-async  # multi-turn
+
+Several ``--config`` run one after the other, each in its own process (GPU memory of a finished
+run is not reliably returned inside one process). The ``*-tool-*`` configurations use the
+``bench_tool`` environment of ``bench_multiturn_env.py`` (3 turns, simulated tool latency).
 
 MFU counts 6 * N_params * trained tokens + causal attention (6 * layers * hidden * tokens * mean
 seq len) against 989 TFLOP/s per GPU (H200 bf16 dense datasheet).
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +44,8 @@ NEMO_8B_ROW = {
     "policy.generation.gpu_memory_utilization": 0.3,
 }
 # name -> (shape, backend, overrides)
+TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "grpo.val_period": 0}
+
 CONFIGS = {
     "tiny-fsdp2": ("tiny", "fsdp2", {}),
     "tiny-fsdp2-async": ("tiny", "fsdp2", {"grpo.async_grpo.enabled": True}),
@@ -53,6 +61,13 @@ CONFIGS = {
     # batch 512, max sequence 4096, ~795 generated tokens a sample, colocated, 8 GPUs.
     "llama8b-nemo-8gpu-megatron": ("llama8b", "megatron", {**NEMO_8B_ROW, "policy.megatron_cfg.tensor_model_parallel_size": 2}),
     "llama8b-nemo-8gpu-fsdp2": ("llama8b", "fsdp2", NEMO_8B_ROW),
+    # Multi-turn (issue 9): 3 model turns with simulated tool calls between them
+    # (benchmarks/bench_multiturn_env.py), vLLM's sync engine (batches of whatever is queued)
+    # against the async engine (continuous batching, each turn scheduled when its tool returns).
+    "tiny-tool-sync": ("tiny", "fsdp2", TOOL_ENV),
+    "tiny-tool-async": ("tiny", "fsdp2", {**TOOL_ENV, "policy.generation.async_engine": True}),
+    "llama1b-tool-sync": ("llama1b", "megatron", TOOL_ENV),
+    "llama1b-tool-async": ("llama1b", "megatron", {**TOOL_ENV, "policy.generation.async_engine": True}),
     # The same shape of run at tiny scale on CPU: 8 gloo trainer processes (Ray actors).
     "tiny-8rank-fsdp2": ("tiny", "fsdp2", {"cluster.cpu_workers": 8, "cluster.use_ray": True, "policy.train_global_batch_size": 8}),
     "tiny-8rank-megatron": ("tiny", "megatron", {"cluster.cpu_workers": 8, "cluster.use_ray": True, "policy.train_global_batch_size": 8}),
@@ -66,7 +81,10 @@ def build_model(shape: str, root: Path) -> Path:
     if not (path / "config.json").is_file():
         kwargs = dict(SHAPES[shape])
         real_size = shape != "tiny"
-        build_tiny_model(path, "llama", dtype="bfloat16" if real_size else "float32", init_std=None if real_size else 0.05, **kwargs)
+        import torch
+
+        build_tiny_model(path, "llama", dtype="bfloat16" if real_size else "float32", init_std=None if real_size else 0.05,
+                         device="cuda" if real_size and torch.cuda.is_available() else None, **kwargs)
         build_tokenizer(kwargs["vocab_size"]).save_pretrained(path)
     return path
 
@@ -123,7 +141,7 @@ def sum_params(cfg: dict) -> float:
     return layers * per_layer + 2 * vocab * h + h
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", choices=sorted(CONFIGS))
     parser.add_argument("--tiny", action="store_true", help="CPU check: tiny shape, few tokens")
@@ -137,7 +155,12 @@ def main() -> None:
     parser.add_argument("--generator", default="vllm")
     parser.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR", tempfile.gettempdir() + "/rlcore-bench"))
     parser.add_argument("--json-out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    configs = args.config or ["llama1b-fsdp2", "llama1b-megatron"]
+    if len(configs) > 1:
+        # One process per configuration: a finished run's engine and trainer must not hold GPU
+        # memory that the next one needs (seen: vLLM found 55 of 140 GiB free at the second config).
+        return run_each_in_own_process(configs, argv if argv is not None else sys.argv[1:], args.json_out)
     if args.tiny:
         args.config = args.config or ["tiny-fsdp2"]
         args.prompts, args.samples, args.max_new_tokens, args.steps, args.warmup = 4, 4, 16, 3, 1
@@ -149,26 +172,66 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     root = Path(args.workdir)
     rows = []
-    for name in args.config or ["llama1b-fsdp2", "llama1b-megatron"]:
+    for name in configs:
         shape, backend, overrides = CONFIGS[name]
         model = build_model(shape, root)
         tree = recipe(model, backend, root / f"run-{name}", args, gpu)
         for key, value in overrides.items():
             set_dotted(tree, key, value)
+        if tree["env"]["name"] == "bench_tool":
+            import bench_multiturn_env
+            from rlcore.plugins import get_plugin_manager
+
+            get_plugin_manager().register_module(bench_multiturn_env)
+            turns = tree["env"]["bench_tool"]["max_turns"]
+            tree["policy"]["max_total_sequence_length"] = turns * (args.max_new_tokens + 64) + 64
         started = time.perf_counter()
         result = rlcore.run(rlcore.build_config(tree))
         gpus = tree["cluster"]["gpus_per_node"] or 1
         rows.append(row(name, shape, result, gpus, args))
         print(json.dumps(rows[-1]), f"(wall {time.perf_counter() - started:.0f}s)", flush=True)
+    print_table(rows)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
     print("\n| config | GPUs | step (s) | train | refit | generation | logprobs | tokens/sample | gen tok/GPU-s | train MFU | refit GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in rows:
         print(f"| {r['config']} | {r['gpus']} | {fmt(r['step_s'])} | {fmt(r['train_s'])} | {fmt(r['refit_s'])} | "
               f"{fmt(r['generation_s'])} | {fmt(r['logprobs_s'])} | {fmt(r['tokens_per_sample'], '{:.0f}')} | "
-              f"{fmt(r['gen_tokens_per_gpu_s'], '{:.0f}')} | {fmt(r['train_mfu'], '{:.1%}')} | {fmt(r['refit_gb_per_s'], '{:.1f}')} |")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows, indent=2))
+              f"{fmt(r['gen_tokens_per_gpu_s'], '{:.0f}')} | {fmt(r['train_mfu'], '{:.1%}')} | {fmt(r['refit_gb_per_s'], '{:.1f}')} |",
+              flush=True)
+
+
+def run_each_in_own_process(configs: list[str], argv: list[str], json_out: str | None) -> int:
+    """Re-run this script once per ``--config`` and merge the rows; a failed config is reported and skipped."""
+    base, skip = [], False
+    for arg in argv:  # drop --config/--json-out (both spellings) from the command line
+        if skip:
+            skip = False
+        elif arg in ("--config", "--json-out"):
+            skip = True
+        elif not arg.startswith(("--config=", "--json-out=")):
+            base.append(arg)
+    rows, failed = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in configs:
+            out = Path(tmp) / f"{name}.json"
+            proc = subprocess.run([sys.executable, __file__, *base, "--config", name, "--json-out", str(out)])
+            if proc.returncode != 0 or not out.is_file():
+                failed.append(f"{name} (exit {proc.returncode})")
+                continue
+            rows.extend(json.loads(out.read_text()))
+    print_table(rows)
+    if failed:
+        print("failed configurations: " + ", ".join(failed), file=sys.stderr)
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=2))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

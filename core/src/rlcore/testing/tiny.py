@@ -76,11 +76,12 @@ def tiny_config(arch: str = "llama", *, vocab_size: int = 128, hidden_size: int 
 
 
 def build_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0, dtype: str = "float32",
-                     init_std: float | None = 0.05, **config_kwargs) -> Path:
+                     init_std: float | None = 0.05, device: str | None = None, **config_kwargs) -> Path:
     """Random-init a tiny model of ``arch``, save it with its tokenizer to ``path``; return ``path``.
 
     ``init_std`` redraws every matrix from N(0, init_std) (None keeps transformers' own init,
-    right for real-size shapes)."""
+    right for real-size shapes). ``device``: where to initialise (``"cuda"`` for benchmark-size
+    shapes: initialising an 8B model on the host took ~6 minutes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -89,15 +90,19 @@ def build_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0, dt
     config_kwargs.setdefault("vocab_size", _round_up(len(tokenizer), 64))
     config = tiny_config(arch, **config_kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.device(device or "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     # Larger-than-default init spread makes logits differ across tokens, so parity tests bite.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2 and init_std is not None:
                 param.normal_(0.0, init_std)
     model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
     model.generation_config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    del model
+    if device is not None and device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return path
 
 

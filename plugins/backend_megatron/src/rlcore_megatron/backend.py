@@ -323,7 +323,14 @@ class MegatronBackend:
                         state[key] = value.to(device, non_blocking=True)
 
     def shutdown(self) -> None:
+        """Drop the model, optimizer and reference copy so their memory is free for what runs next."""
+        import gc
+
         self._reference.clear()
+        self.model = self.optimizer = self.scheduler = None  # type: ignore[assignment]
+        gc.collect()
+        if not self.on_cpu:
+            torch.cuda.empty_cache()
 
 
 def _to_device(mb: MicroBatch, device) -> MicroBatch:

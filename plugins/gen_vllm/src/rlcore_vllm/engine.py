@@ -100,7 +100,23 @@ class SyncEngine:
             core = getattr(engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
-            del llm
+            del llm, engine, core
+            _release_device_memory()
+
+
+def _release_device_memory() -> None:
+    """Return an in-process engine's weights and KV cache to the device once it is shut down, so a
+    later run in the same process (a sweep, a notebook) finds the memory free."""
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - best effort at teardown
+        pass
 
 
 def _resolve(future: asyncio.Future, value: Any, exc: BaseException | None) -> None:
