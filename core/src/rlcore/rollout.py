@@ -16,6 +16,10 @@ final model turn (what an environment grades); every turn's text is in the traje
 Every trajectory runs as its own coroutine (``asyncio.gather``), so with an async engine many
 are in flight at once and each turn is scheduled as soon as its observation is ready.
 Limits: ``max_turns`` model turns, ``max_total_tokens`` prompt + response tokens.
+Environment steps run in a thread pool of their own with one thread per trajectory (up to
+``max_env_concurrency``): ``asyncio.to_thread``'s default pool has ``cpu_count + 4`` threads,
+which would queue the tool calls of 256 trajectories behind each other (6 at a time on a 2-core
+machine) while the engine sits idle.
 
 This module imports no torch.
 """
@@ -23,6 +27,7 @@ This module imports no torch.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,9 +100,13 @@ class MultiTurnRunner:
     """Runs ``n`` multi-turn trajectories per sample concurrently; callable like ``generator.generate``."""
 
     def __init__(self, generator, environment, tokenizer, *, max_turns: int = 3, max_total_tokens: int = 1024,
-                 observation_role: str = "user", turn_stop_strings: Sequence[str] = ()):
+                 observation_role: str = "user", turn_stop_strings: Sequence[str] = (), max_env_concurrency: int = 256):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_env_concurrency < 1:
+            raise ValueError(f"max_env_concurrency must be >= 1, got {max_env_concurrency}")
+        self.max_env_concurrency = max_env_concurrency
+        self._env_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.generator, self.environment = generator, environment
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.turn_stop = tuple(turn_stop_strings)
@@ -110,7 +119,8 @@ class MultiTurnRunner:
 
     async def _env_step(self, sample: Sample, history: list[str]) -> EnvStep:
         try:
-            (step,) = await asyncio.to_thread(self.environment.step, [sample], [list(history)])
+            loop = asyncio.get_running_loop()
+            (step,) = await loop.run_in_executor(self._env_pool, self.environment.step, [sample], [list(history)])
         except Exception:  # noqa: BLE001 - an environment failure ends the trajectory with reward 0, counted
             return EnvStep(reward=0.0, done=True, metrics={"error": 1.0})
         return step
@@ -151,7 +161,13 @@ class MultiTurnRunner:
     async def arun(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[MultiTurnTrajectory]]:
         jobs = [self.run_one(s, params, None if params.seed is None else params.seed + 104729 * (i * params.n + k))
                 for i, s in enumerate(samples) for k in range(params.n)]
-        flat = await asyncio.gather(*jobs)
+        workers = max(1, min(len(jobs), self.max_env_concurrency))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rlcore-env") as pool:
+            self._env_pool = pool
+            try:
+                flat = await asyncio.gather(*jobs)
+            finally:
+                self._env_pool = None
         return [list(flat[i * params.n : (i + 1) * params.n]) for i in range(len(samples))]
 
     def __call__(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[GenerationResult]]:
@@ -162,8 +178,9 @@ class MultiTurnRunner:
 
 
 def make_multi_turn_runner(generator, environment, tokenizer, config: Any) -> MultiTurnRunner:
-    """Build a runner from a :class:`rlcore.config.RunConfig`: ``max_turns``, ``observation_role`` and
-    ``turn_stop_strings`` are read from the environment's section (then the generation section)."""
+    """Build a runner from a :class:`rlcore.config.RunConfig`: ``max_turns``, ``observation_role``,
+    ``turn_stop_strings`` and ``max_env_concurrency`` are read from the environment's section (then
+    the generation section) when they define them."""
     env_section = config.section(f"env.{config.env.name}")
     gen_section = config.section("policy.generation")
 
@@ -176,5 +193,5 @@ def make_multi_turn_runner(generator, environment, tokenizer, config: Any) -> Mu
     return MultiTurnRunner(
         generator, environment, tokenizer, max_turns=int(pick("max_turns", 3)),
         max_total_tokens=config.policy.max_total_sequence_length, observation_role=str(pick("observation_role", "user")),
-        turn_stop_strings=tuple(pick("turn_stop_strings", ())),
+        turn_stop_strings=tuple(pick("turn_stop_strings", ())), max_env_concurrency=int(pick("max_env_concurrency", 256)),
     )

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import threading
+import time
 import sys
 from pathlib import Path
 
@@ -24,13 +26,22 @@ HERE = Path(__file__).parent
 
 
 class CountingEnv:
-    """Never done before turn 3; the observation names the turn; reward = number of turns seen."""
+    """Never done before turn 3; the observation names the turn; reward = number of turns seen.
+    Each call takes ``latency_s`` (a tool call) and the peak of concurrent calls is recorded."""
 
-    def __init__(self):
+    def __init__(self, latency_s: float = 0.0):
         self.calls: list[int] = []
+        self.latency_s, self.now, self.peak = latency_s, 0, 0
+        self._lock = threading.Lock()
 
     def step(self, samples, histories):
-        self.calls.extend(len(h) for h in histories)
+        with self._lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+        time.sleep(self.latency_s)
+        with self._lock:
+            self.now -= 1
+            self.calls.extend(len(h) for h in histories)
         return [EnvStep(reward=float(len(h)), done=len(h) >= 3, observation=f"turn {len(h) + 1}: go on")
                 for h in histories]
 
@@ -55,13 +66,14 @@ def test_multi_turn_32_trajectories_3_turns_concurrently(async_generator):
     samples = [Sample(prompt=f"{i}+{i}=", prompt_ids=tok.apply_chat_template(
         [{"role": "user", "content": f"{i}+{i}="}], add_generation_prompt=True, return_dict=False), index=i)
         for i in range(8)]
-    env, counted = CountingEnv(), InFlight(async_generator)
+    env, counted = CountingEnv(latency_s=0.3), InFlight(async_generator)
     runner = MultiTurnRunner(counted, env, tok, max_turns=3, max_total_tokens=async_generator.max_model_len,
                              turn_stop_strings=("\n",))
     results = runner(samples, SamplingParams(temperature=1.0, max_new_tokens=8, n=4, seed=5))
     trajectories = [t for group in runner.last_trajectories for t in group]
     assert len(results) == 8 and all(len(r) == 4 for r in results) and len(trajectories) == 32
     assert counted.peak >= 16, f"only {counted.peak} turns were in flight at once"
+    assert env.peak >= 16, f"only {env.peak} tool calls ran at once (a small thread pool queues them)"
     assert all(t.result.num_turns == 3 and t.reward == 3.0 and t.done for t in trajectories)
     assert sorted(env.calls) == sorted([1, 2, 3] * 32)
 
