@@ -3,6 +3,7 @@
     python benchmarks/bench_train_megatron.py --steps 10                    # one H200: 1.2B Llama shape, bf16
     python benchmarks/bench_train_megatron.py --steps 10 --with-fsdp2       # + the fsdp2 backend, same batches
     python benchmarks/bench_train_megatron.py --shape 8b --tp 2 --with-fsdp2 --steps 5   # 2 GPUs (nvidia-h200-x2)
+    python benchmarks/bench_train_megatron.py --shape 8b --gpus 2 --with-fsdp2           # Megatron DP=2, as fsdp2
     python benchmarks/bench_train_megatron.py --tiny --steps 3              # CPU smoke run (tiny shape, fp32)
 
 Models (random init from the config, built by the backend itself: ``MegatronBackend(...,
@@ -51,7 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--min-len", type=int, default=256)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--shape", choices=("1b", "8b"), default="1b")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= number of GPUs used)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--gpus", type=int, default=None, help="processes/GPUs (default: --tp); Megatron's DP = gpus / tp")
+    p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (with --tp > 1)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (full recompute)")
     p.add_argument("--with-fsdp2", action="store_true", help="also run the fsdp2 backend on the same batches")
     p.add_argument("--peak-tflops", type=float, default=989.0)
@@ -88,6 +91,7 @@ def build_megatron(args, hf_config, device):
     from rlcore_megatron.config import SECTION, MegatronConfig, MegatronOptimizerConfig
 
     cfg = MegatronConfig(enabled=True, tensor_model_parallel_size=args.tp, activation_checkpointing=args.ac,
+                         sequence_parallel=args.sp,
                          optimizer=MegatronOptimizerConfig(lr=1e-5, weight_decay=0.01, clip_grad=1.0))
     world = WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=dist.get_rank(), device=device)
     return MegatronBackend(run_config(args, SECTION, cfg), cfg, world, hf_config=hf_config, seed=args.seed)
@@ -142,7 +146,8 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
     gpus = dist.get_world_size()
     med = statistics.median(times)
     result = {
-        "variant": f"{name} ({'TP' if name == 'megatron' else 'FSDP'}={args.tp if name == 'megatron' else gpus})",
+        "variant": (f"megatron (TP={args.tp}{' SP' if args.sp else ''}, DP={gpus // args.tp})" if name == "megatron"
+                    else f"fsdp2 (FSDP={gpus})"),
         "build_s": build_s, "step_s": med, "tokens_per_step": statistics.median(tokens),
         "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
         "tflops": statistics.median(f / s for f, s in zip(flops, times)) / 1e12,
@@ -208,11 +213,15 @@ def main(argv=None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if args.tp == 1:
+    gpus = args.gpus or args.tp
+    if gpus % args.tp:
+        print(f"--gpus {gpus} is not a multiple of --tp {args.tp}", file=sys.stderr)
+        return 2
+    if gpus == 1:
         return worker(0, 1, port, args)
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawned, args=(args.tp, port, args), nprocs=args.tp, join=True)
+    mp.spawn(_spawned, args=(gpus, port, args), nprocs=gpus, join=True)
     return 0
 
 
