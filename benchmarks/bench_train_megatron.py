@@ -14,8 +14,9 @@ and gradient reduction in Megatron's distributed optimizer, AdamW, the SDPA core
 the local layer spec (no Transformer Engine on these machines). Each optimizer step trains
 ``--micro-batches`` packed micro-batches of at most ``--mb-tokens`` tokens per data-parallel rank
 (random lengths in [``--min-len``, ``--max-len``], rlcore's packer) with the registered ``sft``
-loss. ``--tp N`` spawns N processes (one per GPU) unless launched by torchrun; fsdp2 then runs
-data-parallel over the same GPUs on the same global batches.
+loss. ``--gpus N`` (default ``--tp``) spawns N processes, one per GPU, unless launched by
+torchrun; Megatron runs TP=``--tp`` and DP=N/tp, fsdp2 data-parallel over the same GPUs on the
+same global batches. ``--profile DIR`` profiles two more steps (see ``trace_summary.py``).
 
 MFU against ``--peak-tflops`` (989 = H200 dense bf16 datasheet), the same formula as
 bench_train_fsdp2.py::
