@@ -40,13 +40,17 @@ class StreamTransport:
 
 
 class _PluginTransport:
-    """Adapts a plugin's transport (which takes the live backend) to the trainer handle."""
+    """Adapts a plugin's transport to the trainer handle the loop passes.
 
-    def __init__(self, transport):
-        self.inner, self.name = transport, getattr(transport, "name", type(transport).__name__)
+    The transport gets what the ``rlcore_weight_transport`` hook was shown: the live backend when
+    it is in this process, else the trainer-group handle (``run_on_ranks``, ``export_chunks``)."""
+
+    def __init__(self, transport, in_process: bool):
+        self.inner, self.in_process = transport, in_process
+        self.name = getattr(transport, "name", type(transport).__name__)
 
     def transfer(self, trainer, generator) -> dict[str, float]:
-        return self.inner.transfer(trainer.backend, generator)
+        return self.inner.transfer(trainer.backend if self.in_process else trainer, generator)
 
 
 class _PassedBackend(LocalTrainer):
@@ -111,6 +115,20 @@ def build_trainer(config: RunConfig, manager, backend=None):
     return RayTrainerGroup(reg, config, config.section(reg.section), world, device, config.cluster.timeout_s)
 
 
+def pick_transport(manager, trainer, generator, config: RunConfig):
+    """A plugin's transport when one claims the pair, else :class:`StreamTransport`.
+
+    The hook sees the live backend when the trainer runs in this process, otherwise the trainer
+    group itself (trainer ranks in Ray actors): a plugin that can send from inside the ranks uses
+    its ``run_on_ranks``; one that cannot returns None and weights stream through this process."""
+    in_process = hasattr(trainer, "backend")
+    found = manager.weight_transport(backend=trainer.backend if in_process else trainer, generator=generator)
+    if found is not None:
+        return _PluginTransport(found, in_process)
+    refit = getattr(config.section("policy.generation"), "refit", None)
+    return StreamTransport(chunk_bytes=int(getattr(refit, "chunk_bytes", 256 << 20)))
+
+
 def build_components(config: RunConfig, **given) -> Components:
     manager = get_plugin_manager()
     policy = config.policy
@@ -132,12 +150,8 @@ def build_components(config: RunConfig, **given) -> Components:
         gen_cfg = config.require_section("policy.generation")
         placement = {"device": _device(config), "cluster": config.cluster}
         generator = manager.get("generator", gen_cfg.backend).build(config, gen_cfg, placement)
-    transport = None
-    if hasattr(trainer, "backend"):
-        found = manager.weight_transport(backend=trainer.backend, generator=generator)
-        transport = _PluginTransport(found) if found is not None else None
-    refit = getattr(config.section("policy.generation"), "refit", None)
-    transport = transport or StreamTransport(chunk_bytes=int(getattr(refit, "chunk_bytes", 256 << 20)))
+    transport = pick_transport(manager, trainer, generator, config)
+    print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
     multi_turn = None
     if env_reg.capabilities.get("multi_turn"):
         from rlcore.rollout import make_multi_turn_runner

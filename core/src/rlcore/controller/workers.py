@@ -1,9 +1,14 @@
 """Trainer placement: in this process, or one Ray actor per rank.
 
 Both forms expose ``call(method, *args, what=..., **kwargs)``, which runs the backend method on
-every rank (the same call everywhere, as SPMD backends need) and returns rank 0's result. In the
-Ray form every wait has a timeout; on expiry the error says which ranks the driver was waiting
-for and what they were doing, and a dead actor is named with the method it was running.
+every rank (the same call everywhere, as SPMD backends need) and returns rank 0's result, and
+``run_on_ranks(fn, *args, what=..., fault_point=...)``, which runs a plugin's function
+``fn(backend, rank, world_size, *args)`` (given as ``"module:attr"``, imported in each rank's
+process) next to every rank's backend and returns all ranks' results: how a transport sends
+weights straight from the trainer processes. In the Ray form every wait has a timeout; on expiry
+the error says which ranks the driver was waiting for and what they were doing. A dead actor is
+named with what it was running as soon as it is seen, before any error of its peers (which may
+be blocked in a collective with it, or have failed because of it).
 
 Fault injection for tests: ``RLCORE_FAULT=<crash|hang>:<method>:<step>[:<rank>]`` makes that
 rank (default: the last) exit or sleep when it starts ``method`` at ``step``.
@@ -11,12 +16,15 @@ rank (default: the last) exit or sleep when it starts ``method`` at ``step``.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import time
 from typing import Any
 
 from rlcore.interfaces import WorldInfo
+
+_PEER_GRACE_S = 5.0  # how long a rank's error waits for news of a dead peer (see _gather)
 
 
 class WorkerError(RuntimeError):
@@ -41,6 +49,17 @@ def maybe_inject_fault(method: str, step: int, rank: int, world_size: int) -> No
             os._exit(17)
         if kind == "hang":
             time.sleep(10**6)
+
+
+def resolve(spec: str):
+    """The object a ``"module:attr"`` string names (``attr`` may be dotted)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'module:attr', got {spec!r}")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def init_distributed(rank: int, world_size: int, master_port: int, device: str, master_addr: str = "127.0.0.1") -> None:
@@ -68,6 +87,12 @@ class LocalTrainer:
         maybe_inject_fault(method, self.step, 0, 1)
         return getattr(self.backend, method)(*args, **kwargs)
 
+    def run_on_ranks(self, fn: str, *args, what: str = "", fault_point: str | None = None) -> list:
+        """``[fn(backend, 0, 1, *args)]``: this process is rank 0 of 1 (see :meth:`RayTrainerGroup.run_on_ranks`)."""
+        if fault_point:
+            maybe_inject_fault(fault_point, self.step, 0, 1)
+        return [resolve(fn)(self.backend, 0, 1, *args)]
+
     def export_chunks(self, dtype=None, chunk_bytes: int = 1 << 30):
         yield from self.backend.export_weights(dtype=dtype, chunk_bytes=chunk_bytes)
 
@@ -89,6 +114,11 @@ class _TrainerActor:
     def call(self, method: str, step: int, args, kwargs):
         maybe_inject_fault(method, step, self.rank, self.world_size)
         return getattr(self.backend, method)(*args, **kwargs)
+
+    def run(self, fn: str, step: int, args, fault_point: str | None):
+        if fault_point:
+            maybe_inject_fault(fault_point, step, self.rank, self.world_size)
+        return resolve(fn)(self.backend, self.rank, self.world_size, *args)
 
     def export_all(self, step: int, dtype, chunk_bytes: int):
         maybe_inject_fault("export_weights", step, self.rank, self.world_size)
@@ -117,17 +147,36 @@ class RayTrainerGroup:
         self.pids = self._gather([a.pid.remote() for a in self.actors], "start-up (building the backend)", max(timeout_s, 600.0))
 
     def _gather(self, refs: list, what: str, timeout_s: float | None = None) -> list:
+        """Every rank's result, in rank order.
+
+        Waits for one rank at a time so that a dead actor is reported at once, not after the
+        timeout its peers (blocked in a collective with it) would take. When a rank's task raises,
+        the others get a few seconds to show whether one of them died first: that death is the
+        cause and is what the error names; otherwise the task's own error is raised."""
         timeout_s = timeout_s or self.timeout_s
-        ready, pending = self.ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        results = [None] * len(refs)
-        for rank, ref in enumerate(refs):
-            if ref in pending:
-                continue
-            try:
-                results[rank] = self.ray.get(ref)
-            except self.ray.exceptions.RayActorError as exc:
-                pid = self.pids[rank] if hasattr(self, "pids") else "?"
-                raise WorkerError(f"trainer rank {rank} (pid {pid}) died during {what} at step {self.step}: {exc.__class__.__name__}") from exc
+        deadline = time.monotonic() + timeout_s
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: list = [None] * len(refs)
+        pending, failure = list(refs), None
+        while pending:
+            left = deadline - time.monotonic()
+            if failure is not None:
+                left = min(left, failure[1] - time.monotonic())
+            if left <= 0:
+                break
+            ready, pending = self.ray.wait(pending, num_returns=1, timeout=left)
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = self.ray.get(ref)
+                except self.ray.exceptions.RayActorError as exc:
+                    pid = self.pids[rank] if hasattr(self, "pids") else "?"
+                    raise WorkerError(f"trainer rank {rank} (pid {pid}) died during {what} at step {self.step}: {exc.__class__.__name__}") from exc
+                except Exception as exc:  # noqa: BLE001 - re-raised below unless a dead rank explains it
+                    if failure is None:
+                        failure = (exc, time.monotonic() + _PEER_GRACE_S)
+        if failure is not None:
+            raise failure[0]
         if pending:
             late = [rank for rank, ref in enumerate(refs) if ref in pending]
             done = [rank for rank in range(len(refs)) if rank not in late]
@@ -140,6 +189,16 @@ class RayTrainerGroup:
     def call(self, method: str, *args, what: str = "", **kwargs) -> Any:
         refs = [a.call.remote(method, self.step, args, kwargs) for a in self.actors]
         return self._gather(refs, what or f"'{method}'")[0]
+
+    def run_on_ranks(self, fn: str, *args, what: str = "", fault_point: str | None = None) -> list:
+        """Run ``fn(backend, rank, world_size, *args)`` in every rank's process; all ranks' results.
+
+        ``fn`` is a ``"module:attr"`` string, imported inside each actor (so a plugin's code runs
+        next to the backend without the driver importing it there). Every rank runs it, as SPMD
+        backends need (e.g. ``export_weights`` gathers are collectives). ``fault_point`` names the
+        call for ``RLCORE_FAULT``; ``what`` describes it in errors. Waits at most ``cluster.timeout_s``."""
+        refs = [a.run.remote(fn, self.step, args, fault_point) for a in self.actors]
+        return self._gather(refs, what or f"'{fn}'")
 
     def export_chunks(self, dtype=None, chunk_bytes: int = 1 << 30):
         refs = [a.export_all.remote(self.step, dtype, chunk_bytes) for a in self.actors]

@@ -8,6 +8,12 @@ trainer's FSDP/Megatron ranks keep theirs).
 Wire protocol, one refit: for each chunk the sender broadcasts a header (a JSON list of
 name/dtype/shape, as a length tensor and a byte tensor) and then one packed buffer per
 chunk; an empty header ends the refit. Only torch is needed on the trainer side (no vLLM).
+
+Trainer side in a run: :func:`send_from_trainer` runs in every trainer rank (through the trainer
+group's ``run_on_ranks`` when the ranks are Ray actors, or directly when the backend is in the
+driver). Every rank iterates ``backend.export_weights()`` (FSDP/Megatron gathers are
+collectives); rank 0 joins the group once per process and sends, so the weights go from the
+trainer's process to the engine workers without passing through the driver.
 """
 
 from __future__ import annotations
@@ -113,3 +119,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Sending groups this process has joined, by (host, port): a trainer rank keeps its group between refits.
+_SENDERS: dict[tuple[str, int], WeightGroup] = {}
+
+
+def sender_port(backend, rank: int, world_size: int) -> int | None:
+    """A free port on rank 0's host for the group's store (rank 0 hosts it); None on other ranks."""
+    return free_port() if rank == 0 else None
+
+
+def send_from_trainer(backend, rank: int, world_size: int, host: str, port: int, group_size: int,
+                      group_backend: str, timeout_s: float, device: str, dtype: Any, chunk_bytes: int):
+    """One refit from a trainer rank; every rank must call it (``run_on_ranks``).
+
+    All ranks iterate ``backend.export_weights(dtype, chunk_bytes)``; rank 0 also joins the group
+    at ``host:port`` as its rank 0 (first call only, the group is kept in this process) and
+    broadcasts each chunk to the ``group_size - 1`` engine workers. Returns rank 0's
+    ``{"bytes", "chunks"}`` and None on the other ranks."""
+    chunks = backend.export_weights(dtype=dtype, chunk_bytes=chunk_bytes)
+    if rank != 0:
+        for _ in chunks:  # the gathers inside are collectives with rank 0
+            pass
+        return None
+    group = _SENDERS.get((host, port))
+    if group is None:
+        group = WeightGroup(host, port, group_size, 0, group_backend, timeout_s, device)
+        _SENDERS[(host, port)] = group
+    return group.send(chunks)

@@ -4,9 +4,13 @@
   through ``generator.update_weights``, which hands them to the worker directly (engine core in
   this process), by CUDA IPC handle (GPU, engine in another process) or through shared memory
   (CPU, engine in another process); see :mod:`rlcore_vllm.codecs`.
-- :class:`BroadcastTransport`: the engines have their own devices or hosts. The trainer's
-  sending rank and every engine worker form a broadcast group (NCCL on GPU, gloo on CPU); the
-  backend streams Hugging Face-named chunks into it (:mod:`rlcore_vllm.broadcast`).
+- :class:`BroadcastTransport`: the engines have their own devices or hosts. The trainer's rank 0
+  and every engine worker form a broadcast group (NCCL on GPU, gloo on CPU); rank 0 streams
+  Hugging Face-named chunks into it (:mod:`rlcore_vllm.broadcast`) from the trainer's own
+  process, also when the trainer ranks are Ray actors (through their ``run_on_ranks``).
+
+With Ray trainer ranks and a colocated engine (which then lives with the driver), no transport of
+this plugin applies: core's stream transport moves rank 0's chunks through the driver.
 
 Both return ``{"bytes", "seconds"}``. Verification (probe logprobs against the trainer's) is
 done by the run loop after every transfer, with ``policy.generation.refit.probe_threshold``.
@@ -15,9 +19,9 @@ done by the run loop after every transfer, with ``policy.generation.refit.probe_
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from typing import Any
-
 
 
 def _torch_dtype(name: str | None):
@@ -41,53 +45,91 @@ class ColocatedTransport:
 
 
 class BroadcastTransport:
-    """Rank 0 of the trainer sends; the generator's workers receive (ranks 1..N)."""
+    """Trainer rank 0 sends; the generator's workers receive (ranks 1..N of the group).
+
+    ``backend`` is either the live backend (trainer in this process, which is then rank 0 of the
+    group) or a trainer-group handle with ``run_on_ranks`` (trainer ranks in Ray actors). With a
+    handle, every trainer rank runs :func:`rlcore_vllm.broadcast.send_from_trainer` and rank 0
+    sends from its own process: weights go trainer process -> engine workers, never through this
+    process or Ray's object store. Either way this process receives on behalf of the engine
+    (``generator.receive_weights``) in a thread while the sender runs; the group is formed on the
+    first transfer (``generator.join_weight_group``) and kept. A trainer rank that dies or hangs
+    mid-send surfaces as the trainer group's ``WorkerError`` (rank, step) within
+    ``cluster.timeout_s``; the engines' half-received refit is then abandoned with the run.
+    """
 
     name = "vllm_broadcast"
+    sender = "rlcore_vllm.broadcast:send_from_trainer"
 
     def __init__(self, chunk_bytes: int = 1 << 30, dtype: Any = None, group_backend: str = "gloo",
                  host: str = "127.0.0.1", timeout_s: float = 600.0, device: str = "cpu"):
         self.chunk_bytes, self.dtype = chunk_bytes, dtype
         self.group_backend, self.host, self.timeout_s, self.device = group_backend, host, timeout_s, device
-        self.group = None
-
-    def connect(self, generator, port: int | None = None) -> None:
-        """Form the group: the engines join in the background while this process joins as rank 0."""
-        from rlcore_vllm.broadcast import WeightGroup, free_port
-
-        port = port or free_port()
-        world = 1 + generator.world_size()
-        joining = generator.join_weight_group(self.host, port, world, self.group_backend, self.timeout_s)
-        self.group = WeightGroup(self.host, port, world, 0, self.group_backend, self.timeout_s, self.device)
-        joining.result(timeout=self.timeout_s)
+        self.port: int | None = None  # of the group's store, hosted by the sending rank; set on first use
 
     def transfer(self, backend, generator) -> dict[str, float]:
-        if self.group is None:
-            self.connect(generator)
+        from rlcore_vllm.broadcast import free_port, send_from_trainer
+
+        on_ranks = hasattr(backend, "run_on_ranks")
+        group_size = 1 + generator.world_size()
+        joining = None
         start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlcore-refit-recv") as pool:
-            receiving = pool.submit(generator.receive_weights)
-            try:
-                sent = self.group.send(backend.export_weights(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
-            except BaseException:
-                receiving.cancel()
-                raise
-            received = receiving.result(timeout=self.timeout_s)
+        if self.port is None:
+            port = backend.run_on_ranks("rlcore_vllm.broadcast:sender_port", what="'sender_port' (broadcast refit)")[0] if on_ranks else free_port()
+            joining = generator.join_weight_group(self.host, port, group_size, self.group_backend, self.timeout_s)
+            self.port = port
+        receiving = _in_thread(lambda: _receive(generator, joining, self.timeout_s))
+        args = (self.host, self.port, group_size, self.group_backend, self.timeout_s, self.device, self.dtype, self.chunk_bytes)
+        try:
+            if on_ranks:
+                results = backend.run_on_ranks(self.sender, *args, what="'export_weights' (broadcast refit)", fault_point="export_weights")
+                sent = results[0]
+            else:
+                sent = send_from_trainer(backend, 0, 1, *args)
+        except BaseException:
+            self.port = None  # the group is broken (the engines may be blocked mid-receive); never reuse it
+            raise
+        received = receiving.result(timeout=self.timeout_s)
         if int(received) != int(sent["bytes"]):
             raise RuntimeError(f"broadcast refit: sent {int(sent['bytes'])} bytes but the engine loaded {received}")
         return {"bytes": sent["bytes"], "seconds": time.perf_counter() - start}
 
 
+def _receive(generator, joining, timeout_s: float) -> int:
+    if joining is not None:  # the engines' join completes once the sender has joined too
+        joining.result(timeout=timeout_s)
+    return generator.receive_weights()
+
+
+def _in_thread(fn) -> concurrent.futures.Future:
+    """``fn()`` in a daemon thread: a receive left blocked by a dead sender must not keep the process alive."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(exc)
+
+    threading.Thread(target=target, name="rlcore-refit-recv", daemon=True).start()
+    return future
+
+
 def pick_transport(backend, generator):
-    """The transport for this (backend, generator) pair, or None when the generator is not ours."""
+    """The transport for this (backend, generator) pair, or None when it is not ours.
+
+    ``backend`` is the live backend (``export_weights``) or a trainer-group handle
+    (``run_on_ranks``, trainer ranks in Ray actors). Colocated with a handle returns None: the
+    engine then lives with the driver and core's stream transport feeds it the ranks' chunks."""
     from rlcore_vllm.generator import VllmGenerator
 
-    if not isinstance(generator, VllmGenerator) or not hasattr(backend, "export_weights"):
+    live, on_ranks = hasattr(backend, "export_weights"), hasattr(backend, "run_on_ranks")
+    if not isinstance(generator, VllmGenerator) or not (live or on_ranks):
         return None
     cfg = generator.config
     dtype = _torch_dtype(generator.dtype)
     if cfg.colocated.enabled:
-        return ColocatedTransport(cfg.refit.chunk_bytes, dtype)
+        return ColocatedTransport(cfg.refit.chunk_bytes, dtype) if live else None
     group_backend = cfg.refit.group_backend
     if group_backend == "auto":
         group_backend = "nccl" if generator.device == "cuda" else "gloo"
