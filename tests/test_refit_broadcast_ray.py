@@ -114,3 +114,16 @@ def test_trainer_rank_dying_mid_refit_is_named_not_a_hang(faulted_run):
     assert "WorkerError" in tail and "trainer rank 1" in tail, tail
     assert f"died during 'export_weights' (broadcast refit) at step {FAULT_STEP}" in tail, tail
     assert "timeout:" not in tail, tail  # reported as a death at once, not after cluster.timeout_s
+
+
+def test_in_process_trainer_runs_the_same_rank_functions_as_rank_0_of_1():
+    """Transports have one code path: an in-process trainer answers ``run_on_ranks`` as rank 0 of 1."""
+    from rlcore.controller.run import _PassedBackend
+    from rlcore.controller.workers import resolve
+
+    trainer = _PassedBackend(object())
+    (port,) = trainer.run_on_ranks("rlcore_vllm.broadcast:sender_port", what="'sender_port'")
+    assert isinstance(port, int) and port > 0
+    assert resolve("rlcore_vllm.broadcast:WeightGroup.send").__name__ == "send"
+    with pytest.raises(ValueError, match="expected 'module:attr'"):
+        resolve("rlcore_vllm.broadcast.send_from_trainer")
