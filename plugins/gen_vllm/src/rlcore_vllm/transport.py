@@ -75,15 +75,18 @@ class BroadcastTransport:
         joining = None
         start = time.perf_counter()
         if self.port is None:
-            port = backend.run_on_ranks("rlcore_vllm.broadcast:sender_port", what="'sender_port' (broadcast refit)")[0] if on_ranks else free_port()
+            if on_ranks:  # rank 0 hosts the group's store: a port free on its host
+                port = backend.run_on_ranks("rlcore_vllm.broadcast:sender_port", what="'sender_port' (broadcast refit)")[0]
+            else:
+                port = free_port()
             joining = generator.join_weight_group(self.host, port, group_size, self.group_backend, self.timeout_s)
             self.port = port
         receiving = _in_thread(lambda: _receive(generator, joining, self.timeout_s))
         args = (self.host, self.port, group_size, self.group_backend, self.timeout_s, self.device, self.dtype, self.chunk_bytes)
         try:
             if on_ranks:
-                results = backend.run_on_ranks(self.sender, *args, what="'export_weights' (broadcast refit)", fault_point="export_weights")
-                sent = results[0]
+                sent = backend.run_on_ranks(self.sender, *args, what="'export_weights' (broadcast refit)",
+                                            fault_point="export_weights")[0]
             else:
                 sent = send_from_trainer(backend, 0, 1, *args)
         except BaseException:
