@@ -96,23 +96,55 @@ def build_trainer(config: RunConfig, manager, backend=None):
     world = config.cluster.gpus_per_node * config.cluster.num_nodes if device == "cuda" else config.cluster.cpu_workers
     gen = config.section("policy.generation")
     colocated = getattr(getattr(gen, "colocated", None), "enabled", True)
-    if device == "cuda" and not colocated:
+    separate_gpus = device == "cuda" and not colocated
+    gen_gpus = 0
+    if separate_gpus:
         resources = getattr(gen.colocated, "resources", None)
-        world -= getattr(resources, "gpus_per_node", 0) * getattr(resources, "num_nodes", 1)
-    use_ray = config.cluster.use_ray if config.cluster.use_ray is not None else world > 1
+        gen_gpus = getattr(resources, "gpus_per_node", 0) * getattr(resources, "num_nodes", 1)
+        world -= gen_gpus
+        if world < 1:
+            raise ConfigError("policy.generation.colocated.resources.gpus_per_node",
+                              f"takes {gen_gpus} of the {world + gen_gpus} GPUs in cluster.gpus_per_node x num_nodes, "
+                              "leaving none for the trainer")
+    use_ray = config.cluster.use_ray if config.cluster.use_ray is not None else (world > 1 or separate_gpus)
     if not use_ray:
         if world > 1:
             raise ConfigError("cluster.use_ray", f"{world} trainer processes need Ray; set cluster.use_ray=true")
+        if separate_gpus:
+            raise ConfigError("cluster.use_ray", "non-colocated generation on GPUs needs the trainer in its own "
+                                                 "process (Ray actors) so each side sees only its GPUs; set cluster.use_ray=true")
         return LocalTrainer(reg, config, config.section(reg.section), device)
     import ray
 
+    address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
-        address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
         if address:
             ray.init(address=address, include_dashboard=False)
         else:  # a local instance with a CPU slot per trainer rank, even on a 2-core machine
-            ray.init(include_dashboard=False, num_cpus=max(world + 1, os.cpu_count() or 1))
-    return RayTrainerGroup(reg, config, config.section(reg.section), world, device, config.cluster.timeout_s)
+            kwargs = {"num_gpus": world} if separate_gpus else {}
+            ray.init(include_dashboard=False, num_cpus=max(world + 1, os.cpu_count() or 1), **kwargs)
+    group = RayTrainerGroup(reg, config, config.section(reg.section), world, device, config.cluster.timeout_s)
+    if separate_gpus and not address and config.cluster.num_nodes == 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(driver_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                                     config.cluster.gpus_per_node, world))
+    return group
+
+
+def driver_gpu_ids(visible: str | None, gpus_per_node: int, trainer_gpus: int) -> list[str]:
+    """GPUs left to this (driver) process's generator when the trainer's Ray actors hold the first
+    ``trainer_gpus`` of the node (a local Ray instance started with ``num_gpus=trainer_gpus`` hands
+    out exactly those). Must be applied before this process initialises CUDA; checked here, since
+    setting ``CUDA_VISIBLE_DEVICES`` afterwards silently changes nothing."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("non-colocated generation: CUDA was initialised in the driver before its GPUs were chosen")
+    ids = [i.strip() for i in visible.split(",") if i.strip()] if visible else [str(i) for i in range(gpus_per_node)]
+    left = ids[trainer_gpus:gpus_per_node]
+    if not left:
+        raise ConfigError("policy.generation.colocated.resources.gpus_per_node",
+                          f"no GPU left for generation: {len(ids)} visible, {trainer_gpus} taken by the trainer")
+    return left
 
 
 def pick_transport(manager, trainer, generator, config: RunConfig):
