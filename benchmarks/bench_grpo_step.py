@@ -61,6 +61,12 @@ CONFIGS = {
     # batch 512, max sequence 4096, ~795 generated tokens a sample, colocated, 8 GPUs.
     "llama8b-nemo-8gpu-megatron": ("llama8b", "megatron", {**NEMO_8B_ROW, "policy.megatron_cfg.tensor_model_parallel_size": 2}),
     "llama8b-nemo-8gpu-fsdp2": ("llama8b", "fsdp2", NEMO_8B_ROW),
+    # Non-colocated on nvidia-h200-x2: one GPU trains (Ray actor), one generates (driver), refit by
+    # NCCL broadcast from the trainer's process. 1.2B: an 8B model's fp32 master weights, gradients
+    # and Adam state (~128 GB) do not fit one H200 without offloading.
+    "llama1b-fsdp2-noncolocated": ("llama1b", "fsdp2", {
+        "cluster.gpus_per_node": 2, "policy.generation.colocated": {"enabled": False, "resources": {"gpus_per_node": 1}},
+        "policy.generation.gpu_memory_utilization": 0.85}),
     # Multi-turn (issue 9): 3 model turns with simulated tool calls between them
     # (benchmarks/bench_multiturn_env.py), vLLM's sync engine (batches of whatever is queued)
     # against the async engine (continuous batching, each turn scheduled when its tool returns).
@@ -112,7 +118,7 @@ def recipe(model: Path, backend: str, run_dir: Path, args, gpu: bool) -> dict:
     }
 
 
-def row(name: str, shape: str, result: dict, gpus: int, args) -> dict:
+def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | None = None) -> dict:
     s = result["summary"]
     cfg = SHAPES[shape]
     params = sum_params(cfg)
@@ -128,7 +134,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args) -> dict:
         "refit_s": s.get("timing/refit"), "generation_s": s.get("timing/generation"), "logprobs_s": s.get("timing/logprobs"),
         "tokens_per_sample": tokens_per_sample,
         "gen_tokens_per_gpu_s": gen_tokens / (s["timing/total"] * gpus),
-        "train_mfu": train_flops / (s["timing/training"] * gpus * PEAK_FLOPS) if s.get("timing/training") else None,
+        "train_mfu": train_flops / (s["timing/training"] * (train_gpus or gpus) * PEAK_FLOPS) if s.get("timing/training") else None,
         "refit_gb_per_s": sum(refit_gbps) / len(refit_gbps) if refit_gbps else None,
         "steps_averaged": s.get("num_steps"),
     }
@@ -188,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         result = rlcore.run(rlcore.build_config(tree))
         gpus = tree["cluster"]["gpus_per_node"] or 1
-        rows.append(row(name, shape, result, gpus, args))
+        placement = tree["policy"]["generation"].get("colocated", {})
+        train_gpus = gpus - (placement.get("resources", {}).get("gpus_per_node", 0) if not placement.get("enabled", True) else 0)
+        rows.append(row(name, shape, result, gpus, args, train_gpus))
         print(json.dumps(rows[-1]), f"(wall {time.perf_counter() - started:.0f}s)", flush=True)
     print_table(rows)
     if args.json_out:
