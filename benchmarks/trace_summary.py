@@ -5,7 +5,9 @@
 Prints: the span of the trace and how much of it had a GPU kernel running (union of kernel
 intervals), the longest GPU-idle gaps with the Python function that was running on the host at
 the time, the CUDA runtime calls that block the host (synchronizations, blocking copies), and the
-Python functions with the largest inclusive host time. torch.profiler's own tables give per-operator
+Python functions with the largest inclusive host time. Caveat seen with torch 2.11: the Python
+events of torch's varlen attention ops (``_varlen_attn``, ``apply of FunctionMeta``) carry
+durations far longer than the calls took; read past those rows. torch.profiler's own tables give per-operator
 totals but not *where the GPU waits*, which is what a step dominated by host overhead needs.
 """
 
@@ -35,6 +37,18 @@ def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
+def print_totals(title: str, events: list[dict], category: str, top: int, width: int) -> None:
+    """Summed duration and count per event name of one trace category, largest first."""
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("cat") == category:
+            total[e["name"]] += e["dur"]
+            count[e["name"]] += 1
+    print("\n" + title)
+    for name, us in total.most_common(top):
+        print(f"  {us / 1e3:9.2f} ms  x{count[name]:<6d} {name[:width]}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace")
@@ -43,8 +57,10 @@ def main(argv=None) -> int:
     events = load(args.trace)
     kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     host = [e for e in events if e.get("cat") in ("python_function", "cpu_op", "user_annotation")]
-    start = min(e["ts"] for e in events)
-    end = max(e["ts"] + e["dur"] for e in events)
+    timed = [e for e in events if e.get("cat") in ("cpu_op", "kernel")]
+    start = min(e["ts"] for e in timed)
+    end = max(e["ts"] + e["dur"] for e in timed)
+
     busy = union(kernels)
     busy_us = sum(b - a for a, b in busy)
     print(f"trace span {((end - start) / 1e3):.1f} ms; GPU busy {busy_us / 1e3:.1f} ms "
@@ -63,25 +79,9 @@ def main(argv=None) -> int:
         where = " <- ".join(reversed(stack[-3:])) if stack else "?"
         print(f"  {gap / 1e3:8.2f} ms at +{(a - start) / 1e3:8.1f} ms  host in: {where[:160]}")
 
-    runtime = collections.Counter()
-    runtime_n = collections.Counter()
-    for e in events:
-        if e.get("cat") == "cuda_runtime":
-            runtime[e["name"]] += e["dur"]
-            runtime_n[e["name"]] += 1
-    print("\nCUDA runtime calls by host time:")
-    for name, us in runtime.most_common(10):
-        print(f"  {us / 1e3:9.2f} ms  x{runtime_n[name]:<6d} {name}")
-
-    inclusive = collections.Counter()
-    calls = collections.Counter()
-    for e in host:
-        if e.get("cat") == "python_function":
-            inclusive[e["name"]] += e["dur"]
-            calls[e["name"]] += 1
-    print("\nPython functions by inclusive host time (nested calls counted in their callers too):")
-    for name, us in inclusive.most_common(args.top):
-        print(f"  {us / 1e3:9.2f} ms  x{calls[name]:<6d} {name[:150]}")
+    print_totals("CUDA runtime calls by host time:", events, "cuda_runtime", 10, 200)
+    print_totals("Python functions by inclusive host time (nested calls counted in their callers too):", host,
+                 "python_function", args.top, 150)
     return 0
 
 
