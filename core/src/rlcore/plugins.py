@@ -64,6 +64,17 @@ class Source:
         return f"{self.distribution} {self.version} (entry point '{self.entry_point}')"
 
 
+def resolve(spec: str):
+    """The object a ``"module:attr"`` string names (``attr`` may be dotted); imported on call."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'module:attr', got {spec!r}")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 @attrs.frozen
 class Registration:
     kind: str
@@ -77,9 +88,8 @@ class Registration:
     def build(self, *args, **kwargs):
         factory = self.factory
         if isinstance(factory, str):
-            module_name, _, attr = factory.partition(":")
             try:
-                factory = getattr(importlib.import_module(module_name), attr)
+                factory = resolve(factory)
             except Exception as exc:  # noqa: BLE001 - re-raised with the provider named
                 raise PluginError(
                     f"{self.kind} '{self.name}' from {self.source.describe()}: "

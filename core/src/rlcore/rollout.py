@@ -105,8 +105,8 @@ class MultiTurnRunner:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if max_env_concurrency < 1:
             raise ValueError(f"max_env_concurrency must be >= 1, got {max_env_concurrency}")
-        self.max_env_concurrency = max_env_concurrency
-        self._env_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # Threads start on demand (one per trajectory in flight, up to the bound) and are reused.
+        self._env_pool = concurrent.futures.ThreadPoolExecutor(max_env_concurrency, thread_name_prefix="rlcore-env")
         self.generator, self.environment = generator, environment
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.turn_stop = tuple(turn_stop_strings)
@@ -161,13 +161,7 @@ class MultiTurnRunner:
     async def arun(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[MultiTurnTrajectory]]:
         jobs = [self.run_one(s, params, None if params.seed is None else params.seed + 104729 * (i * params.n + k))
                 for i, s in enumerate(samples) for k in range(params.n)]
-        workers = max(1, min(len(jobs), self.max_env_concurrency))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rlcore-env") as pool:
-            self._env_pool = pool
-            try:
-                flat = await asyncio.gather(*jobs)
-            finally:
-                self._env_pool = None
+        flat = await asyncio.gather(*jobs)
         return [list(flat[i * params.n : (i + 1) * params.n]) for i in range(len(samples))]
 
     def __call__(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[GenerationResult]]:

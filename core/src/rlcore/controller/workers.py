@@ -16,13 +16,13 @@ rank (default: the last) exit or sleep when it starts ``method`` at ``step``.
 
 from __future__ import annotations
 
-import importlib
 import os
 import socket
 import time
 from typing import Any
 
 from rlcore.interfaces import WorldInfo
+from rlcore.plugins import resolve
 
 _PEER_GRACE_S = 5.0  # how long a rank's error waits for news of a dead peer (see _gather)
 
@@ -49,17 +49,6 @@ def maybe_inject_fault(method: str, step: int, rank: int, world_size: int) -> No
             os._exit(17)
         if kind == "hang":
             time.sleep(10**6)
-
-
-def resolve(spec: str):
-    """The object a ``"module:attr"`` string names (``attr`` may be dotted)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected 'module:attr', got {spec!r}")
-    obj = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def init_distributed(rank: int, world_size: int, master_port: int, device: str, master_addr: str = "127.0.0.1") -> None:
