@@ -3,10 +3,21 @@
 Default: the 1.2B Llama shape (hidden 2048, 16 layers, GQA 32/8, vocab 128256, intermediate
 8192), random weights (vLLM's dummy loader, bf16), 512 prompts of 128 random tokens x 512 new
 tokens with ``ignore_eos``. Each mode runs in its own process (a fresh engine); one warm-up
-batch, then ``--repeats`` timed batches, median reported. Prints one JSON line per mode.
+batch, then ``--repeats`` timed batches, median reported. Prints one JSON line per mode and variant.
 
     python benchmarks/bench_generation.py                     # GPU, both modes
     python benchmarks/bench_generation.py --tiny              # CPU check: tiny model, eager only
+    # the GRPO step's generation (32 prompts x 8 samples x 1024 tokens), both text paths, profiled:
+    python benchmarks/bench_generation.py --mode graphs --num-prompts 32 --samples-per-prompt 8 \
+        --prompt-len 48 --new-tokens 1024 --variants engine-detok,batched-detok --profile /tmp/prof
+
+``--variants`` compare per-request settings on one engine: ``engine-detok`` (vLLM decodes the
+text token by token in its output loop, its default) and ``batched-detok`` (rlcore's default:
+one batched decode per response). ``--engine-process`` runs vLLM's engine core in its own process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``), overlapping output handling with the next step.
+``--profile DIR``: one more batch of the first variant under cProfile (host time by function,
+top rows printed, ``.pstats`` written), and a short batch under torch.profiler (Chrome trace
+for ``trace_summary.py``: how busy the GPU is between decode steps).
 """
 
 from __future__ import annotations
@@ -22,12 +33,20 @@ from pathlib import Path
 
 
 
-def run_mode(args) -> dict:
+VARIANTS = {"engine-detok": True, "batched-detok": False}  # name -> VllmConfig.engine_detokenize
+
+
+def run_mode(args) -> list[dict]:
+    import os
+
+    import attrs
     import torch
 
     from rlcore_vllm.benchmarking import config_only_model, gpu_env_defaults, has_cuda
 
     cuda = has_cuda()
+    if args.engine_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     if cuda:
         gpu_env_defaults()
     from rlcore.interfaces import SamplingParams
@@ -45,22 +64,61 @@ def run_mode(args) -> dict:
     g = torch.Generator().manual_seed(0)
     vocab = gen.tokenizer.vocab_size if hasattr(gen.tokenizer, "vocab_size") else 100
     prompts = torch.randint(10, min(vocab, 30000), (args.num_prompts, args.prompt_len), generator=g).tolist()
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0, n=args.samples_per_prompt)
     gen.generate(prompts[: max(1, args.num_prompts // 8)], SamplingParams(max_new_tokens=16, ignore_eos=True))  # warm-up
-    times, tokens = [], 0
-    for _ in range(args.repeats):
+    base_config, rows = gen.config, []
+    for variant in args.variants.split(","):
+        gen.config = attrs.evolve(base_config, engine_detokenize=VARIANTS[variant])
+        times, tokens = [], 0
+        for _ in range(args.repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            results = gen.generate(prompts, params)
+            times.append(time.perf_counter() - t0)
+            tokens = sum(len(r.response_ids) for per_prompt in results for r in per_prompt)
+        seconds = statistics.median(times)
+        rows.append({"bench": "generation", "shape": args.shape, "mode": args.mode, "variant": variant,
+                     "engine_process": args.engine_process, "device": "cuda" if cuda else "cpu",
+                     "num_prompts": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
+                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "generated_tokens": tokens,
+                     "seconds_median": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                     "decode_step_ms": round(1000 * seconds / args.new_tokens, 2),
+                     "engine_start_s": round(startup_s, 1), "repeats": args.repeats})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.profile:
+        gen.config = attrs.evolve(base_config, engine_detokenize=VARIANTS[args.variants.split(",")[0]])
+        profile(gen, prompts, params, Path(args.profile), f"gen-{args.mode}-{'mp' if args.engine_process else 'inproc'}", cuda)
+    gen.shutdown()
+    return rows
+
+
+def profile(gen, prompts, params, out: Path, name: str, cuda: bool) -> None:
+    """cProfile over one full batch (host time), torch.profiler over a 64-token batch (GPU busy share)."""
+    import cProfile
+    import pstats
+
+    import attrs
+
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    gen.generate(prompts, params)
+    profiler.disable()
+    profiler.dump_stats(out / f"{name}.pstats")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(25)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    short = attrs.evolve(params, max_new_tokens=64)
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        gen.generate(prompts, short)
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        results = gen.generate(prompts, params)
-        times.append(time.perf_counter() - t0)
-        tokens = sum(len(r[0].response_ids) for r in results)
-    gen.shutdown()
-    seconds = statistics.median(times)
-    return {"bench": "generation", "shape": args.shape, "mode": args.mode, "device": "cuda" if cuda else "cpu",
-            "num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-            "generated_tokens": tokens, "seconds_median": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-            "engine_start_s": round(startup_s, 1), "repeats": args.repeats}
+    prof.export_chrome_trace(str(out / f"{name}.json"))
+    print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=15), flush=True)
 
 
 def main() -> None:
@@ -71,6 +129,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="n: samples of each prompt (GRPO: 8)")
+    parser.add_argument("--variants", default="batched-detok", help=f"comma list of {sorted(VARIANTS)}")
+    parser.add_argument("--engine-process", action="store_true", help="vLLM engine core in its own process")
+    parser.add_argument("--profile", default=None, help="directory for cProfile stats and a torch.profiler trace")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--kv-cache-space-gib", type=float, default=0.5)
@@ -87,7 +149,10 @@ def main() -> None:
         args.repeats = min(args.repeats, 2)
     if args.mode != "both":
         args.workdir = args.workdir or tempfile.mkdtemp(prefix="rlcore-bench-gen-")
-        print(json.dumps(run_mode(args)), flush=True)
+        unknown = set(args.variants.split(",")) - set(VARIANTS)
+        if unknown:
+            parser.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(VARIANTS)}")
+        run_mode(args)
         return
     for mode in ("eager", "graphs"):  # a fresh process (and engine) per mode
         argv, skip = [], False

@@ -11,6 +11,7 @@ model scores about 0, which changes nothing in the work a step does (responses r
     python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --config llama1b-megatron   # one H200
     python benchmarks/bench_grpo_step.py --tiny                                              # CPU check
     python benchmarks/bench_grpo_step.py --config llama1b-tool-sync --config llama1b-tool-async  # multi-turn
+    python benchmarks/bench_grpo_step.py --config llama1b-megatron --set policy.generation.engine_detokenize=true
 
 Several ``--config`` run one after the other, each in its own process (GPU memory of a finished
 run is not reliably returned inside one process). The ``*-tool-*`` configurations use the
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generator", default="vllm")
     parser.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR", tempfile.gettempdir() + "/rlcore-bench"))
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="recipe override applied after the configuration's own (YAML value), e.g. "
+                             "policy.generation.engine_detokenize=true; the row's name shows it")
     args = parser.parse_args(argv)
     configs = args.config or ["llama1b-fsdp2", "llama1b-megatron"]
     if len(configs) > 1:
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prompts, args.samples, args.max_new_tokens, args.steps, args.warmup = 4, 4, 16, 3, 1
     import rlcore
     import torch
+    import yaml
 
     from rlcore.config.loader import set_dotted
 
@@ -184,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         tree = recipe(model, backend, root / f"run-{name}", args, gpu)
         for key, value in overrides.items():
             set_dotted(tree, key, value)
+        for item in args.set:
+            key, sep, value = item.partition("=")
+            if not sep:
+                parser.error(f"--set {item!r}: expected KEY=VALUE")
+            set_dotted(tree, key, yaml.safe_load(value))
         if tree["env"]["name"] == "bench_tool":
             import bench_multiturn_env
             from rlcore.plugins import get_plugin_manager
@@ -196,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         gpus = tree["cluster"]["gpus_per_node"] or 1
         placement = tree["policy"]["generation"].get("colocated", {})
         train_gpus = gpus - (placement.get("resources", {}).get("gpus_per_node", 0) if not placement.get("enabled", True) else 0)
-        rows.append(row(name, shape, result, gpus, args, train_gpus))
+        rows.append(row(name + "".join(f" [{item}]" for item in args.set), shape, result, gpus, args, train_gpus))
         print(json.dumps(rows[-1]), f"(wall {time.perf_counter() - started:.0f}s)", flush=True)
     print_table(rows)
     if args.json_out:

@@ -108,3 +108,21 @@ def test_asleep_generator_refuses_to_generate(sync_generator):
     finally:
         sync_generator.wake_up()
     assert len(sync_generator.generate([[5, 6]], SamplingParams(max_new_tokens=2))[0][0].response_ids) >= 1
+
+
+def test_batched_decode_gives_the_engines_text_and_logprobs(sync_generator):
+    """Responses decoded once per response (default) equal vLLM's per-token detokenization."""
+    prompts = _prompts(sync_generator.tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=5, ignore_eos=True)
+    original = sync_generator.config
+    try:
+        batched = sync_generator.generate(prompts, params)
+        sync_generator.config = attrs.evolve(original, engine_detokenize=True)
+        engine = sync_generator.generate(prompts, params)
+    finally:
+        sync_generator.config = original
+    pairs = [(a, b) for per_a, per_b in zip(batched, engine) for a, b in zip(per_a, per_b)]
+    assert all(a.response_ids == b.response_ids for a, b in pairs)  # same seed, same samples
+    assert any(b.text for _, b in pairs)
+    assert [a.text for a, _ in pairs] == [b.text for _, b in pairs]
+    assert [a.response_logprobs for a, _ in pairs] == [b.response_logprobs for _, b in pairs]

@@ -86,7 +86,10 @@ class VllmGenerator:
             n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=max(1, min(params.max_new_tokens, room)), stop=list(params.stop) or None,
             stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed, ignore_eos=params.ignore_eos,
-            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
+            logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
+            # Stop strings need vLLM's incremental detokenizer; otherwise the text is decoded once
+            # per response in _results (the engine's per-token decoding is host time per step).
+            detokenize=self.config.engine_detokenize or bool(params.stop),
         )
 
     def _fit_prompt(self, prompt_ids: list[int]) -> list[int] | None:
@@ -106,17 +109,18 @@ class VllmGenerator:
 
     def _results(self, request_output, version: int) -> list[GenerationResult]:
         prompt_ids = list(request_output.prompt_token_ids)
-        results = []
-        for completion in request_output.outputs:
-            ids = list(completion.token_ids)
-            logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs or [], ids)]
-            if len(logprobs) != len(ids):
-                raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
-            results.append(GenerationResult(
-                prompt_ids=prompt_ids, response_ids=ids, response_logprobs=logprobs,
-                finish_reason=str(completion.finish_reason or "abort"), text=completion.text, policy_version=version,
-            ))
-        return results
+        completions = list(request_output.outputs)
+        token_ids = [list(c.token_ids) for c in completions]
+        undecoded = [i for i, c in enumerate(completions) if c.text == "" and token_ids[i]]
+        texts = [c.text for c in completions]
+        if undecoded:  # detokenize=False: one batched decode instead of vLLM's per-token one
+            decoded = self.tokenizer.batch_decode([token_ids[i] for i in undecoded], skip_special_tokens=True)
+            for i, text in zip(undecoded, decoded):
+                texts[i] = text
+        return [GenerationResult(
+            prompt_ids=prompt_ids, response_ids=ids, response_logprobs=_sampled_logprobs(c.logprobs, ids),
+            finish_reason=str(c.finish_reason or "abort"), text=text, policy_version=version,
+        ) for c, ids, text in zip(completions, token_ids, texts)]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationResult]]:
         self._check_awake()
@@ -238,6 +242,18 @@ class VllmGenerator:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
+
+
+def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
+    """The logprob of each sampled token, from vLLM's flat container (one entry per position with
+    ``logprobs=0``) or its list of per-position dicts."""
+    flat = getattr(logprobs, "start_indices", None) is not None
+    if flat and len(logprobs.logprobs) == len(ids) and logprobs.token_ids == ids:
+        return [float(x) for x in logprobs.logprobs]
+    values = [float(step[token].logprob) for step, token in zip(logprobs or [], ids)]
+    if len(values) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(values)} logprobs for {len(ids)} tokens")
+    return values
 
 
 def _load_tokenizer(path: str):
