@@ -45,8 +45,9 @@ def run_mode(args) -> list[dict]:
     from rlcore_vllm.benchmarking import config_only_model, gpu_env_defaults, has_cuda
 
     cuda = has_cuda()
-    if args.engine_process:
+    if args.engine_process:  # spawn: has_cuda() below initialises CUDA, which a forked engine cannot reuse
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if cuda:
         gpu_env_defaults()
     from rlcore.interfaces import SamplingParams

@@ -55,7 +55,10 @@ CONFIGS = {
     "llama1b-megatron": ("llama1b", "megatron", {}),
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True}),
+    # empty_unused_memory_level 1: the trainer returns its cached activation memory after each
+    # optimizer step, so the colocated engine's wake-up (42 GiB on GPU 0) finds it free.
     "llama8b-megatron-tp2": ("llama8b", "megatron", {"policy.megatron_cfg.tensor_model_parallel_size": 2, "cluster.gpus_per_node": 2,
+                                                      "policy.megatron_cfg.empty_unused_memory_level": 1,
                                                       "policy.generation.gpu_memory_utilization": 0.3}),
     "llama8b-fsdp2": ("llama8b", "fsdp2", {"cluster.gpus_per_node": 2, "policy.generation.gpu_memory_utilization": 0.3}),
     # NeMo-RL's published Llama 3.1-8B row (issue 10): 2048 rollouts (64 prompts x 32), global
@@ -81,19 +84,37 @@ CONFIGS = {
 }
 
 
-def build_model(shape: str, root: Path) -> Path:
-    from rlcore.testing.tiny import build_tiny_model, build_tokenizer
-
+def build_model(shape: str, root: Path, gpu: bool) -> Path:
+    """The random-init checkpoint of ``shape`` under ``root`` (built once). Real sizes are built on
+    the GPU in a child process: this (driver) process must not hold GPU memory or have initialised
+    CUDA before the run places its trainer and engine (seen: an 8B model built here left ~16 GiB
+    cached on GPU 0 and vLLM's wake-up then ran out of memory)."""
     path = root / f"model-{shape}"
     if not (path / "config.json").is_file():
-        kwargs = dict(SHAPES[shape])
-        real_size = shape != "tiny"
-        import torch
-
-        build_tiny_model(path, "llama", dtype="bfloat16" if real_size else "float32", init_std=None if real_size else 0.05,
-                         device="cuda" if real_size and torch.cuda.is_available() else None, **kwargs)
-        build_tokenizer(kwargs["vocab_size"]).save_pretrained(path)
+        if shape != "tiny" and gpu:
+            subprocess.run([sys.executable, __file__, "--build-model", shape, "--workdir", str(root)], check=True)
+        else:
+            _build_model_here(shape, path, device=None)
     return path
+
+
+def _build_model_here(shape: str, path: Path, device: str | None) -> None:
+    from rlcore.testing.tiny import build_tiny_model, build_tokenizer
+
+    kwargs = dict(SHAPES[shape])
+    real_size = shape != "tiny"
+    build_tiny_model(path, "llama", dtype="bfloat16" if real_size else "float32", init_std=None if real_size else 0.05,
+                     device=device, **kwargs)
+    build_tokenizer(kwargs["vocab_size"]).save_pretrained(path)
+
+
+def gpu_available() -> bool:
+    """Whether a GPU is present, asked through NVML: ``torch.cuda.is_available()`` initialises the CUDA
+    driver with this moment's ``CUDA_VISIBLE_DEVICES`` (the non-colocated placement narrows it later)."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def recipe(model: Path, backend: str, run_dir: Path, args, gpu: bool) -> dict:
@@ -162,10 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generator", default="vllm")
     parser.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR", tempfile.gettempdir() + "/rlcore-bench"))
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--build-model", default=None, choices=sorted(SHAPES), help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override applied after the configuration's own (YAML value), e.g. "
                              "policy.generation.engine_detokenize=true; the row's name shows it")
     args = parser.parse_args(argv)
+    if args.build_model:  # child process of build_model
+        _build_model_here(args.build_model, Path(args.workdir) / f"model-{args.build_model}", device="cuda")
+        return 0
     configs = args.config or ["llama1b-fsdp2", "llama1b-megatron"]
     if len(configs) > 1:
         # One process per configuration: a finished run's engine and trainer must not hold GPU
@@ -175,17 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         args.config = args.config or ["tiny-fsdp2"]
         args.prompts, args.samples, args.max_new_tokens, args.steps, args.warmup = 4, 4, 16, 3, 1
     import rlcore
-    import torch
     import yaml
 
     from rlcore.config.loader import set_dotted
 
-    gpu = torch.cuda.is_available()
+    gpu = gpu_available()
     root = Path(args.workdir)
     rows = []
     for name in configs:
         shape, backend, overrides = CONFIGS[name]
-        model = build_model(shape, root)
+        model = build_model(shape, root, gpu)
         tree = recipe(model, backend, root / f"run-{name}", args, gpu)
         for key, value in overrides.items():
             set_dotted(tree, key, value)

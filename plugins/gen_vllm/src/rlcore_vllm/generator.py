@@ -272,6 +272,13 @@ def factory(config, section_config: VllmConfig, placement: dict) -> VllmGenerato
     seed = section_config.seed if section_config.seed is not None else config.grpo.seed
     if device == "cuda":
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        if not section_config.colocated.enabled:
+            # The engine's GPUs are the driver's CUDA_VISIBLE_DEVICES, narrowed by the controller after
+            # this process may already have initialised CUDA (any torch.cuda.is_available() does, and
+            # then fixes the device list): an in-process engine core would land on the trainer's GPU 0
+            # (seen on nvidia-h200-x2). A freshly spawned engine process reads the narrowed list.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     return VllmGenerator(
         policy.model_name, section_config, max_model_len=policy.max_total_sequence_length, dtype=dtype, seed=seed,
         device=device, tokenizer_path=policy.tokenizer_name, engine_kwargs=placement.get("engine_kwargs"),
