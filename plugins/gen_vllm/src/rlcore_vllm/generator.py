@@ -172,28 +172,37 @@ class VllmGenerator:
         return "cuda_ipc" if tensor.device.type == "cuda" else "shm"
 
     def update_weights(self, chunks: Iterable[NamedTensors]) -> None:
-        """Load Hugging Face-named chunks in place (layer-wise reload in the workers).
+        """Load Hugging Face-named chunks in place (layer-wise reload in the workers)."""
+        from rlcore_vllm.codecs import encode
+
+        sent = []
+
+        def payloads():
+            for chunk in chunks:
+                if chunk:
+                    sent.append(encode(chunk, self.encoding_for(chunk[0][1])))
+                    yield sent[-1].payload
+
+        try:
+            self.load_payloads(payloads())
+        finally:
+            for encoded in sent:
+                encoded.release()
+
+    def load_payloads(self, payloads: Iterable[dict[str, Any]]) -> None:
+        """One layer-wise reload from encoded chunks (:mod:`rlcore_vllm.codecs`), whoever encoded them.
 
         A failure part-way still finalizes the reload (layers not reached keep their old weights)
         and re-raises without bumping ``weights_version``; the run loop's refit probe would flag
-        the mixed state if the error were swallowed."""
-        from rlcore_vllm.codecs import encode
-
+        the mixed state if the error were swallowed. Senders keep their chunks alive until this returns."""
         if self.sleeping:
             self.wake_up()
-        sent = []
         self.engine.rpc("rlcore_begin_update")
         try:
-            for chunk in chunks:
-                if not chunk:
-                    continue
-                encoded = encode(chunk, self.encoding_for(chunk[0][1]))
-                sent.append(encoded)
-                self.engine.rpc("rlcore_load", encoded.payload)
+            for payload in payloads:
+                self.engine.rpc("rlcore_load", payload)
         finally:
             self.engine.rpc("rlcore_finish_update")
-            for encoded in sent:
-                encoded.release()
         self._after_update()
 
     def _after_update(self) -> None:

@@ -9,8 +9,9 @@
   Hugging Face-named chunks into it (:mod:`rlcore_vllm.broadcast`) from the trainer's own
   process, also when the trainer ranks are Ray actors (through their ``run_on_ranks``).
 
-With Ray trainer ranks and a colocated engine (which then lives with the driver), no transport of
-this plugin applies: core's stream transport moves rank 0's chunks through the driver.
+- :class:`rlcore_vllm.handoff.RankHandoffTransport`: colocated, trainer ranks in Ray actors (the
+  engine lives with the driver): rank 0's process hands each chunk to the engine as a CUDA IPC
+  handle or shared-memory file, over a local socket; nothing goes through Ray's object store.
 
 Both return ``{"bytes", "seconds"}``. Verification (probe logprobs against the trainer's) is
 done by the run loop after every transfer, with ``policy.generation.refit.probe_threshold``.
@@ -122,8 +123,7 @@ def pick_transport(backend, generator):
     """The transport for this (backend, generator) pair, or None when it is not ours.
 
     ``backend`` is the live backend (``export_weights``) or a trainer-group handle
-    (``run_on_ranks``, trainer ranks in Ray actors). Colocated with a handle returns None: the
-    engine then lives with the driver and core's stream transport feeds it the ranks' chunks."""
+    (``run_on_ranks``, trainer ranks in Ray actors)."""
     from rlcore_vllm.generator import VllmGenerator
 
     live, on_ranks = hasattr(backend, "export_weights"), hasattr(backend, "run_on_ranks")
@@ -132,7 +132,11 @@ def pick_transport(backend, generator):
     cfg = generator.config
     dtype = _torch_dtype(generator.dtype)
     if cfg.colocated.enabled:
-        return ColocatedTransport(cfg.refit.chunk_bytes, dtype) if live else None
+        if live:
+            return ColocatedTransport(cfg.refit.chunk_bytes, dtype)
+        from rlcore_vllm.handoff import RankHandoffTransport
+
+        return RankHandoffTransport(cfg.refit.chunk_bytes, dtype, cfg.refit.timeout_s)
     group_backend = cfg.refit.group_backend
     if group_backend == "auto":
         group_backend = "nccl" if generator.device == "cuda" else "gloo"
