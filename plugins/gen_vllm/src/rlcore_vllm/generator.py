@@ -232,7 +232,7 @@ class VllmGenerator:
     def sleep(self) -> None:
         """Release weights and KV cache (GPU, colocated); a no-op on CPU, where vLLM has no sleep mode."""
         if self.device != "cpu" and self.config.colocated.enabled and not self.sleeping:
-            self.engine.sleep(level=1)
+            self.engine.sleep(level=self.config.colocated.sleep_level)
         self.sleeping = True
 
     def wake_up(self) -> None:
