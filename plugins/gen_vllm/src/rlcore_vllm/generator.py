@@ -111,8 +111,8 @@ class VllmGenerator:
         prompt_ids = list(request_output.prompt_token_ids)
         completions = list(request_output.outputs)
         token_ids = [list(c.token_ids) for c in completions]
-        undecoded = [i for i, c in enumerate(completions) if c.text == "" and token_ids[i]]
-        texts = [c.text for c in completions]
+        undecoded = [i for i, c in enumerate(completions) if not c.text and token_ids[i]]
+        texts = [c.text or "" for c in completions]
         if undecoded:  # detokenize=False: one batched decode instead of vLLM's per-token one
             decoded = self.tokenizer.batch_decode([token_ids[i] for i in undecoded], skip_special_tokens=True)
             for i, text in zip(undecoded, decoded):
