@@ -12,6 +12,7 @@ model scores about 0, which changes nothing in the work a step does (responses r
     python benchmarks/bench_grpo_step.py --tiny                                              # CPU check
     python benchmarks/bench_grpo_step.py --config llama1b-tool-sync --config llama1b-tool-async  # multi-turn
     python benchmarks/bench_grpo_step.py --config llama1b-megatron --set policy.generation.engine_detokenize=true
+    python benchmarks/bench_grpo_step.py --config llama1b-megatron-cp2 --max-new-tokens 16384 --mb-tokens 16448 --prompts 8
 
 Several ``--config`` run one after the other, each in its own process (GPU memory of a finished
 run is not reliably returned inside one process). The ``*-tool-*`` configurations use the
@@ -78,6 +79,13 @@ CONFIGS = {
     "tiny-tool-async": ("tiny", "fsdp2", {**TOOL_ENV, "policy.generation.async_engine": True}),
     "llama1b-tool-sync": ("llama1b", "megatron", TOOL_ENV),
     "llama1b-tool-async": ("llama1b", "megatron", {**TOOL_ENV, "policy.generation.async_engine": True}),
+    # Long context (issue 9): context parallelism 2 over the two GPUs of nvidia-h200-x2; run with
+    # --max-new-tokens 16384 --mb-tokens 16448 --prompts 8 (16k-token sequences, 64 samples a step).
+    # fsdp2 has no context parallelism (its config rejects context_parallel_size > 1).
+    "llama1b-megatron-cp2": ("llama1b", "megatron", {"policy.megatron_cfg.context_parallel_size": 2, "cluster.gpus_per_node": 2,
+                                                      "policy.generation.gpu_memory_utilization": 0.4}),
+    "tiny-megatron-cp2": ("tiny", "megatron", {"policy.megatron_cfg.context_parallel_size": 2, "cluster.cpu_workers": 2,
+                                               "cluster.use_ray": True}),
     # The same shape of run at tiny scale on CPU: 8 gloo trainer processes (Ray actors).
     "tiny-8rank-fsdp2": ("tiny", "fsdp2", {"cluster.cpu_workers": 8, "cluster.use_ray": True, "policy.train_global_batch_size": 8}),
     "tiny-8rank-megatron": ("tiny", "megatron", {"cluster.cpu_workers": 8, "cluster.use_ray": True, "policy.train_global_batch_size": 8}),
