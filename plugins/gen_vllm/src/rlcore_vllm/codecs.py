@@ -107,7 +107,9 @@ def encode(chunk, mode: str, shm_dir: str | None = None) -> Encoded:
         torch.cuda.current_stream(device).synchronize()
         rebuild, args = reduce_tensor(buffer_U8)
         handle = pickle.dumps((rebuild, args))
-        return Encoded({"mode": "cuda_ipc", "handle": handle, "entries": entries}, nbytes, keepalive=[buffer_U8])
+        uuid_ = str(torch.cuda.get_device_properties(device).uuid)
+        return Encoded({"mode": "cuda_ipc", "handle": handle, "entries": entries, "device_uuid": uuid_}, nbytes,
+                       keepalive=[buffer_U8])
     raise ValueError(f"unknown weight encoding {mode!r}; expected 'direct', 'shm' or 'cuda_ipc'")
 
 
@@ -123,6 +125,21 @@ def decode(payload: dict[str, Any]) -> list[tuple[str, Any]]:
     if mode == "cuda_ipc":
         rebuild, args = pickle.loads(payload["handle"])  # noqa: S301 - produced by our own trainer
         args = list(args)
-        args[6] = torch.cuda.current_device()  # the sender's device index means nothing here
+        args[6] = local_device_index(payload.get("device_uuid"))  # the sender's index means nothing here
         return _unpack(rebuild(*args), payload["entries"])
     raise ValueError(f"unknown weight payload mode {mode!r}")
+
+
+def local_device_index(device_uuid: str | None) -> int:
+    """This process's index of the GPU that holds an IPC buffer (matched by UUID: processes see
+    different ``CUDA_VISIBLE_DEVICES``). A tensor-parallel engine's workers on other GPUs open the
+    buffer where it lives and copy across (peer access); without a UUID, the current device."""
+    torch = _torch()
+    if device_uuid is None:
+        return torch.cuda.current_device()
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == device_uuid:
+            return index
+    raise RuntimeError(f"refit: the weights' GPU ({device_uuid}) is not visible to this engine worker "
+                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); colocated engines "
+                       "must see the trainer's GPUs")
