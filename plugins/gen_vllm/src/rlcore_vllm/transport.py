@@ -13,7 +13,7 @@
   engine lives with the driver): rank 0's process hands each chunk to the engine as a CUDA IPC
   handle or shared-memory file, over a local socket; nothing goes through Ray's object store.
 
-Both return ``{"bytes", "seconds"}``. Verification (probe logprobs against the trainer's) is
+All return ``{"bytes", "seconds"}``. Verification (probe logprobs against the trainer's) is
 done by the run loop after every transfer, with ``policy.generation.refit.probe_threshold``.
 """
 
