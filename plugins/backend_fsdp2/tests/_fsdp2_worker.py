@@ -9,7 +9,6 @@ the pytest side computes the single-process references and asserts.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import traceback
@@ -166,8 +165,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # No interpreter teardown: a gloo thread still joinable there can abort a finished worker
-    # ("terminate called without an active exception"; seen once in core/tests/test_invariance.py).
-    sys.stdout.flush()
-    os._exit(0)
+    sys.exit(main())

@@ -358,7 +358,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # No interpreter teardown: a gloo thread still joinable there can abort a finished worker
-    # ("terminate called without an active exception"; seen once in core/tests/test_invariance.py).
-    sys.stdout.flush()
-    os._exit(0)
