@@ -133,8 +133,10 @@ def build_trainer(config: RunConfig, manager, backend=None):
 def driver_gpu_ids(visible: str | None, gpus_per_node: int, trainer_gpus: int) -> list[str]:
     """GPUs left to this (driver) process's generator when the trainer's Ray actors hold the first
     ``trainer_gpus`` of the node (a local Ray instance started with ``num_gpus=trainer_gpus`` hands
-    out exactly those). Must be applied before this process initialises CUDA; checked here, since
-    setting ``CUDA_VISIBLE_DEVICES`` afterwards silently changes nothing."""
+    out exactly those). Only processes that start CUDA afterwards see the narrowed list: a CUDA
+    context already created in this process is refused below, but a bare ``torch.cuda.is_available()``
+    also fixes the device list and leaves no trace, so a generator should do its device work in
+    freshly started processes (the vllm plugin spawns its engine core when not colocated)."""
     import torch
 
     if torch.cuda.is_initialized():
