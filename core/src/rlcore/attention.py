@@ -89,12 +89,21 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) 
 @torch.compiler.disable  # one kernel (or a host loop on CPU): keep it out of compiled layers' graphs
 def packed_causal_attention(query_THD: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torch.Tensor,
                             cu_seqlens: torch.Tensor, max_len: int, *, scale: float | None = None,
-                            dropout: float = 0.0) -> torch.Tensor:
+                            dropout: float = 0.0, cu_seqlens_k: torch.Tensor | None = None,
+                            max_len_k: int | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence -> ``[T, H, D]``.
 
     ``cu_seqlens``: int32 boundaries covering all ``T`` tokens (:func:`attention_cu_seqlens`), on
     the tensors' device for the varlen kernel; ``max_len``: the longest segment.
+
+    With ``cu_seqlens_k`` (and ``max_len_k``), segment i's queries attend to key segment i, which
+    may be longer (context parallelism: a query chunk and every key before it). The causal mask is
+    then aligned to the bottom right, FlashAttention's convention: query j of a segment with
+    ``Lq`` queries and ``Lk`` keys sees keys ``0 .. Lk - Lq + j``.
     """
+    if cu_seqlens_k is not None:
+        return _causal_attention_lower_right(query_THD, key_TGD, value_TGD, cu_seqlens, max_len, cu_seqlens_k,
+                                             max_len if max_len_k is None else max_len_k, scale=scale, dropout=dropout)
     if use_varlen(query_THD, dropout):
         from torch.nn.attention.varlen import varlen_attn
 
@@ -127,3 +136,27 @@ def _padded_rows(run, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     rows = [x[0][:, index_NL].transpose(0, 1) for x in (query, key, value)]  # [n, H, max_len, D]
     out_NHLD = run(*rows)
     return out_NHLD.transpose(0, 1)[:, keep_NL].unsqueeze(0)  # [1, H, T, D], packed order
+
+
+def _causal_attention_lower_right(query_THD, key_TGD, value_TGD, cu_q, max_q: int, cu_k, max_k: int, *,
+                                  scale: float | None, dropout: float) -> torch.Tensor:
+    """Segment i's queries over key segment i, causal mask aligned to the bottom right."""
+    if use_varlen(query_THD, dropout):
+        from torch.nn.attention.varlen import varlen_attn
+
+        # FlashAttention aligns its causal mask to the bottom right when a segment has more keys
+        # than queries (also torch's note in torch.nn.attention.bias.CausalBias).
+        q, k, v = (x.contiguous() for x in (query_THD, key_TGD, value_TGD))
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **_varlen_kwargs())
+    q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
+    q, k, v = (x.transpose(0, 1)[None] for x in (query_THD, key_TGD, value_TGD))  # [1, H, T, D]
+    pieces = []
+    for qa, qb, ka, kb in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:]):
+        if qb == qa:
+            continue
+        if kb - ka < qb - qa:
+            raise ValueError(f"packed_causal_attention: a segment has {qb - qa} queries but only {kb - ka} keys")
+        mask = torch.ones(qb - qa, kb - ka, dtype=torch.bool, device=query_THD.device).tril(diagonal=(kb - ka) - (qb - qa))
+        pieces.append(sdpa(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], attn_mask=mask, dropout_p=dropout, scale=scale))
+    out_1HTD = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+    return out_1HTD[0].transpose(0, 1)

@@ -20,7 +20,8 @@ STEP_COLUMNS = [
     ("train", "timing/training", "{:.2f}"),
     ("reward s", "timing/reward", "{:.2f}"),
     ("tok/sample", "rollout/mean_response_tokens", "{:.1f}"),
-    ("probe diff", "refit/probe_max_abs_logprob_diff", "{:.1e}"),
+    ("probe mean", "refit/probe_mean_abs_logprob_diff", "{:.1e}"),
+    ("probe max", "refit/probe_max_abs_logprob_diff", "{:.1e}"),
 ]
 
 

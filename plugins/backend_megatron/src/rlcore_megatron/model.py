@@ -56,7 +56,7 @@ class SDPACoreAttention(MegatronModule):
     thd layout [t, heads, d] with ``packed_seq_params.cu_seqlens_q`` giving sequence boundaries:
     each packed sequence attends causally to itself only (FlashAttention varlen on CUDA). Output [s, b, heads*d] / [t, heads*d].
     With context parallelism, K/V are all-gathered over the CP group and each rank's queries use
-    causal offsets (see :func:`_cp_attention`).
+    causal offsets (see :func:`rlcore_megatron.context_parallel.cp_attention`).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
@@ -79,7 +79,8 @@ class SDPACoreAttention(MegatronModule):
             if self.config.context_parallel_size > 1:
                 from rlcore_megatron.context_parallel import cp_attention
 
-                return cp_attention(self._sdpa, query, key, value, packed_seq_params)
+                return cp_attention(query, key, value, packed_seq_params, scale=self.softmax_scale,
+                                    dropout=self.dropout_p if self.training else 0.0)
             return self._forward_thd(query, key, value, packed_seq_params)
         if self.config.context_parallel_size > 1:
             raise NotImplementedError("context parallelism needs the packed (thd) layout")
