@@ -1,0 +1,15 @@
+# Several benchmark runs in one device call, none allowed past the call's limit. Source it in
+# the call's command, then:  job NAME CAP_S MIN_S CMD...
+# runs CMD under `timeout min(CAP_S, seconds left before DEADLINE)`, or skips it when fewer than
+# MIN_S seconds are left; output in $OUT/NAME.log, one status line per job in $OUT/jobs.txt.
+# DEADLINE (seconds since the call started, default 570) stays under the call's 600 s limit, so
+# one failed or slow run never costs the others their results.
+DEADLINE=${DEADLINE:-570}
+job() {
+  local name=$1 cap=$2 min=$3; shift 3
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt "$min" ]; then echo "$name: skipped ($left s left)" >> "$OUT/jobs.txt"; return; fi
+  local limit=$(( cap < left ? cap : left )) start=$SECONDS rc
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  echo "$name: rc=$rc, limit ${limit}s, took $((SECONDS - start))s" >> "$OUT/jobs.txt"
+}
