@@ -72,6 +72,13 @@ CONFIGS = {
     "llama1b-fsdp2-noncolocated": ("llama1b", "fsdp2", {
         "cluster.gpus_per_node": 2, "policy.generation.colocated": {"enabled": False, "resources": {"gpus_per_node": 1}},
         "policy.generation.gpu_memory_utilization": 0.85}),
+    # The 8B shape non-colocated: its trainer keeps fp32 params, gradients and Adam state in host
+    # memory (FSDP2 CPUOffloadPolicy), the only way this backend fits 8B training on one H200.
+    # Megatron's optimizer offload needs its precision-aware optimizer, which megatron-core 0.16.1
+    # cannot configure without Transformer Engine (not on these machines).
+    "llama8b-fsdp2-noncolocated": ("llama8b", "fsdp2", {
+        "cluster.gpus_per_node": 2, "policy.generation.colocated": {"enabled": False, "resources": {"gpus_per_node": 1}},
+        "policy.generation.gpu_memory_utilization": 0.85, "policy.dtensor_cfg.cpu_offload": True}),
     # Multi-turn (issue 9): 3 model turns with simulated tool calls between them
     # (benchmarks/bench_multiturn_env.py), vLLM's sync engine (batches of whatever is queued)
     # against the async engine (continuous batching, each turn scheduled when its tool returns).
@@ -165,9 +172,15 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         "tokens_per_sample": tokens_per_sample,
         "gen_tokens_per_gpu_s": gen_tokens / (s["timing/total"] * gpus),
         "train_mfu": train_flops / (s["timing/training"] * (train_gpus or gpus) * PEAK_FLOPS) if s.get("timing/training") else None,
-        "refit_gb_per_s": sum(refit_gbps) / len(refit_gbps) if refit_gbps else None,
+        "refit_gb_per_s": _mean(refit_gbps),
+        "probe_mean_abs_logprob_gap": _mean([r["refit/probe_mean_abs_logprob_diff"] for r in records
+                                              if "refit/probe_mean_abs_logprob_diff" in r]),
         "steps_averaged": s.get("num_steps"),
     }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def sum_params(cfg: dict) -> float:
@@ -199,13 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_model:  # child process of build_model
         _build_model_here(args.build_model, Path(args.workdir) / f"model-{args.build_model}", device="cuda")
         return 0
-    configs = args.config or ["llama1b-fsdp2", "llama1b-megatron"]
+    configs = args.config or (["tiny-fsdp2"] if args.tiny else ["llama1b-fsdp2", "llama1b-megatron"])
     if len(configs) > 1:
         # One process per configuration: a finished run's engine and trainer must not hold GPU
         # memory that the next one needs (seen: vLLM found 55 of 140 GiB free at the second config).
         return run_each_in_own_process(configs, argv if argv is not None else sys.argv[1:], args.json_out)
     if args.tiny:
-        args.config = args.config or ["tiny-fsdp2"]
         args.prompts, args.samples, args.max_new_tokens, args.steps, args.warmup = 4, 4, 16, 3, 1
     import rlcore
     import yaml
