@@ -43,8 +43,8 @@ class RefitConfig:
     """Weight update after each training step, and its verification."""
 
     chunk_bytes: int = field(default=1 << 30, validator=_positive, metadata=doc("memory budget of one transferred chunk"))
-    # bf16 noise between vLLM's kernels and the trainer's, measured on H200 (mean |gap|): ~0.02 at
-    # 1.2B, 0.073 at 8B (max 0.33, Megatron and FSDP2 alike); weights in a wrong layout give ~1.
+    # bf16 noise between vLLM's kernels and the trainer's, measured on H200: max |gap| ~0.1 at 1.2B;
+    # mean 0.073, max 0.33 at 8B (max alike with Megatron and FSDP2); a wrong weight layout gives ~1.
     probe_threshold: float = field(default=0.15, validator=_positive, metadata=doc("fail when the probe's mean |logprob gap| exceeds this"))
     probe_num_sequences: int = field(default=4, validator=_non_negative, metadata=doc("probe sequences scored after each refit; 0 disables"))
     group_backend: Literal["auto", "gloo", "nccl"] = field(default="auto", metadata=doc("non-colocated broadcast group; auto = nccl on GPU, gloo on CPU"))
