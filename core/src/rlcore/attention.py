@@ -101,14 +101,18 @@ def packed_causal_attention(query_THD: torch.Tensor, key_TGD: torch.Tensor, valu
     then aligned to the bottom right, FlashAttention's convention: query j of a segment with
     ``Lq`` queries and ``Lk`` keys sees keys ``0 .. Lk - Lq + j``.
     """
-    if cu_seqlens_k is not None:
-        return _causal_attention_lower_right(query_THD, key_TGD, value_TGD, cu_seqlens, max_len, cu_seqlens_k,
-                                             max_len if max_len_k is None else max_len_k, scale=scale, dropout=dropout)
     if use_varlen(query_THD, dropout):
         from torch.nn.attention.varlen import varlen_attn
 
+        # With longer key segments FlashAttention aligns the causal mask to the bottom right (also
+        # torch's note in torch.nn.attention.bias.CausalBias).
+        cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+        max_k = max_len if max_len_k is None else max_len_k
         q, k, v = (x.contiguous() for x in (query_THD, key_TGD, value_TGD))
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **_varlen_kwargs())
+        return varlen_attn(q, k, v, cu_seqlens, cu_k, max_len, max_k, scale=scale, **_varlen_kwargs())
+    if cu_seqlens_k is not None:
+        return _causal_attention_lower_right(query_THD, key_TGD, value_TGD, cu_seqlens, cu_seqlens_k, scale=scale,
+                                             dropout=dropout)
     bounds = cu_seqlens.tolist()
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     run = functools.partial(sdpa, dropout_p=dropout, is_causal=True, scale=scale)
@@ -138,16 +142,10 @@ def _padded_rows(run, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out_NHLD.transpose(0, 1)[:, keep_NL].unsqueeze(0)  # [1, H, T, D], packed order
 
 
-def _causal_attention_lower_right(query_THD, key_TGD, value_TGD, cu_q, max_q: int, cu_k, max_k: int, *,
-                                  scale: float | None, dropout: float) -> torch.Tensor:
-    """Segment i's queries over key segment i, causal mask aligned to the bottom right."""
-    if use_varlen(query_THD, dropout):
-        from torch.nn.attention.varlen import varlen_attn
-
-        # FlashAttention aligns its causal mask to the bottom right when a segment has more keys
-        # than queries (also torch's note in torch.nn.attention.bias.CausalBias).
-        q, k, v = (x.contiguous() for x in (query_THD, key_TGD, value_TGD))
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **_varlen_kwargs())
+def _causal_attention_lower_right(query_THD, key_TGD, value_TGD, cu_q, cu_k, *, scale: float | None,
+                                  dropout: float) -> torch.Tensor:
+    """Segment i's queries over key segment i, causal mask aligned to the bottom right (exact SDPA
+    per segment, off the varlen kernel)."""
     q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
     q, k, v = (x.transpose(0, 1)[None] for x in (query_THD, key_TGD, value_TGD))  # [1, H, T, D]
     pieces = []
