@@ -103,7 +103,7 @@ def build_fsdp2(args, hf_config, device):
     from rlcore_fsdp2.backend import FSDP2Backend
     from rlcore_fsdp2.config import SECTION, DTensorConfig
 
-    cfg = DTensorConfig(activation_checkpointing=args.ac)
+    cfg = DTensorConfig(activation_checkpointing=args.ac, empty_cache_after_train=False)
     world = WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=dist.get_rank(), device=device)
     return FSDP2Backend(run_config(args, SECTION, cfg), cfg, world, hf_config=hf_config, seed=args.seed)
 

@@ -56,7 +56,8 @@ def _lower_right_reference(q_THD, k_TGD, v_TGD, q_bounds, k_bounds, scale):
         k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
         scores = (q @ k.transpose(-1, -2)) * scale
         # query j sees keys up to (Lk - Lq) + j: the queries are the last Lq positions of the keys
-        seen = torch.arange(kb - ka)[None, :] <= (kb - ka) - (qb - qa) + torch.arange(qb - qa)[:, None]
+        positions_k, positions_q = (torch.arange(n, device=q.device) for n in (kb - ka, qb - qa))
+        seen = positions_k[None, :] <= (kb - ka) - (qb - qa) + positions_q[:, None]
         outs.append((scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v).transpose(0, 1))
     return torch.cat(outs)
 

@@ -130,14 +130,17 @@ def test_step_totals_counts_and_all_masked_error():
         step_totals(batch)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logprobs_matches_log_softmax_and_its_gradient(temperature):
+@pytest.mark.parametrize(("temperature", "fused"), [(1.0, False), (0.7, False), (0.7, True)])
+def test_token_logprobs_matches_log_softmax_and_its_gradient(temperature, fused):
+    """``fused``: the chunk math compiled by torch.compile (the CUDA default), here on the CPU."""
+    from rlcore import ops
+
     torch.manual_seed(0)
     T, V = 11, 17
     logits = torch.randn(T, V, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, V, (T,))
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)  # 2 sequences, then 2 padding tokens
-    out = token_logprobs(logits, ids, cu, chunk_tokens=3, temperature=temperature)
+    out = token_logprobs(logits, ids, cu, chunk_tokens=3, temperature=temperature, fused=fused)
     ref = torch.log_softmax(logits / temperature, -1)[torch.arange(T - 1), ids[1:]]
     ref = torch.cat([ref.new_zeros(1), ref])
     keep = torch.ones(T, dtype=torch.bool)
@@ -150,6 +153,7 @@ def test_token_logprobs_matches_log_softmax_and_its_gradient(temperature):
     (g_ref,) = torch.autograd.grad((ref * w).sum(), logits)
     torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
     assert g[9:].abs().sum() == 0 and g[3].abs().sum() == 0  # rows predicting masked positions
+    assert not ops._Kernels.failed  # the compiled path ran (no silent fallback to eager)
 
 
 def test_token_logprobs_float32_and_bf16_and_gradcheck():

@@ -43,27 +43,30 @@ def attention_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int, device: to
     if int(cu[-1]) < total_tokens:
         cu = torch.cat([cu, torch.tensor([total_tokens], dtype=torch.int32)])
     max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    return cu.to(device), max_len
+    return cu.to(device, non_blocking=True), max_len  # no stream sync: the host runs ahead of the GPU
 
 
-@functools.lru_cache(maxsize=1)
-def _varlen_kwargs() -> dict | None:
-    """Causal/GQA keyword arguments of this torch's ``varlen_attn`` (its signature changed in 2.11)."""
+def _load_varlen() -> tuple:
+    """torch's ``varlen_attn`` and its causal/GQA keyword arguments (the signature changed in 2.11),
+    or (None, None). Looked up once at import, so the traced CUDA path below holds no lookups."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
+        return None, None
     params = inspect.signature(varlen_attn).parameters
     kwargs: dict = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if "enable_gqa" in params:
         kwargs["enable_gqa"] = True
-    return kwargs
+    return varlen_attn, kwargs
+
+
+_VARLEN_ATTN, _VARLEN_KWARGS = _load_varlen()
 
 
 def use_varlen(query: torch.Tensor, dropout: float = 0.0) -> bool:
     """Whether :func:`packed_causal_attention` takes the FlashAttention varlen kernel for ``query``."""
     return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0
-            and _varlen_kwargs() is not None)
+            and _VARLEN_ATTN is not None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,7 +89,6 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) 
         return F.scaled_dot_product_attention(query, key, value, **kwargs)
 
 
-@torch.compiler.disable  # one kernel (or a host loop on CPU): keep it out of compiled layers' graphs
 def packed_causal_attention(query_THD: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torch.Tensor,
                             cu_seqlens: torch.Tensor, max_len: int, *, scale: float | None = None,
                             dropout: float = 0.0, cu_seqlens_k: torch.Tensor | None = None,
@@ -100,16 +102,26 @@ def packed_causal_attention(query_THD: torch.Tensor, key_TGD: torch.Tensor, valu
     may be longer (context parallelism: a query chunk and every key before it). The causal mask is
     then aligned to the bottom right, FlashAttention's convention: query j of a segment with
     ``Lq`` queries and ``Lk`` keys sees keys ``0 .. Lk - Lq + j``.
+
+    The varlen path is one custom op that ``torch.compile`` traces (a compiled decoder layer stays
+    one graph); the exact path loops on the host and is kept out of compiled graphs.
     """
     if use_varlen(query_THD, dropout):
-        from torch.nn.attention.varlen import varlen_attn
-
         # With longer key segments FlashAttention aligns the causal mask to the bottom right (also
         # torch's note in torch.nn.attention.bias.CausalBias).
         cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
         max_k = max_len if max_len_k is None else max_len_k
         q, k, v = (x.contiguous() for x in (query_THD, key_TGD, value_TGD))
-        return varlen_attn(q, k, v, cu_seqlens, cu_k, max_len, max_k, scale=scale, **_varlen_kwargs())
+        return _VARLEN_ATTN(q, k, v, cu_seqlens, cu_k, max_len, max_k, scale=scale, **_VARLEN_KWARGS)
+    return _exact_causal_attention(query_THD, key_TGD, value_TGD, cu_seqlens, scale=scale, dropout=dropout,
+                                   cu_seqlens_k=cu_seqlens_k)
+
+
+@torch.compiler.disable  # a host loop over sequences: keep it out of compiled graphs
+def _exact_causal_attention(query_THD: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torch.Tensor,
+                            cu_seqlens: torch.Tensor, *, scale: float | None, dropout: float,
+                            cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
+    """:func:`packed_causal_attention` off the varlen kernel: exact SDPA per sequence."""
     if cu_seqlens_k is not None:
         return _causal_attention_lower_right(query_THD, key_TGD, value_TGD, cu_seqlens, cu_seqlens_k, scale=scale,
                                              dropout=dropout)

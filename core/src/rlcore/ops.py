@@ -5,12 +5,23 @@ materializing full-vocabulary float32 log-softmax for the whole micro-batch: a c
 function keeps only the (model-dtype) logits and one logsumexp per token, and recomputes the
 softmax chunk by chunk in the backward pass. With a 150k vocabulary and 16k tokens that is the
 difference between ~10 GB of float32 activations and a few MB.
+
+Each chunk's math is a few element-wise passes over ``[chunk, vocab]``. Run op by op, those passes
+cost more GPU time than the LM head's matmuls (measured on an H200, 1.2B Llama shape, vocab
+128256: 13 ms per 4096-token micro-batch, a seventh of the training step, `benchmarks/RESULTS.md`).
+On CUDA the two chunk functions are therefore compiled with ``torch.compile`` (the fused
+kernels read the model-dtype logits once or twice and write the gradient once); elsewhere, or if
+compiling fails, they run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.autograd.function import once_differentiable
+
+log = logging.getLogger(__name__)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -18,45 +29,101 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _chunk_forward(x_CV: torch.Tensor, targets_C: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_softmax(x / temperature)[targets], logsumexp(x / temperature)), both [C] in float32+."""
+    x = x_CV.to(_acc_dtype(x_CV.dtype)) / temperature
+    lse_C = torch.logsumexp(x, dim=-1)
+    return x.gather(1, targets_C[:, None]).squeeze(1) - lse_C, lse_C
+
+
+def _chunk_backward_fused(x_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: torch.Tensor, grad_C: torch.Tensor,
+                          temperature: float) -> torch.Tensor:
+    """d out / d x for :func:`_chunk_forward`: ``(onehot(t) - softmax(x / T)) * grad / T`` in x's dtype.
+
+    The one-hot as a comparison with an iota fuses into the same kernel when compiled."""
+    x = x_CV.to(lse_C.dtype) / temperature
+    onehot_CV = torch.arange(x_CV.shape[1], device=x_CV.device)[None, :] == targets_C[:, None]
+    dx = (onehot_CV.to(x.dtype) - torch.exp(x - lse_C[:, None])) * (grad_C[:, None] / temperature)
+    return dx.to(x_CV.dtype)
+
+
+def _chunk_backward_eager(x_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: torch.Tensor, grad_C: torch.Tensor,
+                          temperature: float) -> torch.Tensor:
+    """Same as :func:`_chunk_backward_fused` with in-place ops and a scatter (no [C, V] one-hot)."""
+    x = x_CV.to(lse_C.dtype, copy=True)  # a copy: the in-place ops below must not touch the saved logits
+    if temperature != 1.0:
+        x = x.div_(temperature)
+    g = grad_C[:, None].to(lse_C.dtype) / temperature
+    dx = x.sub_(lse_C[:, None]).exp_().mul_(-g)
+    dx.scatter_add_(1, targets_C[:, None], g)
+    return dx.to(x_CV.dtype)
+
+
+class _Kernels:
+    """The chunk functions, compiled on first use where that is wanted (one compile per process)."""
+
+    compiled: tuple | None = None
+    failed = False
+
+    @classmethod
+    def get(cls, fused: bool):
+        if fused and not cls.failed:
+            if cls.compiled is None:
+                cls.compiled = (torch.compile(_chunk_forward, dynamic=True),
+                                torch.compile(_chunk_backward_fused, dynamic=True))
+            return cls.compiled
+        return _chunk_forward, _chunk_backward_eager
+
+    @classmethod
+    def run(cls, which: int, fused: bool, *args):
+        """Call the forward (0) or backward (1) chunk function; a compile failure falls back to eager."""
+        fn = cls.get(fused)[which]
+        if not fused or cls.failed:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - compilers fail in many ways; eager is always correct
+            cls.failed = True
+            log.warning("token_logprobs: compiling the chunk kernels failed (%s: %s); running them eagerly",
+                        type(e).__name__, e)
+            return cls.get(False)[which](*args)
+
+
 class _ChunkedTargetLogprob(torch.autograd.Function):
     """out[r] = log_softmax(logits[r] / temperature)[targets[r]], computed ``chunk`` rows at a time."""
 
     @staticmethod
-    def forward(ctx, logits_RV: torch.Tensor, targets_R: torch.Tensor, chunk: int, temperature: float):
+    def forward(ctx, logits_RV: torch.Tensor, targets_R: torch.Tensor, chunk: int, temperature: float, fused: bool):
         acc = _acc_dtype(logits_RV.dtype)
         out_R = torch.empty(logits_RV.shape[0], dtype=acc, device=logits_RV.device)
         lse_R = torch.empty_like(out_R)
         for a in range(0, logits_RV.shape[0], chunk):
-            x = logits_RV[a : a + chunk].to(acc) / temperature
-            lse_R[a : a + chunk] = torch.logsumexp(x, dim=-1)
-            out_R[a : a + chunk] = x.gather(1, targets_R[a : a + chunk, None]).squeeze(1) - lse_R[a : a + chunk]
+            out_R[a : a + chunk], lse_R[a : a + chunk] = _Kernels.run(
+                0, fused, logits_RV[a : a + chunk], targets_R[a : a + chunk], temperature)
         ctx.save_for_backward(logits_RV, targets_R, lse_R)
-        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.chunk, ctx.temperature, ctx.fused = chunk, temperature, fused
         return out_R
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_R: torch.Tensor):
         logits_RV, targets_R, lse_R = ctx.saved_tensors
-        acc = lse_R.dtype
         grad_RV = torch.empty_like(logits_RV)
         for a in range(0, logits_RV.shape[0], ctx.chunk):
-            x = logits_RV[a : a + ctx.chunk].to(acc) / ctx.temperature
-            g = grad_R[a : a + ctx.chunk, None].to(acc)
-            # d/dx [x_t - lse(x)] = onehot(t) - softmax(x)
-            dx = torch.exp(x - lse_R[a : a + ctx.chunk, None]).mul_(-g)
-            dx.scatter_add_(1, targets_R[a : a + ctx.chunk, None], g)
-            grad_RV[a : a + ctx.chunk] = (dx / ctx.temperature).to(logits_RV.dtype)
-        return grad_RV, None, None, None
+            grad_RV[a : a + ctx.chunk] = _Kernels.run(
+                1, ctx.fused, logits_RV[a : a + ctx.chunk], targets_R[a : a + ctx.chunk], lse_R[a : a + ctx.chunk],
+                grad_R[a : a + ctx.chunk].to(lse_R.dtype), ctx.temperature)
+        return grad_RV, None, None, None, None
 
 
 def token_logprobs(logits_TV: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                   *, chunk_tokens: int = 1024, temperature: float = 1.0) -> torch.Tensor:
+                   *, chunk_tokens: int = 1024, temperature: float = 1.0, fused: bool | None = None) -> torch.Tensor:
     """Token-aligned logprobs [T]: ``out[t] = log_softmax(logits[t-1] / temperature)[ids[t]]``.
 
     ``out`` is 0 at the first token of each sequence (``cu_seqlens`` boundaries; None = one
     sequence) and on trailing padding after ``cu_seqlens[-1]``. float32 (float64 for float64
-    logits); differentiable with respect to ``logits_TV``.
+    logits); differentiable with respect to ``logits_TV``. ``fused``: compile the chunk math
+    (default: on CUDA only; see the module docstring).
     """
     if logits_TV.dim() != 2:
         raise ValueError(f"token_logprobs: logits must be [T, V], got shape {tuple(logits_TV.shape)}")
@@ -70,11 +137,19 @@ def token_logprobs(logits_TV: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlen
     acc = _acc_dtype(logits_TV.dtype)
     if T == 0:
         return logits_TV.sum(-1).to(acc)
-    shifted = _ChunkedTargetLogprob.apply(logits_TV[:-1], input_ids_T[1:].long(), chunk_tokens, float(temperature))
-    out_T = torch.cat([shifted.new_zeros(1), shifted])
+    if fused is None:
+        fused = logits_TV.is_cuda
+    # Row t predicts token t+1. All T rows go in (the last one with any target, its output is
+    # dropped): slicing the [T, V] logits would cost a zero-filled [T, V] copy in the backward.
+    targets_T = torch.cat([input_ids_T[1:], input_ids_T[:1]]).long()
+    next_T = _ChunkedTargetLogprob.apply(logits_TV, targets_T, chunk_tokens, float(temperature), bool(fused))
+    out_T = torch.cat([next_T.new_zeros(1), next_T[:-1]])
     if cu_seqlens is None:
         return out_T
-    keep_T = torch.zeros(T, dtype=torch.bool, device=logits_TV.device)
+    # Built where cu_seqlens lives (the host, for the backends) and copied without a stream sync:
+    # a blocking copy here would make the host wait for the whole forward pass.
+    keep_T = torch.zeros(T, dtype=torch.bool, device=cu_seqlens.device)
     keep_T[: int(cu_seqlens[-1])] = True
-    keep_T[cu_seqlens[:-1].long().to(logits_TV.device)] = False
+    keep_T[cu_seqlens[:-1].long()] = False
+    keep_T = keep_T.to(logits_TV.device, non_blocking=True)
     return torch.where(keep_T, out_T, torch.zeros((), dtype=acc, device=out_T.device))

@@ -79,6 +79,9 @@ class FSDP2Backend:
         self.reference = ReferencePolicy(self.params)
         self.offloader = Offloader()
         self.step = 0
+        self._empty_cache_after_train = self.device.type == "cuda" and _empty_cache_after_train(config, cfg)
+        self._grad_sync: bool | None = None  # last value given to set_requires_gradient_sync (None: never set)
+        self._fsdp_modules: list | None = None
 
     # ---- construction ----------------------------------------------------------------------
     @staticmethod
@@ -143,20 +146,27 @@ class FSDP2Backend:
             micro_batch_size=self.policy.train_micro_batch_size if train else self.policy.logprob_batch_size)
 
     def _to_device(self, mb: MicroBatch) -> MicroBatch:
-        """Token tensors on the device; ``cu_seqlens`` stays on CPU (read on the host: no syncs)."""
-        dev = self.device
+        """Token tensors on the device; ``cu_seqlens`` stays on CPU (read on the host: no syncs).
+
+        Copied with ``non_blocking``: from pageable memory CUDA stages the data before the call
+        returns, and torch then skips the stream sync that would make the host wait for the
+        previous micro-batch's backward."""
+        def to(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device, non_blocking=True)
+
         return attrs.evolve(
-            mb, input_ids_T=mb.input_ids_T.to(dev), position_ids_T=mb.position_ids_T.to(dev),
-            seq_index_T=mb.seq_index_T.to(dev), loss_mask_T=mb.loss_mask_T.to(dev),
-            token_fields={k: v.to(dev) for k, v in mb.token_fields.items()},
-            seq_fields={k: v.to(dev) for k, v in mb.seq_fields.items()})
+            mb, input_ids_T=to(mb.input_ids_T), position_ids_T=to(mb.position_ids_T),
+            seq_index_T=to(mb.seq_index_T), loss_mask_T=to(mb.loss_mask_T),
+            token_fields={k: to(v) for k, v in mb.token_fields.items()},
+            seq_fields={k: to(v) for k, v in mb.seq_fields.items()})
 
     def _forward_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         """Token-aligned logprobs [T] of a (device) micro-batch; float32 (float64 for float64 runs)."""
         cu, max_len = attention.attention_cu_seqlens(mb.cu_seqlens, mb.num_tokens, self.device)
         out = self.model(input_ids=mb.input_ids_T[None], position_ids=mb.position_ids_T[None], use_cache=False,
                          cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
-        return token_logprobs(out.logits[0], mb.input_ids_T, mb.cu_seqlens, chunk_tokens=self.cfg.logprob_chunk_tokens)
+        # squeeze, not [0]: indexing's backward would fill a zero [T, V] tensor
+        return token_logprobs(out.logits.squeeze(0), mb.input_ids_T, mb.cu_seqlens, chunk_tokens=self.cfg.logprob_chunk_tokens)
 
     # ---- TrainingBackend -------------------------------------------------------------------
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
@@ -188,10 +198,11 @@ class FSDP2Backend:
         self.model.train()
         results = [self._train_step(batch.select(range(start, min(start + gbs, len(batch)))), algorithm)
                    for start in range(0, len(batch), gbs)]
-        if self.device.type == "cuda":
+        if self._empty_cache_after_train:
             # Return the allocator's cached activation blocks: a colocated engine wakes up next and
             # needs them (seen at 8B on 2 H200s: 96 GiB held after training, vLLM's wake-up ran out
-            # of memory). Re-allocating them next step costs far less than a step.
+            # of memory). Not by default without colocation: re-allocating them next step costs
+            # host time (cudaMalloc/cudaFree, ~65 ms a step at 1.2B).
             torch.cuda.empty_cache()
         return _combine(results)
 
@@ -204,9 +215,7 @@ class FSDP2Backend:
         defer = defer_grad_sync(self.cfg, self.dims)
         for index, mb in enumerate(micro_batches):
             if defer:  # reduce (and reshard) once, after the last micro-batch's backward
-                last = index == len(micro_batches) - 1
-                self.model.set_requires_gradient_sync(last)
-                self.model.set_reshard_after_backward(last)
+                self._set_grad_sync(index == len(micro_batches) - 1)
             mb = self._to_device(mb)
             logprobs_T = self._forward_logprobs(mb)
             if mb.num_seqs == 0:
@@ -234,6 +243,20 @@ class FSDP2Backend:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return result
+
+    def _set_grad_sync(self, sync: bool) -> None:
+        """FSDP2's gradient sync and reshard-after-backward flags, set only when they change and
+        only on the FSDP modules: the recursive setters walk every submodule (~4 ms of host time
+        per call at 16 layers, seen on an H200)."""
+        if self._grad_sync != sync:
+            from torch.distributed.fsdp import FSDPModule
+
+            if self._fsdp_modules is None:
+                self._fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+            for module in self._fsdp_modules:
+                module.set_requires_gradient_sync(sync, recurse=False)
+                module.set_reshard_after_backward(sync, recurse=False)
+            self._grad_sync = sync
 
     def _reduce_over_dp(self, loss_sum: torch.Tensor, metrics: dict[str, float]) -> tuple[float, dict[str, float]]:
         """Sum the loss and metrics over data-parallel ranks (TP peers hold the same values)."""
@@ -273,8 +296,14 @@ class FSDP2Backend:
         if max_norm is not None and max_norm > 0 and math.isfinite(total):
             coef = min(1.0, max_norm / (total + 1e-6))
             if coef < 1.0:
+                # One foreach kernel per device over the local shards: a mul_ per DTensor gradient
+                # goes through DTensor dispatch (~15 ms of host time a step at 1.2B on an H200).
+                by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
                 for g in grads:
-                    g.mul_(coef)
+                    local = g._local_tensor if isinstance(g, DTensor) else g
+                    by_device[local.device].append(local)
+                for tensors in by_device.values():
+                    torch._foreach_mul_(tensors, coef)
         return total
 
     def export_weights(self, dtype: Any = None, chunk_bytes: int = 1 << 30):
@@ -327,6 +356,13 @@ class FSDP2Backend:
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+
+def _empty_cache_after_train(config: RunConfig, cfg: DTensorConfig) -> bool:
+    if cfg.empty_cache_after_train is not None:
+        return cfg.empty_cache_after_train
+    generation = config.section("policy.generation")
+    return bool(getattr(getattr(generation, "colocated", None), "enabled", True))
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype | None:
