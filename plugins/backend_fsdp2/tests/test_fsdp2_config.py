@@ -81,3 +81,21 @@ def test_lr_schedule():
     assert linear[:3] == [0.5, 1.0, 1.0] and linear[4] == pytest.approx(0.55) and linear[6:] == [pytest.approx(0.1)] * 2
     cosine = [lr_factor(s, decay_style="cosine", **kw) for s in range(8)]
     assert cosine[4] == pytest.approx(0.55) and cosine[3] > linear[3] and cosine[7] == pytest.approx(0.1)
+
+
+def test_empty_cache_after_train_follows_colocation_unless_set():
+    from types import SimpleNamespace
+
+    from rlcore.config.schema import PolicyConfig, RunConfig
+    from rlcore_fsdp2.backend import _empty_cache_after_train
+
+    def run(colocated):
+        sections = {} if colocated is None else {
+            "policy.generation": SimpleNamespace(colocated=SimpleNamespace(enabled=colocated))}
+        return RunConfig(policy=PolicyConfig(model_name="unused"), sections=sections)
+
+    assert _empty_cache_after_train(run(None), DTensorConfig())  # no generation section: colocated by default
+    assert _empty_cache_after_train(run(True), DTensorConfig())
+    assert not _empty_cache_after_train(run(False), DTensorConfig())
+    assert not _empty_cache_after_train(run(True), DTensorConfig(empty_cache_after_train=False))
+    assert _empty_cache_after_train(run(False), DTensorConfig(empty_cache_after_train=True))
