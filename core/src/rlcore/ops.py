@@ -8,7 +8,7 @@ difference between ~10 GB of float32 activations and a few MB.
 
 Each chunk's math is a few element-wise passes over ``[chunk, vocab]``. Run op by op, those passes
 cost more GPU time than the LM head's matmuls (measured on an H200, 1.2B Llama shape, vocab
-128256: 13 ms per 4096-token micro-batch, a seventh of the training step, `benchmarks/RESULTS.md`).
+128256: 13 ms per 4096-token micro-batch, a tenth of the eager training step, `benchmarks/RESULTS.md`).
 On CUDA the two chunk functions are therefore compiled with ``torch.compile`` (the fused
 kernels read the model-dtype logits once or twice and write the gradient once); elsewhere, or if
 compiling fails, they run eagerly.
