@@ -142,6 +142,13 @@ class RunConfig:
         """The structured plugin section at ``path`` (e.g. ``policy.megatron_cfg``)."""
         return self.sections.get(path, default)
 
+    @property
+    def generation_colocated(self) -> bool:
+        """Whether generation shares the trainer's devices: ``policy.generation.colocated.enabled``
+        of the generator's section, true when the section has no such key."""
+        generation = self.section("policy.generation")
+        return bool(getattr(getattr(generation, "colocated", None), "enabled", True))
+
     def require_section(self, path: str) -> Any:
         if path not in self.sections:
             raise ConfigError(path, "this section is required for the run but the recipe does not set it")

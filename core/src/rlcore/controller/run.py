@@ -95,7 +95,7 @@ def build_trainer(config: RunConfig, manager, backend=None):
     device = _device(config)
     world = config.cluster.gpus_per_node * config.cluster.num_nodes if device == "cuda" else config.cluster.cpu_workers
     gen = config.section("policy.generation")
-    colocated = getattr(getattr(gen, "colocated", None), "enabled", True)
+    colocated = config.generation_colocated
     separate_gpus = device == "cuda" and not colocated
     gen_gpus = 0
     if separate_gpus:

@@ -361,8 +361,7 @@ class FSDP2Backend:
 def _empty_cache_after_train(config: RunConfig, cfg: DTensorConfig) -> bool:
     if cfg.empty_cache_after_train is not None:
         return cfg.empty_cache_after_train
-    generation = config.section("policy.generation")
-    return bool(getattr(getattr(generation, "colocated", None), "enabled", True))
+    return config.generation_colocated
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype | None:
