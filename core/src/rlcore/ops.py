@@ -62,31 +62,24 @@ def _chunk_backward_eager(x_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: to
 class _Kernels:
     """The chunk functions, compiled on first use where that is wanted (one compile per process)."""
 
+    eager = (_chunk_forward, _chunk_backward_eager)
     compiled: tuple | None = None
     failed = False
 
     @classmethod
-    def get(cls, fused: bool):
-        if fused and not cls.failed:
-            if cls.compiled is None:
-                cls.compiled = (torch.compile(_chunk_forward, dynamic=True),
-                                torch.compile(_chunk_backward_fused, dynamic=True))
-            return cls.compiled
-        return _chunk_forward, _chunk_backward_eager
-
-    @classmethod
     def run(cls, which: int, fused: bool, *args):
         """Call the forward (0) or backward (1) chunk function; a compile failure falls back to eager."""
-        fn = cls.get(fused)[which]
         if not fused or cls.failed:
-            return fn(*args)
+            return cls.eager[which](*args)
+        if cls.compiled is None:
+            cls.compiled = (torch.compile(_chunk_forward, dynamic=True), torch.compile(_chunk_backward_fused, dynamic=True))
         try:
-            return fn(*args)
+            return cls.compiled[which](*args)
         except Exception as e:  # noqa: BLE001 - compilers fail in many ways; eager is always correct
             cls.failed = True
             log.warning("token_logprobs: compiling the chunk kernels failed (%s: %s); running them eagerly",
                         type(e).__name__, e)
-            return cls.get(False)[which](*args)
+            return cls.eager[which](*args)
 
 
 class _ChunkedTargetLogprob(torch.autograd.Function):
