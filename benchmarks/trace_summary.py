@@ -5,7 +5,9 @@
 Prints: the span of the trace and how much of it had a GPU kernel running (union of kernel
 intervals), the longest GPU-idle gaps with the Python function that was running on the host at
 the time, the CUDA runtime calls that block the host (synchronizations, blocking copies), and the
-Python functions with the largest inclusive host time. Caveat seen with torch 2.11: the Python
+Python functions with the largest inclusive host time, and the GPU time of the kernels by kernel
+class (GEMM, attention, Triton, NCCL, other) and by the innermost ``record_function`` region that
+launched them (FSDP's ``FSDP::*`` hooks, ``Optimizer.step#*``, ...). Caveat seen with torch 2.11: the Python
 events of torch's varlen attention ops (``_varlen_attn``, ``apply of FunctionMeta``) carry
 durations far longer than the calls took; read past those rows. torch.profiler's own tables give per-operator
 totals but not *where the GPU waits*, which is what a step dominated by host overhead needs.
@@ -49,6 +51,46 @@ def print_totals(title: str, events: list[dict], category: str, top: int, width:
         print(f"  {us / 1e3:9.2f} ms  x{count[name]:<6d} {name[:width]}")
 
 
+KERNEL_CLASSES = (("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas")), ("attention", ("flash", "fmha", "attn")),
+                  ("triton", ("triton",)), ("nccl", ("nccl",)), ("memcpy/memset", ("memcpy", "memset")))
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
+def print_kernel_attribution(events: list[dict], top: int) -> None:
+    """GPU time per (launching region, kernel class): kernels are matched to their launch on the
+    host by correlation id, the launch to the innermost enclosing user annotation."""
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    regions = sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in regions]
+    by_class, by_region = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        cls = "memcpy/memset" if e["cat"] != "kernel" else kernel_class(e["name"])
+        by_class[cls] += e["dur"]
+        t = launches.get(e.get("args", {}).get("correlation"))
+        region = "(no region)"
+        if t is not None:
+            i = bisect.bisect_right(starts, t)
+            for r in reversed(regions[max(0, i - 3000):i]):
+                if r["ts"] + r["dur"] >= t:
+                    region = r["name"]
+                    break
+        # per-layer FSDP regions (FSDP::post_backward_reduce (model.layers.3)) summed per kind
+        by_region[(region.split(" (")[0], cls)] += e["dur"]
+    print("\nGPU time by kernel class:")
+    for cls, us in by_class.most_common():
+        print(f"  {us / 1e3:9.2f} ms  {cls}")
+    print("GPU time by launching region and kernel class:")
+    for (region, cls), us in by_region.most_common(top):
+        print(f"  {us / 1e3:9.2f} ms  {cls:<14s} {region[:120]}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace")
@@ -79,6 +121,7 @@ def main(argv=None) -> int:
         where = " <- ".join(reversed(stack[-3:])) if stack else "?"
         print(f"  {gap / 1e3:8.2f} ms at +{(a - start) / 1e3:8.1f} ms  host in: {where[:160]}")
 
+    print_kernel_attribution(events, args.top)
     print_totals("CUDA runtime calls by host time:", events, "cuda_runtime", 10, 200)
     print_totals("Python functions by inclusive host time (nested calls counted in their callers too):", host,
                  "python_function", args.top, 150)

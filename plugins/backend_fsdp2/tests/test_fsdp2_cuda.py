@@ -65,14 +65,14 @@ def test_varlen_path_matches_per_sequence_sdpa():
         start += n
 
 
-def _backend(model_dir, **dtensor):
+def _backend(model_dir, precision="bfloat16", max_grad_norm=1.0, **dtensor):
     from rlcore.config.schema import PolicyConfig, RunConfig, SequencePackingConfig
     from rlcore.interfaces import WorldInfo
     from rlcore_fsdp2.backend import FSDP2Backend
     from rlcore_fsdp2.config import SECTION, DTensorConfig
 
     cfg = DTensorConfig(**dtensor)
-    policy = PolicyConfig(model_name=str(model_dir), precision="bfloat16",
+    policy = PolicyConfig(model_name=str(model_dir), precision=precision, max_grad_norm=max_grad_norm,
                           sequence_packing=SequencePackingConfig(train_mb_tokens=64, logprob_mb_tokens=64))
     return FSDP2Backend(RunConfig(policy=policy, sections={SECTION: cfg}), cfg, WorldInfo(device="cuda"))
 
@@ -112,6 +112,36 @@ def test_bf16_backend_trains_offloads_and_matches_hf(nccl_group, model_dir, dten
     chunks = list(backend.export_weights(dtype="bfloat16"))
     assert all(t.dtype == torch.bfloat16 and t.is_cuda for chunk in chunks for _, t in chunk)
     backend.shutdown()
+
+
+def test_clipping_and_nonfinite_skip_on_the_device_match_the_host_path(nccl_group, model_dir):
+    """The fused optimizer clips (grad_scale) and skips non-finite steps (found_inf) on the GPU; with
+    CPU offload the same step is read, clipped and skipped on the host. fp32, clipping active."""
+    from rlcore.algorithms.sft import SFT
+
+    class NaNLoss(SFT):  # a fault injected on purpose
+        def loss(self, logprobs_T, mb, totals):
+            loss, metrics = super().loss(logprobs_T, mb, totals)
+            return loss * float("nan"), metrics
+
+    results = []
+    for dtensor in ({}, {"cpu_offload": True}):
+        backend = _backend(model_dir, precision="float32", max_grad_norm=0.05, **dtensor)
+        assert bool(backend.optimizer.defaults.get("fused")) == (not dtensor)
+        metrics = backend.train(_batch(), SFT())
+        params = {n: t.float().cpu() for chunk in backend.export_weights() for n, t in chunk}
+        skipped = backend.train(_batch(), NaNLoss())
+        after_nan = {n: t.float().cpu() for chunk in backend.export_weights() for n, t in chunk}
+        results.append((metrics, params, skipped, after_nan, backend.step))
+        backend.shutdown()
+    (dev_metrics, dev_params, dev_skip, dev_after, dev_step), (host_metrics, host_params, host_skip, host_after, host_step) = results
+    assert dev_metrics["grad_norm"] > 0.05 * 10  # clipping did something
+    assert dev_metrics["grad_norm"] == pytest.approx(host_metrics["grad_norm"], rel=1e-5)
+    assert max(float((dev_params[n] - host_params[n]).abs().max()) for n in dev_params) < 1e-6
+    assert dev_skip["skipped_nonfinite"] == host_skip["skipped_nonfinite"] == 1.0
+    assert all(torch.equal(dev_params[n], dev_after[n]) for n in dev_params)
+    assert all(torch.equal(host_params[n], host_after[n]) for n in host_params)
+    assert dev_step == host_step == 1
 
 
 def test_compiled_layers_with_traced_attention_train_like_eager(nccl_group, model_dir):

@@ -31,6 +31,7 @@ from rlcore.ops import token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore_fsdp2 import attention, checkpoint
 from rlcore_fsdp2.config import DTensorConfig
+from rlcore_fsdp2.optim import ShardLocalAdamW
 from rlcore_fsdp2.parallel_dims import ParallelDims
 from rlcore_fsdp2.parallelize import defer_grad_sync, parallelize
 from rlcore_fsdp2.schedule import lr_factor
@@ -121,11 +122,11 @@ class FSDP2Backend:
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         opt = self.policy.optimizer
-        # Fused AdamW (one kernel over all DTensor shards, as torchtitan's default) on the GPU;
-        # with CPU offload the step runs on the host, where the default loop is used.
-        kwargs = {"fused": True} if self.device.type == "cuda" and not self.cfg.cpu_offload else {}
-        return torch.optim.AdamW(self.params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                 weight_decay=opt.weight_decay, **kwargs)
+        # Fused AdamW (one kernel over all local shards; torch has it for CUDA and CPU), whose
+        # clipping and non-finite skip run on the device (see _update). With CPU offload the
+        # gradients' norm is on the GPU and the update on the host: torch's default loop there.
+        return ShardLocalAdamW(self.params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                               weight_decay=opt.weight_decay, fused=not self.cfg.cpu_offload)
 
     def _lr_lambda(self, step: int) -> float:
         sched, opt = self.policy.scheduler, self.policy.optimizer
@@ -228,19 +229,45 @@ class FSDP2Backend:
             loss_sum += loss.detach().to(torch.float64)
             for key, value in mb_metrics.items():  # tensors stay on the device: no sync per micro-batch
                 metrics[key] = metrics[key] + (value.detach() if torch.is_tensor(value) else value)
-        metrics = {key: float(value) for key, value in metrics.items()}
-        loss_total, metrics = self._reduce_over_dp(loss_sum, metrics)
-        grad_norm = self._clip_grad_norm()
-        lr = self.optimizer.param_groups[0]["lr"]
-        result = {**metrics, "loss": loss_total, "grad_norm": grad_norm, "lr": lr,
-                  "num_micro_batches": float(len(micro_batches))}
-        if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
-            log.warning("fsdp2 backend: non-finite loss %s / grad norm %s; skipping the update", loss_total, grad_norm)
-            self.optimizer.zero_grad(set_to_none=True)
-            return {**result, "skipped_nonfinite": 1.0}
-        self.optimizer.step()
-        self.scheduler.step()
+        return self._update(loss_sum, metrics, len(micro_batches))
+
+    def _update(self, loss_sum: torch.Tensor, metrics: dict[str, Any], num_micro_batches: int) -> dict[str, float]:
+        """Clip, step (or skip a non-finite step), and read the step's values on the host.
+
+        With the fused optimizer the clip factor and the skip decision stay on the device (the
+        kernel's ``grad_scale`` / ``found_inf``): the host launches the update while the GPU is
+        still in the backward pass and waits once, for the values it reports. Otherwise (CPU
+        offload) it reads the norm first and clips and steps on the host."""
+        dp_group = self.mesh["dp_shard"].get_group()
+        if self.dims.dp_shard > 1:
+            dist.all_reduce(loss_sum, group=dp_group)
+        grad_sq = self._grad_norm_squared()
+        max_norm = self.policy.max_grad_norm
+        clip = max_norm is not None and max_norm > 0
+        on_device = bool(self.optimizer.defaults.get("fused"))
+        if on_device:
+            finite = torch.isfinite(loss_sum) & torch.isfinite(grad_sq)
+            grad_scale = ((grad_sq.sqrt() + 1e-6) / max_norm).clamp(min=1.0).float() if clip else None
+            self.optimizer.step(grad_scale=grad_scale, found_inf=(~finite).float())
+        on_device_keys = [key for key, value in metrics.items() if torch.is_tensor(value)]
+        values = torch.stack([metrics[key].to(self.device, torch.float64) for key in on_device_keys]
+                             + [loss_sum, grad_sq.sqrt()]).tolist()  # the step's one device sync
+        *metric_values, loss_total, grad_norm = values
+        metrics = {**{k: float(v) for k, v in metrics.items() if not torch.is_tensor(v)}, **dict(zip(on_device_keys, metric_values))}
+        metrics = self._sum_over_dp(metrics, dp_group)
+        result = {**metrics, "loss": loss_total, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+                  "num_micro_batches": float(num_micro_batches)}
+        finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
+        if finite and not on_device:
+            coef = min(1.0, max_norm / (grad_norm + 1e-6)) if clip else 1.0
+            if coef < 1.0:
+                self._scale_grads(coef)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if not finite:
+            log.warning("fsdp2 backend: non-finite loss %s / grad norm %s; skipping the update", loss_total, grad_norm)
+            return {**result, "skipped_nonfinite": 1.0}
+        self.scheduler.step()
         self.step += 1
         return result
 
@@ -254,53 +281,56 @@ class FSDP2Backend:
                 module.set_reshard_after_backward(sync, recurse=False)
             self._grad_sync = sync
 
-    def _reduce_over_dp(self, loss_sum: torch.Tensor, metrics: dict[str, float]) -> tuple[float, dict[str, float]]:
-        """Sum the loss and metrics over data-parallel ranks (TP peers hold the same values)."""
-        group = self.mesh["dp_shard"].get_group()
+    def _sum_over_dp(self, metrics: dict[str, float], group: Any) -> dict[str, float]:
+        """Sum metrics over data-parallel ranks (TP peers hold the same values). Gathered as
+        objects: a rank whose micro-batches were all padding reports no keys."""
+        if self.dims.dp_shard == 1:
+            return metrics
         parts: list[Any] = [None] * self.dims.dp_shard
-        dist.all_gather_object(parts, (float(loss_sum), dict(metrics)), group=group)
+        dist.all_gather_object(parts, metrics, group=group)
         total: dict[str, float] = defaultdict(float)
-        for _, part in parts:
+        for part in parts:
             for key, value in part.items():
                 total[key] += value
-        return sum(loss for loss, _ in parts), dict(total)
+        return dict(total)
 
     @torch.no_grad()
-    def _clip_grad_norm(self) -> float:
-        """Global L2 norm of all gradients, then clip to ``policy.max_grad_norm``.
+    def _grad_norm_squared(self) -> torch.Tensor:
+        """Squared global L2 norm of all gradients: a float64 device tensor, no host sync.
 
         Local shards' squared norms are summed per (mesh, sharded dims) and all-reduced over the
         sharded mesh dims only (a replicated dim would count a shard twice). Params may live on
         different meshes (TP'd layers on (dp, tp), replicated MoE experts on dp) and, with CPU
         offload, on the host: this works for all of them where DTensor's own norm would not."""
-        grads = [p.grad for p in self.params if p.grad is not None]
         groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
-        for g in grads:
+        for p in self.params:
+            g = p.grad
             if isinstance(g, DTensor):
                 sharded = tuple(i for i, placement in enumerate(g.placements) if placement.is_shard())
                 groups[(g.device_mesh, sharded)].append(g._local_tensor)
-            else:
+            elif g is not None:
                 groups[(None, ())].append(g)
         total_sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for (mesh, sharded), tensors in groups.items():
-            sq = torch.stack([n.to(self.device, torch.float64) for n in torch._foreach_norm(tensors)]).square().sum()
+            norms = torch._foreach_norm(tensors)
+            sq = torch.stack(norms).to(self.device, torch.float64).square().sum()
             for dim in sharded:
                 dist.all_reduce(sq, group=mesh.get_group(dim))
             total_sq += sq
-        total = float(total_sq.sqrt())
-        max_norm = self.policy.max_grad_norm
-        if max_norm is not None and max_norm > 0 and math.isfinite(total):
-            coef = min(1.0, max_norm / (total + 1e-6))
-            if coef < 1.0:
-                # One foreach kernel per device over the local shards: a mul_ per DTensor gradient
-                # goes through DTensor dispatch (~15 ms of host time a step at 1.2B on an H200).
-                by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-                for g in grads:
-                    local = g._local_tensor if isinstance(g, DTensor) else g
-                    by_device[local.device].append(local)
-                for tensors in by_device.values():
-                    torch._foreach_mul_(tensors, coef)
-        return total
+        return total_sq
+
+    @torch.no_grad()
+    def _scale_grads(self, coef: float) -> None:
+        """Multiply all gradients by ``coef``: one foreach kernel per device over the local shards
+        (a mul_ per DTensor gradient goes through DTensor dispatch, ~15 ms of host time a step at
+        1.2B on an H200)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for p in self.params:
+            if p.grad is not None:
+                local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                by_device[local.device].append(local)
+        for tensors in by_device.values():
+            torch._foreach_mul_(tensors, coef)
 
     def export_weights(self, dtype: Any = None, chunk_bytes: int = 1 << 30):
         """Chunks of (HF name, tensor on this backend's device) in ``dtype`` (default: the

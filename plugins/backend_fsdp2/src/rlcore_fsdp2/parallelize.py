@@ -161,6 +161,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, redu
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    if dp_mesh.size() == 1:
+        # One rank already sums (FSDP2's default divides by the world size, 1), and a factor set
+        # anyway costs a division pass over all fp32 gradients in torch 2.11's single-rank path.
+        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
