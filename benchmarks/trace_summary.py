@@ -51,7 +51,7 @@ def print_totals(title: str, events: list[dict], category: str, top: int, width:
         print(f"  {us / 1e3:9.2f} ms  x{count[name]:<6d} {name[:width]}")
 
 
-KERNEL_CLASSES = (("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas")), ("attention", ("flash", "fmha", "attn")),
+KERNEL_CLASSES = (("attention", ("flash", "fmha", "attn")), ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas")),
                   ("triton", ("triton",)), ("nccl", ("nccl",)), ("memcpy/memset", ("memcpy", "memset")))
 
 

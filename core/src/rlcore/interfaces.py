@@ -148,8 +148,11 @@ class Algorithm(Protocol):
     def advantages(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
         """Per-sequence advantages [N] from rewards and group ids."""
 
-    def loss(self, logprobs_T: torch.Tensor, mb: MicroBatch, totals: StepTotals) -> tuple[torch.Tensor, dict[str, float]]:
-        """This micro-batch's share of the step loss (see module docstring) and its metrics."""
+    def loss(self, logprobs_T: torch.Tensor, mb: MicroBatch,
+             totals: StepTotals) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+        """This micro-batch's share of the step loss (see module docstring) and its metrics:
+        floats or detached 0-d tensors. Tensors let a backend read all metrics of a step with
+        one device sync instead of one per micro-batch (the built-in algorithms return them)."""
 
 
 @runtime_checkable

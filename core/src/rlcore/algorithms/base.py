@@ -154,11 +154,3 @@ class AlgorithmBase:
     def keep_groups(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
         adv.check_rewards(rewards_N, group_ids_N)
         return torch.ones(rewards_N.shape, dtype=torch.bool)
-
-
-def metric_values(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Tensors -> floats with a single device sync."""
-    if not metrics:
-        return {}
-    values = torch.stack([m.detach().to(torch.float64) for m in metrics.values()]).cpu().tolist()
-    return dict(zip(metrics, values))

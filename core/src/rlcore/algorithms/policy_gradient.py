@@ -31,7 +31,6 @@ from rlcore.algorithms.base import (
     check_loss_inputs,
     clipped_surrogate,
     masked,
-    metric_values,
     token_advantages,
     token_mean_share,
     truncated_is_weights,
@@ -66,7 +65,7 @@ class PolicyGradient(AlgorithmBase):
     def reduce(self, loss_T: torch.Tensor, mask_T: torch.Tensor, mb: MicroBatch, totals: StepTotals) -> torch.Tensor:
         return REDUCTIONS[self.loss_level](loss_T, mask_T, mb, totals)
 
-    def loss(self, logprobs_T: torch.Tensor, mb: MicroBatch, totals: StepTotals) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, logprobs_T: torch.Tensor, mb: MicroBatch, totals: StepTotals) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.config
         check_loss_inputs(self.name, logprobs_T, mb, totals, self.required_fields())
         mask_T = mb.loss_mask_T.to(device=logprobs_T.device, dtype=logprobs_T.dtype)
@@ -96,4 +95,4 @@ class PolicyGradient(AlgorithmBase):
             kl = self.reduce(KL_ESTIMATORS[cfg.kl_estimator](log_r_T), mask_T, mb, totals)
             metrics["kl"] = kl
             loss = loss + cfg.kl_coef * kl
-        return loss, metric_values(metrics)
+        return loss, {key: value.detach() for key, value in metrics.items()}

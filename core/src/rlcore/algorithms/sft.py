@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlcore.algorithms.advantages import check_rewards
-from rlcore.algorithms.base import AlgorithmBase, check_loss_inputs, masked, metric_values, token_mean_share
+from rlcore.algorithms.base import AlgorithmBase, check_loss_inputs, masked, token_mean_share
 from rlcore.algorithms.config import SFTConfig
 from rlcore.interfaces import StepTotals
 from rlcore.packing import MicroBatch
@@ -25,8 +25,8 @@ class SFT(AlgorithmBase):
         check_rewards(rewards_N, group_ids_N)
         return torch.zeros_like(rewards_N)
 
-    def loss(self, logprobs_T: torch.Tensor, mb: MicroBatch, totals: StepTotals) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, logprobs_T: torch.Tensor, mb: MicroBatch, totals: StepTotals) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         check_loss_inputs(self.name, logprobs_T, mb, totals, {})
         mask_T = mb.loss_mask_T.to(device=logprobs_T.device, dtype=logprobs_T.dtype)
         loss = token_mean_share(-masked(logprobs_T, mask_T > 0), mask_T, mb, totals)
-        return loss, metric_values({"nll": loss})
+        return loss, {"nll": loss.detach()}

@@ -234,6 +234,9 @@ def _loss_over(algorithm, batch, logprobs, micro_batches, totals) -> tuple[Any, 
         loss.backward()
         total = total + loss.detach().double()
         for key, value in mb_metrics.items():
+            if isinstance(value, torch.Tensor):
+                assert value.dim() == 0 and not value.requires_grad, f"metric {key!r} must be a detached 0-d tensor, got {value!r}"
+                value = float(value)
             assert isinstance(value, float) and math.isfinite(value), f"metric {key!r} is {value!r}"
             metrics[key] = metrics.get(key, 0.0) + value
     return total, metrics

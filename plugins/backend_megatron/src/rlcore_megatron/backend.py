@@ -227,8 +227,11 @@ class MegatronBackend:
         if logprobs_T.device.type != "cpu":
             mb_cpu = _to_device(mb, logprobs_T.device)
         loss, metrics = algorithm.loss(logprobs_T, mb_cpu, totals)
-        reduced = {k: float(v) for k, v in metrics.items()}
-        reduced["loss"] = float(loss.detach())
+        # metrics may be floats or 0-d tensors: read them with the loss in one device sync
+        names = list(metrics) + ["loss"]
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loss.device).detach()
+                              for v in [*metrics.values(), loss.detach()]]).tolist()
+        reduced = dict(zip(names, values))
         # Under CP every rank holds the whole logprob vector (all-reduced with autograd) and computes
         # the same loss; the all-reduce's backward sums the CP ranks' gradients, hence the division.
         return loss / self.ranks.cp_size, torch.tensor(1, dtype=torch.int), {"metrics": reduced}
