@@ -51,4 +51,3 @@ class ShardLocalAdamW(torch.optim.AdamW):
                  foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
                  fused=group["fused"], grad_scale=grad_scale, found_inf=found_inf,
                  decoupled_weight_decay=group.get("decoupled_weight_decay", True))
-        return None
