@@ -75,7 +75,7 @@ class FSDP2Backend:
         parallelize(self.model, self.dims, self.mesh, cfg, param_dtype=self.compute_dtype,
                     reduce_dtype=self.master_dtype, device_type=self.device.type)
         self.params = list(self.model.parameters())
-        self.fsdp_modules = _fsdp_modules(self.model)  # each decoder layer and the root
+        self.fsdp_modules = _fsdp_modules(self.model)  # the root (and each decoder layer, see apply_fsdp)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         self.reference = ReferencePolicy(self.params)

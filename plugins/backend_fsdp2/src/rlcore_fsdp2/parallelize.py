@@ -14,7 +14,9 @@ FSDP hooks sit outside the recomputed region):
 3. :func:`apply_ac` — ``checkpoint_wrapper`` around each decoder layer.
 4. :func:`apply_fsdp` — ``fully_shard`` per decoder layer, then the root, with a
    ``MixedPrecisionPolicy`` (params cast to the compute dtype, gradients reduced in fp32/fp64)
-   and optional CPU offload. Gradients are SUMMED over data-parallel ranks (divide factor 1):
+   and optional CPU offload. With one data-parallel rank, no resharding and no offload, nothing
+   is freed or communicated per layer, so only the root is wrapped: the per-layer hooks cost
+   ~20% of the host time of a compiled step (1.2B Llama on an H200), which bounded the step. Gradients are SUMMED over data-parallel ranks (divide factor 1):
    rlcore losses are already divided by global token counts.
 """
 
@@ -150,7 +152,7 @@ def apply_ac(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               cpu_offload: bool, reshard_after_forward: bool) -> None:
+               cpu_offload: bool, reshard_after_forward: bool, per_layer: bool = True) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(
@@ -158,8 +160,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, redu
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         offload_policy=CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy(),
     )
-    for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    if per_layer:
+        for layer in decoder_layers(model):
+            fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     if dp_mesh.size() == 1:
         # One rank already sums (FSDP2's default divides by the world size, 1), and a factor set
@@ -195,8 +198,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, cfg: DTensorCon
         apply_compile(model)
     if cfg.activation_checkpointing:
         apply_ac(model)
-    apply_fsdp(model, mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-               cpu_offload=cfg.cpu_offload and device_type == "cuda", reshard_after_forward=reshard_after_forward(cfg, dims))
+    cpu_offload = cfg.cpu_offload and device_type == "cuda"
+    reshard = reshard_after_forward(cfg, dims)
+    apply_fsdp(model, mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
+               reshard_after_forward=reshard, per_layer=dims.dp_shard > 1 or cpu_offload or reshard)
     return model
 
 
