@@ -33,8 +33,8 @@ class TestFSDP2Conformance(TrainingBackendConformance):
 
 
 def test_compiled_decoder_trains_like_eager(single_process_group, tiny_model_dir):
-    """``compile: true`` with one rank compiles the whole decoder as one graph (no per-layer FSDP
-    hooks); logprobs, the step's metrics and the trained weights match eager."""
+    """``compile: true`` on one rank (FSDP2 at the root only, compiled decoder layers): logprobs
+    after a step and the step's metrics match eager."""
     import torch
 
     from rlcore.algorithms.sft import SFT

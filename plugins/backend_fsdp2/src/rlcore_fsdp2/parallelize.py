@@ -138,12 +138,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any, cfg: DTensorConfig) -> None:
     parallelize_module(model, tp_mesh, plan)
 
 
-def apply_compile(model: nn.Module, whole_stack: bool = False) -> None:
-    """``torch.compile`` each decoder layer's forward, or with ``whole_stack`` the decoder's
-    (embedding, all layers, final norm: one graph, for a model with no FSDP hooks per layer)."""
-    if whole_stack:
-        model.model.forward = torch.compile(model.model.forward)
-        return
+def apply_compile(model: nn.Module) -> None:
     for layer in decoder_layers(model):
         layer.forward = torch.compile(layer.forward)
 
@@ -199,17 +194,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, cfg: DTensorCon
     dims.check_model(model.config)
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], cfg)
-    cpu_offload = cfg.cpu_offload and device_type == "cuda"
-    reshard = reshard_after_forward(cfg, dims)
-    per_layer = dims.dp_shard > 1 or cpu_offload or reshard
     if cfg.compile:
-        # Without per-layer FSDP hooks the whole decoder is one graph: one compiled call per
-        # pass instead of one per layer (host time bounded the compiled step at 1.2B).
-        apply_compile(model, whole_stack=not per_layer and not cfg.activation_checkpointing)
+        apply_compile(model)
     if cfg.activation_checkpointing:
         apply_ac(model)
+    cpu_offload = cfg.cpu_offload and device_type == "cuda"
+    reshard = reshard_after_forward(cfg, dims)
     apply_fsdp(model, mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
-               reshard_after_forward=reshard, per_layer=per_layer)
+               reshard_after_forward=reshard, per_layer=dims.dp_shard > 1 or cpu_offload or reshard)
     return model
 
 
