@@ -72,10 +72,7 @@ class _Kernels:
         if not fused or cls.failed:
             return cls.eager[which](*args)
         if cls.compiled is None:
-            # Automatic dynamic shapes: the row count becomes symbolic once a second chunk size is
-            # seen, the vocabulary stays a constant. With dynamic=True the kernels indexed the
-            # [C, V] chunk with divisions by a symbolic V and ran at ~0.5 TB/s on an H200.
-            cls.compiled = (torch.compile(_chunk_forward), torch.compile(_chunk_backward_fused))
+            cls.compiled = (torch.compile(_chunk_forward, dynamic=True), torch.compile(_chunk_backward_fused, dynamic=True))
         try:
             return cls.compiled[which](*args)
         except Exception as e:  # noqa: BLE001 - compilers fail in many ways; eager is always correct
