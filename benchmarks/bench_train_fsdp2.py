@@ -160,6 +160,20 @@ def profile_steps(step, steps: int, out_dir: str, label: str, device: str) -> No
     os.remove(raw)
 
 
+def host_speed_us() -> float:
+    """Microseconds per small eager torch op on this host (median of 5 rounds of 2,000 ``add``s on
+    a 1-element CPU tensor): the lent GPU machines differ in host speed, and a step the host
+    bounds moves with it, so the rows of different machines compare only with this next to them."""
+    x = torch.zeros(1)
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(2000):
+            x = x + 1
+        rounds.append((time.perf_counter() - start) / 2000 * 1e6)
+    return statistics.median(rounds)
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -228,7 +242,8 @@ def main(argv=None) -> int:
     init_single_process_group(device)
     hf_config = model_config(args.tiny)
     print(f"device={device} torch={torch.__version__} N_matmul={matmul_params(hf_config):,} "
-          f"micro-batches/step={args.micro_batches} x {args.mb_tokens} tokens, lengths [{args.min_len}, {args.max_len}]")
+          f"micro-batches/step={args.micro_batches} x {args.mb_tokens} tokens, lengths [{args.min_len}, {args.max_len}], "
+          f"host: {host_speed_us():.2f} us per small eager op")
     rows = []
     for name in variants:
         try:
