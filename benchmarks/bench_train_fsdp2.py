@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny shape on CPU in fp32 (smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", metavar="DIR", help="profile 2 more steps: print tables, write DIR/<variant>.json.gz")
+    p.add_argument("--profile-no-stack", action="store_true",
+                   help="profile without Python stacks: host timings closer to unprofiled ones, no 'host in' frames")
     return p.parse_args(argv)
 
 
@@ -123,7 +125,7 @@ def build_backend(args, hf_config, device: str, compile_layers: bool):
     return FSDP2Backend(config, cfg, WorldInfo(device=device), hf_config=hf_config, seed=args.seed)
 
 
-def profile_steps(step, steps: int, out_dir: str, label: str, device: str) -> None:
+def profile_steps(step, steps: int, out_dir: str, label: str, device: str, with_stack: bool = True) -> None:
     """Run ``step()`` ``steps`` times under torch.profiler; print where the time went.
 
     Prints wall time per step against the summed time of GPU kernels (a GPU idle most of the step
@@ -138,7 +140,7 @@ def profile_steps(step, steps: int, out_dir: str, label: str, device: str) -> No
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     sync(device)
     start = time.perf_counter()
-    with profile(activities=activities, record_shapes=False, with_stack=True) as prof:
+    with profile(activities=activities, record_shapes=False, with_stack=with_stack) as prof:
         for _ in range(steps):
             step()
         sync(device)
@@ -150,8 +152,9 @@ def profile_steps(step, steps: int, out_dir: str, label: str, device: str) -> No
     if device == "cuda":
         print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70), flush=True)
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70), flush=True)
-    by_stack = prof.key_averages(group_by_stack_n=6)
-    print(by_stack.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70), flush=True)
+    if with_stack:
+        by_stack = prof.key_averages(group_by_stack_n=6)
+        print(by_stack.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70), flush=True)
     os.makedirs(out_dir, exist_ok=True)
     raw = os.path.join(out_dir, f"{label}.json")
     prof.export_chrome_trace(raw)
@@ -203,7 +206,8 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
         if not all(v == v for v in metrics.values()):
             raise RuntimeError(f"non-finite metrics at step {step}: {metrics}")
     if args.profile:
-        profile_steps(lambda: backend.train(make_batch(args, hf_config.vocab_size, gen), algo), 2, args.profile, name, device)
+        profile_steps(lambda: backend.train(make_batch(args, hf_config.vocab_size, gen), algo), 2, args.profile, name, device,
+                      with_stack=not args.profile_no_stack)
     med = statistics.median(times)
     i = times.index(med) if med in times else 0
     result = {

@@ -5,7 +5,8 @@
 Prints: the span of the trace and how much of it had a GPU kernel running (union of kernel
 intervals), the longest GPU-idle gaps with the Python function that was running on the host at
 the time, the CUDA runtime calls that block the host (synchronizations, blocking copies), and the
-Python functions with the largest inclusive host time, and the GPU time of the kernels by kernel
+Python functions with the largest inclusive host time, how far the host runs ahead of the GPU,
+and the GPU time of the kernels by kernel
 class (GEMM, attention, Triton, NCCL, other) and by the innermost ``record_function`` region that
 launched them (FSDP's ``FSDP::*`` hooks, ``Optimizer.step#*``, ...). Caveat seen with torch 2.11: the Python
 events of torch's varlen attention ops (``_varlen_attn``, ``apply of FunctionMeta``) carry
@@ -58,6 +59,22 @@ KERNEL_CLASSES = (("attention", ("flash", "fmha", "attn")), ("gemm", ("gemm", "c
 def kernel_class(name: str) -> str:
     low = name.lower()
     return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
+def print_host_lead(events: list[dict]) -> None:
+    """How far ahead of the GPU the host launches: per kernel, its start minus its launch call's
+    start. Kernels that start within 50 us of their launch found the GPU idle, waiting for the
+    host; a host that runs ahead shows leads of milliseconds."""
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    leads = sorted(e["ts"] - launches[e["args"]["correlation"]] for e in events
+                   if e.get("cat") == "kernel" and e.get("args", {}).get("correlation") in launches)
+    if not leads:
+        return
+    waiting = sum(1 for lead in leads if lead < 50)
+    print(f"\nhost lead over the GPU (kernel start - launch): median {leads[len(leads) // 2] / 1e3:.2f} ms, "
+          f"90th percentile {leads[int(0.9 * (len(leads) - 1))] / 1e3:.2f} ms; {100 * waiting / len(leads):.0f}% "
+          f"of {len(leads)} kernels started within 50 us of their launch (the GPU was waiting for the host)")
 
 
 def print_kernel_attribution(events: list[dict], top: int) -> None:
@@ -121,6 +138,7 @@ def main(argv=None) -> int:
         where = " <- ".join(reversed(stack[-3:])) if stack else "?"
         print(f"  {gap / 1e3:8.2f} ms at +{(a - start) / 1e3:8.1f} ms  host in: {where[:160]}")
 
+    print_host_lead(events)
     print_kernel_attribution(events, args.top)
     print_totals("CUDA runtime calls by host time:", events, "cuda_runtime", 10, 200)
     print_totals("Python functions by inclusive host time (nested calls counted in their callers too):", host,

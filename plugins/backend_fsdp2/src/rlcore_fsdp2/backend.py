@@ -357,6 +357,10 @@ class FSDP2Backend:
 
     def load_checkpoint(self, path: str) -> None:
         self.step = checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.hf_config, self.device)
+        # Loaded param groups carry the saving run's kernel choice (fused or not, e.g. saved with
+        # CPU offload); this run's choice decides where _update clips and skips.
+        for group in self.optimizer.param_groups:
+            group["fused"], group["foreach"] = self.optimizer.defaults["fused"], self.optimizer.defaults["foreach"]
 
     def offload(self) -> None:
         self._reshard()

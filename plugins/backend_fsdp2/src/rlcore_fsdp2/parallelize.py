@@ -15,9 +15,10 @@ FSDP hooks sit outside the recomputed region):
 4. :func:`apply_fsdp` — ``fully_shard`` per decoder layer, then the root, with a
    ``MixedPrecisionPolicy`` (params cast to the compute dtype, gradients reduced in fp32/fp64)
    and optional CPU offload. With one data-parallel rank, no resharding and no offload, nothing
-   is freed or communicated per layer, so only the root is wrapped: the per-layer hooks cost
-   ~20% of the host time of a compiled step (1.2B Llama on an H200), which bounded the step. Gradients are SUMMED over data-parallel ranks (divide factor 1):
-   rlcore losses are already divided by global token counts.
+   is freed or communicated per layer, so only the root is wrapped: the per-layer hooks took
+   ~20% of the profiled host time of a compiled step (1.2B Llama on an H200), and the host
+   bounds that step. Gradients are SUMMED over data-parallel ranks (divide factor 1): rlcore
+   losses are already divided by global token counts.
 """
 
 from __future__ import annotations
