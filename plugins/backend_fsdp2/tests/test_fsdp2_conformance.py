@@ -61,3 +61,35 @@ def test_compiled_decoder_trains_like_eager(single_process_group, tiny_model_dir
     assert comp_metrics["grad_norm"] == pytest.approx(eager_metrics["grad_norm"], rel=1e-4)
     for a, b in zip(eager_after, comp_after):
         assert float((a - b).abs().max()) < 1e-4
+
+
+def test_loaded_checkpoint_keeps_this_runs_optimizer_kernel(single_process_group, tiny_model_dir, tmp_path):
+    """A checkpoint saved by a run that stepped without the fused kernel (CPU offload) loads into a
+    fused run as fused: the update path (clip and skip on the device) follows this run's choice."""
+    import torch
+
+    from rlcore.algorithms.sft import SFT
+    from rlcore.config.schema import PolicyConfig, RunConfig, SequencePackingConfig
+    from rlcore.interfaces import SequenceBatch, WorldInfo
+    from rlcore_fsdp2.backend import FSDP2Backend
+    from rlcore_fsdp2.config import SECTION, DTensorConfig
+
+    def build():
+        cfg = DTensorConfig()
+        policy = PolicyConfig(model_name=str(tiny_model_dir), precision="float32",
+                              sequence_packing=SequencePackingConfig(train_mb_tokens=24, logprob_mb_tokens=24))
+        return FSDP2Backend(RunConfig(policy=policy, sections={SECTION: cfg}), cfg, WorldInfo())
+
+    ids = [torch.arange(3, 15), torch.arange(5, 12)]
+    batch = SequenceBatch(input_ids=ids, loss_mask=[torch.ones(len(x)) for x in ids])
+    saver = build()
+    saver.optimizer.defaults["fused"] = saver.optimizer.param_groups[0]["fused"] = False  # as with CPU offload
+    saver.train(batch, SFT())
+    saver.save_checkpoint(str(tmp_path / "ckpt"))
+    saver.shutdown()
+    loader = build()
+    loader.load_checkpoint(str(tmp_path / "ckpt"))
+    assert loader.optimizer.param_groups[0]["fused"] is True and loader.step == 1
+    metrics = loader.train(batch, SFT())  # fused update with grad_scale/found_inf: must not raise
+    assert "skipped_nonfinite" not in metrics and loader.step == 2
+    loader.shutdown()
