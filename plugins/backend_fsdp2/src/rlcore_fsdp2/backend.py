@@ -36,7 +36,7 @@ from rlcore_fsdp2.parallel_dims import ParallelDims
 from rlcore_fsdp2.parallelize import defer_grad_sync, parallelize
 from rlcore_fsdp2.schedule import lr_factor
 from rlcore.weights import gather_sequences_to_rank0
-from rlcore_fsdp2.weights import (DTYPES, Offloader, ReferencePolicy, chunked, iter_hf_tensors, to_dtype,
+from rlcore_fsdp2.weights import (DTYPES, Offloader, ReferencePolicy, chunked, iter_hf_tensors, local, to_dtype,
                                   write_hf_checkpoint)
 
 log = logging.getLogger(__name__)
@@ -246,9 +246,9 @@ class FSDP2Backend:
         clip = max_norm is not None and max_norm > 0
         on_device = bool(self.optimizer.defaults.get("fused"))
         if on_device:
-            finite = torch.isfinite(loss_sum) & torch.isfinite(grad_sq)
+            nonfinite = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_sq))
             grad_scale = ((grad_sq.sqrt() + 1e-6) / max_norm).clamp(min=1.0).float() if clip else None
-            self.optimizer.step(grad_scale=grad_scale, found_inf=(~finite).float())
+            self.optimizer.step(grad_scale=grad_scale, found_inf=nonfinite.float())
         on_device_keys = [key for key, value in metrics.items() if torch.is_tensor(value)]
         values = torch.stack([metrics[key].to(self.device, torch.float64) for key in on_device_keys]
                              + [loss_sum, grad_sq.sqrt()]).tolist()  # the step's one device sync
@@ -327,8 +327,8 @@ class FSDP2Backend:
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for p in self.params:
             if p.grad is not None:
-                local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                by_device[local.device].append(local)
+                shard = local(p.grad)
+                by_device[shard.device].append(shard)
         for tensors in by_device.values():
             torch._foreach_mul_(tensors, coef)
 

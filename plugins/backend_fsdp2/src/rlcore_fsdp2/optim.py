@@ -19,12 +19,13 @@ DTensors and pays the dispatch).
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
+
+from rlcore_fsdp2.weights import local
 
 
 def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    return [local(t) for t in tensors]
 
 
 class ShardLocalAdamW(torch.optim.AdamW):
