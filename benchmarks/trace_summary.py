@@ -61,12 +61,16 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
 
 
-def print_host_lead(events: list[dict]) -> None:
+def launch_times(events: list[dict]) -> dict[int, float]:
+    """Host start time of each CUDA runtime call, by correlation id (kernels carry the same id)."""
+    return {e["args"]["correlation"]: e["ts"] for e in events
+            if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+
+
+def print_host_lead(events: list[dict], launches: dict[int, float]) -> None:
     """How far ahead of the GPU the host launches: per kernel, its start minus its launch call's
     start. Kernels that start within 50 us of their launch found the GPU idle, waiting for the
     host; a host that runs ahead shows leads of milliseconds."""
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     leads = sorted(e["ts"] - launches[e["args"]["correlation"]] for e in events
                    if e.get("cat") == "kernel" and e.get("args", {}).get("correlation") in launches)
     if not leads:
@@ -77,11 +81,9 @@ def print_host_lead(events: list[dict]) -> None:
           f"of {len(leads)} kernels started within 50 us of their launch (the GPU was waiting for the host)")
 
 
-def print_kernel_attribution(events: list[dict], top: int) -> None:
+def print_kernel_attribution(events: list[dict], launches: dict[int, float], top: int) -> None:
     """GPU time per (launching region, kernel class): kernels are matched to their launch on the
     host by correlation id, the launch to the innermost enclosing user annotation."""
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     regions = sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
     starts = [e["ts"] for e in regions]
     by_class, by_region = collections.Counter(), collections.Counter()
@@ -138,8 +140,9 @@ def main(argv=None) -> int:
         where = " <- ".join(reversed(stack[-3:])) if stack else "?"
         print(f"  {gap / 1e3:8.2f} ms at +{(a - start) / 1e3:8.1f} ms  host in: {where[:160]}")
 
-    print_host_lead(events)
-    print_kernel_attribution(events, args.top)
+    launches = launch_times(events)
+    print_host_lead(events, launches)
+    print_kernel_attribution(events, launches, args.top)
     print_totals("CUDA runtime calls by host time:", events, "cuda_runtime", 10, 200)
     print_totals("Python functions by inclusive host time (nested calls counted in their callers too):", host,
                  "python_function", args.top, 150)
