@@ -111,6 +111,15 @@ def reference_train(model, batch, algo, gbs: int | None, steps_before: int = 0):
     return stats
 
 
+def export(backend, chunk_bytes: int = 40_000):
+    """The backend's weights under Hugging Face names (from export_weights) and each chunk's byte sizes."""
+    params, sizes = {}, []
+    for chunk in backend.export_weights(chunk_bytes=chunk_bytes):
+        sizes.append([t.numel() * t.element_size() for _, t in chunk])
+        params.update({name: t.detach().clone() for name, t in chunk})
+    return params, sizes
+
+
 def hf_state(model) -> dict[str, torch.Tensor]:
     """The model's tensors under checkpoint names (per-expert for Qwen3-MoE)."""
     from transformers.core_model_loading import revert_weight_conversion

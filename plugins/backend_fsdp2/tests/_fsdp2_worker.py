@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from _fsdp2_common import algorithm, make_batch, run_config, with_logprob_fields
+from _fsdp2_common import algorithm, export, make_batch, run_config, with_logprob_fields
 
 
 def build(model_dir: str, **kwargs):
@@ -37,14 +37,6 @@ def bcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def export(backend, chunk_bytes: int = 40_000):
-    params, sizes = {}, []
-    for chunk in backend.export_weights(chunk_bytes=chunk_bytes):
-        sizes.append([t.numel() * t.element_size() for _, t in chunk])
-        params.update({name: t.detach().clone() for name, t in chunk})
-    return params, sizes
 
 
 def train_flow(backend, batch_seed: int):

@@ -93,3 +93,48 @@ def test_loaded_checkpoint_keeps_this_runs_optimizer_kernel(single_process_group
     metrics = loader.train(batch, SFT())  # fused update with grad_scale/found_inf: must not raise
     assert "skipped_nonfinite" not in metrics and loader.step == 2
     loader.shutdown()
+
+
+def test_one_rank_copy_in_is_chunk_cat():
+    """one_rank.copy_in with one chunk gives FSDP2's own _chunk_cat result, cast included."""
+    import torch
+
+    from rlcore_fsdp2.one_rank import copy_in
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=g).to(torch.bfloat16) for shape in [(3, 4), (5,), (2, 3, 2)]]
+    numel = sum(t.numel() for t in grads)
+    want, got = torch.empty(1, numel), torch.full((numel,), float("nan"))
+    torch._chunk_cat(grads, 0, 1, out=want)
+    copy_in(grads, got, 1)
+    assert torch.equal(got, want[0])
+    seen = []
+    copy_in(grads, got, 2, original=lambda *args: seen.append(args[2]))  # several ranks: FSDP2's own code
+    assert seen == [2]
+
+
+def test_one_rank_step_matches_single_process_reference(single_process_group, tiny_model_dir):
+    """One rank, several micro-batches: FSDP2 at the root accumulates the gradients unsharded and
+    reduces once, through one_rank's copy-in; the parameters after the step equal a plain
+    Hugging Face AdamW step (fp32)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from _fsdp2_common import export, hf_state, load_hf, make_batch, max_diff, reference_train, run_config
+    from rlcore.algorithms.sft import SFT
+    from rlcore.interfaces import WorldInfo
+    from rlcore_fsdp2.backend import FSDP2Backend
+    from rlcore_fsdp2.config import SECTION
+
+    config = run_config(tiny_model_dir)
+    backend = FSDP2Backend(config, config.section(SECTION), WorldInfo())
+    assert hasattr(_fsdp_collectives.foreach_reduce_scatter_copy_in, "_rlcore_original")
+    batch = make_batch(3)
+    metrics = backend.train(batch, SFT())
+    assert metrics["num_micro_batches"] > 1
+    params, _ = export(backend)
+    backend.shutdown()
+    model = load_hf(tiny_model_dir)
+    (loss, norm), = reference_train(model, batch, SFT(), gbs=None)
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-5) and metrics["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    diff = max_diff(params, hf_state(model))
+    assert diff < 1e-5, f"params after a one-rank step differ from the reference by {diff}"
