@@ -37,18 +37,20 @@ def _chunk_forward(x_CV: torch.Tensor, targets_C: torch.Tensor, temperature: flo
 
 
 def _chunk_backward_fused(x_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: torch.Tensor, grad_C: torch.Tensor,
-                          temperature: float) -> torch.Tensor:
-    """d out / d x for :func:`_chunk_forward`: ``(onehot(t) - softmax(x / T)) * grad / T`` in x's dtype.
+                          temperature: float, out_CV: torch.Tensor) -> None:
+    """d out / d x for :func:`_chunk_forward`: ``(onehot(t) - softmax(x / T)) * grad / T``, written
+    into ``out_CV`` (x's dtype).
 
-    The one-hot as a comparison with an iota fuses into the same kernel when compiled."""
+    The one-hot as a comparison with an iota fuses into the same kernel when compiled, and so does
+    the write into ``out_CV`` (a slice of the whole gradient: no second pass to copy it there)."""
     x = x_CV.to(lse_C.dtype) / temperature
     onehot_CV = torch.arange(x_CV.shape[1], device=x_CV.device)[None, :] == targets_C[:, None]
     dx = (onehot_CV.to(x.dtype) - torch.exp(x - lse_C[:, None])) * (grad_C[:, None] / temperature)
-    return dx.to(x_CV.dtype)
+    out_CV.copy_(dx)
 
 
 def _chunk_backward_eager(x_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: torch.Tensor, grad_C: torch.Tensor,
-                          temperature: float) -> torch.Tensor:
+                          temperature: float, out_CV: torch.Tensor) -> None:
     """Same as :func:`_chunk_backward_fused` with in-place ops and a scatter (no [C, V] one-hot)."""
     x = x_CV.to(lse_C.dtype, copy=True)  # a copy: the in-place ops below must not touch the saved logits
     if temperature != 1.0:
@@ -56,7 +58,7 @@ def _chunk_backward_eager(x_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: to
     g = grad_C[:, None].to(lse_C.dtype) / temperature
     dx = x.sub_(lse_C[:, None]).exp_().mul_(-g)
     dx.scatter_add_(1, targets_C[:, None], g)
-    return dx.to(x_CV.dtype)
+    out_CV.copy_(dx)
 
 
 class _Kernels:
@@ -68,11 +70,19 @@ class _Kernels:
 
     @classmethod
     def run(cls, which: int, fused: bool, *args):
-        """Call the forward (0) or backward (1) chunk function; a compile failure falls back to eager."""
+        """Call the forward (0) or backward (1) chunk function; a compile failure falls back to eager.
+
+        Only the chunk's row count varies (the last chunk of a row set, and micro-batches of other
+        lengths): it is marked dynamic, the vocabulary stays a compile-time constant. A symbolic
+        vocabulary made the kernels' index math divide at run time: 0.8-1.1 TB/s against
+        ~3 TB/s with a constant one (H200, vocab 128256; ``benchmarks/bench_logprobs.py``)."""
         if not fused or cls.failed:
             return cls.eager[which](*args)
         if cls.compiled is None:
-            cls.compiled = (torch.compile(_chunk_forward, dynamic=True), torch.compile(_chunk_backward_fused, dynamic=True))
+            cls.compiled = (torch.compile(_chunk_forward), torch.compile(_chunk_backward_fused))
+        for arg in args:
+            if torch.is_tensor(arg):
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
         try:
             return cls.compiled[which](*args)
         except Exception as e:  # noqa: BLE001 - compilers fail in many ways; eager is always correct
@@ -102,10 +112,11 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
     def backward(ctx, grad_R: torch.Tensor):
         logits_RV, targets_R, lse_R = ctx.saved_tensors
         grad_RV = torch.empty_like(logits_RV)
+        grad_R = grad_R.to(lse_R.dtype)
         for a in range(0, logits_RV.shape[0], ctx.chunk):
-            grad_RV[a : a + ctx.chunk] = _Kernels.run(
-                1, ctx.fused, logits_RV[a : a + ctx.chunk], targets_R[a : a + ctx.chunk], lse_R[a : a + ctx.chunk],
-                grad_R[a : a + ctx.chunk].to(lse_R.dtype), ctx.temperature)
+            rows = slice(a, a + ctx.chunk)
+            _Kernels.run(1, ctx.fused, logits_RV[rows], targets_R[rows], lse_R[rows], grad_R[rows], ctx.temperature,
+                         grad_RV[rows])
         return grad_RV, None, None, None, None
 
 
