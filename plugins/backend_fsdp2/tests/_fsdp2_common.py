@@ -45,13 +45,13 @@ def algorithm():
     return reg.build(structure(reg.config_cls, {"kl_coef": 0.1, "ratio_clip_min": 0.02, "ratio_clip_max": 0.02}))
 
 
-def run_config(model_dir: str, *, gbs: int | None = None, packing: bool = True, **dtensor):
+def run_config(model_dir: str, *, gbs: int | None = None, packing: bool = True, precision: str = "float32", **dtensor):
     from rlcore.config.schema import (OptimizerConfig, PolicyConfig, RunConfig, SchedulerConfig,
                                       SequencePackingConfig)
     from rlcore_fsdp2.config import SECTION, DTensorConfig
 
     policy = PolicyConfig(
-        model_name=str(model_dir), precision="float32", train_global_batch_size=gbs, max_grad_norm=MAX_GRAD_NORM,
+        model_name=str(model_dir), precision=precision, train_global_batch_size=gbs, max_grad_norm=MAX_GRAD_NORM,
         train_micro_batch_size=2, logprob_batch_size=3,
         optimizer=OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95), eps=EPS),
         scheduler=SchedulerConfig(warmup_steps=WARMUP, decay_style="cosine", decay_steps=DECAY_STEPS),

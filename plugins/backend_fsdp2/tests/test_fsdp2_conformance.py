@@ -114,10 +114,11 @@ def test_one_rank_copy_in_is_chunk_cat():
 
 
 def test_one_rank_step_matches_single_process_reference(single_process_group, tiny_model_dir):
-    """One rank, several micro-batches: FSDP2 at the root accumulates the gradients unsharded and
-    reduces once, through one_rank's copy-in; the parameters after the step equal a plain
-    Hugging Face AdamW step (fp32)."""
+    """One rank, several micro-batches: the gradients are accumulated unsharded (one_rank's foreach
+    accumulation) and reduced once (one_rank's copy-in); the parameters after the step equal a
+    plain Hugging Face AdamW step (fp32)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from _fsdp2_common import export, hf_state, load_hf, make_batch, max_diff, reference_train, run_config
     from rlcore.algorithms.sft import SFT
@@ -128,6 +129,7 @@ def test_one_rank_step_matches_single_process_reference(single_process_group, ti
     config = run_config(tiny_model_dir)
     backend = FSDP2Backend(config, config.section(SECTION), WorldInfo())
     assert hasattr(_fsdp_collectives.foreach_reduce_scatter_copy_in, "_rlcore_original")
+    assert hasattr(FSDPParamGroup.post_backward, "_rlcore_original")
     batch = make_batch(3)
     metrics = backend.train(batch, SFT())
     assert metrics["num_micro_batches"] > 1
@@ -138,3 +140,51 @@ def test_one_rank_step_matches_single_process_reference(single_process_group, ti
     assert metrics["loss"] == pytest.approx(loss, rel=1e-5) and metrics["grad_norm"] == pytest.approx(norm, rel=1e-5)
     diff = max_diff(params, hf_state(model))
     assert diff < 1e-5, f"params after a one-rank step differ from the reference by {diff}"
+
+
+def test_one_rank_compiled_accumulation_matches_eager():
+    """The compiled foreach kernels (the CUDA default), here on the CPU: fp32 += bf16 and the upcast."""
+    import torch
+
+    from rlcore_fsdp2.one_rank import _foreach_add, _Kernels, _upcast
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=g).to(torch.bfloat16) for shape in [(33, 7), (130,), (4, 5, 6)]]
+    accs = [torch.randn(t.shape, generator=g) for t in grads]
+    want = [a + b.float() for a, b in zip(accs, grads)]
+    _Kernels.run(_foreach_add, accs, grads, compiled=True)
+    assert not _Kernels.failed
+    for a, w in zip(accs, want):
+        assert torch.equal(a, w)
+    upcast = _Kernels.run(_upcast, grads, torch.float32, compiled=True)
+    assert [u.dtype for u in upcast] == [torch.float32] * 3
+    assert all(torch.equal(u, b.float()) for u, b in zip(upcast, grads))
+
+
+def test_one_rank_bf16_accumulation_equals_fsdp2s_own(single_process_group, tiny_model_dir, monkeypatch):
+    """bf16 compute, fp32 accumulation over micro-batches: the parameters after a step with
+    one_rank's accumulation equal those with FSDP2's own per-parameter path, bit for bit."""
+    import torch
+
+    from _fsdp2_common import export, make_batch, run_config
+    from rlcore.algorithms.sft import SFT
+    from rlcore.interfaces import WorldInfo
+    from rlcore_fsdp2 import one_rank
+    from rlcore_fsdp2.backend import FSDP2Backend
+    from rlcore_fsdp2.config import SECTION
+
+    calls = []
+    real = one_rank.accumulate_group
+    monkeypatch.setattr(one_rank, "accumulate_group", lambda group: calls.append(1) or real(group))
+    config = run_config(tiny_model_dir, precision="bfloat16")
+    results = []
+    for ours in (True, False):
+        monkeypatch.setattr(one_rank, "_on_one_rank", lambda group, ours=ours: ours)
+        backend = FSDP2Backend(config, config.section(SECTION), WorldInfo())
+        metrics = backend.train(make_batch(5), SFT())
+        assert metrics["num_micro_batches"] > 2
+        results.append(export(backend)[0])
+        backend.shutdown()
+    assert len(calls) == metrics["num_micro_batches"]  # the first run only
+    ours, theirs = results
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

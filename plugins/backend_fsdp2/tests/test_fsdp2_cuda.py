@@ -43,25 +43,30 @@ def model_dir(tmp_path_factory):
 
 
 def test_varlen_path_matches_per_sequence_sdpa():
+    """Outputs and gradients of the varlen kernel (GQA, trailing padding) against fp32 SDPA per sequence."""
     from rlcore.attention import use_varlen
     from rlcore_fsdp2.attention import attention_cu_seqlens, varlen_attention_forward
 
     torch.manual_seed(0)
     lengths, pad = [37, 5, 120], 6
     total = sum(lengths) + pad
-    q = torch.randn(1, 8, total, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 2, total, 64, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, 2, total, 64, device="cuda", dtype=torch.bfloat16)
-    assert use_varlen(q, 0.0), "torch.nn.attention.varlen is not usable here"
+    q, k, v = (torch.randn(1, heads, total, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for heads in (8, 2, 2))
+    assert use_varlen(q, 0.0), "FlashAttention's varlen kernel is not usable here"
     cu = torch.tensor([0, 37, 42, 162], dtype=torch.int32)
     acu, max_len = attention_cu_seqlens(cu, total, "cuda")
     got, _ = varlen_attention_forward(None, q, k, v, None, scaling=0.125, cu_seq_lens_q=acu, max_length_q=max_len)
+    grad_out = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad_out)
     start = 0
     for n in lengths + [pad]:
         sl = slice(start, start + n)
-        want = torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, sl].float(), k[:, :, sl].float(), v[:, :, sl].float(), is_causal=True, scale=0.125, enable_gqa=True)
+        parts = [x[:, :, sl].detach().float().requires_grad_() for x in (q, k, v)]
+        want = torch.nn.functional.scaled_dot_product_attention(*parts, is_causal=True, scale=0.125, enable_gqa=True)
         assert float((got[0, sl].float() - want[0].transpose(0, 1)).abs().max()) < 2e-2
+        want_grads = torch.autograd.grad(want, parts, grad_out[:, sl].float().transpose(1, 2))
+        for name, g, w in zip("qkv", got_grads, want_grads):
+            assert float((g[:, :, sl].float() - w).abs().max()) < 5e-2, f"d{name} of sequence at {start}"
         start += n
 
 
