@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train_fsdp2.py --steps 10                  # one H200: eager and torch.compile variants
     python benchmarks/bench_train_fsdp2.py --steps 10 --variants eager # only the eager one
+    python benchmarks/bench_train_fsdp2.py --steps 4 --variants compile --micro-batches 16   # a 64k-token step
     python benchmarks/bench_train_fsdp2.py --tiny --steps 3            # CPU smoke run (tiny shape, fp32, eager)
 
 On the GPU machines (nothing installed there): prefix ``PYTHONPATH=core/src:plugins/backend_fsdp2/src``.
