@@ -17,9 +17,10 @@ FSDP hooks sit outside the recomputed region):
    and optional CPU offload. With one data-parallel rank, no resharding and no offload, nothing
    is freed or communicated per layer, so only the root is wrapped: the per-layer hooks took
    ~20% of the profiled host time of a compiled step (1.2B Llama on an H200), and the host
-   bounds that step. With one rank the gradients are copied into FSDP2's reduce buffer by
-   :mod:`rlcore_fsdp2.one_rank` (``torch.cat``). Gradients are SUMMED over data-parallel ranks
-   (divide factor 1): rlcore losses are already divided by global token counts.
+   bounds that step. With one rank, :mod:`rlcore_fsdp2.one_rank` replaces FSDP2's gradient
+   accumulation over micro-batches and its copy into the reduce buffer with cheaper equivalents.
+   Gradients are SUMMED over data-parallel ranks (divide factor 1): rlcore losses are already
+   divided by global token counts.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, redu
             fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     if dp_mesh.size() == 1:
-        one_rank.install()  # FSDP2's gradient copy-in without _chunk_cat's host cost
+        one_rank.install()  # FSDP2's one-rank gradient accumulation and copy-in, cheaper
         # One rank already sums (FSDP2's default divides by the world size, 1), and a factor set
         # anyway costs a division pass over all fp32 gradients in torch 2.11's single-rank path.
         return
