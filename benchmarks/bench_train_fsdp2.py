@@ -12,7 +12,8 @@ intermediate 8192, vocab 128256, tied embeddings), random-init from the config, 
 backend itself (``FSDP2Backend(..., hf_config=...)``), fp32 master weights, bf16 compute,
 fp32 gradient reduction, AdamW. Each optimizer step trains ``--micro-batches`` packed
 micro-batches of at most ``--mb-tokens`` tokens (sequences of random length in
-[``--min-len``, ``--max-len``], packed by rlcore's packer) with the registered ``sft`` loss.
+[``--min-len``, ``--max-len``], packed by rlcore's packer) with the registered ``sft`` loss
+(``--algorithm grpo``: GRPO's clipped policy-gradient loss on random advantages).
 
 MFU against ``--peak-tflops`` (989 = H200 dense bf16 datasheet)::
 
@@ -32,6 +33,7 @@ gloo on CPU) is created here, as a trainer rank's caller would.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import statistics
@@ -54,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=None,
                    help="comma-separated: eager, compile (per-layer torch.compile); default both on GPU, eager with --tiny")
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
+    p.add_argument("--algorithm", choices=["sft", "grpo"], default="sft",
+                   help="loss: sft, or grpo (random advantages, old logprobs at log(1/vocab))")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--tiny", action="store_true", help="tiny shape on CPU in fp32 (smoke test)")
     p.add_argument("--seed", type=int, default=0)
@@ -97,7 +101,11 @@ def make_batch(args, vocab: int, gen: torch.Generator):
         ids.append(torch.randint(3, vocab, (n,), generator=gen))
         masks.append(torch.ones(n))
         budget -= n
-    return SequenceBatch(input_ids=ids, loss_mask=masks)
+    batch = SequenceBatch(input_ids=ids, loss_mask=masks)
+    if getattr(args, "algorithm", "sft") == "grpo":
+        batch.seq_fields["advantages"] = torch.randn(len(ids), generator=gen)
+        batch.token_fields["old_logprobs"] = [torch.full((len(x),), -math.log(vocab)) for x in ids]
+    return batch
 
 
 def init_single_process_group(device: str) -> None:
@@ -184,12 +192,13 @@ def sync(device: str) -> None:
 
 
 def run_variant(args, name: str, hf_config, device: str) -> dict:
+    from rlcore.algorithms.grpo import GRPO
     from rlcore.algorithms.sft import SFT
 
     t0 = time.perf_counter()
     backend = build_backend(args, hf_config, device, compile_layers=(name == "compile"))
     build_s = time.perf_counter() - t0
-    algo, gen = SFT(), torch.Generator().manual_seed(args.seed)
+    algo, gen = (GRPO() if args.algorithm == "grpo" else SFT()), torch.Generator().manual_seed(args.seed)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, tokens, flops, mbs = [], [], [], []
@@ -247,7 +256,7 @@ def main(argv=None) -> int:
     init_single_process_group(device)
     hf_config = model_config(args.tiny)
     print(f"device={device} torch={torch.__version__} N_matmul={matmul_params(hf_config):,} "
-          f"micro-batches/step={args.micro_batches} x {args.mb_tokens} tokens, lengths [{args.min_len}, {args.max_len}], "
+          f"micro-batches/step={args.micro_batches} x {args.mb_tokens} tokens, lengths [{args.min_len}, {args.max_len}], loss {args.algorithm}, "
           f"host: {host_speed_us():.2f} us per small eager op")
     rows = []
     for name in variants:
