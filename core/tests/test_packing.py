@@ -153,7 +153,7 @@ def test_token_logprobs_matches_log_softmax_and_its_gradient(temperature, fused)
     (g_ref,) = torch.autograd.grad((ref * w).sum(), logits)
     torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
     assert g[9:].abs().sum() == 0 and g[3].abs().sum() == 0  # rows predicting masked positions
-    assert not ops._Kernels.failed  # the compiled path ran (no silent fallback to eager)
+    assert not ops._KERNELS.failed  # the compiled path ran (no silent fallback to eager)
 
 
 def test_token_logprobs_float32_and_bf16_and_gradcheck():

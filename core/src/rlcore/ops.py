@@ -16,12 +16,10 @@ compiling fails, they run eagerly.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch.autograd.function import once_differentiable
 
-log = logging.getLogger(__name__)
+from rlcore.compiling import CompiledOrEager
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -61,35 +59,24 @@ def _chunk_backward_eager(x_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: to
     out_CV.copy_(dx)
 
 
-class _Kernels:
-    """The chunk functions, compiled on first use where that is wanted (one compile per process)."""
+_KERNELS = CompiledOrEager("token_logprobs chunk kernels", {
+    "forward": (_chunk_forward, _chunk_forward),
+    "backward": (_chunk_backward_fused, _chunk_backward_eager),
+})
 
-    eager = (_chunk_forward, _chunk_backward_eager)
-    compiled: tuple | None = None
-    failed = False
 
-    @classmethod
-    def run(cls, which: int, fused: bool, *args):
-        """Call the forward (0) or backward (1) chunk function; a compile failure falls back to eager.
+def _run_chunk(name: str, fused: bool, *args):
+    """The forward or backward chunk function, compiled when ``fused`` (eager after a failure).
 
-        Only the chunk's row count varies (the last chunk of a row set, and micro-batches of other
-        lengths): it is marked dynamic, the vocabulary stays a compile-time constant. With a symbolic
-        vocabulary (``dynamic=True``) forward + backward moved 0.87 TB/s, with a constant one
-        2.2 TB/s (H200, vocab 128256, ``benchmarks/bench_logprobs.py``)."""
-        if not fused or cls.failed:
-            return cls.eager[which](*args)
-        if cls.compiled is None:
-            cls.compiled = (torch.compile(_chunk_forward), torch.compile(_chunk_backward_fused))
+    Only the chunk's row count varies (the last chunk of a row set, and micro-batches of other
+    lengths): it is marked dynamic, the vocabulary stays a compile-time constant. With a symbolic
+    vocabulary (``dynamic=True``) forward + backward moved 0.87 TB/s, with a constant one
+    2.2 TB/s (H200, vocab 128256, ``benchmarks/bench_logprobs.py``)."""
+    if fused:
         for arg in args:
             if torch.is_tensor(arg):
                 torch._dynamo.maybe_mark_dynamic(arg, 0)
-        try:
-            return cls.compiled[which](*args)
-        except Exception as e:  # noqa: BLE001 - compilers fail in many ways; eager is always correct
-            cls.failed = True
-            log.warning("token_logprobs: compiling the chunk kernels failed (%s: %s); running them eagerly",
-                        type(e).__name__, e)
-            return cls.eager[which](*args)
+    return _KERNELS.run(name, fused, *args)
 
 
 class _ChunkedTargetLogprob(torch.autograd.Function):
@@ -101,8 +88,8 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         out_R = torch.empty(logits_RV.shape[0], dtype=acc, device=logits_RV.device)
         lse_R = torch.empty_like(out_R)
         for a in range(0, logits_RV.shape[0], chunk):
-            out_R[a : a + chunk], lse_R[a : a + chunk] = _Kernels.run(
-                0, fused, logits_RV[a : a + chunk], targets_R[a : a + chunk], temperature)
+            out_R[a : a + chunk], lse_R[a : a + chunk] = _run_chunk(
+                "forward", fused, logits_RV[a : a + chunk], targets_R[a : a + chunk], temperature)
         ctx.save_for_backward(logits_RV, targets_R, lse_R)
         ctx.chunk, ctx.temperature, ctx.fused = chunk, temperature, fused
         return out_R
@@ -115,8 +102,8 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         grad_R = grad_R.to(lse_R.dtype)
         for a in range(0, logits_RV.shape[0], ctx.chunk):
             rows = slice(a, a + ctx.chunk)
-            _Kernels.run(1, ctx.fused, logits_RV[rows], targets_R[rows], lse_R[rows], grad_R[rows], ctx.temperature,
-                         grad_RV[rows])
+            _run_chunk("backward", ctx.fused, logits_RV[rows], targets_R[rows], lse_R[rows], grad_R[rows],
+                       ctx.temperature, grad_RV[rows])
         return grad_RV, None, None, None, None
 
 

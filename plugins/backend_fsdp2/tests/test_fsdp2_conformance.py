@@ -146,17 +146,17 @@ def test_one_rank_compiled_accumulation_matches_eager():
     """The compiled foreach kernels (the CUDA default), here on the CPU: fp32 += bf16 and the upcast."""
     import torch
 
-    from rlcore_fsdp2.one_rank import _foreach_add, _Kernels, _upcast
+    from rlcore_fsdp2.one_rank import _KERNELS
 
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(shape, generator=g).to(torch.bfloat16) for shape in [(33, 7), (130,), (4, 5, 6)]]
     accs = [torch.randn(t.shape, generator=g) for t in grads]
     want = [a + b.float() for a, b in zip(accs, grads)]
-    _Kernels.run(_foreach_add, accs, grads, compiled=True)
-    assert not _Kernels.failed
+    _KERNELS.run("add", True, accs, grads)
+    assert not _KERNELS.failed
     for a, w in zip(accs, want):
         assert torch.equal(a, w)
-    upcast = _Kernels.run(_upcast, grads, torch.float32, compiled=True)
+    upcast = _KERNELS.run("upcast", True, grads, torch.float32)
     assert [u.dtype for u in upcast] == [torch.float32] * 3
     assert all(torch.equal(u, b.float()) for u, b in zip(upcast, grads))
 

@@ -29,6 +29,7 @@ import logging
 from typing import Any
 
 import torch
+from rlcore.compiling import CompiledOrEager
 
 log = logging.getLogger(__name__)
 
@@ -52,26 +53,8 @@ def _upcast(grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]
     return [grad.to(dtype) for grad in grads]
 
 
-class _Kernels:
-    """The foreach functions, compiled on first use on CUDA (a compile failure falls back to eager)."""
-
-    compiled: dict[str, Any] = {}
-    failed = False
-
-    @classmethod
-    def run(cls, fn: Any, *args, compiled: bool):
-        if not compiled or cls.failed:
-            return fn(*args)
-        name = fn.__name__
-        if name not in cls.compiled:
-            cls.compiled[name] = torch.compile(fn, dynamic=False)
-        try:
-            return cls.compiled[name](*args)
-        except Exception as e:  # noqa: BLE001 - compilers fail in many ways; eager is always correct
-            cls.failed = True
-            log.warning("fsdp2 backend: compiling the gradient accumulation failed (%s: %s); running it eagerly",
-                        type(e).__name__, e)
-            return fn(*args)
+_KERNELS = CompiledOrEager("fsdp2 backend: gradient accumulation",
+                           {"add": (_foreach_add, _foreach_add), "upcast": (_upcast, _upcast)}, dynamic=False)
 
 
 def accumulate_group(group: Any, compiled: bool | None = None) -> None:
@@ -97,13 +80,12 @@ def accumulate_group(group: Any, compiled: bool | None = None) -> None:
     on_cuda = (adds or fresh)[0][1].is_cuda
     compiled = on_cuda if compiled is None else compiled
     if adds:
-        _Kernels.run(_foreach_add, [p.unsharded_accumulated_grad for p, _ in adds], [g for _, g in adds],
-                     compiled=compiled)
+        _KERNELS.run("add", compiled, [p.unsharded_accumulated_grad for p, _ in adds], [g for _, g in adds])
     by_dtype: dict[torch.dtype, list[tuple[Any, torch.Tensor]]] = {}
     for fsdp_param, grad in fresh:
         by_dtype.setdefault(fsdp_param.reduce_dtype, []).append((fsdp_param, grad))
     for dtype, pairs in by_dtype.items():
-        upcast = _Kernels.run(_upcast, [g for _, g in pairs], dtype, compiled=compiled)
+        upcast = _KERNELS.run("upcast", compiled, [g for _, g in pairs], dtype)
         for (fsdp_param, _), acc in zip(pairs, upcast):
             fsdp_param.unsharded_accumulated_grad = acc
     for fsdp_param, _ in adds + fresh:
@@ -119,47 +101,35 @@ def _on_one_rank(group: Any) -> bool:
 def install() -> bool:
     """Wrap FSDP2's copy-in and post-backward (once per process); False where this torch has
     neither."""
-    copy_in_done = _install_copy_in()
-    accumulate_done = _install_accumulate()
-    return copy_in_done or accumulate_done
-
-
-def _install_accumulate() -> bool:
     try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     except ImportError:
         return False
-    current = getattr(FSDPParamGroup, "post_backward", None)
-    if current is None:
-        return False
-    if hasattr(current, _ORIGINAL_ATTR):
-        return True
+    copy_in_done = _wrap(collectives, "foreach_reduce_scatter_copy_in",
+                         lambda current: lambda grads, buffer, world_size: copy_in(grads, buffer, world_size, current))
+    accumulate_done = _wrap(FSDPParamGroup, "post_backward", _post_backward_accumulating_first)
+    return copy_in_done or accumulate_done
 
+
+def _post_backward_accumulating_first(current: Any) -> Any:
     def post_backward(self, *unused):
         if _on_one_rank(self):
             accumulate_group(self)
         return current(self, *unused)
 
-    setattr(post_backward, _ORIGINAL_ATTR, current)
-    FSDPParamGroup.post_backward = post_backward
-    return True
+    return post_backward
 
 
-def _install_copy_in() -> bool:
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
-    except ImportError:
-        return False
-    current = getattr(collectives, "foreach_reduce_scatter_copy_in", None)
+def _wrap(owner: Any, name: str, wrapper_for: Any) -> bool:
+    """Replace ``owner.name`` with ``wrapper_for(original)`` unless already wrapped; False where
+    this torch has no such name."""
+    current = getattr(owner, name, None)
     if current is None:
-        log.debug("fsdp2 backend: this torch has no foreach_reduce_scatter_copy_in; FSDP2's copy-in is left as is")
+        log.debug("fsdp2 backend: this torch has no %s.%s; left as is", getattr(owner, "__name__", owner), name)
         return False
-    if hasattr(current, _ORIGINAL_ATTR):
-        return True
-
-    def wrapped(unsharded_grads, reduce_scatter_input, world_size):
-        copy_in(unsharded_grads, reduce_scatter_input, world_size, current)
-
-    setattr(wrapped, _ORIGINAL_ATTR, current)
-    collectives.foreach_reduce_scatter_copy_in = wrapped
+    if not hasattr(current, _ORIGINAL_ATTR):
+        wrapped = wrapper_for(current)
+        setattr(wrapped, _ORIGINAL_ATTR, current)
+        setattr(owner, name, wrapped)
     return True
