@@ -156,6 +156,27 @@ def test_token_logprobs_matches_log_softmax_and_its_gradient(temperature, fused)
     assert not ops._KERNELS.failed  # the compiled path ran (no silent fallback to eager)
 
 
+def test_vocab_parallel_token_logprobs_equal_full_vocabulary_ones(tmp_path):
+    """Two gloo ranks, each holding half the vocabulary: logprobs and each shard's gradient equal
+    token_logprobs on the full logits (float64, eager and compiled chunk kernels)."""
+    import ast
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker, out = Path(__file__).with_name("_vocab_parallel_worker.py"), tmp_path / "result.txt"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port), str(out)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    for fused, (value_err, grad_err) in ast.literal_eval(out.read_text()).items():
+        assert value_err < 1e-12 and grad_err < 1e-12, (fused, value_err, grad_err)
+
+
 def test_token_logprobs_float32_and_bf16_and_gradcheck():
     torch.manual_seed(1)
     logits = torch.randn(6, 9, dtype=torch.bfloat16)

@@ -37,7 +37,8 @@ def _chunk_forward(x_CV: torch.Tensor, targets_C: torch.Tensor, temperature: flo
 def _chunk_backward_fused(x_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: torch.Tensor, grad_C: torch.Tensor,
                           temperature: float, out_CV: torch.Tensor) -> None:
     """d out / d x for :func:`_chunk_forward`: ``(onehot(t) - softmax(x / T)) * grad / T``, written
-    into ``out_CV`` (x's dtype).
+    into ``out_CV`` (x's dtype). ``lse_C`` may be the logsumexp over a larger vocabulary than x's
+    columns (a vocabulary shard), and a target of -1 has no one-hot term (it lies in another shard).
 
     The one-hot as a comparison with an iota fuses into the same kernel when compiled, and so does
     the write into ``out_CV`` (a slice of the whole gradient: no second pass to copy it there)."""
@@ -55,7 +56,9 @@ def _chunk_backward_eager(x_CV: torch.Tensor, targets_C: torch.Tensor, lse_C: to
         x = x.div_(temperature)
     g = grad_C[:, None].to(lse_C.dtype) / temperature
     dx = x.sub_(lse_C[:, None]).exp_().mul_(-g)
-    dx.scatter_add_(1, targets_C[:, None], g)
+    # A target of -1 lies in another rank's vocabulary shard (vocab_parallel_token_logprobs): no one-hot term here.
+    owned = targets_C[:, None] >= 0
+    dx.scatter_add_(1, targets_C[:, None].clamp_min(0), g * owned)
     out_CV.copy_(dx)
 
 
@@ -107,6 +110,89 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         return grad_RV, None, None, None, None
 
 
+class _ChunkedVocabParallelLogprob(torch.autograd.Function):
+    """As :class:`_ChunkedTargetLogprob` over a vocabulary split across ``group``: this rank holds
+    columns ``[vocab_start, vocab_start + V_local)``. Two collectives per call: the per-row
+    logsumexps are all-gathered and combined, the target logit (held by one rank) is all-reduced.
+    The backward needs none: each rank's gradient is its own columns of ``onehot - softmax``."""
+
+    @staticmethod
+    def forward(ctx, logits_RV: torch.Tensor, targets_R: torch.Tensor, vocab_start: int, group, chunk: int,
+                temperature: float, fused: bool):
+        import torch.distributed as dist
+
+        acc = _acc_dtype(logits_RV.dtype)
+        local_R = targets_R - vocab_start
+        owned_R = (local_R >= 0) & (local_R < logits_RV.shape[1])
+        local_R = torch.where(owned_R, local_R, torch.full_like(local_R, -1))
+        target_R = torch.empty(logits_RV.shape[0], dtype=acc, device=logits_RV.device)
+        lse_R = torch.empty_like(target_R)
+        for a in range(0, logits_RV.shape[0], chunk):
+            rows = slice(a, a + chunk)
+            out_C, lse_R[rows] = _run_chunk("forward", fused, logits_RV[rows], local_R[rows].clamp_min(0), temperature)
+            target_R[rows] = out_C + lse_R[rows]  # the target's logit / T, meaningful where owned
+        target_R = torch.where(owned_R, target_R, torch.zeros((), dtype=acc, device=target_R.device))
+        dist.all_reduce(target_R, group=group)
+        shards = [torch.empty_like(lse_R) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, lse_R, group=group)
+        lse_R = torch.logsumexp(torch.stack(shards), dim=0)
+        ctx.save_for_backward(logits_RV, local_R, lse_R)
+        ctx.chunk, ctx.temperature, ctx.fused = chunk, temperature, fused
+        return target_R - lse_R
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_R: torch.Tensor):
+        grad_RV = _ChunkedTargetLogprob.backward(ctx, grad_R)[0]
+        return grad_RV, None, None, None, None, None, None
+
+
+def _align_targets(input_ids_T: torch.Tensor) -> torch.Tensor:
+    """Row t predicts token t+1. All T rows go in (the last one with any target, its output is
+    dropped): slicing the [T, V] logits would cost a zero-filled [T, V] copy in the backward."""
+    return torch.cat([input_ids_T[1:], input_ids_T[:1]]).long()
+
+
+def _shift_and_mask(next_T: torch.Tensor, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """Token-aligned output from the per-row one: 0 at each sequence's first token and on padding."""
+    out_T = torch.cat([next_T.new_zeros(1), next_T[:-1]])
+    if cu_seqlens is None:
+        return out_T
+    # Built where cu_seqlens lives (the host, for the backends) and copied without a stream sync:
+    # a blocking copy here would make the host wait for the whole forward pass.
+    T = out_T.shape[0]
+    keep_T = torch.zeros(T, dtype=torch.bool, device=cu_seqlens.device)
+    keep_T[: int(cu_seqlens[-1])] = True
+    keep_T[cu_seqlens[:-1].long()] = False
+    keep_T = keep_T.to(device, non_blocking=True)
+    return torch.where(keep_T, out_T, torch.zeros((), dtype=out_T.dtype, device=out_T.device))
+
+
+def _check_args(logits_TV, input_ids_T, temperature, chunk_tokens, name: str) -> None:
+    if logits_TV.dim() != 2:
+        raise ValueError(f"{name}: logits must be [T, V], got shape {tuple(logits_TV.shape)}")
+    if input_ids_T.shape != (logits_TV.shape[0],):
+        raise ValueError(f"{name}: input_ids has shape {tuple(input_ids_T.shape)}, logits have {logits_TV.shape[0]} rows")
+    if temperature <= 0:
+        raise ValueError(f"{name}: temperature must be > 0, got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"{name}: chunk_tokens must be >= 1, got {chunk_tokens}")
+
+
+def vocab_parallel_token_logprobs(logits_TV: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                                  *, group, vocab_start: int, chunk_tokens: int = 1024, temperature: float = 1.0,
+                                  fused: bool | None = None) -> torch.Tensor:
+    """:func:`token_logprobs` when ``logits_TV`` holds this rank's vocabulary shard (tensor
+    parallelism): columns ``vocab_start ..`` of the full vocabulary, split over ``group``. Every
+    rank of ``group`` calls it with the same ``input_ids_T`` and gets the same full logprobs; the
+    full-vocabulary logits are never gathered."""
+    _check_args(logits_TV, input_ids_T, temperature, chunk_tokens, "vocab_parallel_token_logprobs")
+    fused = logits_TV.is_cuda if fused is None else fused
+    next_T = _ChunkedVocabParallelLogprob.apply(logits_TV, _align_targets(input_ids_T), int(vocab_start), group,
+                                                chunk_tokens, float(temperature), bool(fused))
+    return _shift_and_mask(next_T, cu_seqlens, logits_TV.device)
+
+
 def token_logprobs(logits_TV: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                    *, chunk_tokens: int = 1024, temperature: float = 1.0, fused: bool | None = None) -> torch.Tensor:
     """Token-aligned logprobs [T]: ``out[t] = log_softmax(logits[t-1] / temperature)[ids[t]]``.
@@ -116,31 +202,9 @@ def token_logprobs(logits_TV: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlen
     logits); differentiable with respect to ``logits_TV``. ``fused``: compile the chunk math
     (default: on CUDA only; see the module docstring).
     """
-    if logits_TV.dim() != 2:
-        raise ValueError(f"token_logprobs: logits must be [T, V], got shape {tuple(logits_TV.shape)}")
-    T = logits_TV.shape[0]
-    if input_ids_T.shape != (T,):
-        raise ValueError(f"token_logprobs: input_ids has shape {tuple(input_ids_T.shape)}, logits have {T} rows")
-    if temperature <= 0:
-        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
-    if chunk_tokens < 1:
-        raise ValueError(f"token_logprobs: chunk_tokens must be >= 1, got {chunk_tokens}")
-    acc = _acc_dtype(logits_TV.dtype)
-    if T == 0:
-        return logits_TV.sum(-1).to(acc)
-    if fused is None:
-        fused = logits_TV.is_cuda
-    # Row t predicts token t+1. All T rows go in (the last one with any target, its output is
-    # dropped): slicing the [T, V] logits would cost a zero-filled [T, V] copy in the backward.
-    targets_T = torch.cat([input_ids_T[1:], input_ids_T[:1]]).long()
-    next_T = _ChunkedTargetLogprob.apply(logits_TV, targets_T, chunk_tokens, float(temperature), bool(fused))
-    out_T = torch.cat([next_T.new_zeros(1), next_T[:-1]])
-    if cu_seqlens is None:
-        return out_T
-    # Built where cu_seqlens lives (the host, for the backends) and copied without a stream sync:
-    # a blocking copy here would make the host wait for the whole forward pass.
-    keep_T = torch.zeros(T, dtype=torch.bool, device=cu_seqlens.device)
-    keep_T[: int(cu_seqlens[-1])] = True
-    keep_T[cu_seqlens[:-1].long()] = False
-    keep_T = keep_T.to(logits_TV.device, non_blocking=True)
-    return torch.where(keep_T, out_T, torch.zeros((), dtype=acc, device=out_T.device))
+    _check_args(logits_TV, input_ids_T, temperature, chunk_tokens, "token_logprobs")
+    if logits_TV.shape[0] == 0:
+        return logits_TV.sum(-1).to(_acc_dtype(logits_TV.dtype))
+    fused = logits_TV.is_cuda if fused is None else fused
+    next_T = _ChunkedTargetLogprob.apply(logits_TV, _align_targets(input_ids_T), chunk_tokens, float(temperature), bool(fused))
+    return _shift_and_mask(next_T, cu_seqlens, logits_TV.device)
