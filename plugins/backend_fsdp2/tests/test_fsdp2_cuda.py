@@ -9,30 +9,11 @@ Runs without installing the distributions (the GPU machines have no package inde
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(scope="module")
-def nccl_group():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +72,7 @@ def _batch():
 
 
 @pytest.mark.parametrize("dtensor", [{}, {"cpu_offload": True}, {"activation_checkpointing": True, "compile": True}])
-def test_bf16_backend_trains_offloads_and_matches_hf(nccl_group, model_dir, dtensor):
+def test_bf16_backend_trains_offloads_and_matches_hf(single_cuda_process_group, model_dir, dtensor):
     from _fsdp2_common import hf_logprobs, load_hf
     from rlcore.algorithms.sft import SFT  # direct import: the GPU machines run without installed entry points
 
@@ -119,7 +100,7 @@ def test_bf16_backend_trains_offloads_and_matches_hf(nccl_group, model_dir, dten
     backend.shutdown()
 
 
-def test_clipping_and_nonfinite_skip_on_the_device_match_the_host_path(nccl_group, model_dir):
+def test_clipping_and_nonfinite_skip_on_the_device_match_the_host_path(single_cuda_process_group, model_dir):
     """The fused optimizer clips (grad_scale) and skips non-finite steps (found_inf) on the GPU; with
     CPU offload the same step is read, clipped and skipped on the host. fp32, clipping active."""
     from rlcore.algorithms.sft import SFT
@@ -149,7 +130,7 @@ def test_clipping_and_nonfinite_skip_on_the_device_match_the_host_path(nccl_grou
     assert dev_step == host_step == 1
 
 
-def test_compiled_layers_with_traced_attention_train_like_eager(nccl_group, model_dir):
+def test_compiled_layers_with_traced_attention_train_like_eager(single_cuda_process_group, model_dir):
     """``compile: true`` traces the varlen attention into each layer's graph; the step must match eager."""
     from rlcore.algorithms.sft import SFT
 

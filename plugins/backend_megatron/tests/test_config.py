@@ -78,3 +78,42 @@ def test_registered_with_precedence_and_selected_by_section(tmp_path):
 def test_plugin_import_stays_torch_free():
     code = "import sys, rlcore_megatron.plugin, rlcore_megatron.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_kernels_resolve_per_device_and_refuse_what_cannot_run():
+    from rlcore_megatron.kernels import resolve
+
+    cpu = resolve(make(), on_cuda=False)
+    assert not cpu.transformer_engine and cpu.core_attention == "flash" and cpu.token_multiple == 1
+    assert not (cpu.rope_fusion or cpu.swiglu_fusion or cpu.wgrad_fusion) and cpu.fp8 is None
+    assert resolve(make(transformer_impl="local"), on_cuda=True).swiglu_fusion  # fused SwiGLU is Megatron's own kernel
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.transformer_impl.*needs a CUDA device"):
+        resolve(make(transformer_impl="transformer_engine"), on_cuda=False)
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.fp8_cfg\.enabled.*Transformer Engine"):
+        resolve(make(transformer_impl="local", fp8_cfg={"enabled": True}), on_cuda=True)
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.core_attention"):
+        resolve(make(core_attention="transformer_engine"), on_cuda=False)
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.bias_activation_fusion.*CUDA"):
+        resolve(make(bias_activation_fusion=True), on_cuda=False)
+
+
+def test_transformer_engine_that_does_not_load_is_a_config_error(monkeypatch):
+    from rlcore_megatron import kernels
+
+    monkeypatch.setattr(kernels, "transformer_engine", lambda: {"version": "2.20.2", "loads": False, "error": "OSError: libcuda.so.1"})
+    assert not kernels.resolve(make(), on_cuda=True).transformer_engine  # auto falls back to the local spec
+    with pytest.raises(ConfigError, match=r"transformer_impl.*does not load \(OSError: libcuda\.so\.1\).*rlcore doctor"):
+        kernels.resolve(make(transformer_impl="transformer_engine"), on_cuda=True)
+    monkeypatch.setattr(kernels, "transformer_engine", lambda: {"version": "2.20.2", "loads": True, "error": None})
+    te = kernels.resolve(make(fp8_cfg={"enabled": True, "fp8_recipe": "blockwise"}), on_cuda=True)
+    assert te.transformer_engine and te.rope_fusion and te.wgrad_fusion and te.swiglu_fusion and te.token_multiple == 128
+    assert "fp8 hybrid/blockwise" in te.describe()
+
+
+def test_fp8_keys():
+    cfg = make(fp8_cfg={"enabled": True, "fp8": "e4m3", "fp8_recipe": "delayed"})
+    assert cfg.fp8_cfg.fp8 == "e4m3" and cfg.fp8_cfg.token_multiple == 16 and cfg.fp8_cfg.fp8_logprobs
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.fp8_cfg\.fp8_recipe"):
+        make(fp8_cfg={"fp8_recipe": "mxfp8"})
+    with pytest.raises(ConfigError, match=r"fp8_cfg\.fp8_logprobs.*fp8_param"):
+        make(fp8_cfg={"enabled": True, "fp8_param": True, "fp8_logprobs": False})

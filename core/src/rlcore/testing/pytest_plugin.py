@@ -55,3 +55,24 @@ def single_process_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def single_cuda_process_group():
+    """A world-size-1 NCCL process group on ``cuda:0`` for the CUDA-only tests (reuses one that is
+    already initialized and leaves it alone)."""
+    import torch
+    import torch.distributed as dist
+
+    from rlcore.controller.workers import free_port
+
+    if dist.is_initialized():
+        yield
+        return
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

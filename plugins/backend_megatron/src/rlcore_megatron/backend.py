@@ -1,8 +1,13 @@
 """The Megatron-Core training backend (:class:`rlcore.interfaces.TrainingBackend`).
 
 Every micro-batch is one packed sequence stream (thd layout, ``PackedSeqParams``), padded to a
-multiple of TP. Logprobs come from Megatron's vocab-parallel cross entropy, so full-vocabulary
-logits are never gathered on one rank. Losses are the algorithm's share of the step value
+multiple of TP (times the FP8 GEMM row multiple with FP8). Logprobs come from
+:func:`rlcore.ops.token_logprobs` (its vocab-parallel form under TP): chunked, in the logits'
+dtype, so neither full-vocabulary float32 logits nor, under TP, the full vocabulary is
+materialized on a rank. A step's micro-batches go to the device before the schedule runs, with
+non-blocking copies, and their metrics stay on the device until the step ends: a blocking copy
+or a ``.tolist()`` per micro-batch would make the host wait for the GPU before launching the
+next micro-batch. Losses are the algorithm's share of the step value
 (global normalization by :func:`rlcore.packing.step_totals`); Megatron's DDP runs in per-token
 mode so data-parallel gradients are summed. Schedules come from ``get_forward_backward_func``
 (pipeline-parallel when PP > 1).
@@ -18,14 +23,15 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlcore.config import RunConfig
 from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
+from rlcore.ops import token_logprobs, vocab_parallel_token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore.weights import chunked, gather_sequences_to_rank0
-from rlcore_megatron import checkpoint, context_parallel, cpu_shims, parallel
+from rlcore_megatron import checkpoint, context_parallel, cpu_shims, kernels, parallel
 from rlcore_megatron.config import MegatronConfig
 from rlcore_megatron.convert import iter_hf_weights, load_hf_into_megatron
 from rlcore_megatron.model import packed_seq_params
@@ -36,21 +42,17 @@ def build_backend(config: RunConfig, section_config: MegatronConfig, world: Worl
     return MegatronBackend(config, section_config, world)
 
 
-def token_logprobs_vocab_parallel(logits_1TV: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """Token-aligned logprobs [T] from this TP rank's vocabulary shard of the logits.
-
-    ``out[t] = log_softmax(logits[t-1])[ids[t]]`` through Megatron's vocab-parallel cross entropy
-    (max/sum-exp reduced over the TP group); 0 at each sequence's first token and on padding.
-    """
-    logits_TV = logits_1TV[0]
-    ids_T = mb.input_ids_T.to(logits_TV.device)
-    nll_T1 = tensor_parallel.vocab_parallel_cross_entropy(logits_TV[:-1].float(), ids_T[1:])
-    logprobs_T = torch.cat([nll_T1.new_zeros(1), -nll_T1])
-    valid_T = torch.zeros_like(logprobs_T, dtype=torch.bool)
-    cu = mb.cu_seqlens.tolist()
-    for start, end in zip(cu[:-1], cu[1:]):
-        valid_T[start + 1 : end] = True
-    return torch.where(valid_T, logprobs_T, torch.zeros_like(logprobs_T))
+def micro_batch_logprobs(logits_1TV: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Token-aligned logprobs [T] (float32) from this TP rank's vocabulary shard of the logits of a
+    device micro-batch: ``out[t] = log_softmax(logits[t-1])[ids[t]]``, 0 at each sequence's first
+    token and on padding."""
+    logits_TV = logits_1TV.squeeze(0)  # squeeze, not [0]: indexing's backward would fill a zero [T, V] tensor
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return token_logprobs(logits_TV, mb.input_ids_T, mb.cu_seqlens)
+    start = mpu.get_tensor_model_parallel_rank() * logits_TV.shape[-1]
+    return vocab_parallel_token_logprobs(logits_TV, mb.input_ids_T, mb.cu_seqlens,
+                                         group=mpu.get_tensor_model_parallel_group(), vocab_start=start)
 
 
 class MegatronBackend:
@@ -78,7 +80,10 @@ class MegatronBackend:
         self.hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(self.model_path)
         self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.grpo.seed if seed is None else seed)
         self.ranks = parallel.Ranks.current()
-        model = parallel.build_model(cfg, self.hf_config, config, on_cpu=self.on_cpu)
+        self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu)
+        if self.world.rank == 0:
+            print(f"rlcore-megatron: {self.kernels.describe()}", flush=True)
+        model = parallel.build_model(cfg, self.hf_config, config, self.kernels, on_cpu=self.on_cpu)
         if hf_config is None:
             load_hf_into_megatron(model, self.model_path, self.hf_config)
         self.model = parallel.wrap_ddp(model, cfg)
@@ -103,34 +108,38 @@ class MegatronBackend:
 
     def _pad_multiple(self) -> int:
         tp, cp = self.cfg.tensor_model_parallel_size, self.cfg.context_parallel_size
-        return 2 * cp * tp if cp > 1 else tp
+        return (2 * cp * tp if cp > 1 else tp) * self.kernels.token_multiple
 
     def _micro_batches(self, batch: SequenceBatch, max_tokens: int, micro_batch_size: int) -> list[MicroBatch]:
         packing = self.run.policy.sequence_packing
         return make_micro_batches(batch, max_tokens, self.ranks.dp, self.dp_size, pad_to_multiple=self._pad_multiple(),
                                   pack=packing.enabled, micro_batch_size=micro_batch_size)
 
-    def _forward_step(self, loss_fn, data_iterator, model):
-        """Run one micro-batch; ``loss_fn(mb, logprobs_fn, output)`` gets token-aligned logprobs via ``logprobs_fn``."""
-        mb: MicroBatch = next(data_iterator)
+    def _model_inputs(self, mb: MicroBatch):
+        """(micro-batch for the loss, input ids [1, T], positions [1, T], PackedSeqParams, logprobs_fn), on the device."""
         device = self._device
         if self.ranks.cp_size > 1:
             lay = context_parallel.layout(mb, self.ranks.cp_size, self.ranks.cp, self._pad_multiple())
             ids, pos, params = context_parallel.inputs(mb, lay, device)
-            logprobs_fn = partial(context_parallel.cp_logprobs, lay=lay)
-        else:
-            ids = mb.input_ids_T.to(device)[None]
-            pos = mb.position_ids_T.to(device)[None]
-            params = packed_seq_params(mb.cu_seqlens, int(mb.input_ids_T.numel()), int(mb.max_seqlen), device)
-            logprobs_fn = partial(token_logprobs_vocab_parallel, mb=mb)
+            return mb, ids, pos, params, partial(context_parallel.cp_logprobs, lay=lay)
+        on_device = _to_device(mb, device)
+        params = packed_seq_params(mb.cu_seqlens, mb.num_tokens, int(mb.max_seqlen), device)
+        return (on_device, on_device.input_ids_T[None], on_device.position_ids_T[None], params,
+                partial(micro_batch_logprobs, mb=on_device))
+
+    def _forward_step(self, loss_fn, data_iterator, model):
+        """Run one micro-batch; ``loss_fn(mb, logprobs_fn, output)`` gets token-aligned logprobs via ``logprobs_fn``."""
+        mb, ids, pos, params, logprobs_fn = next(data_iterator)
         output = model(ids, pos, None, packed_seq_params=params)
         return output, partial(loss_fn, mb, logprobs_fn)
 
     def _run_schedule(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
+        # Every micro-batch's inputs are copied up front, while the GPU is still busy with earlier work.
+        inputs = [self._model_inputs(mb) for mb in mbs]
         schedule = get_forward_backward_func()
         return schedule(
-            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(mbs), model=[self.model],
-            num_microbatches=len(mbs), seq_length=max(int(mb.input_ids_T.numel()) for mb in mbs), micro_batch_size=1,
+            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(inputs), model=[self.model],
+            num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs), micro_batch_size=1,
             forward_only=forward_only,
         ) or []
 
@@ -149,21 +158,37 @@ class MegatronBackend:
 
         def loss_fn(mb, logprobs_fn, output):
             lp_T = logprobs_fn(output)
-            values = dict(zip(mb.seq_ids, (t.cpu() for t in unpack(lp_T, mb))))
-            return lp_T.sum() * 0.0, torch.tensor(1), {"logprobs": values}
+            return lp_T.sum() * 0.0, torch.tensor(1), {"logprobs": (mb, lp_T)}
 
         self.module.eval()
         try:
-            outputs = self._run_schedule(mbs, loss_fn, forward_only=True)
+            with self._logprob_precision():
+                outputs = self._run_schedule(mbs, loss_fn, forward_only=True)
         finally:
             self.module.train()
-        self._maybe_empty_cache(2)
         local: dict[int, torch.Tensor] = {}
         if self.ranks.reports:
             for out in outputs:
-                local.update(out["logprobs"])
+                mb, lp_T = out["logprobs"]
+                local.update(zip(mb.seq_ids, unpack(lp_T.cpu(), mb)))
+        del outputs
+        self._maybe_empty_cache(2)
         merged = gather_sequences_to_rank0(local, len(batch), "rlcore-megatron")
         return None if merged is None else [values.float() for values in merged]
+
+    @contextlib.contextmanager
+    def _logprob_precision(self):
+        """FP8 runs with ``fp8_cfg.fp8_logprobs: false`` take the logprob passes in bf16: Megatron
+        reads ``config.fp8`` at every forward to decide whether to enter TE's FP8 autocast."""
+        tconfig = self.module.config
+        if self.kernels.fp8 is None or self.kernels.fp8.fp8_logprobs:
+            yield
+            return
+        saved, tconfig.fp8 = tconfig.fp8, None
+        try:
+            yield
+        finally:
+            tconfig.fp8 = saved
 
     @contextlib.contextmanager
     def _swapped(self, state: dict[str, torch.Tensor]):
@@ -223,26 +248,28 @@ class MegatronBackend:
 
     def _loss_fn(self, algorithm: Algorithm, totals: StepTotals, mb: MicroBatch, logprobs_fn, output):
         logprobs_T = logprobs_fn(output)
-        mb_cpu = mb  # the algorithm reads mask/fields; move them next to the logprobs
-        if logprobs_T.device.type != "cpu":
-            mb_cpu = _to_device(mb, logprobs_T.device)
-        loss, metrics = algorithm.loss(logprobs_T, mb_cpu, totals)
-        # metrics may be floats or 0-d tensors: read them with the loss in one device sync
-        names = list(metrics) + ["loss"]
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loss.device).detach()
-                              for v in [*metrics.values(), loss.detach()]]).tolist()
-        reduced = dict(zip(names, values))
+        if logprobs_T.device.type != "cpu":  # the algorithm reads mask/fields next to the logprobs
+            mb = _to_device(mb, logprobs_T.device)
+        loss, metrics = algorithm.loss(logprobs_T, mb, totals)
+        # 0-d tensor metrics stay on the device (read once per step); floats stay floats.
+        metrics = {k: v.detach().double() if torch.is_tensor(v) else v for k, v in metrics.items()}
+        metrics["loss"] = loss.detach().double()
         # Under CP every rank holds the whole logprob vector (all-reduced with autograd) and computes
         # the same loss; the all-reduce's backward sums the CP ranks' gradients, hence the division.
-        return loss / self.ranks.cp_size, torch.tensor(1, dtype=torch.int), {"metrics": reduced}
+        return loss / self.ranks.cp_size, torch.tensor(1, dtype=torch.int), {"metrics": metrics}
 
     def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
         """Sum over micro-batches and data-parallel replicas; every rank gets the result."""
         local: dict[str, float] = {}
         if self.ranks.reports:
+            sums: dict[str, object] = {}
             for out in outputs:
                 for k, v in out["metrics"].items():
-                    local[k] = local.get(k, 0.0) + v
+                    sums[k] = sums[k] + v if k in sums else v
+            tensors = [k for k, v in sums.items() if torch.is_tensor(v)]
+            values = torch.stack([sums[k] for k in tensors]).tolist() if tensors else []  # one sync
+            local = {k: float(v) for k, v in sums.items() if not torch.is_tensor(v)}
+            local.update(zip(tensors, values))
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, local)
         total: dict[str, float] = {}
@@ -256,8 +283,8 @@ class MegatronBackend:
         each buffer's sum, which is inf/nan when an element is (or past 3e38, which no usable gradient
         reaches), so no full-size temporary: ``isfinite`` of an 8B model's buffer ran out of memory."""
         buffers = self.model.buffers + self.model.expert_parallel_buffers
-        ok = all(bool(torch.isfinite(b.grad_data.sum())) for b in buffers)
-        flag = torch.tensor([1.0 if ok else 0.0], device=self._device)
+        sums = torch.stack([b.grad_data.sum().float() for b in buffers]) if buffers else torch.zeros(1, device=self._device)
+        flag = torch.isfinite(sums).all().float().reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item() == 1.0)
 
@@ -340,10 +367,16 @@ class MegatronBackend:
 
 
 def _to_device(mb: MicroBatch, device) -> MicroBatch:
+    """Token tensors on ``device``; ``cu_seqlens`` stays on the host (read there: no syncs). Copied
+    with ``non_blocking``: from pageable memory CUDA stages the data before the call returns, and
+    torch then skips the stream sync that would make the host wait for the GPU. Idempotent."""
     import attrs
 
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
     return attrs.evolve(
-        mb, loss_mask_T=mb.loss_mask_T.to(device), seq_index_T=mb.seq_index_T.to(device),
-        token_fields={k: v.to(device) for k, v in mb.token_fields.items()},
-        seq_fields={k: v.to(device) for k, v in mb.seq_fields.items()},
+        mb, input_ids_T=to(mb.input_ids_T), position_ids_T=to(mb.position_ids_T), loss_mask_T=to(mb.loss_mask_T),
+        seq_index_T=to(mb.seq_index_T), token_fields={k: to(v) for k, v in mb.token_fields.items()},
+        seq_fields={k: to(v) for k, v in mb.seq_fields.items()},
     )

@@ -94,6 +94,32 @@ class MegatronDDPConfig:
 
 
 @frozen
+class MegatronFP8Config:
+    """``policy.megatron_cfg.fp8_cfg`` (NeMo-RL's keys) -> ``TransformerConfig.fp8`` / ``fp8_recipe`` /
+    ``fp8_param``. Needs the Transformer Engine layer spec; packed micro-batches are padded to the
+    token multiple FP8 GEMMs need (:attr:`token_multiple`)."""
+
+    enabled: bool = field(default=False, metadata=doc("train the linear layers' GEMMs in FP8 (Transformer Engine)"))
+    fp8: Literal["e4m3", "hybrid"] = field(default="hybrid", metadata=doc("'e4m3' everywhere, or 'hybrid': e4m3 forward, e5m2 gradients"))
+    fp8_recipe: Literal["tensorwise", "delayed", "blockwise"] = field(default="tensorwise", metadata=doc(
+        "scaling: 'tensorwise' (current per-tensor amax), 'delayed' (amax history), 'blockwise' (1x128 / 128x128 blocks)"))
+    fp8_param: bool = field(default=False, metadata=doc("keep the GEMM weights in FP8 (less memory; the main weights stay fp32)"))
+    fp8_logprobs: bool = field(default=True, metadata=doc(
+        "run the old/reference logprob passes in FP8 too: the training forward's numerics, so the PPO ratio starts at 1; "
+        "false: those passes run in bf16"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.fp8_param and not self.fp8_logprobs:
+            raise ConfigError(f"{SECTION}.fp8_cfg.fp8_logprobs", "must be true with fp8_param: FP8 weights have no bf16 forward")
+
+    @property
+    def token_multiple(self) -> int:
+        """Rows of an FP8 GEMM must be a multiple of 16 (tensor cores); the blockwise recipe quantizes
+        activations in 128-row blocks along the token dimension of the weight-gradient GEMM."""
+        return 128 if self.fp8_recipe == "blockwise" else 16
+
+
+@frozen
 class MegatronConfig:
     """``policy.megatron_cfg``: Megatron-Core training backend (selected by ``enabled: true``)."""
 
@@ -114,7 +140,18 @@ class MegatronConfig:
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"] = field(
         default="none", metadata=doc("auxiliary load balancing ('none' keeps the loss exactly the algorithm's)"))
     moe_router_bias_update_rate: float = field(default=0.0, validator=_non_negative, metadata=doc("aux-loss-free expert bias update rate (0 = off)"))
-    apply_rope_fusion: bool = field(default=False, metadata=doc("fused RoPE kernel (needs Transformer Engine or Apex)"))
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = field(default="auto", metadata=doc(
+        "layer implementation: 'transformer_engine' (TE's fused layers, needed for FP8), 'local' (Megatron's own with "
+        "rlcore's attention and norms), 'auto' = TE when its torch extension loads and the run is on CUDA"))
+    core_attention: Literal["auto", "flash", "transformer_engine"] = field(default="auto", metadata=doc(
+        "attention kernel: 'flash' (FlashAttention varlen through torch, rlcore.attention), 'transformer_engine' "
+        "(TE's DotProductAttention: cuDNN fused attention), 'auto' = flash"))
+    apply_rope_fusion: bool | None = field(default=None, metadata=doc("fused RoPE kernel (TE); None = on with Transformer Engine"))
+    bias_activation_fusion: bool | None = field(default=None, metadata=doc("fused SwiGLU; None = on with CUDA"))
+    gradient_accumulation_fusion: bool | None = field(default=None, metadata=doc(
+        "TE linear layers add their weight gradients straight into the fp32 main gradients; None = on with "
+        "Transformer Engine (the output layer keeps the unfused path: Megatron's needs Apex for it)"))
+    fp8_cfg: MegatronFP8Config = field(factory=MegatronFP8Config, metadata=doc("FP8 training (Transformer Engine)"))
     empty_unused_memory_level: Literal[0, 1, 2] = field(default=0, metadata=doc("torch.cuda.empty_cache: 0 never, 1 after each optimizer step, 2 also after each forward(-backward) pass over the micro-batches"))
     optimizer: MegatronOptimizerConfig = field(factory=MegatronOptimizerConfig, metadata=doc("optimizer"))
     scheduler: MegatronSchedulerConfig = field(factory=MegatronSchedulerConfig, metadata=doc("learning-rate/weight-decay schedule"))

@@ -1,8 +1,11 @@
 """Hugging Face config -> Megatron-Core ``TransformerConfig`` + ``GPTModel`` (this rank's shard).
 
-Layer spec: Transformer Engine's when ``transformer_engine`` imports, otherwise the local spec
-with :class:`SDPACoreAttention` in place of the local ``DotProductAttention`` (which
-materializes the s x s score matrix and ran out of memory at 4096 tokens on an H200).
+Layer spec (:mod:`rlcore_megatron.kernels` decides): Transformer Engine's, or the local spec with
+:class:`SDPACoreAttention` in place of the local ``DotProductAttention`` (which materializes the
+s x s score matrix and ran out of memory at 4096 tokens on an H200) and :class:`RMSNorm`. With
+``core_attention: flash`` the TE spec keeps :class:`SDPACoreAttention` too: FlashAttention's varlen
+kernel takes any packing, where cuDNN builds an execution plan per new (sequence count, longest
+sequence) pair.
 """
 
 from __future__ import annotations
@@ -23,17 +26,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from rlcore.attention import packed_causal_attention, sdpa
 from rlcore.config import ConfigError
 from rlcore_megatron.config import SECTION, MegatronConfig
+from rlcore_megatron.kernels import Kernels, fuse_weight_gradient_accumulation
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure means "not usable"
-        return False
-    return True
 
 
 def architecture(hf_config) -> str:
@@ -129,13 +125,17 @@ class QKRMSNorm(RMSNorm):
     mark_sequence_parallel = False
 
 
-def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None):
-    """The block spec: TE's layer spec if it imports, else the local one with SDPA attention and our norms."""
+def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None, kernels: Kernels):
+    """The layer spec: TE's (with rlcore's flash attention unless TE's is asked for), or the local
+    one with SDPA attention and our norms."""
     qk_norm = architecture(hf_config) in ("qwen3", "qwen3_moe")
-    if have_transformer_engine():
+    if kernels.transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm)
+        if kernels.core_attention == "flash":
+            spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     _patch_router_gemm()
@@ -148,7 +148,8 @@ def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None):
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig), layer_norm=RMSNorm)
 
 
-def transformer_config(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dtype, on_cpu: bool) -> TransformerConfig:
+def transformer_config(hf_config, cfg: MegatronConfig, kernels: Kernels, *, params_dtype: torch.dtype,
+                       on_cpu: bool) -> TransformerConfig:
     arch = architecture(hf_config)
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -164,14 +165,17 @@ def transformer_config(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dt
         )
     pipeline_dtype = DTYPES[cfg.pipeline_dtype] if cfg.pipeline_dtype else params_dtype
     recompute = cfg.recompute
+    fp8: dict[str, Any] = {}
+    if kernels.fp8 is not None:
+        fp8 = dict(fp8=kernels.fp8.fp8, fp8_recipe=kernels.fp8.fp8_recipe, fp8_param=kernels.fp8.fp8_param)
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=num_heads,
         num_query_groups=hf_config.num_key_value_heads, kv_channels=head_dim, ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=arch == "qwen2", qk_layernorm=arch in ("qwen3", "qwen3_moe"),
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=kernels.swiglu_fusion, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=cfg.apply_rope_fusion, params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        apply_rope_fusion=kernels.rope_fusion, params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16, pipeline_dtype=pipeline_dtype, use_cpu_initialization=on_cpu,
         perform_initialization=True, tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size, context_parallel_size=cfg.context_parallel_size,
@@ -181,7 +185,7 @@ def transformer_config(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dt
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
         recompute_modules=["core_attn"] if recompute == "selective" else None,
-        cross_entropy_loss_fusion=False, moe_token_dispatcher_type="alltoall", **moe,
+        cross_entropy_loss_fusion=False, moe_token_dispatcher_type="alltoall", **moe, **fp8,
     )
 
 
@@ -197,16 +201,16 @@ def rope_kwargs(hf_config) -> dict[str, Any]:
     return kwargs
 
 
-def build_gpt_model(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dtype, on_cpu: bool) -> GPTModel:
+def build_gpt_model(hf_config, cfg: MegatronConfig, kernels: Kernels, *, params_dtype: torch.dtype, on_cpu: bool) -> GPTModel:
     """This rank's shard of the model (random init; weights are loaded by :mod:`rlcore_megatron.convert`)."""
     tp = cfg.tensor_model_parallel_size
     if hf_config.vocab_size % tp:
         raise ConfigError(f"{SECTION}.tensor_model_parallel_size",
                           f"{tp} does not divide the model's vocabulary size {hf_config.vocab_size}")
-    tconfig = transformer_config(hf_config, cfg, params_dtype=params_dtype, on_cpu=on_cpu)
+    tconfig = transformer_config(hf_config, cfg, kernels, params_dtype=params_dtype, on_cpu=on_cpu)
     num_experts = getattr(hf_config, "num_experts", None) if architecture(hf_config) == "qwen3_moe" else None
     model = GPTModel(
-        config=tconfig, transformer_layer_spec=layer_spec(hf_config, tconfig, num_experts), vocab_size=hf_config.vocab_size,
+        config=tconfig, transformer_layer_spec=layer_spec(hf_config, tconfig, num_experts, kernels), vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, pre_process=mpu.is_pipeline_first_stage(),
         post_process=mpu.is_pipeline_last_stage(), parallel_output=True,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
@@ -214,6 +218,8 @@ def build_gpt_model(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dtype
     )
     if not on_cpu:
         model.cuda(torch.cuda.current_device())
+    if kernels.wgrad_fusion:
+        fuse_weight_gradient_accumulation(model)
     return model
 
 
@@ -223,7 +229,7 @@ def packed_seq_params(cu_seqlens_N1: torch.Tensor, total: int, max_seqlen: int, 
     if bounds[-1] < total:
         max_seqlen = max(max_seqlen, total - bounds[-1])
         bounds.append(total)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    cu = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)  # no stream sync (see backend._to_device)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
     params.host_bounds = tuple(bounds)
     return params

@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from rlcore.config import RunConfig
 from rlcore_megatron.config import MegatronConfig, validate_parallelism
+from rlcore_megatron.kernels import Kernels
 from rlcore_megatron.model import DTYPES, build_gpt_model
 
 
@@ -77,9 +78,9 @@ def params_dtype(cfg: MegatronConfig, run: RunConfig) -> torch.dtype:
     return DTYPES[cfg.optimizer.params_dtype or run.policy.precision]
 
 
-def build_model(cfg: MegatronConfig, hf_config, run: RunConfig, *, on_cpu: bool):
+def build_model(cfg: MegatronConfig, hf_config, run: RunConfig, kernels: Kernels, *, on_cpu: bool):
     dtype = params_dtype(cfg, run)
-    model = build_gpt_model(hf_config, cfg, params_dtype=dtype, on_cpu=on_cpu)
+    model = build_gpt_model(hf_config, cfg, kernels, params_dtype=dtype, on_cpu=on_cpu)
     if cfg.freeze_moe_router:
         for name, param in model.named_parameters():
             if name.endswith("mlp.router.weight"):
@@ -94,6 +95,7 @@ def wrap_ddp(model, cfg: MegatronConfig):
         overlap_param_gather=ddp.overlap_param_gather and cfg.optimizer.use_distributed_optimizer,
         average_in_collective=False, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         check_for_nan_in_grad=False, bucket_size=None if ddp.overlap_grad_reduce else 40_000_000,
+        fp8_param_gather=cfg.fp8_cfg.enabled and cfg.fp8_cfg.fp8_param,
     )
     tconfig = model.config
     # rlcore losses are already divided by global token counts: gradients are summed over data-parallel

@@ -1,0 +1,144 @@
+"""CUDA-only checks of the Megatron backend on Transformer Engine (skipped without a GPU or TE).
+
+On the H200 machines, with the staged wheels and rlcore's own installed (benchmarks/gpu/README.md)::
+
+    python3 -m pytest -p no:cacheprovider plugins/backend_megatron/tests/test_megatron_cuda.py -q
+
+- TE-spec logprobs equal the Hugging Face model's for Llama, Qwen2, Qwen3 and Qwen3-MoE, in fp32
+  (TF32 off) and, for Llama, in bf16 within a stated tolerance;
+- a TE-spec training step (fused weight-gradient accumulation on) equals the local spec's on the
+  same batch and initial weights, in fp32;
+- FP8 (tensorwise and delayed) trains on packed micro-batches of any length (padded to the GEMM
+  row multiple) and its logprobs stay near bf16's;
+- TE's own attention (cuDNN) gives the same logprobs as the flash path.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dist_worker import SumNLL, make_batch  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _exact_fp32():
+    """fp32 comparisons mean fp32: no TF32 in cuBLAS or cuDNN (TE's GEMMs follow torch's flag)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture(scope="module")
+def te_loads():
+    from rlcore.doctor import transformer_engine
+
+    status = transformer_engine()
+    if not status["loads"]:
+        pytest.skip(f"Transformer Engine does not load: {status['error']}")
+
+
+def cuda_backend(path: str, precision: str = "float32", **mcfg):
+    from rlcore.config import RunConfig, structure
+    from rlcore.config.schema import OptimizerConfig, PolicyConfig, SequencePackingConfig
+    from rlcore.interfaces import WorldInfo
+    from rlcore_megatron.backend import build_backend
+    from rlcore_megatron.config import SECTION, MegatronConfig
+
+    policy = PolicyConfig(model_name=path, precision=precision, max_grad_norm=1.0,
+                          optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.01, eps=1e-6),
+                          sequence_packing=SequencePackingConfig(train_mb_tokens=64, logprob_mb_tokens=64))
+    cfg = structure(MegatronConfig, {"enabled": True, **mcfg}, SECTION)
+    return build_backend(RunConfig(policy=policy), cfg, WorldInfo(device="cuda"))
+
+
+def hf_logprobs(path: str, batch, dtype=torch.float32) -> list[torch.Tensor]:
+    from rlcore.ops import token_logprobs
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda()
+    with torch.no_grad():
+        return [token_logprobs(model(ids[None].cuda()).logits[0], ids.cuda(), fused=False).cpu() for ids in batch.input_ids]
+
+
+def max_diff(a, b) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_te_spec_logprobs_equal_hugging_face_fp32(single_cuda_process_group, te_loads, tiny_model_factory, arch):
+    path = str(tiny_model_factory(arch, hidden_size=256, num_heads=4, num_kv_heads=2))
+    backend = cuda_backend(path, transformer_impl="transformer_engine")
+    assert backend.kernels.transformer_engine and backend.kernels.wgrad_fusion and backend.kernels.rope_fusion
+    batch = make_batch(1)
+    diff = max_diff(backend.logprobs(batch), hf_logprobs(path, batch))
+    backend.shutdown()
+    print(f"{arch}: TE spec vs HF, fp32 logprobs, max |diff| {diff:.2e}")
+    assert diff < 2e-4, diff
+
+
+def test_te_spec_logprobs_bf16_and_te_attention(single_cuda_process_group, te_loads, tiny_model_factory):
+    """bf16: within 0.05 (a bf16 logit carries ~3 significant digits; the two models round in
+    different places). TE's cuDNN attention equals the flash path to bf16 rounding."""
+    path = str(tiny_model_factory("llama", hidden_size=256, num_heads=4, num_kv_heads=2))
+    batch = make_batch(2)
+    flash = cuda_backend(path, "bfloat16", transformer_impl="transformer_engine")
+    ours = flash.logprobs(batch)
+    flash.shutdown()
+    te_attn = cuda_backend(path, "bfloat16", transformer_impl="transformer_engine", core_attention="transformer_engine")
+    theirs = te_attn.logprobs(batch)
+    te_attn.shutdown()
+    vs_hf, vs_attn = max_diff(ours, hf_logprobs(path, batch, torch.bfloat16)), max_diff(ours, theirs)
+    print(f"llama bf16: TE spec vs HF max |diff| {vs_hf:.3f}; flash vs TE attention {vs_attn:.3f}")
+    assert vs_hf < 0.05 and vs_attn < 0.05, (vs_hf, vs_attn)
+
+
+def exported(backend) -> dict[str, torch.Tensor]:
+    return {n: t.float().cpu() for chunk in backend.export_weights() for n, t in chunk}
+
+
+def test_te_training_step_equals_local_spec_fp32(single_cuda_process_group, te_loads, tiny_model_factory):
+    path = str(tiny_model_factory("qwen3", hidden_size=256, num_heads=4, num_kv_heads=2))
+    batch = make_batch(5, n=8)
+    results = {}
+    for impl in ("local", "transformer_engine"):
+        backend = cuda_backend(path, transformer_impl=impl)
+        metrics = backend.train(batch, SumNLL())
+        results[impl] = metrics, exported(backend)
+        backend.shutdown()
+    (m_local, w_local), (m_te, w_te) = results["local"], results["transformer_engine"]
+    loss_diff = abs(m_local["loss"] - m_te["loss"])
+    norm_diff = abs(m_local["grad_norm"] - m_te["grad_norm"]) / m_local["grad_norm"]
+    weight_diff = max(float((w_local[k] - w_te[k]).abs().max()) for k in w_local)
+    print(f"TE vs local training step (fp32): loss {loss_diff:.2e}, grad norm {norm_diff:.2e} rel, weights {weight_diff:.2e}")
+    assert set(w_local) == set(w_te)
+    assert loss_diff < 1e-5 and norm_diff < 1e-4 and weight_diff < 1e-5, (loss_diff, norm_diff, weight_diff)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_trains_on_unaligned_packed_micro_batches(single_cuda_process_group, te_loads, tiny_model_factory, recipe):
+    """Sequence lengths 5..23 (make_batch): the packer pads each micro-batch to the FP8 row multiple."""
+    path = str(tiny_model_factory("llama", hidden_size=256, num_heads=4, num_kv_heads=2))
+    batch = make_batch(3, n=8)
+    bf16 = cuda_backend(path, "bfloat16", transformer_impl="transformer_engine")
+    ref = bf16.logprobs(batch)
+    bf16.shutdown()
+    fp8 = cuda_backend(path, "bfloat16", fp8_cfg={"enabled": True, "fp8_recipe": recipe})
+    assert fp8.kernels.token_multiple == 16  # without the padding TE refuses: "ret.lda % 16 == 0 ... Caller must pad"
+    before = fp8.logprobs(batch)
+    metrics = [fp8.train(batch, SumNLL()) for _ in range(3)]
+    after = fp8.logprobs(batch)
+    fp8.shutdown()
+    gap = max_diff(before, ref)
+    print(f"fp8 {recipe}: logprobs vs bf16 max |diff| {gap:.3f}; losses {[round(m['loss'], 4) for m in metrics]}")
+    assert all(torch.isfinite(torch.tensor(m["loss"])) and "skipped_nonfinite" not in m for m in metrics)
+    assert gap < 0.25, gap
+    assert max_diff(after, before) > 1e-3  # the steps changed the model
