@@ -1,7 +1,8 @@
-"""Training throughput and MFU of the megatron backend (and fsdp2 in the same run), packed micro-batches.
+"""Training throughput and MFU of the megatron backend's variants (and fsdp2) on the same packed batches.
 
     python benchmarks/bench_train_megatron.py --steps 10                    # one H200: 1.2B Llama shape, bf16
-    python benchmarks/bench_train_megatron.py --steps 10 --with-fsdp2       # + the fsdp2 backend, same batches
+    python benchmarks/bench_train_megatron.py --with-fsdp2                  # + the fsdp2 backend compiled, same batches
+    python benchmarks/bench_train_megatron.py --variants megatron,megatron-fp8,megatron-plain,fsdp2-compile --micro-batches 16
     python benchmarks/bench_train_megatron.py --shape 8b --tp 2 --with-fsdp2 --steps 5   # 2 GPUs (nvidia-h200-x2)
     python benchmarks/bench_train_megatron.py --shape 8b --gpus 2 --with-fsdp2           # Megatron DP=2, as fsdp2
     python benchmarks/bench_train_megatron.py --tiny --steps 3              # CPU smoke run (tiny shape, fp32)
@@ -10,19 +11,28 @@ Models (random init from the config, built by the backend itself: ``MegatronBack
 hf_config=...)``): ``1b`` = Llama-3.2-1B shape (hidden 2048, 16 layers, GQA 32/8, head_dim 64,
 intermediate 8192, vocab 128256, tied embeddings); ``8b`` = Llama-3.1-8B shape (hidden 4096, 32
 layers, GQA 32/8, intermediate 14336, vocab 128256, untied). bf16 parameters, fp32 main weights
-and gradient reduction in Megatron's distributed optimizer, AdamW, the SDPA core attention of
-the local layer spec (no Transformer Engine on these machines). Each optimizer step trains
+and gradient reduction in Megatron's distributed optimizer, AdamW. Each optimizer step trains
 ``--micro-batches`` packed micro-batches of at most ``--mb-tokens`` tokens per data-parallel rank
 (random lengths in [``--min-len``, ``--max-len``], rlcore's packer) with the registered ``sft``
 loss. ``--gpus N`` (default ``--tp``) spawns N processes, one per GPU, unless launched by
 torchrun; Megatron runs TP=``--tp`` and DP=N/tp, fsdp2 data-parallel over the same GPUs on the
 same global batches. ``--profile DIR`` profiles two more steps (see ``trace_summary.py``).
 
-MFU against ``--peak-tflops`` (989 = H200 dense bf16 datasheet), the same formula as
-bench_train_fsdp2.py::
+Variants (``--variants``, comma-separated; each a ``policy.megatron_cfg`` override of the
+defaults): ``megatron`` (the defaults: Transformer Engine's layers when TE loads, flash
+attention, fused RoPE/SwiGLU/weight-gradient accumulation), ``megatron-local`` (Megatron's local
+spec), ``megatron-te-attn`` (TE's cuDNN attention), ``megatron-unfused-wgrad``, ``megatron-fp8``
+(tensorwise), ``megatron-fp8-delayed``, ``megatron-fp8-blockwise``, ``megatron-plain`` (a plain
+Megatron-Core loop over the same model, optimizer and packed micro-batches, with none of the
+backend's wrapper: what the wrapper costs), ``fsdp2`` and ``fsdp2-compile``.
+
+MFU against ``--peak-tflops`` (989 = H200 dense bf16 datasheet; FP8 rows too, so they read as
+bf16-equivalent), the same formula as bench_train_fsdp2.py::
 
     FLOPs/step = 6 * N_matmul * T  +  6 * L * d_attn * sum_i len_i^2     (T = real tokens)
     MFU        = FLOPs/step / step time / (peak x number of GPUs)
+
+Every row is appended to ``benchmarks/results.jsonl`` (``results_log.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +52,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train_fsdp2 as common  # noqa: E402  (model shapes, FLOP formula, batch maker)
+import results_log  # noqa: E402
+
+MEGATRON_VARIANTS = {
+    "megatron": {},
+    "megatron-local": {"transformer_impl": "local"},
+    "megatron-te-attn": {"core_attention": "transformer_engine"},
+    "megatron-unfused-wgrad": {"gradient_accumulation_fusion": False},
+    "megatron-fp8": {"fp8_cfg": {"enabled": True, "fp8_recipe": "tensorwise"}},
+    "megatron-fp8-delayed": {"fp8_cfg": {"enabled": True, "fp8_recipe": "delayed"}},
+    "megatron-fp8-blockwise": {"fp8_cfg": {"enabled": True, "fp8_recipe": "blockwise"}},
+    "megatron-plain": {},
+}
+FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True}
 
 
 def parse_args(argv=None):
@@ -57,7 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--gpus", type=int, default=None, help="processes/GPUs (default: --tp); Megatron's DP = gpus / tp")
     p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (with --tp > 1)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (full recompute)")
-    p.add_argument("--with-fsdp2", action="store_true", help="also run the fsdp2 backend on the same batches")
+    p.add_argument("--variants", default="megatron", help=f"comma-separated, from {', '.join([*MEGATRON_VARIANTS, *FSDP2_VARIANTS])}")
+    p.add_argument("--with-fsdp2", action="store_true", help="add fsdp2-compile to the variants")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--tiny", action="store_true", help="tiny shape on CPU in fp32 (smoke test)")
     p.add_argument("--bf16", action="store_true", help="with --tiny: bf16 as on GPU (checks that code path on CPU)")
@@ -86,26 +110,101 @@ def run_config(args, section_path: str, section):
     return RunConfig(policy=policy, sections={section_path: section})
 
 
-def build_megatron(args, hf_config, device):
+def megatron_section(args, overrides: dict):
+    from rlcore.config import structure
+    from rlcore_megatron.config import SECTION, MegatronConfig
+
+    data = {"enabled": True, "tensor_model_parallel_size": args.tp, "activation_checkpointing": args.ac,
+            "sequence_parallel": args.sp, "optimizer": {"lr": 1e-5, "weight_decay": 0.01, "clip_grad": 1.0}, **overrides}
+    return structure(MegatronConfig, data, SECTION)
+
+
+def world_info(device):
     from rlcore.interfaces import WorldInfo
+
+    return WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=dist.get_rank(), device=device)
+
+
+def build_megatron(args, hf_config, device, name: str):
     from rlcore_megatron.backend import MegatronBackend
-    from rlcore_megatron.config import SECTION, MegatronConfig, MegatronOptimizerConfig
+    from rlcore_megatron.config import SECTION
 
-    cfg = MegatronConfig(enabled=True, tensor_model_parallel_size=args.tp, activation_checkpointing=args.ac,
-                         sequence_parallel=args.sp,
-                         optimizer=MegatronOptimizerConfig(lr=1e-5, weight_decay=0.01, clip_grad=1.0))
-    world = WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=dist.get_rank(), device=device)
-    return MegatronBackend(run_config(args, SECTION, cfg), cfg, world, hf_config=hf_config, seed=args.seed)
+    cfg = megatron_section(args, MEGATRON_VARIANTS[name])
+    return MegatronBackend(run_config(args, SECTION, cfg), cfg, world_info(device), hf_config=hf_config, seed=args.seed)
 
 
-def build_fsdp2(args, hf_config, device):
-    from rlcore.interfaces import WorldInfo
+def build_fsdp2(args, hf_config, device, name: str):
     from rlcore_fsdp2.backend import FSDP2Backend
     from rlcore_fsdp2.config import SECTION, DTensorConfig
 
-    cfg = DTensorConfig(activation_checkpointing=args.ac, empty_cache_after_train=False)
-    world = WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=dist.get_rank(), device=device)
-    return FSDP2Backend(run_config(args, SECTION, cfg), cfg, world, hf_config=hf_config, seed=args.seed)
+    cfg = DTensorConfig(activation_checkpointing=args.ac, compile=FSDP2_VARIANTS[name], empty_cache_after_train=False)
+    return FSDP2Backend(run_config(args, SECTION, cfg), cfg, world_info(device), hf_config=hf_config, seed=args.seed)
+
+
+class PlainMegatronLoop:
+    """Megatron-Core driven directly: the backend's model builder, DDP and optimizer, rlcore's
+    packer and logprob kernel, and nothing else (no algorithm, no metric reduction, no checks)."""
+
+    def __init__(self, args, hf_config, device):
+        from rlcore_megatron import cpu_shims, kernels, parallel
+        from rlcore_megatron.config import SECTION
+
+        self.args, self.cfg, self.device = args, megatron_section(args, {}), device
+        run = run_config(args, SECTION, self.cfg)
+        if device != "cuda":
+            cpu_shims.install()
+        with cpu_shims.active():
+            parallel.initialize(self.cfg, hf_config, run, args.seed)
+            self.kernels = kernels.resolve(self.cfg, on_cuda=device == "cuda")
+            model = parallel.build_model(self.cfg, hf_config, run, self.kernels, on_cpu=device != "cuda")
+            self.model = parallel.wrap_ddp(model, self.cfg)
+            self.optimizer = parallel.build_optimizer(self.model, self.cfg, run)
+
+    def train(self, batch, algorithm) -> dict:
+        from rlcore_megatron import cpu_shims
+
+        with cpu_shims.active():
+            return self._train(batch)
+
+    def _train(self, batch) -> dict:
+        from megatron.core import parallel_state as mpu
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from rlcore.ops import token_logprobs
+        from rlcore.packing import make_micro_batches
+        from rlcore_megatron.model import packed_seq_params
+
+        mbs = make_micro_batches(batch, self.args.mb_tokens, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
+                                 pad_to_multiple=self.args.tp * self.kernels.token_multiple, pack=True)
+        total = sum(float(mb.loss_mask_T.sum()) for mb in mbs)
+        inputs = [(mb.input_ids_T.to(self.device, non_blocking=True), mb.loss_mask_T.to(self.device, non_blocking=True),
+                   mb.position_ids_T.to(self.device, non_blocking=True), mb.cu_seqlens,
+                   packed_seq_params(mb.cu_seqlens, mb.num_tokens, int(mb.max_seqlen), self.device)) for mb in mbs]
+
+        def forward_step(data, model):
+            ids, mask, pos, cu, params = next(data)
+            out = model(ids[None], pos[None], None, packed_seq_params=params)
+
+            def loss(output):
+                value = -(token_logprobs(output.squeeze(0), ids, cu) * mask).sum() / total
+                return value, torch.tensor(1, dtype=torch.int), {"loss": value.detach()}
+            return out, loss
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(inputs), model=[self.model],
+                                              num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs),
+                                              micro_batch_size=1, forward_only=False)
+        self.optimizer.step()
+        return {"loss": float(sum(o["loss"] for o in outputs)), "num_micro_batches": float(len(mbs))}
+
+    def shutdown(self) -> None:
+        self.model = self.optimizer = None
+
+
+def build(args, hf_config, device, name: str):
+    if name == "megatron-plain":
+        return PlainMegatronLoop(args, hf_config, device)
+    return (build_megatron if name in MEGATRON_VARIANTS else build_fsdp2)(args, hf_config, device, name)
 
 
 def make_batch(args, vocab: int, gen: torch.Generator, dp: int):
@@ -117,9 +216,9 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
     from rlcore.algorithms.sft import SFT
 
     t0 = time.perf_counter()
-    backend = (build_megatron if name == "megatron" else build_fsdp2)(args, hf_config, device)
+    backend = build(args, hf_config, device, name)
     build_s = time.perf_counter() - t0
-    dp = dist.get_world_size() // (args.tp if name == "megatron" else 1)
+    dp = dist.get_world_size() // (args.tp if name in MEGATRON_VARIANTS else 1)
     algo, gen = SFT(), torch.Generator().manual_seed(args.seed)  # same batches for every variant
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -140,15 +239,15 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
             raise RuntimeError(f"{name}: non-finite metrics at step {step}: {metrics}")
     if args.profile and dist.get_rank() == 0:
         common.profile_steps(lambda: backend.train(make_batch(args, hf_config.vocab_size, gen, dp), algo), 2,
-                             args.profile, name, device)
+                             args.profile, name, device, with_stack=False)
     elif args.profile:  # the other ranks take the same steps, unprofiled
         for _ in range(2):
             backend.train(make_batch(args, hf_config.vocab_size, gen, dp), algo)
     gpus = dist.get_world_size()
     med = statistics.median(times)
+    layout = (f"TP={args.tp}{' SP' if args.sp else ''}, DP={gpus // args.tp}" if name in MEGATRON_VARIANTS else f"FSDP={gpus}")
     result = {
-        "variant": (f"megatron (TP={args.tp}{' SP' if args.sp else ''}, DP={gpus // args.tp})" if name == "megatron"
-                    else f"fsdp2 (FSDP={gpus})"),
+        "variant": name, "layout": layout, "kernels": getattr(getattr(backend, "kernels", None), "describe", lambda: "")(),
         "build_s": build_s, "step_s": med, "tokens_per_step": statistics.median(tokens),
         "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
         "tflops": statistics.median(f / s for f, s in zip(flops, times)) / 1e12,
@@ -179,19 +278,31 @@ def worker(rank: int, world: int, port: int, args) -> int:
         print(f"device={device} gpus={world} torch={torch.__version__} shape={'tiny' if args.tiny else args.shape} "
               f"N_matmul={common.matmul_params(hf_config) / 1e9:.3f}e9 micro-batches/step/DP rank={args.micro_batches} "
               f"x {args.mb_tokens} tokens, lengths [{args.min_len}, {args.max_len}]", flush=True)
-    rows, variants = [], ["megatron"] + (["fsdp2"] if args.with_fsdp2 else [])
+    variants = args.variants.split(",") + (["fsdp2-compile"] if args.with_fsdp2 and "fsdp2-compile" not in args.variants else [])
+    unknown = [v for v in variants if v not in MEGATRON_VARIANTS and v not in FSDP2_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; choose from {', '.join([*MEGATRON_VARIANTS, *FSDP2_VARIANTS])}")
+    rows = []
     for name in variants:
         try:
             rows.append(run_variant(args, name, hf_config, device))
-        except Exception:  # noqa: BLE001 - report and go on with the other variant
+        except Exception:  # noqa: BLE001 - report and go on with the other variants
             print(f"[rank {rank}] variant {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
     if rank == 0:
-        print("| variant | step (s) | tokens/step | micro-batches/rank | tokens/s | TFLOP/s | MFU | peak mem/GPU (GiB) | build (s) |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| variant | layout | step (s) | tokens/step | micro-batches/rank | tokens/s | TFLOP/s | MFU | peak mem/GPU (GiB) | build (s) |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_step']:.0f} | {r['micro_batches']:.0f} | "
+            print(f"| {r['variant']} | {r['layout']} | {r['step_s']:.3f} | {r['tokens_per_step']:.0f} | {r['micro_batches']:.0f} | "
                   f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gib']:.1f} | {r['build_s']:.1f} |",
                   flush=True)
+        for r in rows:
+            if r["kernels"]:
+                print(f"{r['variant']}: {r['kernels']}")
+        shape = "tiny" if args.tiny else args.shape
+        path = results_log.append(rows, bench="bench_train_megatron", gpus=world,
+                                  config=f"{shape}, {args.micro_batches} x {args.mb_tokens} tokens/step/DP rank, lengths "
+                                         f"[{args.min_len}, {args.max_len}], steps {args.steps} (+{args.warmup} warm-up)")
+        print(f"rows appended to {path}")
     dist.destroy_process_group()
     return 0 if len(rows) == len(variants) else 1
 

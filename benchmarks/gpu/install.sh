@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
 # On the H200 machine, after every chunk was copied to /root/stage: install the staged wheels and
-# rlcore's own into /tmp/site. Source it: `source benchmarks/gpu/install.sh`.
-set -e
-bash .gpu/install.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/own/*.whl
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN VLLM_HOST_IP=127.0.0.1 NCCL_NVLS_ENABLE=0
-python3 -c "import rlcore, vllm, megatron.core, ray; print('rlcore', rlcore.__version__, 'vllm', vllm.__version__)"
+# rlcore's own into /tmp/site. Source it: `source benchmarks/gpu/install.sh`. The checkout's
+# sources go first on PYTHONPATH (the installed wheels provide the entry points), so the code that
+# travelled with this call is the code that runs. No `set -e`: it would stay on in the caller's
+# shell, and one failed job (benchmarks/gpu/jobs.sh) would end the whole call.
+bash .gpu/install.sh || return 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/own/*.whl || return 1
+export PYTHONPATH=$PWD/core/src:$PWD/plugins/backend_megatron/src:$PWD/plugins/backend_fsdp2/src:$PWD/plugins/gen_vllm/src:$PWD/plugins/env_math/src:/tmp/site:${PYTHONPATH:-}
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN VLLM_HOST_IP=127.0.0.1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+python3 - <<'PY'
+import importlib
+for name in ("rlcore", "megatron.core", "transformer_engine.pytorch", "vllm", "ray"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name}: {getattr(module, '__version__', 'ok')}")
+    except Exception as exc:  # noqa: BLE001 - report what this call can use
+        print(f"{name}: not importable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+PY

@@ -2,10 +2,20 @@
 # Here (a machine that reaches PyPI), in the repository root: stage everything the H200 machines
 # lack as cp312 wheels in .gpu/chunk-N (<= 60 MiB each, shared/gpu/stage.py) and build rlcore's
 # own five wheels into .gpu/own. Then follow benchmarks/gpu/README.md.
+#   bash benchmarks/gpu/prepare.sh          # everything: Transformer Engine, megatron-core, vLLM, Ray, math-verify
+#   bash benchmarks/gpu/prepare.sh train    # training benchmarks and CUDA tests only: Transformer Engine, megatron-core
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-python3 ../shared/gpu/stage.py vllm==0.26.0 xgrammar==0.2.1 apache-tvm-ffi==0.1.10 pycountry \
-    megatron-core==0.16.1 ray==2.60.0 math-verify==0.9.0
+# Transformer Engine 2.20.2: its torch extension built on an H200 (shared/gpu/README.md), the CUDA 13
+# core library, and the pins they need. Exact versions first: stage.py keeps the first spec per name.
+TE=(../shared/gpu/wheels/transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_64.whl
+    transformer-engine-cu13==2.20.2 transformer-engine==2.20.2 nvidia-cudnn-frontend==1.32.0)
+case "${1:-all}" in
+  train) python3 ../shared/gpu/stage.py "${TE[@]}" megatron-core==0.16.1 ;;
+  all) python3 ../shared/gpu/stage.py "${TE[@]}" vllm==0.26.0 xgrammar==0.2.1 apache-tvm-ffi==0.1.10 pycountry \
+         megatron-core==0.16.1 ray==2.60.0 math-verify==0.9.0 ;;
+  *) echo "usage: $0 [all|train]" >&2; exit 2 ;;
+esac
 rm -rf .gpu/own && mkdir -p .gpu/own
 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/own \
     ./core ./plugins/backend_fsdp2 ./plugins/backend_megatron ./plugins/gen_vllm ./plugins/env_math

@@ -1,0 +1,54 @@
+"""One JSON object per benchmark row, appended to ``benchmarks/results.jsonl`` (DESIGN.md, "Measurements").
+
+Each row carries ``date``, ``machine``, ``commit``, ``bench``, ``config``, ``variant``, ``gpus``,
+its figures under stable names (``tokens_per_s``, ``mfu``, ``step_s``, ...) and a ``run_id``
+shared by the rows of one call, so a ratio is always read from rows measured side by side.
+``RLCORE_RESULTS`` redirects the file (on the GPU machines: ``$OUT/results.jsonl``, appended to
+the repository's file afterwards); ``RLCORE_COMMIT`` names the commit where no ``.git`` travels.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+RUN_ID = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+DEFAULT_PATH = Path(__file__).resolve().parent / "results.jsonl"
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    except Exception:  # noqa: BLE001 - a label, never a failure
+        pass
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def commit() -> str:
+    if os.environ.get("RLCORE_COMMIT"):
+        return os.environ["RLCORE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def append(rows: list[dict], *, bench: str, config: str, gpus: int) -> Path:
+    """Append ``rows`` (each with at least ``variant``) and return the file written."""
+    path = Path(os.environ.get("RLCORE_RESULTS") or DEFAULT_PATH)
+    stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+             "commit": commit(), "bench": bench, "config": config, "gpus": gpus, "run_id": RUN_ID}
+    with path.open("a") as f:
+        for row in rows:
+            clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+            f.write(json.dumps({**stamp, **clean}, default=str) + "\n")
+    return path
