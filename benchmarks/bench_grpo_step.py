@@ -33,6 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_log  # noqa: E402
+
 PEAK_FLOPS = 989e12
 SHAPES = {
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256, vocab_size=128, max_positions=512),
@@ -54,6 +57,9 @@ CONFIGS = {
     "tiny-megatron": ("tiny", "megatron", {}),
     "llama1b-fsdp2": ("llama1b", "fsdp2", {}),
     "llama1b-megatron": ("llama1b", "megatron", {}),
+    "llama1b-fsdp2-compile": ("llama1b", "fsdp2", {"policy.dtensor_cfg.compile": True}),
+    "llama1b-megatron-fp8": ("llama1b", "megatron", {"policy.megatron_cfg.fp8_cfg.enabled": True,
+                                                     "policy.megatron_cfg.fp8_cfg.fp8_recipe": "delayed"}),
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True}),
     # empty_unused_memory_level 1: the trainer returns its cached activation memory after each
@@ -253,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row(name + "".join(f" [{item}]" for item in args.set), shape, result, gpus, args, train_gpus))
         print(json.dumps(rows[-1]), f"(wall {time.perf_counter() - started:.0f}s)", flush=True)
     print_table(rows)
+    results_log.append([{**r, "variant": r["config"]} for r in rows], bench="bench_grpo_step", gpus=rows[0]["gpus"] if rows else 0,
+                       config=f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "
+                              f"{args.mb_tokens}-token micro-batches, steps {args.steps} (summary after {args.warmup})")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
     return 0
@@ -283,7 +292,9 @@ def run_each_in_own_process(configs: list[str], argv: list[str], json_out: str |
     with tempfile.TemporaryDirectory() as tmp:
         for name in configs:
             out = Path(tmp) / f"{name}.json"
-            proc = subprocess.run([sys.executable, __file__, *base, "--config", name, "--json-out", str(out)])
+            # The children's rows share this call's run id.
+            proc = subprocess.run([sys.executable, __file__, *base, "--config", name, "--json-out", str(out)],
+                                  env={**os.environ, "RLCORE_RUN_ID": results_log.RUN_ID})
             if proc.returncode != 0 or not out.is_file():
                 failed.append(f"{name} (exit {proc.returncode})")
                 continue

@@ -22,7 +22,8 @@ Variants (``--variants``, comma-separated; each a ``policy.megatron_cfg`` overri
 defaults): ``megatron`` (the defaults: Transformer Engine's layers when TE loads, flash
 attention, fused RoPE/SwiGLU/weight-gradient accumulation), ``megatron-local`` (Megatron's local
 spec), ``megatron-te-attn`` (TE's cuDNN attention), ``megatron-unfused-wgrad``, ``megatron-fp8``
-(tensorwise), ``megatron-fp8-delayed``, ``megatron-fp8-blockwise``, ``megatron-plain`` (a plain
+(tensorwise), ``megatron-fp8-delayed``, ``megatron-fp8-blockwise``, ``megatron-opfuse`` (MLPs through
+TE's op fuser), ``megatron-fp8-delayed-opfuse``, ``megatron-plain`` (a plain
 Megatron-Core loop over the same model, optimizer and packed micro-batches, with none of the
 backend's wrapper: what the wrapper costs), ``fsdp2`` and ``fsdp2-compile``.
 
@@ -62,6 +63,8 @@ MEGATRON_VARIANTS = {
     "megatron-fp8": {"fp8_cfg": {"enabled": True, "fp8_recipe": "tensorwise"}},
     "megatron-fp8-delayed": {"fp8_cfg": {"enabled": True, "fp8_recipe": "delayed"}},
     "megatron-fp8-blockwise": {"fp8_cfg": {"enabled": True, "fp8_recipe": "blockwise"}},
+    "megatron-opfuse": {"use_te_op_fuser": True},
+    "megatron-fp8-delayed-opfuse": {"fp8_cfg": {"enabled": True, "fp8_recipe": "delayed"}, "use_te_op_fuser": True},
     "megatron-plain": {},
 }
 FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True}
@@ -277,7 +280,8 @@ def worker(rank: int, world: int, port: int, args) -> int:
     if rank == 0:
         print(f"device={device} gpus={world} torch={torch.__version__} shape={'tiny' if args.tiny else args.shape} "
               f"N_matmul={common.matmul_params(hf_config) / 1e9:.3f}e9 micro-batches/step/DP rank={args.micro_batches} "
-              f"x {args.mb_tokens} tokens, lengths [{args.min_len}, {args.max_len}]", flush=True)
+              f"x {args.mb_tokens} tokens, lengths [{args.min_len}, {args.max_len}], host {common.host_speed_us():.2f} us "
+              "per small eager op", flush=True)
     variants = args.variants.split(",") + (["fsdp2-compile"] if args.with_fsdp2 and "fsdp2-compile" not in args.variants else [])
     unknown = [v for v in variants if v not in MEGATRON_VARIANTS and v not in FSDP2_VARIANTS]
     if unknown:

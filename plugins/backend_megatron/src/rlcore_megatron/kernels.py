@@ -32,6 +32,7 @@ class Kernels:
     swiglu_fusion: bool
     wgrad_fusion: bool
     fp8: MegatronFP8Config | None  # None: no FP8
+    te_op_fuser: bool = False  # dense MLPs as one TE op sequence
 
     @property
     def token_multiple(self) -> int:
@@ -41,7 +42,7 @@ class Kernels:
     def describe(self) -> str:
         impl = "transformer_engine" if self.transformer_engine else "local"
         fused = [name for name, on in (("rope", self.rope_fusion), ("swiglu", self.swiglu_fusion),
-                                       ("wgrad-accumulation", self.wgrad_fusion)) if on]
+                                       ("wgrad-accumulation", self.wgrad_fusion), ("te-op-fuser-mlp", self.te_op_fuser)) if on]
         fp8 = f", fp8 {self.fp8.fp8}/{self.fp8.fp8_recipe}" if self.fp8 is not None else ""
         return f"{impl} layers, {self.core_attention} attention, fused: {', '.join(fused) or 'none'}{fp8}"
 
@@ -52,7 +53,7 @@ def resolve(cfg: MegatronConfig, *, on_cuda: bool) -> Kernels:
     if not te:
         for key, on in (("fp8_cfg.enabled", cfg.fp8_cfg.enabled), ("core_attention", cfg.core_attention == "transformer_engine"),
                         ("gradient_accumulation_fusion", cfg.gradient_accumulation_fusion),
-                        ("apply_rope_fusion", cfg.apply_rope_fusion)):
+                        ("apply_rope_fusion", cfg.apply_rope_fusion), ("use_te_op_fuser", cfg.use_te_op_fuser)):
             if on:
                 raise ConfigError(f"{SECTION}.{key}", "needs Transformer Engine's layers, which this run does not use "
                                   f"(transformer_impl={cfg.transformer_impl!r}, {'CUDA' if on_cuda else 'no CUDA device'})")
@@ -64,7 +65,7 @@ def resolve(cfg: MegatronConfig, *, on_cuda: bool) -> Kernels:
         rope_fusion=te if cfg.apply_rope_fusion is None else cfg.apply_rope_fusion,
         swiglu_fusion=on_cuda if cfg.bias_activation_fusion is None else cfg.bias_activation_fusion,
         wgrad_fusion=te if cfg.gradient_accumulation_fusion is None else cfg.gradient_accumulation_fusion,
-        fp8=cfg.fp8_cfg if cfg.fp8_cfg.enabled else None,
+        fp8=cfg.fp8_cfg if cfg.fp8_cfg.enabled else None, te_op_fuser=cfg.use_te_op_fuser,
     )
 
 

@@ -132,7 +132,8 @@ def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None, k
     if kernels.transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm,
+                                                          use_te_op_fuser=kernels.te_op_fuser and not num_experts)
         if kernels.core_attention == "flash":
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         return spec
