@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row(name + "".join(f" [{item}]" for item in args.set), shape, result, gpus, args, train_gpus))
         print(json.dumps(rows[-1]), f"(wall {time.perf_counter() - started:.0f}s)", flush=True)
     print_table(rows)
-    results_log.append([{**r, "variant": r["config"]} for r in rows], bench="bench_grpo_step", gpus=rows[0]["gpus"] if rows else 0,
+    results_log.append([{**{k: v for k, v in r.items() if k != "config"}, "variant": r["config"]} for r in rows], bench="bench_grpo_step", gpus=rows[0]["gpus"] if rows else 0,
                        config=f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "
                               f"{args.mb_tokens}-token micro-batches, steps {args.steps} (summary after {args.warmup})")
     if args.json_out:

@@ -6,8 +6,7 @@
 # shell, and one failed job (benchmarks/gpu/jobs.sh) would end the whole call.
 bash .gpu/install.sh || return 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/own/*.whl || return 1
-export PYTHONPATH=$PWD/core/src:$PWD/plugins/backend_megatron/src:$PWD/plugins/backend_fsdp2/src:$PWD/plugins/gen_vllm/src:$PWD/plugins/env_math/src:/tmp/site:${PYTHONPATH:-}
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN VLLM_HOST_IP=127.0.0.1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+source benchmarks/gpu/env.sh
 python3 - <<'PY'
 import importlib
 for name in ("rlcore", "megatron.core", "transformer_engine.pytorch", "vllm", "ray"):

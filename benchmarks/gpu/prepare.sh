@@ -12,7 +12,9 @@ TE=(../shared/gpu/wheels/transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_6
     transformer-engine-cu13==2.20.2 transformer-engine==2.20.2 nvidia-cudnn-frontend==1.32.0)
 case "${1:-all}" in
   train) python3 ../shared/gpu/stage.py "${TE[@]}" megatron-core==0.16.1 ;;
-  all) python3 ../shared/gpu/stage.py "${TE[@]}" vllm==0.26.0 xgrammar==0.2.1 apache-tvm-ffi==0.1.10 pycountry \
+  # apache-tvm-ffi: vLLM 0.26.0 with xgrammar 0.2.1 pins 0.1.10; cudnn-frontend asks for >= 0.1.11, but TE uses
+  # tvm-ffi only for optional CuTeDSL kernels and falls back to its CUDA C++ ones without them.
+  all) python3 ../shared/gpu/stage.py apache-tvm-ffi==0.1.10 xgrammar==0.2.1 vllm==0.26.0 pycountry "${TE[@]}" \
          megatron-core==0.16.1 ray==2.60.0 math-verify==0.9.0 ;;
   *) echo "usage: $0 [all|train]" >&2; exit 2 ;;
 esac
