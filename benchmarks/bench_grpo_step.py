@@ -60,6 +60,7 @@ CONFIGS = {
     "llama1b-fsdp2-compile": ("llama1b", "fsdp2", {"policy.dtensor_cfg.compile": True}),
     "llama1b-megatron-fp8": ("llama1b", "megatron", {"policy.megatron_cfg.fp8_cfg.enabled": True,
                                                      "policy.megatron_cfg.fp8_cfg.fp8_recipe": "delayed"}),
+    "llama1b-megatron-no-opfuse": ("llama1b", "megatron", {"policy.megatron_cfg.use_te_op_fuser": False}),
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True}),
     # empty_unused_memory_level 1: the trainer returns its cached activation memory after each

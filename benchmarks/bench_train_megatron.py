@@ -20,10 +20,11 @@ same global batches. ``--profile DIR`` profiles two more steps (see ``trace_summ
 
 Variants (``--variants``, comma-separated; each a ``policy.megatron_cfg`` override of the
 defaults): ``megatron`` (the defaults: Transformer Engine's layers when TE loads, flash
-attention, fused RoPE/SwiGLU/weight-gradient accumulation), ``megatron-local`` (Megatron's local
+attention, fused RoPE/SwiGLU/weight-gradient accumulation, MLPs through TE's op fuser),
+``megatron-no-opfuse``, ``megatron-local`` (Megatron's local
 spec), ``megatron-te-attn`` (TE's cuDNN attention), ``megatron-unfused-wgrad``, ``megatron-fp8``
-(tensorwise), ``megatron-fp8-delayed``, ``megatron-fp8-blockwise``, ``megatron-opfuse`` (MLPs through
-TE's op fuser), ``megatron-fp8-delayed-opfuse``, ``megatron-plain`` (a plain
+(tensorwise), ``megatron-fp8-delayed``, ``megatron-fp8-blockwise``, ``megatron-fp8-delayed-no-opfuse``,
+``megatron-plain`` (a plain
 Megatron-Core loop over the same model, optimizer and packed micro-batches, with none of the
 backend's wrapper: what the wrapper costs), ``fsdp2`` and ``fsdp2-compile``.
 
@@ -63,8 +64,8 @@ MEGATRON_VARIANTS = {
     "megatron-fp8": {"fp8_cfg": {"enabled": True, "fp8_recipe": "tensorwise"}},
     "megatron-fp8-delayed": {"fp8_cfg": {"enabled": True, "fp8_recipe": "delayed"}},
     "megatron-fp8-blockwise": {"fp8_cfg": {"enabled": True, "fp8_recipe": "blockwise"}},
-    "megatron-opfuse": {"use_te_op_fuser": True},
-    "megatron-fp8-delayed-opfuse": {"fp8_cfg": {"enabled": True, "fp8_recipe": "delayed"}, "use_te_op_fuser": True},
+    "megatron-no-opfuse": {"use_te_op_fuser": False},
+    "megatron-fp8-delayed-no-opfuse": {"fp8_cfg": {"enabled": True, "fp8_recipe": "delayed"}, "use_te_op_fuser": False},
     "megatron-plain": {},
 }
 FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True}
@@ -90,6 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true", help="with --tiny: bf16 as on GPU (checks that code path on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", metavar="DIR", help="profile 2 more steps (rank 0): print tables, write DIR/<variant>.json.gz")
+    p.add_argument("--profile-stack", action="store_true", help="record Python stacks too (host frames in trace_summary.py)")
     return p.parse_args(argv)
 
 
@@ -242,7 +244,7 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
             raise RuntimeError(f"{name}: non-finite metrics at step {step}: {metrics}")
     if args.profile and dist.get_rank() == 0:
         common.profile_steps(lambda: backend.train(make_batch(args, hf_config.vocab_size, gen, dp), algo), 2,
-                             args.profile, name, device, with_stack=False)
+                             args.profile, name, device, with_stack=args.profile_stack)
     elif args.profile:  # the other ranks take the same steps, unprofiled
         for _ in range(2):
             backend.train(make_batch(args, hf_config.vocab_size, gen, dp), algo)

@@ -151,8 +151,9 @@ class MegatronConfig:
     gradient_accumulation_fusion: bool | None = field(default=None, metadata=doc(
         "TE linear layers add their weight gradients straight into the fp32 main gradients; None = on with "
         "Transformer Engine (the output layer keeps the unfused path: Megatron's needs Apex for it)"))
-    use_te_op_fuser: bool = field(default=False, metadata=doc(
-        "dense MLPs as one Transformer Engine op sequence (norm, fc1, SwiGLU, fc2 fused and launched together)"))
+    use_te_op_fuser: bool | None = field(default=None, metadata=doc(
+        "dense MLPs as one Transformer Engine op sequence (norm, fc1, SwiGLU, fc2 fused and launched together); "
+        "None = on with Transformer Engine's layers"))
     fp8_cfg: MegatronFP8Config = field(factory=MegatronFP8Config, metadata=doc("FP8 training (Transformer Engine)"))
     empty_unused_memory_level: Literal[0, 1, 2] = field(default=0, metadata=doc("torch.cuda.empty_cache: 0 never, 1 after each optimizer step, 2 also after each forward(-backward) pass over the micro-batches"))
     optimizer: MegatronOptimizerConfig = field(factory=MegatronOptimizerConfig, metadata=doc("optimizer"))

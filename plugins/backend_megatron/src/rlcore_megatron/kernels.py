@@ -65,7 +65,7 @@ def resolve(cfg: MegatronConfig, *, on_cuda: bool) -> Kernels:
         rope_fusion=te if cfg.apply_rope_fusion is None else cfg.apply_rope_fusion,
         swiglu_fusion=on_cuda if cfg.bias_activation_fusion is None else cfg.bias_activation_fusion,
         wgrad_fusion=te if cfg.gradient_accumulation_fusion is None else cfg.gradient_accumulation_fusion,
-        fp8=cfg.fp8_cfg if cfg.fp8_cfg.enabled else None, te_op_fuser=cfg.use_te_op_fuser,
+        fp8=cfg.fp8_cfg if cfg.fp8_cfg.enabled else None, te_op_fuser=te if cfg.use_te_op_fuser is None else cfg.use_te_op_fuser,
     )
 
 
