@@ -112,8 +112,8 @@ def test_transformer_engine_that_does_not_load_is_a_config_error(monkeypatch):
 
 def test_fp8_keys():
     cfg = make(fp8_cfg={"enabled": True, "fp8": "e4m3", "fp8_recipe": "delayed"})
-    assert cfg.fp8_cfg.fp8 == "e4m3" and cfg.fp8_cfg.token_multiple == 16 and cfg.fp8_cfg.fp8_logprobs
+    assert cfg.fp8_cfg.fp8 == "e4m3" and cfg.fp8_cfg.token_multiple == 16 and not cfg.fp8_cfg.fp8_logprobs
     with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.fp8_cfg\.fp8_recipe"):
         make(fp8_cfg={"fp8_recipe": "mxfp8"})
     with pytest.raises(ConfigError, match=r"fp8_cfg\.fp8_logprobs.*fp8_param"):
-        make(fp8_cfg={"enabled": True, "fp8_param": True, "fp8_logprobs": False})
+        make(fp8_cfg={"enabled": True, "fp8_param": True})
