@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlcore.algorithms import config as C
-from rlcore.algorithms.base import clipped_surrogate
+from rlcore.algorithms.base import clipped_surrogate, merge_metrics
 from rlcore.algorithms.dapo import DAPO
 from rlcore.algorithms.dr_grpo import DrGRPO
 from rlcore.algorithms.grpo import GRPO
@@ -65,8 +65,7 @@ def _run(alg, batch, logprobs, max_tokens=64):
         if loss.requires_grad:
             loss.backward()
         total_loss += float(loss.detach())
-        for k, v in m.items():
-            metrics[k] = metrics.get(k, 0.0) + v
+        merge_metrics(metrics, {k: float(v) for k, v in m.items()})
     return total_loss, metrics, [lp.grad for lp in leaves]
 
 
@@ -115,8 +114,53 @@ def test_truncated_importance_sampling_hand_value():
     assert m["gen_kl_error"] == pytest.approx((math.log(3) + math.log(2)) / 5)
     # without a cap: metrics only, the loss is unweighted
     loss, m, _ = _run(GRPO(), batch, lp)
-    assert loss == pytest.approx(0.6 / 5) and m["is_truncated_fraction"] == 0.0
+    assert loss == pytest.approx(0.6 / 5) and "is_truncated_fraction" not in m
     assert m["gen_kl_error"] == pytest.approx((math.log(3) + math.log(2)) / 5)
+    assert m["rollout_ratio_max"] == pytest.approx(3.0)  # the maximum over micro-batches, not their sum
+
+
+# Generator ratios p_old / p_gen per valid token: A [1, 3], B [1, 0.5, 1]; sequence ratios 3 and 0.5.
+# PPO token losses (TOKEN_LOSSES): A [-1.0, -1.2], B [0.8, 1.1, 0.9]; 5 valid tokens, 2 sequences.
+CORRECTION_CASES = [
+    # (preset and its keys, loss, metrics it must report)
+    ({"preset": "token_tis", "cap": 2.0}, (-1.0 - 1.2 * 2 + 0.8 + 1.1 * 0.5 + 0.9) / 5, {"is_truncated_fraction": 1 / 5}),
+    ({"preset": "seq_tis", "cap": 2.0}, (2 * (-1.0 - 1.2) + 0.5 * (0.8 + 1.1 + 0.9)) / 5,
+     {"rollout_truncated_seq_fraction": 1 / 2, "rollout_seq_ratio_max": 3.0}),
+    ({"preset": "token_mis", "low": 0.5, "high": 2.0}, (-1.0 + 0.8 + 1.1 * 0.5 + 0.9) / 5,
+     {"rollout_masked_token_fraction": 1 / 5, "rollout_masked_seq_fraction": 1 / 2}),
+    ({"preset": "seq_mis", "low": 0.5, "high": 2.0}, 0.5 * (0.8 + 1.1 + 0.9) / 5,
+     {"rollout_masked_token_fraction": 2 / 5, "rollout_masked_seq_fraction": 1 / 2}),
+    ({"preset": "icepop", "icepop_k": 2.5}, (-1.0 + 0.8 + 1.1 * 0.5 + 0.9) / 5,  # band [0.4, 2.5]
+     {"rollout_masked_token_fraction": 1 / 5}),
+    ({"preset": "icepop", "icepop_k": 4.0}, (-1.0 - 1.2 * 3 + 0.8 + 1.1 * 0.5 + 0.9) / 5, {"rollout_masked_token_fraction": 0.0}),
+    ({"preset": "none"}, 0.6 / 5, {}),
+]
+
+
+@pytest.mark.parametrize("max_tokens", [4, 64])
+@pytest.mark.parametrize(("keys", "want_loss", "want_metrics"), CORRECTION_CASES)
+def test_rollout_correction_presets_hand_values(keys, want_loss, want_metrics, max_tokens):
+    """Each preset's loss on the hand example, one micro-batch per sequence (4) or one for both (64)."""
+    config = C.GRPOConfig(rollout_correction=C.RolloutCorrectionConfig(**keys))
+    batch, lp = _example(gen_log_w={0: [0.0, math.log(3)], 1: [0.0, math.log(0.5), 0.0]})
+    loss, m, grads = _run(GRPO(config), batch, lp, max_tokens)
+    assert loss == pytest.approx(want_loss, abs=1e-12)
+    for name, value in want_metrics.items():
+        assert m[name] == pytest.approx(value, abs=1e-12), name
+    k3 = (3 - 1 - math.log(3)) + (0.5 - 1 - math.log(0.5))  # r - 1 - log r per token
+    assert m["rollout_kl_k3"] == pytest.approx(k3 / 5, abs=1e-12) and m["rollout_ratio_max"] == pytest.approx(3.0)
+    assert all(g is not None for g in grads)
+
+
+def test_rollout_correction_keys():
+    with pytest.raises(ValueError, match="low .* must be below high"):
+        C.RolloutCorrectionConfig(low=2.0, high=1.0)
+    with pytest.raises(ValueError, match="icepop_k must be > 1"):
+        C.RolloutCorrectionConfig(icepop_k=0.5)
+    with pytest.raises(ValueError, match="gen_is_cap .* and rollout_correction.preset .* are both set"):
+        C.GRPOConfig(gen_is_cap=2.0, rollout_correction=C.RolloutCorrectionConfig(preset="seq_tis"))
+    assert C.GRPOConfig(gen_is_cap=1.5).correction == C.RolloutCorrectionConfig(preset="token_tis", cap=1.5)
+    assert GRPO(C.GRPOConfig(rollout_correction=C.RolloutCorrectionConfig(preset="icepop"))).required_fields()["gen_logprobs"]
 
 
 def test_dual_clip_hand_value():

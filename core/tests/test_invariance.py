@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from rlcore.algorithms import config as C
+from rlcore.algorithms.base import merge_metrics
 from rlcore.interfaces import SequenceBatch
 from rlcore.ops import token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals
@@ -62,6 +63,11 @@ def build_batch(model) -> SequenceBatch:
 ALGORITHMS = {
     "grpo_token_kl_tis": ("grpo", C.GRPOConfig(kl_coef=0.05, kl_estimator="k3", gen_is_cap=1.5, ratio_clip_c=3.0)),
     "grpo_sequence": ("grpo", C.GRPOConfig(loss_level="sequence", kl_coef=0.1, kl_estimator="k2")),
+    "grpo_seq_tis": ("grpo", C.GRPOConfig(rollout_correction=C.RolloutCorrectionConfig(preset="seq_tis", cap=1.5))),
+    "grpo_seq_mis": ("grpo", C.GRPOConfig(loss_level="sequence",
+                                          rollout_correction=C.RolloutCorrectionConfig(preset="seq_mis", low=0.3, high=3.0))),
+    "grpo_token_mis": ("grpo", C.GRPOConfig(rollout_correction=C.RolloutCorrectionConfig(preset="token_mis", low=0.6, high=1.6))),
+    "grpo_icepop": ("grpo", C.GRPOConfig(rollout_correction=C.RolloutCorrectionConfig(preset="icepop", icepop_k=1.5))),
     "gspo": ("gspo", C.GSPOConfig(ratio_clip_min=0.1, ratio_clip_max=0.1)),
     "dr_grpo": ("dr_grpo", C.DrGRPOConfig(normalizer_length=16)),
     "dapo": ("dapo", C.DAPOConfig(kl_coef=0.02, kl_estimator="k1")),
@@ -104,8 +110,7 @@ def step_gradient(model, algorithm, micro_batches, totals, forward=packed_logpro
     for mb in micro_batches:
         loss, m = algorithm.loss(forward(model, mb), mb, totals)
         loss.backward()
-        for k, v in m.items():
-            metrics[k] = metrics.get(k, 0.0) + v
+        merge_metrics(metrics, m)
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     return torch.cat([g.reshape(-1) for g in grads]), metrics
 
@@ -155,8 +160,7 @@ def logprob_gradient(algorithm, batch, leaves, micro_batches, totals):
         loss, m = algorithm.loss(torch.cat(parts), mb, totals)
         if mb.seq_ids:  # an empty micro-batch has no leaf in its graph here (a model would)
             loss.backward()
-        for k, v in m.items():
-            metrics[k] = metrics.get(k, 0.0) + v
+        merge_metrics(metrics, m)
     return torch.cat([leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]), metrics
 
 
@@ -175,7 +179,7 @@ def test_logprob_gradient_invariant_for_every_algorithm(setup, key):
     for name, mbs in layouts.items():
         _assert_same(reference, run(mbs), f"{key}: {name} vs 1")
     dp = [run(make_micro_batches(batch, 16, dp_rank=r, dp_size=2, pad_to_multiple=4)) for r in range(2)]
-    summed = (dp[0][0] + dp[1][0], {k: dp[0][1][k] + dp[1][1][k] for k in dp[0][1]})
+    summed = (dp[0][0] + dp[1][0], merge_metrics(dict(dp[0][1]), dp[1][1]))
     _assert_same(reference, summed, f"{key}: dp 2 (summed) vs 1")
 
 
@@ -204,9 +208,13 @@ def _dp_worker(rank: int, world: int, rendezvous: str, out: str) -> None:
         mbs = make_micro_batches(batch, 16, dp_rank=rank, dp_size=world, pad_to_multiple=4)
         grad, metrics = step_gradient(model, build_algorithm(key), mbs, totals)
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        values = torch.tensor(list(metrics.values()), dtype=torch.float64)
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        results[key] = (grad, dict(zip(metrics, values.tolist())), [len(m.seq_ids) for m in mbs])
+        reduced = {}
+        for op, names in ((dist.ReduceOp.SUM, [k for k in metrics if not k.endswith("_max")]),
+                          (dist.ReduceOp.MAX, [k for k in metrics if k.endswith("_max")])):  # as merge_metric
+            values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64)
+            dist.all_reduce(values, op=op)
+            reduced.update(zip(names, values.tolist()))
+        results[key] = (grad, reduced, [len(m.seq_ids) for m in mbs])
     if rank == 0:
         torch.save(results, out)
     dist.barrier()  # nobody tears gloo down while the other rank still talks to it

@@ -110,17 +110,22 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def truncated_is_weights(
-    train_T: torch.Tensor, gen_T: torch.Tensor, valid_T: torch.Tensor, cap: float | None
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Truncated importance weights min(p_train / p_gen, cap) (detached; None without a cap),
-    |log p_gen - log p_train| per token and the truncated-token flags."""
-    log_w = masked(train_T.detach() - gen_T, valid_T)
-    abs_err_T = log_w.abs()
-    if cap is None:
-        return None, abs_err_T, torch.zeros_like(valid_T)
-    raw = torch.exp(log_w)
-    return raw.clamp(max=cap), abs_err_T, raw > cap
+# ---- metrics ---------------------------------------------------------------------------------
+def merge_metric(name: str, a, b):
+    """How one metric of two micro-batches (or ranks) combines: losses' metrics are shares of the
+    step and add up; a name ending in ``_max`` is a largest value and takes the maximum."""
+    if not name.endswith("_max"):
+        return a + b
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+    return max(a, b)
+
+
+def merge_metrics(into: dict, new) -> dict:
+    """``into`` updated with ``new`` by :func:`merge_metric` (keys missing from ``into`` are copied)."""
+    for key, value in new.items():
+        into[key] = merge_metric(key, into[key], value) if key in into else value
+    return into
 
 
 # ---- algorithm bases -------------------------------------------------------------------------

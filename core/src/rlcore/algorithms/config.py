@@ -33,6 +33,26 @@ def _check_clip_min(instance, attribute, value):
 
 
 @frozen(kw_only=True)
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction``: weights or masks on tokens by p_train / p_generator
+    (formulas and sources: :mod:`rlcore.algorithms.rollout_correction`)."""
+
+    preset: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"] = field(
+        default="none", metadata=doc("none, token_tis / seq_tis (truncate at cap), token_mis / seq_mis (drop outside "
+                                     "[low, high]), icepop (drop tokens outside [1/icepop_k, icepop_k])"))
+    cap: float = field(default=2.0, validator=_positive, metadata=doc("truncation C of the *_tis presets"))
+    low: float = field(default=0.5, validator=_positive, metadata=doc("lower bound of the ratio kept by the *_mis presets"))
+    high: float = field(default=2.0, validator=_positive, metadata=doc("upper bound of the ratio kept by the *_mis presets"))
+    icepop_k: float = field(default=2.0, metadata=doc("IcePop's band [1/k, k] (k > 1)"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.icepop_k <= 1.0:
+            raise ValueError(f"icepop_k must be > 1 (the band is [1/k, k]), got {self.icepop_k}")
+
+
+@frozen(kw_only=True)
 class PolicyGradientConfig:
     """Clipped importance-ratio policy gradient, KL to the reference and off-policy correction."""
 
@@ -60,8 +80,22 @@ class PolicyGradientConfig:
     )
     gen_is_cap: float | None = field(
         default=None, validator=_optional(_positive),
-        metadata=doc("truncated importance sampling cap of p_train / p_generator; None disables"),
+        metadata=doc("shorthand for rollout_correction {preset: token_tis, cap: gen_is_cap}; None disables"),
     )
+    rollout_correction: RolloutCorrectionConfig = field(
+        factory=RolloutCorrectionConfig, metadata=doc("correction for the generator-trainer mismatch (needs gen_logprobs)"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.gen_is_cap is not None and self.rollout_correction.preset != "none":
+            raise ValueError(f"gen_is_cap ({self.gen_is_cap}) and rollout_correction.preset "
+                             f"({self.rollout_correction.preset!r}) are both set; keep one")
+
+    @property
+    def correction(self) -> RolloutCorrectionConfig:
+        """The correction in effect (``gen_is_cap`` as the token_tis preset)."""
+        if self.gen_is_cap is not None:
+            return attrs.evolve(self.rollout_correction, preset="token_tis", cap=self.gen_is_cap)
+        return self.rollout_correction
 
 
 @frozen(kw_only=True)

@@ -4,7 +4,8 @@ Per valid token t of sequence i (m = loss mask, A = advantage, r = importance ra
 
     l_pg(t)  = max(-r A, -clip(r, 1 - eps_lo, 1 + eps_hi) A)          (PPO clip, DAPO clip-higher)
     l_pg(t)  = min(l_pg(t), -c A)              if A < 0 and c is set  (dual clip, Ye et al. 2020)
-    l_pg(t) *= min(p_train / p_gen, C)         if gen_is_cap C is set (truncated IS, detached)
+    l_pg(t) *= w_t                             rollout correction w (detached): truncated or masked IS
+                                               by p_train / p_gen, :mod:`rlcore.algorithms.rollout_correction`
     l_kl(t)  = k(log p_ref - log p)            k1, k2 or k3 estimator of KL(p || p_ref)
     loss     = reduce(l_pg) + beta * reduce(l_kl)
 
@@ -16,14 +17,16 @@ choose the advantage estimator, the ratio (GSPO: per sequence) and the reduction
 
 Metrics, all shares that sum to the step value: ``policy_loss``, ``kl`` (the reduced KL
 estimate, before beta), ``clip_fraction``, ``dual_clip_fraction``, ``ratio_mean`` and, when the
-batch carries the generator's logprobs, ``gen_kl_error`` (mean |log p_gen - log p_train| over
-valid tokens) and ``is_truncated_fraction``.
+batch carries the generator's logprobs, the rollout-correction metrics (``gen_kl_error``, the mean
+|log p_gen - log p_train| over valid tokens, ``rollout_kl_k3``, the masked / truncated fractions
+and ``rollout_ratio_max``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from rlcore.algorithms import rollout_correction
 from rlcore.algorithms.base import (
     KL_ESTIMATORS,
     REDUCTIONS,
@@ -33,7 +36,6 @@ from rlcore.algorithms.base import (
     masked,
     token_advantages,
     token_mean_share,
-    truncated_is_weights,
 )
 from rlcore.interfaces import StepTotals
 from rlcore.packing import MicroBatch
@@ -54,8 +56,10 @@ class PolicyGradient(AlgorithmBase):
             fields["old_logprobs"] = "use_old_logprobs is true"
         if self.uses_reference:
             fields["ref_logprobs"] = f"kl_coef={self.config.kl_coef} > 0"
-        if self.config.gen_is_cap is not None:
-            fields["gen_logprobs"] = f"gen_is_cap={self.config.gen_is_cap} is set"
+        preset = self.config.correction.preset
+        if preset != "none":
+            fields["gen_logprobs"] = (f"gen_is_cap={self.config.gen_is_cap} is set" if self.config.gen_is_cap is not None
+                                      else f"rollout_correction.preset={preset!r}")
         return fields
 
     def ratio(self, log_ratio_T: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -82,12 +86,11 @@ class PolicyGradient(AlgorithmBase):
         if cfg.ratio_clip_c is not None:
             metrics["dual_clip_fraction"] = share(dual_T)
         if "gen_logprobs" in mb.token_fields:
-            gen_T = mb.token_fields["gen_logprobs"]
-            weights_T, abs_err_T, truncated_T = truncated_is_weights(train_T, gen_T, valid_T, cfg.gen_is_cap)
+            weights_T, correction = rollout_correction.correct(cfg.correction, train_T, mb.token_fields["gen_logprobs"],
+                                                               valid_T, mb, totals)
             if weights_T is not None:
                 pg_T = pg_T * weights_T
-            metrics["gen_kl_error"] = share(abs_err_T)
-            metrics["is_truncated_fraction"] = share(truncated_T)
+            metrics.update(correction)
         loss = self.reduce(pg_T, mask_T, mb, totals)
         metrics["policy_loss"] = loss
         if self.uses_reference:

@@ -223,8 +223,10 @@ def _packed(logprobs: list, mb) -> Any:
 
 
 def _loss_over(algorithm, batch, logprobs, micro_batches, totals) -> tuple[Any, dict[str, float]]:
-    """Sum of micro-batch losses (backward run on each) and of their metrics."""
+    """Sum of micro-batch losses (backward run on each) and of their metrics (``*_max`` by maximum)."""
     import torch
+
+    from rlcore.algorithms.base import merge_metric
 
     total, metrics = torch.zeros((), dtype=torch.float64), {}
     for mb in micro_batches:
@@ -238,7 +240,7 @@ def _loss_over(algorithm, batch, logprobs, micro_batches, totals) -> tuple[Any, 
                 assert value.dim() == 0 and not value.requires_grad, f"metric {key!r} must be a detached 0-d tensor, got {value!r}"
                 value = float(value)
             assert isinstance(value, float) and math.isfinite(value), f"metric {key!r} is {value!r}"
-            metrics[key] = metrics.get(key, 0.0) + value
+            metrics[key] = merge_metric(key, metrics[key], value) if key in metrics else value
     return total, metrics
 
 
