@@ -1,8 +1,12 @@
-"""A generator built on ``transformers``' own ``generate``: slow, simple and exact.
+"""A generator on a ``transformers`` model in this process: simple and exact.
 
 For debugging, for runs where vLLM is not installed, and for fast tests of the run loop. It
 keeps the policy in this process; refit copies Hugging Face-named tensors into it in place.
-Sampling uses a per-request seed (when given) so that a deterministic run repeats exactly.
+A batch of prompts is decoded together (left-padded, KV cache), one forward per new token for
+all rows; each row samples with its own seed (when given), so a deterministic run repeats
+exactly and a row draws what it would draw alone. Written here rather than through
+``model.generate`` because that draws every row from one random stream and returns no per-token
+logprobs of the sampling distribution.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from rlcore.interfaces import GenerationResult, NamedTensors, SamplingParams
 
 
 class HFGenerator:
+    BATCH_ROWS = 256  # sequences decoded together: the demo's whole step (16 prompts x 8) in one batch
+
     def __init__(self, model_dir: str, config: HFGenerationConfig, max_model_len: int):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,61 +33,91 @@ class HFGenerator:
         self.weights_version = 0
 
     def _sample_one(self, prompt_ids: list[int], params: SamplingParams, seed: int | None) -> GenerationResult:
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return self._sample_batch([prompt_ids], params, [seed])[0]
+
+    def _sample_batch(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int | None]) -> list[GenerationResult]:
+        """Every prompt decoded together: left-padded, one forward over the whole batch per new token,
+        KV cache kept. Each row samples with its own seeded generator, so a row draws the same tokens
+        as it would alone (up to the batch's float rounding)."""
         stops = set(params.stop_token_ids) | set(self.config.stop_token_ids)
         if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
             stops.add(self.tokenizer.eos_token_id)
-        ids = list(prompt_ids)
-        response, logprobs, finish = [], [], "length"
+        rows = len(prompts)
+        lengths = [len(p) for p in prompts]
+        budgets = [max(0, min(params.max_new_tokens, self.max_model_len - n)) for n in lengths]
+        generators = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
+        responses: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] = [[] for _ in range(rows)]
+        finish = ["length"] * rows
+        live = [b > 0 for b in budgets]
+        width = max(lengths)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        inputs = torch.tensor([[pad] * (width - n) + list(p) for p, n in zip(prompts, lengths)])
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         past = None
-        inputs = torch.tensor([ids])
-        budget = min(params.max_new_tokens, self.max_model_len - len(ids))
         with torch.no_grad():
-            for _ in range(max(0, budget)):
-                out = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
+            for step in range(max(budgets, default=0)):
+                if not any(live):
+                    break
+                out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
                 past = out.past_key_values
-                logits_V = out.logits[0, -1].float()
-                token, logprob = self._pick(logits_V, params, generator)
-                response.append(token)
-                logprobs.append(logprob)
-                inputs = torch.tensor([[token]])
-                if token in stops:
-                    finish = "stop"
-                    break
-                if params.stop and any(self.tokenizer.decode(response).endswith(s) for s in params.stop):
-                    finish = "stop"
-                    break
-        text = self.tokenizer.decode(response, skip_special_tokens=True)
-        return GenerationResult(list(prompt_ids), response, logprobs, finish, text=text, policy_version=self.weights_version)
+                tokens, token_logprobs = self._pick(out.logits[:, -1].float(), params, generators)
+                next_tokens = []
+                for r in range(rows):
+                    if not live[r]:
+                        next_tokens.append(pad)
+                        continue
+                    token = tokens[r]
+                    responses[r].append(token)
+                    logprobs[r].append(token_logprobs[r])
+                    next_tokens.append(token)
+                    if token in stops or (params.stop and any(self.tokenizer.decode(responses[r]).endswith(x) for x in params.stop)):
+                        finish[r], live[r] = "stop", False
+                    elif len(responses[r]) >= budgets[r]:
+                        live[r] = False
+                inputs = torch.tensor(next_tokens)[:, None]
+                mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], dim=1)
+                positions = torch.tensor([[n + step] for n in lengths])
+        return [GenerationResult(list(prompt), response, lps, reason, policy_version=self.weights_version,
+                                 text=self.tokenizer.decode(response, skip_special_tokens=True))
+                for prompt, response, lps, reason in zip(prompts, responses, logprobs, finish)]
 
     @staticmethod
-    def _pick(logits_V: torch.Tensor, params: SamplingParams, generator) -> tuple[int, float]:
+    def _pick(logits_BV: torch.Tensor, params: SamplingParams, generators: list) -> tuple[list[int], list[float]]:
+        """One token per row and its logprob under the sampling distribution (temperature, top-k,
+        top-p applied). Sampling is Gumbel-max with each row's noise drawn from its own generator
+        (the global one for unseeded rows): ``argmax(log p + g)``, g = -log(-log u), is a draw
+        from p."""
         if params.temperature <= 0:
-            logprobs_V = torch.log_softmax(logits_V, -1)
-            token = int(torch.argmax(logits_V))
-            return token, float(logprobs_V[token])
-        scaled_V = logits_V / params.temperature
-        if params.top_k > 0:
-            kth = torch.topk(scaled_V, min(params.top_k, scaled_V.numel())).values[-1]
-            scaled_V = scaled_V.masked_fill(scaled_V < kth, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_V, order = torch.sort(scaled_V, descending=True)
-            cumulative = torch.softmax(sorted_V, -1).cumsum(-1)
-            drop = cumulative - torch.softmax(sorted_V, -1) > params.top_p
-            scaled_V = scaled_V.scatter(0, order[drop], float("-inf"))
-        logprobs_V = torch.log_softmax(scaled_V, -1)
-        token = int(torch.multinomial(logprobs_V.exp(), 1, generator=generator))
-        return token, float(logprobs_V[token])
+            logprobs_BV = torch.log_softmax(logits_BV, -1)
+            tokens_B = logits_BV.argmax(-1)
+        else:
+            scaled_BV = logits_BV / params.temperature
+            if params.top_k > 0:
+                kth_B1 = torch.topk(scaled_BV, min(params.top_k, scaled_BV.shape[-1]), dim=-1).values[:, -1:]
+                scaled_BV = scaled_BV.masked_fill(scaled_BV < kth_B1, float("-inf"))
+            if params.top_p < 1.0:
+                sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True)
+                probs_BV = torch.softmax(sorted_BV, -1)
+                drop_BV = probs_BV.cumsum(-1) - probs_BV > params.top_p
+                scaled_BV = scaled_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
+            logprobs_BV = torch.log_softmax(scaled_BV, -1)
+            vocab = logits_BV.shape[-1]
+            uniform_BV = torch.stack([torch.rand(vocab, generator=g) for g in generators]).clamp_(1e-20, 1.0)
+            tokens_B = (logprobs_BV - torch.log(-torch.log(uniform_BV))).argmax(-1)
+        chosen_B = logprobs_BV.gather(-1, tokens_B[:, None])[:, 0]
+        return tokens_B.tolist(), chosen_B.tolist()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationResult]]:
-        results = []
-        for p, prompt in enumerate(prompts):
-            per_prompt = []
-            for k in range(params.n):
-                seed = None if params.seed is None else params.seed + 1_000_003 * p + k
-                per_prompt.append(self._sample_one(prompt, params, seed))
-            results.append(per_prompt)
-        return results
+        """``params.n`` samples of each prompt, decoded in batches of at most ``BATCH_ROWS`` rows."""
+        rows = [(p, k) for p in range(len(prompts)) for k in range(params.n)]
+        seeds = [None if params.seed is None else params.seed + 1_000_003 * p + k for p, k in rows]
+        flat: list[GenerationResult] = []
+        for start in range(0, len(rows), self.BATCH_ROWS):
+            part = rows[start : start + self.BATCH_ROWS]
+            flat += self._sample_batch([prompts[p] for p, _ in part], params, seeds[start : start + self.BATCH_ROWS])
+        return [flat[p * params.n : (p + 1) * params.n] for p in range(len(prompts))]
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         return await asyncio.to_thread(self._sample_one, prompt_ids, params, params.seed)

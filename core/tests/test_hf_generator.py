@@ -1,0 +1,53 @@
+"""The built-in hf generator decodes a whole batch at once with the results of decoding each row alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlcore.interfaces import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_dir):
+    from rlcore.config import build_config
+    from rlcore.hf_generator import HFGenerator
+
+    config = build_config({"policy": {"model_name": str(tiny_model_dir), "generation": {"backend": "hf"}}})
+    return HFGenerator(str(tiny_model_dir), config.section("policy.generation"), 64)
+
+
+def _prompts(generator):
+    return [generator.tokenizer.encode(text, add_special_tokens=False) for text in ("1+2=", "33+44=", "5+678=", "9=")]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_rows_equal_rows_decoded_alone(generator, temperature):
+    """Prompts of different lengths (left padding), greedy and sampled with per-row seeds."""
+    params = SamplingParams(n=3, max_new_tokens=6, temperature=temperature, seed=11, ignore_eos=False)
+    prompts = _prompts(generator)
+    batched = generator.generate(prompts, params)
+    for p, prompt in enumerate(prompts):
+        for k in range(params.n):
+            alone = generator._sample_one(prompt, params, 11 + 1_000_003 * p + k)
+            got = batched[p][k]
+            assert got.prompt_ids == prompt and got.response_ids == alone.response_ids
+            assert got.response_logprobs == pytest.approx(alone.response_logprobs, abs=1e-5)
+            assert got.finish_reason == alone.finish_reason
+    assert generator.generate(prompts, params) == batched  # seeded: the run repeats
+    if temperature > 0:  # different seeds draw different samples
+        assert len({tuple(r.response_ids) for r in batched[0]}) > 1
+
+
+def test_budget_and_stop_per_row(generator):
+    """Each row stops at its own budget (the model length limit) or stop string; finished rows stay finished."""
+    prompts = _prompts(generator) + [list(range(3, 3 + 61))]  # 61 tokens: room for 3 new ones in 64
+    params = SamplingParams(n=1, max_new_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    results = [r[0] for r in generator.generate(prompts, params)]
+    assert [len(r.response_ids) for r in results] == [10, 10, 10, 10, 3]
+    assert all(r.finish_reason == "length" for r in results)
+    first = generator.tokenizer.decode(results[0].response_ids[:2])
+    stopped = generator.generate(prompts[:1], SamplingParams(n=1, max_new_tokens=10, temperature=1.0, seed=3,
+                                                             ignore_eos=True, stop=(first,)))[0][0]
+    n = len(stopped.response_ids)
+    assert stopped.finish_reason == "stop" and n <= 2 and stopped.response_ids == results[0].response_ids[:n]
+    assert generator.tokenizer.decode(stopped.response_ids).endswith(first)
