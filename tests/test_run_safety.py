@@ -1,0 +1,119 @@
+"""Runs that cannot hurt the user, end to end on CPU (fsdp2 backend, hf generator, math env):
+checkpoints tied to their run, one writer per run directory, no code run from a checkpoint on
+resume, hung environments bounded by cluster.timeout_s."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_loop import run_recipe, tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def _recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
+    recipe = tiny_recipe(model_dir, run_dir, **{"grpo.max_num_steps": 2, "grpo.val_period": 0, **extra})
+    if "checkpointing.checkpoint_dir" not in extra:
+        del recipe["checkpointing"]["checkpoint_dir"]  # the default: under logger.log_dir
+    return recipe
+
+
+def test_runs_with_other_settings_never_resume_each_other(tiny_model_dir, tmp_path):
+    first = run_recipe(_recipe(tiny_model_dir, tmp_path / "a"), tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "training backend: fsdp2 (policy.dtensor_cfg)" in first.stdout
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    other = run_recipe(_recipe(tiny_model_dir, tmp_path / "b", **{"grpo.seed": 4}), tmp_path)
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "resumed from" not in other.stdout
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["steps"] == 2
+    shared = run_recipe(_recipe(tiny_model_dir, tmp_path / "c", **{"grpo.seed": 4, "checkpointing.checkpoint_dir":
+                                                                    str(tmp_path / "a" / "checkpoints")}), tmp_path)
+    assert shared.returncode != 0
+    assert "grpo.seed" in shared.stderr and str(tmp_path / "a") in shared.stderr and str(tmp_path / "c") in shared.stderr
+    assert not (tmp_path / "c" / "metrics.jsonl").exists() or not (tmp_path / "c" / "metrics.jsonl").read_text()
+
+
+def _cli(recipe: dict, tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    path = tmp / f"recipe-{os.urandom(3).hex()}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return subprocess.run([sys.executable, "-m", "rlcore.cli", "run", str(path), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_same_command_twice_refuses_rather_than_appending(tiny_model_dir, tmp_path):
+    recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"checkpointing.enabled": False})
+    assert _cli(recipe, tmp_path).returncode == 0
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    again = _cli(recipe, tmp_path)
+    assert again.returncode == 2 and "logger.log_dir" in again.stderr and "already holds" in again.stderr, again.stderr[-2000:]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    records = [json.loads(line) for line in metrics.splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and len({r["run_id"] for r in records}) == 1
+
+
+def test_no_resume_flag_on_a_checkpointed_run_refuses(tiny_model_dir, tmp_path):
+    recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"grpo.max_num_steps": 1})
+    assert _cli(recipe, tmp_path).returncode == 0
+    again = _cli(recipe, tmp_path, "--no-resume")
+    assert again.returncode == 2 and "checkpointing.resume is false" in again.stderr, again.stderr[-2000:]
+
+
+def test_resume_runs_no_code_planted_in_any_checkpoint_file(single_process_group, tiny_model_dir, tmp_path):
+    """Every file a resume reads (loop state, DCP metadata and data, the backend's JSON), through
+    the same CheckpointManager.resume the loop calls, with the real fsdp2 backend."""
+    from rlcore.config.schema import PolicyConfig, RunConfig
+    from rlcore.controller.checkpoint import CheckpointManager, rng_state
+    from rlcore.interfaces import WorldInfo
+    from rlcore.plugins import get_plugin_manager
+    from rlcore.testing.planting import files_under, plant
+
+    reg = get_plugin_manager().get("training_backend", "fsdp2")
+    config = RunConfig(policy=PolicyConfig(model_name=str(tiny_model_dir), precision="float32"),
+                       sections={reg.section: reg.config_cls(enabled=True)})
+    backend = reg.build(config, config.section(reg.section), WorldInfo())
+    saved = CheckpointManager(tmp_path / "saved", 2).save(
+        1, backend.save_checkpoint, {"step": 1, "records": [{"step": 1}], "rng": rng_state(), "run": {"run_id": "r"}})
+    files = files_under(saved)
+    assert {p.name for p in files} >= {"loop_state.pt", ".metadata", "__0_0.distcp"}
+    for i, original in enumerate(files):
+        root, marker = tmp_path / f"planted{i}", tmp_path / f"ran{i}"
+        shutil.copytree(saved.parent, root)
+        planted = root / original.relative_to(saved.parent)
+        plant(planted, marker)
+        with pytest.raises(Exception) as failure:
+            CheckpointManager(root, 2).resume(lambda path, state: None, lambda path: backend.load_checkpoint(str(path)))
+        assert not marker.exists(), f"resume ran code planted in {planted}"
+        assert planted.name in str(failure.value), (planted, failure.value)
+    backend.shutdown()
+
+
+HUNG_RUN = """
+import time, rlcore
+from rlcore.interfaces import EnvStep
+class Hung:
+    def step(self, samples, responses):
+        time.sleep(60)
+        return [EnvStep(reward=1.0) for _ in samples]
+if __name__ == "__main__":
+    rlcore.run(rlcore.load_config({path!r}), environment=Hung())
+"""
+
+
+def test_a_hung_environment_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
+    recipe = _recipe(tiny_model_dir, tmp_path / "hung", **{"cluster.timeout_s": 2, "checkpointing.enabled": False})
+    path = tmp_path / "hung.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(HUNG_RUN.format(path=str(path)))], capture_output=True,
+                          text=True, timeout=50)
+    assert done.returncode != 0
+    assert "environment 'math' did not answer within 2s" in done.stderr and "step 1" in done.stderr, done.stderr[-3000:]
