@@ -109,11 +109,60 @@ if __name__ == "__main__":
 """
 
 
-def test_a_hung_environment_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
-    recipe = _recipe(tiny_model_dir, tmp_path / "hung", **{"cluster.timeout_s": 2, "checkpointing.enabled": False})
-    path = tmp_path / "hung.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(HUNG_RUN.format(path=str(path)))], capture_output=True,
+def _run_hung(template: str, model_dir: Path, tmp: Path) -> subprocess.CompletedProcess:
+    """A two-step run whose environment or generator (in ``template``) hangs, under a 2 s limit."""
+    path = tmp / "hung.yaml"
+    path.write_text(yaml.safe_dump(_recipe(model_dir, tmp / "hung", **{"cluster.timeout_s": 2, "checkpointing.enabled": False})))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(template.format(path=str(path)))], capture_output=True,
                           text=True, timeout=50)
+
+
+def test_a_hung_environment_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
+    done = _run_hung(HUNG_RUN, tiny_model_dir, tmp_path)
     assert done.returncode != 0
     assert "environment 'math' did not answer within 2s" in done.stderr and "step 1" in done.stderr, done.stderr[-3000:]
+
+
+HUNG_GENERATOR_RUN = """
+import time, rlcore
+class HungGenerator:
+    weights_version = 0
+    def generate(self, prompts, params):
+        time.sleep(60)
+    def update_weights(self, named_tensors):
+        pass
+if __name__ == "__main__":
+    rlcore.run(rlcore.load_config({path!r}), generator=HungGenerator())
+"""
+
+
+def test_a_hung_generator_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
+    done = _run_hung(HUNG_GENERATOR_RUN, tiny_model_dir, tmp_path)
+    assert done.returncode != 0
+    assert "GenerationTimeout" in done.stderr and "'generate' did not finish within 2s" in done.stderr, done.stderr[-3000:]
+    assert "at step 1" in done.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_during_a_dcp_save_is_named_and_leaves_no_tmp(single_process_group, tiny_model_dir, tmp_path):
+    """The backend's data file is /dev/full (writes fail with ENOSPC from the kernel)."""
+    from rlcore.config.schema import PolicyConfig, RunConfig
+    from rlcore.controller.checkpoint import CheckpointManager, CheckpointWriteError, rng_state
+    from rlcore.interfaces import WorldInfo
+    from rlcore.plugins import get_plugin_manager
+
+    reg = get_plugin_manager().get("training_backend", "fsdp2")
+    config = RunConfig(policy=PolicyConfig(model_name=str(tiny_model_dir), precision="float32"),
+                       sections={reg.section: reg.config_cls(enabled=True)})
+    backend = reg.build(config, config.section(reg.section), WorldInfo())
+
+    def save_onto_a_full_disk(path: str) -> None:
+        Path(path).mkdir()
+        (Path(path) / "__0_0.distcp").symlink_to("/dev/full")
+        backend.save_checkpoint(path)
+
+    manager = CheckpointManager(tmp_path, 2)
+    with pytest.raises(CheckpointWriteError, match="no space left on device"):
+        manager.save(1, save_onto_a_full_disk, {"step": 1, "rng": rng_state()})
+    assert list(tmp_path.iterdir()) == []
+    backend.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import random
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,8 +24,6 @@ from rlcore.testing.planting import plant
 
 
 def _save_backend(path: str) -> None:
-    from pathlib import Path
-
     Path(path).mkdir()
     torch.save({"w": torch.arange(4.0)}, Path(path) / "weights.pt")
 
@@ -104,3 +103,18 @@ def test_disk_full_during_save_says_so_and_removes_the_tmp(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
     assert [step for step, _ in manager.complete()] == [1]
 
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_real_enospc_from_the_kernel_is_named_too(tmp_path):
+    """The loop state's file is /dev/full, whose writes fail with ENOSPC: torch's own file writer
+    would say only "unexpected pos 704 vs 598"."""
+    manager = CheckpointManager(tmp_path, keep_last_k=2)
+
+    def backend_then_full_disk(path: str) -> None:
+        _save_backend(path)
+        (Path(path).parent / LOOP_STATE).symlink_to("/dev/full")
+
+    with pytest.raises(CheckpointWriteError, match="no space left on device"):
+        manager.save(1, backend_then_full_disk, _state(1))
+    assert list(tmp_path.iterdir()) == []

@@ -77,6 +77,18 @@ def test_a_resumable_rerun_keeps_the_run_id(tmp_path):
     assert again.run_id == owner.run_id
 
 
+def test_a_rerun_with_other_settings_in_the_same_directory_is_refused(tmp_path):
+    config = _config(tmp_path, seed=1, enabled=True)
+    owner = RunDir(config).open()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    CheckpointManager(checkpoint_root(config), 2).save(1, lambda p: Path(p).mkdir(), {"step": 1, "rng": rng_state()})
+    owner.close()
+    with pytest.raises(ConfigError) as failure:
+        RunDir(_config(tmp_path, seed=2, enabled=True)).open()
+    assert failure.value.key == "grpo.seed" and owner.run_id in str(failure.value)
+    assert "choose another logger.log_dir" in str(failure.value)
+
+
 def test_another_runs_checkpoint_is_refused_naming_both_runs_and_the_key(tmp_path):
     ours = RunDir(_config(tmp_path / "b", seed=2))
     theirs = {"run_id": "20260101-000000-abcdef", "log_dir": str(tmp_path / "a"),

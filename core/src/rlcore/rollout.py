@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from rlcore.controller.env_calls import EnvironmentTimeout
+from rlcore.controller.deadlines import EnvironmentTimeout
 from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams
 
 _MARK = "\u2063rlcore-turn\u2063"  # content no real turn contains, to cut template renderings

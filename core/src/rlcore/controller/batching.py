@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 import torch
 
-from rlcore.controller.env_calls import EnvironmentTimeout
+from rlcore.controller.deadlines import EnvironmentTimeout
 from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, SequenceBatch
 
 

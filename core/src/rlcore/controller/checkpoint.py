@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
+from rlcore.config.structure import ConfigError
 from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -52,19 +54,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _disk_full(exc: BaseException, root: Path) -> bool:
-    seen: BaseException | None = exc
-    while seen is not None:
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it, or a rank's error inside DCP's CheckpointException)
+    is the disk filling up. Ray's errors carry the rank's message as text."""
+    pending: list[BaseException] = [exc]
+    while pending:
+        seen = pending.pop()
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(seen):
+        if "No space left on device" in str(seen) or "Errno 28" in str(seen):
             return True
-        seen = seen.__cause__ or seen.__context__
-    # torch's zip writer reports a short write as "unexpected pos ..." without the errno.
-    try:
-        return "unexpected pos" in str(exc) and shutil.disk_usage(root).free < (64 << 20)
-    except OSError:
-        return False
+        if isinstance(seen, CheckpointException):
+            pending += [pair[0] for pair in seen.failures.values()]
+        pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
+    return False
 
 
 class CheckpointManager:
@@ -95,10 +98,12 @@ class CheckpointManager:
         try:
             tmp.mkdir(parents=True)
             save_backend(str(tmp / "backend"))
-            torch.save(loop_state, tmp / LOOP_STATE)
+            # Through a Python file: torch's own file writer reports a full disk as "unexpected pos".
+            with (tmp / LOOP_STATE).open("wb") as f:
+                torch.save(loop_state, f)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, Exception) and _disk_full(exc, self.root):
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc):
                 free = shutil.disk_usage(self.root).free / 2**20 if self.root.exists() else float("nan")
                 raise CheckpointWriteError(
                     f"no space left on device: the checkpoint of step {step} could not be written to {self.root} "
@@ -127,8 +132,6 @@ class CheckpointManager:
                 state = self.load_loop_state(path)
                 check(path, state)
                 load_backend(path / "backend")
-            except UnsafeCheckpointError:
-                raise
             except Exception as exc:  # noqa: BLE001 - any failure to load marks it damaged; the reason is shown
                 if _is_refusal(exc):
                     raise
@@ -140,15 +143,14 @@ class CheckpointManager:
             return path, state
         if skipped:
             raise CheckpointError(f"no usable checkpoint in {self.root}: " + "; ".join(skipped)
-                                  + ". Start afresh with checkpointing.resume=false (rlcore run --no-resume)")
+                                  + ". Move them away, or start afresh in another logger.log_dir with --no-resume")
         return None
 
 
 def _is_refusal(exc: BaseException) -> bool:
     """Errors that mean "do not use this checkpoint at all": code in a file, or another run's checkpoint.
-    Ray re-raises a rank's error as a subclass of both RayTaskError and the original class."""
-    from rlcore.config.structure import ConfigError
-
+    Ray re-raises a rank's error as a subclass of both RayTaskError and the original class, and
+    names the original in its text."""
     return isinstance(exc, (UnsafeCheckpointError, ConfigError)) or "UnsafeCheckpointError" in str(exc)
 
 

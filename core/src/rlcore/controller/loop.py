@@ -24,6 +24,7 @@ from rlcore.controller.batching import (
 )
 from rlcore.interfaces import EnvStep
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import SequenceBatch
@@ -76,12 +77,17 @@ class GRPOLoop:
         with self.gen_lock:
             version = self.c.generator.weights_version
             if self.c.multi_turn is not None:
-                results = self.c.multi_turn(samples, params)
+                results = self._bounded(lambda: self.c.multi_turn(samples, params), "multi-turn rollouts")
                 final_steps = [[EnvStep(reward=t.reward, metrics=t.env_metrics) for t in group]
                                for group in self.c.multi_turn.last_trajectories]
             else:
-                results = self.c.generator.generate([s.prompt_ids for s in samples], params)
+                results = self._bounded(lambda: self.c.generator.generate([s.prompt_ids for s in samples], params), "generate")
         return results, version, final_steps
+
+    def _bounded(self, fn, what: str):
+        limit = self.c.config.cluster.timeout_s
+        return call_with_timeout(fn, limit, lambda: f"timeout: the generator's '{what}' did not finish within {limit:g}s "
+                                                    f"(cluster.timeout_s) at step {self.step}", GenerationTimeout)
 
     def _score(self, trajs: list[Trajectory], final_steps) -> dict[str, float]:
         """Multi-turn rollouts were scored turn by turn already; single-turn ones are scored now."""

@@ -19,9 +19,10 @@ import torch
 import yaml
 
 from rlcore.config import ConfigError, RunConfig, to_dict
-from rlcore.controller.env_calls import TimedEnvironment
+from rlcore.controller.deadlines import TimedEnvironment
 from rlcore.controller.loop import Components, GRPOLoop
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
+from rlcore.controller.ray_local import start_local_ray
 from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.timing import summarize
@@ -125,9 +126,10 @@ def build_trainer(config: RunConfig, manager, backend=None):
     if not ray.is_initialized():
         if address:
             ray.init(address=address, include_dashboard=False)
+            print(f"ray: joined the cluster at {address}; its nodes listen where that cluster was started to", flush=True)
         else:  # a local instance with a CPU slot per trainer rank, even on a 2-core machine
             kwargs = {"num_gpus": world} if separate_gpus else {}
-            ray.init(include_dashboard=False, num_cpus=max(world + 1, os.cpu_count() or 1), **kwargs)
+            start_local_ray(num_cpus=max(world + 1, os.cpu_count() or 1), **kwargs)
     group = RayTrainerGroup(reg, config, config.section(reg.section), world, device, config.cluster.timeout_s)
     if separate_gpus and not address and config.cluster.num_nodes == 1:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(driver_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"),

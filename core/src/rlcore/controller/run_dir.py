@@ -47,20 +47,22 @@ def fingerprint(config: RunConfig) -> dict[str, str]:
     return out
 
 
-def check_owner(theirs: dict | None, ours: dict, where: Path) -> None:
+_FRESH = "set checkpointing.resume=false (rlcore run --no-resume) or another checkpointing.checkpoint_dir"
+
+
+def check_owner(theirs: dict | None, ours: dict, where: Path, fix: str = _FRESH) -> None:
     """Raise a ConfigError naming both runs and the first differing key, unless ``theirs`` (a
-    checkpoint's ``run`` entry) has this run's fingerprint."""
+    checkpoint's ``run`` entry, or a run directory's ``run.json``) has this run's fingerprint;
+    ``fix`` says how to start afresh instead."""
     if not theirs or "fingerprint" not in theirs:
         raise ConfigError("checkpointing.resume", f"checkpoint {where} records no run fingerprint (written by another "
-                          "program or an older rlcore); resume it elsewhere, or set checkpointing.resume=false "
-                          "(rlcore run --no-resume) or another checkpointing.checkpoint_dir")
+                          f"program or an older rlcore); {fix}")
     for key, value in ours["fingerprint"].items():
         saved = theirs["fingerprint"].get(key)
         if saved != value:
             raise ConfigError(key, f"checkpoint {where} belongs to run {theirs.get('run_id')} (logger.log_dir "
                               f"{theirs.get('log_dir')}), which had {key}={_short(saved)}; this run "
-                              f"({ours.get('log_dir')}) has {_short(value)}. Resuming it would mix the two runs: set "
-                              "checkpointing.resume=false (rlcore run --no-resume) or another checkpointing.checkpoint_dir")
+                              f"({ours.get('log_dir')}) has {_short(value)}. Resuming it would mix the two runs: {fix}")
 
 
 def _short(text: str | None) -> str:
@@ -137,7 +139,7 @@ class RunDir:
             raise ConfigError("logger.log_dir", f"{self.path} already holds the records of run {previous.get('run_id')}, "
                               f"and this run would not resume it ({why}): its records would be mixed with that run's. "
                               f"Choose another logger.log_dir, or delete {self.path}")
-        check_owner(previous, {**self.identity(), "log_dir": str(self.path)}, self.path / RUN_FILE)
+        check_owner(previous, self.identity(), self.path / RUN_FILE, fix=f"choose another logger.log_dir, or delete {self.path}")
         return str(previous.get("run_id") or fresh)
 
     def close(self) -> None:

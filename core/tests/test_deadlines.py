@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rlcore.controller.env_calls import EnvironmentTimeout, TimedEnvironment
+from rlcore.controller.deadlines import EnvironmentTimeout, TimedEnvironment
 from rlcore.interfaces import EnvStep, Sample
 
 
@@ -62,3 +62,42 @@ def test_a_prompt_environment_is_untouched_and_its_attributes_pass_through():
     assert [s.reward for s in env.step([Sample(prompt="p")], [["r"]])] == [1.0]
     env.close()
     assert env.inner.closed
+
+
+class OuterDeadline(Exception):
+    pass
+
+
+def _raise_outer(signum, frame):
+    raise OuterDeadline()
+
+
+def test_an_earlier_outer_timer_still_fires_inside_a_bounded_call():
+    """pytest-timeout's alarm (or anyone's) keeps its own time while an environment call runs."""
+    import signal
+
+    previous = signal.signal(signal.SIGALRM, _raise_outer)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    began = time.monotonic()
+    try:
+        with pytest.raises(OuterDeadline):
+            TimedEnvironment(HungEnvironment(60), "sleepy", timeout_s=30, on_timeout="stop").step([Sample(prompt="p")], [["r"]])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - began < 5
+
+
+def test_a_later_outer_timer_is_rearmed_after_a_bounded_call():
+    import signal
+
+    previous = signal.signal(signal.SIGALRM, _raise_outer)
+    signal.setitimer(signal.ITIMER_REAL, 30)
+    try:
+        _timed(0, "stop").step([Sample(prompt="p")], [["r"]])
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 25 < remaining <= 30
+        assert signal.getsignal(signal.SIGALRM) is _raise_outer
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
