@@ -47,3 +47,16 @@ def test_a_model_name_that_is_not_a_model_is_refused_naming_the_key(tmp_path, ma
 
 def test_a_model_directory_passes(tiny_model_dir):
     check_model_name(RunConfig(policy=PolicyConfig(model_name=str(tiny_model_dir))))
+
+
+def test_the_backend_chosen_is_said_at_start_with_the_others_enabled(capsys):
+    from rlcore.controller.run import select_backend
+    from rlcore.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+    if not {"megatron", "fsdp2"} <= set(manager.registry["training_backend"]):
+        pytest.skip("needs rlcore-megatron and rlcore-fsdp2 installed")
+    config = build_config(_recipe(dtensor_cfg={"enabled": True}, megatron_cfg={"enabled": True}), manager=manager)
+    assert select_backend(config, manager).name == "megatron"
+    out = capsys.readouterr().out
+    assert "training backend: megatron (policy.megatron_cfg)" in out and "fsdp2 (policy.dtensor_cfg)" in out
