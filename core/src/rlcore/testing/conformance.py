@@ -409,7 +409,8 @@ def _chunks_to_dict(chunks) -> dict[str, Any]:
 # ---- training backends -----------------------------------------------------------------------
 class TrainingBackendConformance:
     """Logprobs are token-aligned and match the checkpoint, ``train`` changes the weights and
-    reports the required metrics, ``export_weights`` streams the model in Hugging Face names."""
+    reports the required metrics, ``export_weights`` streams the model in Hugging Face names,
+    ``load_checkpoint`` runs no code planted in any checkpoint file."""
 
     logprob_atol: float = 1e-3  # vs transformers on the fp32 checkpoint; raise it for bf16 backends
     check_reference: bool = True  # False if the backend keeps no reference policy in this set-up
