@@ -141,3 +141,21 @@ def test_cli_resume_flags_override_the_recipe():
     assert run_overrides(parser.parse_args(["run", "r.yaml", "a.b=1", "--no-resume"])) == ["a.b=1", "checkpointing.resume=false"]
     assert run_overrides(parser.parse_args(["run", "r.yaml", "--resume"])) == ["checkpointing.resume=true"]
     assert run_overrides(parser.parse_args(["run", "r.yaml"])) == []
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlcore.loggers.config import TensorboardLoggerConfig
+    from rlcore.loggers.tensorboard import TensorboardLogger
+
+    logger = TensorboardLogger(TensorboardLoggerConfig(enabled=True), tmp_path)
+    for step in (1, 2, 3):
+        logger.log({"loss": float(step)}, step)
+    logger.resume_at(2)
+    logger.log({"loss": 30.0}, 3)
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), purge_orphaned_data=True)
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
