@@ -68,21 +68,40 @@ def test_no_resume_flag_on_a_checkpointed_run_refuses(tiny_model_dir, tmp_path):
     assert again.returncode == 2 and "checkpointing.resume is false" in again.stderr, again.stderr[-2000:]
 
 
-def test_resume_runs_no_code_planted_in_any_checkpoint_file(single_process_group, tiny_model_dir, tmp_path):
-    """Every file a resume reads (loop state, DCP metadata and data, the backend's JSON), through
-    the same CheckpointManager.resume the loop calls, with the real fsdp2 backend."""
+@pytest.fixture(scope="module")
+def fsdp2_backend(single_process_group, tiny_model_dir):
     from rlcore.config.schema import PolicyConfig, RunConfig
-    from rlcore.controller.checkpoint import CheckpointManager, rng_state
     from rlcore.interfaces import WorldInfo
     from rlcore.plugins import get_plugin_manager
-    from rlcore.testing.planting import files_under, plant
 
     reg = get_plugin_manager().get("training_backend", "fsdp2")
     config = RunConfig(policy=PolicyConfig(model_name=str(tiny_model_dir), precision="float32"),
                        sections={reg.section: reg.config_cls(enabled=True)})
     backend = reg.build(config, config.section(reg.section), WorldInfo())
-    saved = CheckpointManager(tmp_path / "saved", 2).save(
-        1, backend.save_checkpoint, {"step": 1, "records": [{"step": 1}], "rng": rng_state(), "run": {"run_id": "r"}})
+    yield backend
+    backend.shutdown()
+
+
+def _loop_state(step: int) -> dict:
+    from rlcore.controller.checkpoint import rng_state
+
+    return {"step": step, "records": [{"step": step}], "rng": rng_state(), "run": {"run_id": "r"}}
+
+
+def _resume(root: Path, backend):
+    from rlcore.controller.checkpoint import CheckpointManager
+
+    return CheckpointManager(root, 3).resume(lambda path, state: None, lambda path: backend.load_checkpoint(str(path)))
+
+
+def test_resume_runs_no_code_planted_in_any_checkpoint_file(fsdp2_backend, tmp_path):
+    """Every file a resume reads (loop state, DCP metadata and data, the backend's JSON), through
+    the same CheckpointManager.resume the loop calls, with the real fsdp2 backend."""
+    from rlcore.controller.checkpoint import CheckpointManager
+    from rlcore.testing.planting import files_under, plant
+
+    backend = fsdp2_backend
+    saved = CheckpointManager(tmp_path / "saved", 2).save(1, backend.save_checkpoint, _loop_state(1))
     files = files_under(saved)
     assert {p.name for p in files} >= {"loop_state.pt", ".metadata", "__0_0.distcp"}
     for i, original in enumerate(files):
@@ -91,10 +110,24 @@ def test_resume_runs_no_code_planted_in_any_checkpoint_file(single_process_group
         planted = root / original.relative_to(saved.parent)
         plant(planted, marker)
         with pytest.raises(Exception) as failure:
-            CheckpointManager(root, 2).resume(lambda path, state: None, lambda path: backend.load_checkpoint(str(path)))
+            _resume(root, backend)
         assert not marker.exists(), f"resume ran code planted in {planted}"
         assert planted.name in str(failure.value), (planted, failure.value)
-    backend.shutdown()
+
+
+@pytest.mark.parametrize("damaged", [".metadata", "__0_0.distcp", "loop_state.pt"])
+def test_resume_falls_back_past_a_truncated_newest_checkpoint(fsdp2_backend, tmp_path, damaged, capsys):
+    from rlcore.controller.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, 3)
+    for step in (1, 2):
+        manager.save(step, fsdp2_backend.save_checkpoint, _loop_state(step))
+    (victim,) = (tmp_path / "step_000002").rglob(damaged)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.warns(UserWarning, match=damaged):
+        path, state = _resume(tmp_path, fsdp2_backend)
+    assert path.name == "step_000001" and state["step"] == 1
+    assert "skipped checkpoint" in capsys.readouterr().out
 
 
 HUNG_RUN = """
@@ -144,25 +177,15 @@ def test_a_hung_generator_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
-def test_a_full_disk_during_a_dcp_save_is_named_and_leaves_no_tmp(single_process_group, tiny_model_dir, tmp_path):
+def test_a_full_disk_during_a_dcp_save_is_named_and_leaves_no_tmp(fsdp2_backend, tmp_path):
     """The backend's data file is /dev/full (writes fail with ENOSPC from the kernel)."""
-    from rlcore.config.schema import PolicyConfig, RunConfig
-    from rlcore.controller.checkpoint import CheckpointManager, CheckpointWriteError, rng_state
-    from rlcore.interfaces import WorldInfo
-    from rlcore.plugins import get_plugin_manager
-
-    reg = get_plugin_manager().get("training_backend", "fsdp2")
-    config = RunConfig(policy=PolicyConfig(model_name=str(tiny_model_dir), precision="float32"),
-                       sections={reg.section: reg.config_cls(enabled=True)})
-    backend = reg.build(config, config.section(reg.section), WorldInfo())
+    from rlcore.controller.checkpoint import CheckpointManager, CheckpointWriteError
 
     def save_onto_a_full_disk(path: str) -> None:
         Path(path).mkdir()
         (Path(path) / "__0_0.distcp").symlink_to("/dev/full")
-        backend.save_checkpoint(path)
+        fsdp2_backend.save_checkpoint(path)
 
-    manager = CheckpointManager(tmp_path, 2)
     with pytest.raises(CheckpointWriteError, match="no space left on device"):
-        manager.save(1, save_onto_a_full_disk, {"step": 1, "rng": rng_state()})
+        CheckpointManager(tmp_path, 2).save(1, save_onto_a_full_disk, _loop_state(1))
     assert list(tmp_path.iterdir()) == []
-    backend.shutdown()
