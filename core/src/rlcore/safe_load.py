@@ -56,11 +56,18 @@ def load_tensors(path: str | Path, allow_numpy: bool = False) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(f"{path}: refused to load: it holds objects that only running code could build "
-                                    f"({_first_line(exc)}); it was not written by rlcore, or was altered") from None
+                                    f"({_refusal(exc)}); it was not written by rlcore, or was altered") from None
     except FileNotFoundError:
         raise
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise DamagedCheckpointError(f"{path}: unreadable (truncated or garbled): {_first_line(exc)}") from None
+
+
+def _refusal(exc: BaseException) -> str:
+    """The line of torch's weights-only error that names what was refused (its first line only
+    explains the weights_only default)."""
+    named = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+    return named[0] if named else "objects outside the weights-only allow-list"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -151,7 +158,7 @@ def _check_slice(directory: Path, info, what: str) -> None:
     try:
         torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"{path}: refused to load {what}: {_first_line(exc)}") from None
+        raise UnsafeCheckpointError(f"{path}: refused to load {what}: {_refusal(exc)}") from None
     except (RuntimeError, EOFError, ValueError) as exc:
         raise DamagedCheckpointError(f"{path}: unreadable {what}: {_first_line(exc)}") from None
 
@@ -201,7 +208,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as exc:
             info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata else None
             where = getattr(info, "relative_path", "a data file")
-            raise UnsafeCheckpointError(f"{where}: refused to load item '{read_item.dest_index.fqn}': {_first_line(exc)}") from None
+            raise UnsafeCheckpointError(f"{where}: refused to load item '{read_item.dest_index.fqn}': {_refusal(exc)}") from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element  # DCP's own helper, as its planner uses
 
