@@ -135,25 +135,27 @@ import time, rlcore
 from rlcore.interfaces import EnvStep
 class Hung:
     def step(self, samples, responses):
-        time.sleep(60)
+        time.sleep(600)
         return [EnvStep(reward=1.0) for _ in samples]
 if __name__ == "__main__":
     rlcore.run(rlcore.load_config({path!r}), environment=Hung())
 """
 
 
-def _run_hung(template: str, model_dir: Path, tmp: Path) -> subprocess.CompletedProcess:
-    """A two-step run whose environment or generator (in ``template``) hangs, under a 2 s limit."""
+def _run_hung(template: str, model_dir: Path, tmp: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """A two-step run whose environment or generator (in ``template``) hangs, under ``cluster.timeout_s``."""
     path = tmp / "hung.yaml"
-    path.write_text(yaml.safe_dump(_recipe(model_dir, tmp / "hung", **{"cluster.timeout_s": 2, "checkpointing.enabled": False})))
+    recipe = _recipe(model_dir, tmp / "hung", **{"cluster.timeout_s": timeout_s, "checkpointing.enabled": False})
+    path.write_text(yaml.safe_dump(recipe))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(template.format(path=str(path)))], capture_output=True,
-                          text=True, timeout=50)
+                          text=True, timeout=120)
 
 
 def test_a_hung_environment_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
-    done = _run_hung(HUNG_RUN, tiny_model_dir, tmp_path)
+    # Long enough for the real generation before it on two busy cores; the environment sleeps 600 s.
+    done = _run_hung(HUNG_RUN, tiny_model_dir, tmp_path, timeout_s=15)
     assert done.returncode != 0
-    assert "environment 'math' did not answer within 2s" in done.stderr and "step 1" in done.stderr, done.stderr[-3000:]
+    assert "environment 'math' did not answer within 15s" in done.stderr and "step 1" in done.stderr, done.stderr[-3000:]
 
 
 HUNG_GENERATOR_RUN = """
@@ -170,7 +172,7 @@ if __name__ == "__main__":
 
 
 def test_a_hung_generator_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
-    done = _run_hung(HUNG_GENERATOR_RUN, tiny_model_dir, tmp_path)
+    done = _run_hung(HUNG_GENERATOR_RUN, tiny_model_dir, tmp_path, timeout_s=2)
     assert done.returncode != 0
     assert "GenerationTimeout" in done.stderr and "'generate' did not finish within 2s" in done.stderr, done.stderr[-3000:]
     assert "at step 1" in done.stderr
