@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             get_plugin_manager().register_module(bench_multiturn_env)
             turns = tree["env"]["bench_tool"]["max_turns"]
             tree["policy"]["max_total_sequence_length"] = turns * (args.max_new_tokens + 64) + 64
+        # A run directory holds one run (rlcore refuses to mix a second one in): each call is new.
+        shutil.rmtree(tree["logger"]["log_dir"], ignore_errors=True)
         started = time.perf_counter()
         result = rlcore.run(rlcore.build_config(tree))
         gpus = tree["cluster"]["gpus_per_node"] or 1

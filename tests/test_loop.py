@@ -20,7 +20,7 @@ from rlcore.config.loader import set_dotted
 
 pytestmark = pytest.mark.slow
 
-TIMING_PREFIXES = ("timing/", "refit/seconds", "refit/gb_per_s", "train/seconds")
+TIMING_PREFIXES = ("timing/", "refit/seconds", "refit/gb_per_s", "train/seconds", "run_id")
 
 
 def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
@@ -75,6 +75,12 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model_dir, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     a, b = load_records(tmp_path / "straight"), load_records(killed_dir)
+    lines = [json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4], "each step once, the resumed run's records after the killed run's"
+    assert len({r["run_id"] for r in lines}) == 1 and lines[0]["run_id"], "a resumed run keeps its run id"
+    straight_summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    resumed_summary = json.loads((killed_dir / "summary.json").read_text())
+    assert resumed_summary["num_steps"] == straight_summary["num_steps"] == 3  # steps 2-4: the saved step 2 too
     for step in (3, 4):
         assert a[step].keys() == b[step].keys()
         for key in a[step]:

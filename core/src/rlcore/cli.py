@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlcore.config import ConfigError, load_config, to_dict
+from rlcore.errors import CheckpointError
 from rlcore.plugins import PluginError, get_plugin_manager
 
 console = Console()
@@ -92,10 +93,16 @@ def cmd_doctor(args) -> int:
     return 1
 
 
+def run_overrides(args) -> list[str]:
+    """The recipe overrides of ``rlcore run``, with ``--resume/--no-resume`` last (they win)."""
+    extra = [] if args.resume is None else [f"checkpointing.resume={'true' if args.resume else 'false'}"]
+    return list(args.overrides) + extra
+
+
 def cmd_run(args) -> int:
     import rlcore
 
-    config = load_config(args.recipe, args.overrides)
+    config = load_config(args.recipe, run_overrides(args))
     rlcore.run(config)
     return 0
 
@@ -106,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a recipe")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                   help="continue from this run's newest checkpoint (checkpointing.resume; default: the recipe's)")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plugins", help="list installed plugins and what they provide")
     p.add_argument("--json", action="store_true")
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, PluginError) as exc:
+    except (ConfigError, PluginError, CheckpointError) as exc:
         # soft_wrap: never break the message (key paths, file paths) at the terminal width.
         err_console.print(f"error: {exc}", highlight=False, markup=False, style="bold red", soft_wrap=True)
         return 2

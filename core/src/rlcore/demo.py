@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not (sft / "config.json").is_file():
         print(f"SFT warm start of {base} (target held-out accuracy {args.sft_target:.0%})", flush=True)
         sft_warm_start(base, sft, args.sft_target, args.sft_max_steps, args.sft_batch_size, args.sft_lr)
+    # Each demo is a new GRPO run in <out>/grpo (a run directory holds one run); the SFT warm
+    # start above is what is cached between demos.
+    shutil.rmtree(out / "grpo", ignore_errors=True)
     config = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", f"logger.log_dir={out / 'grpo'}", *args.overrides])
     started = time.perf_counter()
     result = rlcore.run(config)

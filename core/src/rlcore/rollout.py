@@ -33,6 +33,7 @@ from typing import Any
 
 import attrs
 
+from rlcore.controller.deadlines import EnvironmentTimeout
 from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams
 
 _MARK = "\u2063rlcore-turn\u2063"  # content no real turn contains, to cut template renderings
@@ -121,6 +122,8 @@ class MultiTurnRunner:
         try:
             loop = asyncio.get_running_loop()
             (step,) = await loop.run_in_executor(self._env_pool, self.environment.step, [sample], [list(history)])
+        except EnvironmentTimeout:
+            raise
         except Exception:  # noqa: BLE001 - an environment failure ends the trajectory with reward 0, counted
             return EnvStep(reward=0.0, done=True, metrics={"error": 1.0})
         return step

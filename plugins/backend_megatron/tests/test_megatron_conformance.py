@@ -14,4 +14,4 @@ def test_megatron_backend_passes_conformance():
     proc = subprocess.run([sys.executable, "-m", "pytest", str(suite), "-q", "-x", "-p", "no:cacheprovider"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "4 passed" in proc.stdout, proc.stdout[-2000:]
+    assert " passed" in proc.stdout and "5 passed" in proc.stdout, proc.stdout[-2000:]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import attrs
 from attrs import field, frozen
 
 from rlcore.config.structure import doc
+
+_positive = attrs.validators.gt(0)
+_non_negative = attrs.validators.ge(0)
 
 
 @frozen
@@ -19,11 +23,15 @@ class HFRefitConfig:
 @frozen
 class HFGenerationConfig:
     backend: str = field(default="hf", metadata=doc("generator name"))
-    temperature: float = field(default=1.0, metadata=doc("sampling temperature; 0 = greedy"))
-    top_p: float = field(default=1.0, metadata=doc("nucleus sampling"))
+    temperature: float = field(default=1.0, validator=_non_negative, metadata=doc("sampling temperature; 0 = greedy"))
+    top_p: float = field(default=1.0, validator=[attrs.validators.gt(0), attrs.validators.le(1)], metadata=doc("nucleus sampling"))
     top_k: int = field(default=-1, metadata=doc("top-k; -1 disables"))
-    max_new_tokens: int = field(default=64, metadata=doc("response length limit"))
+    max_new_tokens: int = field(default=64, validator=_positive, metadata=doc("response length limit"))
     stop_strings: tuple[str, ...] = field(default=(), metadata=doc("stop when the text ends with one of these"))
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=doc("extra stop tokens besides EOS"))
     dtype: str = field(default="float32", metadata=doc("weights dtype"))
     refit: HFRefitConfig = field(factory=HFRefitConfig, metadata=doc("refit chunking and verification"))
+
+    def __attrs_post_init__(self):
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or positive, got {self.top_k}")

@@ -55,8 +55,14 @@ class PolicyConfig:
     model_name: str = field(metadata=doc("local Hugging Face checkpoint directory"))
     tokenizer_name: str | None = field(default=None, metadata=doc("tokenizer directory; None = model_name"))
     max_total_sequence_length: int = field(default=1024, validator=_positive, metadata=doc("prompt + response limit"))
+    overlong_prompts: Literal["drop", "error"] = field(
+        default="drop", metadata=doc("prompts leaving no room for a response within max_total_sequence_length: dropped at load (counted, first rows named) or an error"),
+    )
     precision: Literal["float32", "bfloat16", "float16", "float64"] = field(default="bfloat16", metadata=doc("training dtype"))
-    train_global_batch_size: int | None = field(default=None, metadata=doc("sequences per optimizer step; None = all of a step's rollouts"))
+    train_global_batch_size: int | None = field(
+        default=None, validator=attrs.validators.optional(_positive),
+        metadata=doc("sequences per optimizer step; None = all of a step's rollouts"),
+    )
     train_micro_batch_size: int = field(default=4, validator=_positive, metadata=doc("sequences per micro-batch without packing"))
     logprob_batch_size: int = field(default=8, validator=_positive, metadata=doc("sequences per logprob micro-batch without packing"))
     max_grad_norm: float | None = field(default=1.0, metadata=doc("gradient clipping; None disables"))
@@ -105,10 +111,10 @@ class ClusterConfig:
 @frozen
 class CheckpointingConfig:
     enabled: bool = field(default=False, metadata=doc("write checkpoints"))
-    checkpoint_dir: str = field(default="runs/checkpoints", metadata=doc("where"))
+    checkpoint_dir: str | None = field(default=None, metadata=doc("where; None = <logger.log_dir>/checkpoints, so a run resumes only its own"))
     save_period: int = field(default=10, validator=_positive, metadata=doc("every N steps"))
     keep_last_k: int = field(default=2, validator=_positive, metadata=doc("older ones are deleted"))
-    resume: bool = field(default=True, metadata=doc("continue from the newest complete checkpoint if any"))
+    resume: bool = field(default=True, metadata=doc("continue from the newest checkpoint that loads, if any (it must be this run's: same model, data, algorithm, seed)"))
 
 
 @frozen
@@ -116,6 +122,9 @@ class EnvConfig:
     """Which environment scores the rollouts; its settings live in ``env.<name>``."""
 
     name: str = field(default="math", metadata=doc("registered environment"))
+    on_timeout: Literal["stop", "zero"] = field(
+        default="stop", metadata=doc("an environment call over cluster.timeout_s stops the run, or scores the batch 0 (counted in env/timeouts)"),
+    )
 
 
 @frozen

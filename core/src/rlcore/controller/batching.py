@@ -9,6 +9,7 @@ import attrs
 import numpy as np
 import torch
 
+from rlcore.controller.deadlines import EnvironmentTimeout
 from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, SequenceBatch
 
 
@@ -68,6 +69,8 @@ def score(environment, trajectories: list[Trajectory]) -> dict[str, float]:
         steps = environment.step([t.sample for t in trajectories], [[t.result.text] for t in trajectories])
         if len(steps) != len(trajectories):
             raise ValueError(f"environment returned {len(steps)} results for {len(trajectories)} trajectories")
+    except EnvironmentTimeout:
+        raise
     except Exception as exc:  # noqa: BLE001 - the run goes on; the failure is counted and shown
         steps = [EnvStep(reward=0.0, metrics={"error": 1.0}) for _ in trajectories]
         metrics["env/errors"] = float(len(trajectories))

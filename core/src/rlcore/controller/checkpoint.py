@@ -2,33 +2,72 @@
 
 A checkpoint holds the backend's own state (model, optimizer, scheduler, RNG: written by the
 backend with torch.distributed.checkpoint or Megatron's dist_checkpointing) and the loop's
-state (step, data position, RNG of the driver, counters) in ``loop_state.pt``, written last, so
-a directory without it was never finished and is ignored on resume.
+state (step, data position, RNG of the driver, counters, the records so far, the run's
+fingerprint) in ``loop_state.pt``, written last, so a directory without it was never finished
+and is ignored on resume. The loop state holds only tensors, numbers, strings and containers:
+it is read with ``weights_only=True`` (:mod:`rlcore.safe_load`).
+
+Resume takes the newest checkpoint that loads; a damaged one (truncated, garbled) is skipped
+with a message saying which and why. A file refusing to load because it would run code stops
+the run: that is not damage to route around.
 """
 
 from __future__ import annotations
 
+import errno
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from rlcore.config.structure import ConfigError
+from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LOOP_STATE = "loop_state.pt"
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (typically: the disk is full); its ``.tmp`` was removed."""
+
+
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    # numpy's state as a tensor: an ndarray would need numpy globals in a weights_only load.
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    saved = state["numpy"]
+    np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
+                         saved["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it, or a rank's error inside DCP's CheckpointException)
+    is the disk filling up. Ray's errors carry the rank's message as text."""
+    pending: list[BaseException] = [exc]
+    while pending:
+        seen = pending.pop()
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen) or "Errno 28" in str(seen):
+            return True
+        if isinstance(seen, CheckpointException):
+            pending += [pair[0] for pair in seen.failures.values()]
+        pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
+    return False
 
 
 class CheckpointManager:
@@ -56,9 +95,22 @@ class CheckpointManager:
         tmp = self.root / f"step_{step:06d}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        save_backend(str(tmp / "backend"))
-        torch.save(loop_state, tmp / LOOP_STATE)
+        try:
+            tmp.mkdir(parents=True)
+            save_backend(str(tmp / "backend"))
+            # Through a Python file: torch's own file writer reports a full disk as "unexpected pos".
+            with (tmp / LOOP_STATE).open("wb") as f:
+                torch.save(loop_state, f)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc):
+                free = shutil.disk_usage(self.root).free / 2**20 if self.root.exists() else float("nan")
+                raise CheckpointWriteError(
+                    f"no space left on device: the checkpoint of step {step} could not be written to {self.root} "
+                    f"({free:.0f} MiB free); its partial {tmp.name} was removed and earlier checkpoints are kept. "
+                    "Free some space, or lower checkpointing.keep_last_k / raise checkpointing.save_period"
+                ) from exc
+            raise
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -68,4 +120,40 @@ class CheckpointManager:
 
     @staticmethod
     def load_loop_state(path: Path) -> dict[str, Any]:
-        return torch.load(path / LOOP_STATE, weights_only=False)
+        return load_tensors(Path(path) / LOOP_STATE)
+
+    def resume(self, check: Callable[[Path, dict], None], load_backend: Callable[[Path], None]) -> tuple[Path, dict] | None:
+        """The newest checkpoint whose loop state and backend state both load: ``check(path, state)``
+        may refuse it (raise, e.g. another run's checkpoint), ``load_backend(path)`` restores the
+        backend. Damaged checkpoints are skipped, each with a warning; None when there are none."""
+        skipped: list[str] = []
+        for _, path in reversed(self.complete()):
+            try:
+                state = self.load_loop_state(path)
+                check(path, state)
+                load_backend(path / "backend")
+            except Exception as exc:  # noqa: BLE001 - any failure to load marks it damaged; the reason is shown
+                if _is_refusal(exc):
+                    raise
+                reason = _reason(exc)
+                skipped.append(f"{path.name}: {reason}")
+                warnings.warn(f"checkpoint {path} is damaged and was skipped: {reason}", stacklevel=2)
+                print(f"warning: skipped checkpoint {path} (damaged: {reason}); trying the previous one", flush=True)
+                continue
+            return path, state
+        if skipped:
+            raise CheckpointError(f"no usable checkpoint in {self.root}: " + "; ".join(skipped)
+                                  + ". Move them away, or start afresh in another logger.log_dir with --no-resume")
+        return None
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """Errors that mean "do not use this checkpoint at all": code in a file, or another run's checkpoint.
+    Ray re-raises a rank's error as a subclass of both RayTaskError and the original class, and
+    names the original in its text."""
+    return isinstance(exc, (UnsafeCheckpointError, ConfigError)) or "UnsafeCheckpointError" in str(exc)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:400]

@@ -24,6 +24,8 @@ from rlcore.controller.batching import (
 )
 from rlcore.interfaces import EnvStep
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
+from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import SequenceBatch
 
@@ -48,6 +50,7 @@ class Components:
     loggers: list
     reporter: Any
     multi_turn: Any = None  # callable(samples, params) -> list[list[GenerationResult]] for multi-turn envs
+    run_identity: dict | None = None  # RunDir.identity(): run id, log dir, fingerprint (checkpoints record it)
 
 
 class GRPOLoop:
@@ -63,7 +66,8 @@ class GRPOLoop:
         self.nonfinite_in_a_row = 0
         self.records: list[dict] = []
         self.gen_lock = threading.Lock()
-        self.ckpt = CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_last_k) if cfg.checkpointing.enabled else None
+        self.ckpt = CheckpointManager(checkpoint_root(cfg), cfg.checkpointing.keep_last_k) if cfg.checkpointing.enabled else None
+        self.identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
 
     # ---- rollouts ---------------------------------------------------------------------------
     def _generate(self, samples, n: int, seed: int | None, greedy: bool = False):
@@ -73,12 +77,17 @@ class GRPOLoop:
         with self.gen_lock:
             version = self.c.generator.weights_version
             if self.c.multi_turn is not None:
-                results = self.c.multi_turn(samples, params)
+                results = self._bounded(lambda: self.c.multi_turn(samples, params), "multi-turn rollouts")
                 final_steps = [[EnvStep(reward=t.reward, metrics=t.env_metrics) for t in group]
                                for group in self.c.multi_turn.last_trajectories]
             else:
-                results = self.c.generator.generate([s.prompt_ids for s in samples], params)
+                results = self._bounded(lambda: self.c.generator.generate([s.prompt_ids for s in samples], params), "generate")
         return results, version, final_steps
+
+    def _bounded(self, fn, what: str):
+        limit = self.c.config.cluster.timeout_s
+        return call_with_timeout(fn, limit, lambda: f"timeout: the generator's '{what}' did not finish within {limit:g}s "
+                                                    f"(cluster.timeout_s) at step {self.step}", GenerationTimeout)
 
     def _score(self, trajs: list[Trajectory], final_steps) -> dict[str, float]:
         """Multi-turn rollouts were scored turn by turn already; single-turn ones are scored now."""
@@ -219,22 +228,28 @@ class GRPOLoop:
     def maybe_resume(self) -> None:
         if self.ckpt is None or not self.c.config.checkpointing.resume:
             return
-        latest = self.ckpt.latest()
-        if latest is None:
+        found = self.ckpt.resume(
+            lambda path, state: check_owner(state.get("run"), self.identity, path),
+            lambda path: self.c.trainer.call("load_checkpoint", str(path), what="'load_checkpoint'"),
+        )
+        if found is None:
             return
-        state = CheckpointManager.load_loop_state(latest)
-        self.c.trainer.call("load_checkpoint", str(latest / "backend"), what="'load_checkpoint'")
+        latest, state = found
         self.step, self.policy_version = state["step"], state["policy_version"]
         self.cursor.position, self.records = state["data_position"], state["records"]
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         set_rng_state(state["rng"])
         self.c.transport.transfer(self.c.trainer, self.c.generator)
+        for logger in self.c.loggers:  # records of steps after the checkpoint are redone, not repeated
+            if hasattr(logger, "resume_at"):
+                logger.resume_at(self.step)
         print(f"resumed from {latest} at step {self.step}")
 
     def save(self) -> None:
         state = {
             "step": self.step, "policy_version": self.policy_version, "data_position": self.cursor.position,
             "records": self.records, "nonfinite_in_a_row": self.nonfinite_in_a_row, "rng": rng_state(),
+            "run": self.identity,
         }
         self.ckpt.save(self.step, lambda path: self.c.trainer.call("save_checkpoint", path, what="'save_checkpoint'"), state)
 
@@ -243,13 +258,16 @@ class GRPOLoop:
         if self.grpo.val_period and self.step % self.grpo.val_period == 0:
             with timer.phase("validation"):
                 record.update(self.validate())
-        if self.ckpt is not None and self.step % self.c.config.checkpointing.save_period == 0:
-            with timer.phase("checkpoint"):
-                self.save()
         record.update(timer.finish())
         record["step"] = self.step
         record["policy_version"] = self.policy_version
         self.records.append(record)
+        if self.ckpt is not None and self.step % self.c.config.checkpointing.save_period == 0:
+            # Saved after the record joins the list, so a resumed run's summary has this step too
+            # (its saved timing lacks only the checkpoint's own time).
+            with timer.phase("checkpoint"):
+                self.save()
+            record.update(timer.finish())
         for logger in self.c.loggers:
             logger.log({k: v for k, v in record.items() if k != "step"}, self.step)
         self.c.reporter.step(record, self.step)
@@ -282,6 +300,8 @@ class GRPOLoop:
 
     def _set_trainer_step(self) -> None:
         self.c.trainer.step = self.step
+        if hasattr(self.c.environment, "current_step"):
+            self.c.environment.current_step = self.step
 
     def _run_async(self) -> list[dict]:
         max_age = self.grpo.async_grpo.max_trajectory_age_steps

@@ -19,8 +19,12 @@ import torch
 import yaml
 
 from rlcore.config import ConfigError, RunConfig, to_dict
+from rlcore.controller.deadlines import TimedEnvironment
 from rlcore.controller.loop import Components, GRPOLoop
+from rlcore.controller.preflight import check_model_name, check_prompt_lengths
+from rlcore.controller.ray_local import start_local_ray
 from rlcore.controller.report import Reporter, plot_curves, summary_table
+from rlcore.controller.run_dir import RunDir
 from rlcore.controller.timing import summarize
 from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
 from rlcore.plugins import get_plugin_manager
@@ -73,6 +77,8 @@ def select_backend(config: RunConfig, manager):
     ties = [r.name for r in enabled if r.capabilities.get("precedence", 0) == top.capabilities.get("precedence", 0)]
     if len(ties) > 1:
         raise ConfigError("policy", f"several training backends are enabled with equal precedence: {ties}; disable all but one")
+    others = [f"{r.name} ({r.section})" for r in enabled[1:]]
+    print(f"training backend: {top.name} ({top.section})" + (f"; also enabled but of lower precedence: {', '.join(others)}" if others else ""), flush=True)
     return top
 
 
@@ -120,9 +126,10 @@ def build_trainer(config: RunConfig, manager, backend=None):
     if not ray.is_initialized():
         if address:
             ray.init(address=address, include_dashboard=False)
+            print(f"ray: joined the cluster at {address}; its nodes listen where that cluster was started to", flush=True)
         else:  # a local instance with a CPU slot per trainer rank, even on a 2-core machine
             kwargs = {"num_gpus": world} if separate_gpus else {}
-            ray.init(include_dashboard=False, num_cpus=max(world + 1, os.cpu_count() or 1), **kwargs)
+            start_local_ray(num_cpus=max(world + 1, os.cpu_count() or 1), **kwargs)
     group = RayTrainerGroup(reg, config, config.section(reg.section), world, device, config.cluster.timeout_s)
     if separate_gpus and not address and config.cluster.num_nodes == 1:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(driver_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -166,6 +173,8 @@ def pick_transport(manager, trainer, generator, config: RunConfig):
 def build_components(config: RunConfig, **given) -> Components:
     manager = get_plugin_manager()
     policy = config.policy
+    if not all(given.get(k) is not None for k in ("tokenizer", "backend", "generator")):
+        check_model_name(config)
     tokenizer = given.get("tokenizer")
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -174,10 +183,12 @@ def build_components(config: RunConfig, **given) -> Components:
     algorithm = given.get("algorithm") or manager.get("algorithm", config.require_section("algorithm").name).build(config.section("algorithm"))
     env_reg = manager.get("environment", config.env.name)
     environment = given.get("environment") or env_reg.build(config.section(f"env.{config.env.name}"))
+    environment = TimedEnvironment(environment, config.env.name, config.cluster.timeout_s, config.env.on_timeout)
     dataset = given.get("dataset")
     if dataset is None:
         data_cfg = config.require_section("data")
         dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
+    check_prompt_lengths(dataset, config)
     trainer = build_trainer(config, manager, given.get("backend"))
     generator = given.get("generator")
     if generator is None:
@@ -208,9 +219,18 @@ def run(config: RunConfig, **given) -> dict:
         raise ConfigError("", "rlcore.run needs a RunConfig (rlcore.load_config(path) or rlcore.build_config(dict))")
     seed_everything(config.grpo.seed, config.grpo.deterministic)
     run_dir = Path(config.logger.log_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    owner = RunDir(config).open()
+    try:
+        return _run_in(config, owner, run_dir, given)
+    finally:
+        owner.close()
+
+
+def _run_in(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dict:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    print(f"run {owner.run_id} in {run_dir}", flush=True)
     components = build_components(config, **given)
+    components.run_identity = owner.identity()
     loop = GRPOLoop(components)
     try:
         with components.reporter:
@@ -226,7 +246,7 @@ def run(config: RunConfig, **given) -> dict:
     summary = summarize([r for r in records if "timing/total" in r], config.grpo.summary_window)
     first_val = next((r["val/accuracy"] for r in records if "val/accuracy" in r), None)
     last_val = next((r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r), None)
-    summary.update({"val/accuracy_first": first_val, "val/accuracy_last": last_val, "steps": loop.step})
+    summary.update({"val/accuracy_first": first_val, "val/accuracy_last": last_val, "steps": loop.step, "run_id": owner.run_id})
     components.reporter.console.print(summary_table(summary, f"GRPO summary (mean of steps {summary.get('window_first')}-{summary.get('window_last')})"))
     plot = plot_curves(records, run_dir / "curves.png")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

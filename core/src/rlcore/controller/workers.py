@@ -16,6 +16,7 @@ rank (default: the last) exit or sleep when it starts ``method`` at ``step``.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import time
@@ -52,6 +53,9 @@ def maybe_inject_fault(method: str, step: int, rank: int, world_size: int) -> No
 
 
 def init_distributed(rank: int, world_size: int, master_port: int, device: str, master_addr: str = "127.0.0.1") -> None:
+    """The trainer's process group. With a loopback master (one machine) nothing listens beyond
+    loopback: the TCP store serves on a socket bound to the master address (torch's own server
+    binds every interface), and gloo's and NCCL's bootstrap sockets use the loopback interface."""
     import torch
     import torch.distributed as dist
 
@@ -60,7 +64,21 @@ def init_distributed(rank: int, world_size: int, master_port: int, device: str, 
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size))
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if not master_addr.startswith("127."):
+        print(f"torch.distributed: rank {rank} rendezvous at {master_addr}:{master_port}; the store listens on every interface",
+              flush=True)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        return
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # Linux's loopback interface
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    timeout = datetime.timedelta(seconds=1800)
+    listen_fd = None
+    if rank == 0:
+        server = socket.create_server((master_addr, master_port), backlog=max(128, world_size))
+        listen_fd = server.detach()
+    store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout, master_listen_fd=listen_fd)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 class LocalTrainer:

@@ -1,25 +1,68 @@
-"""Metrics as JSON Lines: one record per step, appended and flushed so a crash loses nothing."""
+"""Metrics as JSON Lines: one record per step, each tagged with the run id.
+
+Each record is appended with one ``write`` to an ``O_APPEND`` descriptor; a write that fails or
+is cut short (disk full) is undone by truncating the file back, so the file only ever holds whole
+records. On resume, records of the steps after the checkpoint are removed: they are redone.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from pathlib import Path
+
+
+def _run_id(run_dir: Path) -> str:
+    try:
+        return str(json.loads((run_dir / "run.json").read_text()).get("run_id", ""))
+    except (OSError, ValueError):
+        return ""
 
 
 class JsonlLogger:
     def __init__(self, config, run_dir: Path):
         self.path = Path(run_dir) / config.filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        self.run_id = _run_id(Path(run_dir))
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        record = {"step": step}
+        record: dict = {"step": step, "run_id": self.run_id}
         for key, value in metrics.items():
             value = float(value)
             record[key] = value if math.isfinite(value) else str(value)
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
-        self._file.flush()
+        self._append((json.dumps(record, sort_keys=True) + "\n").encode(), step)
+
+    def _append(self, data: bytes, step: int) -> None:
+        start = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as exc:
+            os.ftruncate(self._fd, start)
+            reason = "no space left on device" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror
+            raise OSError(exc.errno, f"{self.path}: the record of step {step} could not be written ({reason}); "
+                                     "the file keeps every earlier record whole") from exc
+
+    def resume_at(self, step: int) -> None:
+        """Keep the records of steps up to ``step`` (the checkpoint resumed from)."""
+        kept = []
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut off by an older version's crash
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.close(self._fd)
+        os.replace(tmp, self.path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

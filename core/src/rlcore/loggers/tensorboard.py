@@ -9,12 +9,20 @@ class TensorboardLogger:
     def __init__(self, config, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self._writer_cls = SummaryWriter
+        self.log_dir = str(Path(run_dir) / "tensorboard")
+        self.writer = SummaryWriter(log_dir=self.log_dir)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, float(value), step)
         self.writer.flush()
+
+    def resume_at(self, step: int) -> None:
+        """Events of the steps after ``step`` (the checkpoint resumed from) are redone: TensorBoard
+        drops the earlier copies when it reads the directory."""
+        self.writer.close()
+        self.writer = self._writer_cls(log_dir=self.log_dir, purge_step=step + 1)
 
     def close(self) -> None:
         self.writer.close()

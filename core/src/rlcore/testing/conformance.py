@@ -411,7 +411,8 @@ def _chunks_to_dict(chunks) -> dict[str, Any]:
 # ---- training backends -----------------------------------------------------------------------
 class TrainingBackendConformance:
     """Logprobs are token-aligned and match the checkpoint, ``train`` changes the weights and
-    reports the required metrics, ``export_weights`` streams the model in Hugging Face names."""
+    reports the required metrics, ``export_weights`` streams the model in Hugging Face names,
+    ``load_checkpoint`` runs no code planted in any checkpoint file."""
 
     logprob_atol: float = 1e-3  # vs transformers on the fp32 checkpoint; raise it for bf16 backends
     check_reference: bool = True  # False if the backend keeps no reference policy in this set-up
@@ -493,6 +494,28 @@ class TrainingBackendConformance:
         assert any(not torch.allclose(a, b) for a, b in zip(after_lp, before_lp)), "logprobs did not change after training"
         if before_ref is not None:  # the reference policy is frozen
             _assert_close_lists(training_backend.logprobs(batch, reference=True), before_ref, 1e-6, "reference logprobs")
+
+    def test_checkpoint_load_runs_no_code_from_any_file(self, training_backend, tmp_path):
+        """A checkpoint is input: a code-running pickle planted in any file it consists of is
+        refused (nothing runs) with an error naming that file; the untouched one still loads."""
+        import shutil
+
+        from rlcore.testing.planting import files_under, plant
+
+        saved = tmp_path / "saved"
+        training_backend.save_checkpoint(str(saved))
+        files = files_under(saved)
+        assert files, "save_checkpoint wrote no files"
+        for i, original in enumerate(files):
+            copy_dir, marker = tmp_path / f"planted{i}", tmp_path / f"ran{i}"
+            shutil.copytree(saved, copy_dir)
+            planted = copy_dir / original.relative_to(saved)
+            plant(planted, marker)
+            with pytest.raises(Exception) as failure:
+                training_backend.load_checkpoint(str(copy_dir))
+            assert not marker.exists(), f"loading a checkpoint ran code planted in {planted.name}"
+            assert planted.name in str(failure.value), f"the error does not name {planted}: {failure.value!r}"
+        training_backend.load_checkpoint(str(saved))
 
 
 # ---- generators ------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ and each rank's RNG state, resuming exactly.
 
 Every rank writes its own shards; DCP's metadata records every tensor's global shape, which is
 checked against the live model before loading so that a checkpoint of another model fails with
-a message naming the first differing parameter rather than a deep DCP error.
+a message naming the first differing parameter rather than a deep DCP error. Loading runs no code
+from the checkpoint: the metadata and the non-tensor items are read by :mod:`rlcore.safe_load`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from rlcore.safe_load import DamagedCheckpointError, SafeFileSystemReader, SafeLoadPlanner, rank_failure, read_dcp_metadata
 
 META_FILE = "rlcore_fsdp2.json"
 
@@ -56,9 +60,12 @@ def check_compatible(path: Path, model_sd: dict[str, Any], hf_config: Any) -> di
     the checkpoint's metadata by key."""
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"{path} is not a torch.distributed.checkpoint directory (no .metadata file)")
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(path).state_dict_metadata
     meta_file = path / META_FILE
-    theirs = json.loads(meta_file.read_text())["model"] if meta_file.exists() else "unknown"
+    try:
+        theirs = json.loads(meta_file.read_text())["model"] if meta_file.exists() else "unknown"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise DamagedCheckpointError(f"{meta_file}: not the JSON rlcore-fsdp2 writes ({exc})") from None
     ours = describe_model(hf_config)
     where = f"checkpoint {path} was saved from a different model ({theirs}) than the one being trained ({ours})"
     for name, tensor in model_sd.items():
@@ -86,7 +93,10 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, s
     rng = {k: v for k, v in _rng_state(device).items() if f"{rng_key}.{k}" in saved}
     if rng:  # absent when resuming on more ranks (or another device type) than were saved
         state[rng_key] = rng
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+    except CheckpointException as exc:
+        raise rank_failure(exc) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(json.loads(state["trainer"]["scheduler"]))
     if "cpu" in rng:

@@ -5,6 +5,10 @@ A checkpoint directory holds:
   resumable under the same layout, and the model part under another TP/PP layout);
 - ``extra/rank_<r>.pt``: per-rank scheduler state, step counter and RNG states (CPU, CUDA and
   Megatron's RNG tracker), so that a resumed run continues bit for bit.
+
+Loading runs no code from the checkpoint: ``dist_checkpointing`` unpickles DCP's metadata and
+its non-tensor items without restrictions, so those files are verified first
+(:func:`rlcore.safe_load.verify_dcp_dir`), and every ``.pt`` file is read with ``weights_only``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from rlcore.safe_load import DamagedCheckpointError, load_tensors, rank_failure, verify_dcp_dir
 
 # Fully parallel save/load with no gathering; reshardable across data-parallel sizes.
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -93,20 +101,39 @@ def load(backend, path: str) -> None:
     root = Path(path)
     if not (root / "megatron").is_dir():
         raise FileNotFoundError(f"{root} is not an rlcore-megatron checkpoint (no megatron/ directory)")
+    _verify(root / "megatron")
     _init_adam_state(backend.optimizer)
-    state = dist_checkpointing.load(_sharded(backend, is_loading=True), str(root / "megatron"))
+    try:
+        state = dist_checkpointing.load(_sharded(backend, is_loading=True), str(root / "megatron"))
+    except (Exception, CheckpointException) as exc:
+        verify_dcp_dir(root / "megatron", tensors=True)  # names the file at fault when it is one
+        raise (rank_failure(exc) if isinstance(exc, CheckpointException) else exc) from None
     backend.module.load_state_dict(state["model"])
     with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
         backend.optimizer.load_state_dict(state["optimizer"])
     extra_file = root / "extra" / f"rank_{dist.get_rank()}.pt"
     if not extra_file.is_file():
         raise FileNotFoundError(f"{extra_file} is missing: the checkpoint was written with a different world size")
-    extra = torch.load(extra_file, weights_only=False)
+    extra = load_tensors(extra_file, allow_numpy=True)
     backend.scheduler.load_state_dict(extra["scheduler"])
     backend.step = int(extra["step"])
     _set_adam_steps(backend.optimizer, extra.get("optimizer_steps", backend.step))
     _set_rng_state(extra["rng"])
     dist.barrier()
+
+
+def _verify(directory: Path) -> None:
+    """What ``dist_checkpointing.load`` reads, checked by loaders that run no code: the DCP
+    metadata and pickled items, ``common.pt`` (weights only) and ``metadata.json``."""
+    verify_dcp_dir(directory)
+    if (directory / "common.pt").is_file():
+        load_tensors(directory / "common.pt")
+    for name in ("metadata.json",):
+        if (directory / name).is_file():
+            try:
+                json.loads((directory / name).read_text())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise DamagedCheckpointError(f"{directory / name}: not JSON ({exc})") from None
 
 
 def export_hf(backend, path: str, shard_bytes: int = 4 << 30) -> None:

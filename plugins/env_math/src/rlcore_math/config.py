@@ -97,6 +97,13 @@ class MathFilesDatasetConfig:
     system_prompt: str | None = field(default=None, metadata=doc("optional system message"))
     max_prompt_tokens: int | None = field(default=None, metadata=doc("prompts longer than this (after the chat template) are dropped and counted"))
     skip_bad_rows: bool = field(default=False, metadata=doc("skip and count malformed rows instead of stopping"))
+    max_line_bytes: int = field(
+        default=1 << 20, validator=_positive,
+        metadata=doc("a JSONL line longer than this is an error naming the file and line, found before any parsing"),
+    )
+    decode_errors: Literal["error", "replace"] = field(
+        default="error", metadata=doc("bytes that are not UTF-8: an error naming the file and line, or replaced by U+FFFD and counted"),
+    )
     max_samples: int | None = field(default=None, metadata=doc("use only the first N training rows"))
     cache_dir: str | None = field(default=None, metadata=doc("Hugging Face datasets cache; None = its default"))
     seed: int = field(default=0, metadata=doc("seed of the train/validation split"))

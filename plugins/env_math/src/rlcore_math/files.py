@@ -13,11 +13,15 @@ preset         problem column  answer column                                   g
 Every row is checked before the run starts: a malformed row stops loading with a
 :class:`~rlcore_math.prompts.DataError` naming the file, the line (JSONL) or row, and the
 column, unless ``skip_bad_rows`` is set, in which case bad rows are skipped and counted in
-``dataset.stats``.
+``dataset.stats``. Before any parsing, JSON files are read once line by line with bounded
+reads: a line over ``max_line_bytes`` (JSONL) or bytes that are not UTF-8 stop loading naming
+the file and line (``decode_errors: replace`` counts such lines instead), and an empty file is
+named as such.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
 from pathlib import Path
@@ -57,6 +61,9 @@ def build_math_files_dataset(config: MathFilesDatasetConfig, tokenizer: Any) -> 
         validation = tokenize_split(validation, tokenizer, "validation", config.max_prompt_tokens, stats)
     if stats["bad_rows"]:
         log.warning("data: skipped %d malformed rows (data.skip_bad_rows=true)", stats["bad_rows"])
+    if stats.get("replaced_lines"):
+        log.warning("data: %d lines had bytes that are not UTF-8, replaced by U+FFFD (data.decode_errors=replace)",
+                    stats["replaced_lines"])
     return MathDataset(train=train, validation=validation, stats=stats)
 
 
@@ -90,6 +97,8 @@ def _read_rows(path: Path, config: MathFilesDatasetConfig, stats: dict[str, int]
     builder = "parquet" if suffix == ".parquet" else "json"
     if suffix not in (".parquet", ".jsonl", ".json", ".ndjson"):
         raise DataError(f"{path}: unsupported file type '{suffix}' (use .jsonl, .json or .parquet)")
+    if builder == "json":
+        lines = _scan_lines(path, config, stats, capped=suffix != ".json")
     datasets.disable_progress_bars()
     try:
         table = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=config.cache_dir)
@@ -99,14 +108,42 @@ def _read_rows(path: Path, config: MathFilesDatasetConfig, stats: dict[str, int]
             raise DataError(f"{path}: cannot read Parquet file: {exc}") from exc
         return _read_json_lines(path, config, stats, exc)
     if builder == "json" and suffix != ".json":
-        lines = _nonblank_line_numbers(path)
         return rows, [f"line {n}" for n in lines] if len(lines) == len(rows) else [f"row {i}" for i in range(len(rows))]
     return rows, [f"row {i}" for i in range(len(rows))]
 
 
-def _nonblank_line_numbers(path: Path) -> list[int]:
+def _scan_lines(path: Path, config: MathFilesDatasetConfig, stats: dict[str, int], capped: bool) -> list[int]:
+    """Numbers of the non-blank lines, reading at most ``max_line_bytes`` (+1) at a time so that
+    a huge line costs no memory; raises DataError for an over-long line (``capped``), bytes that
+    are not UTF-8 (unless ``decode_errors: replace``) or an empty file."""
+    limit = config.max_line_bytes
+    numbers, n, length, blank, replaced = [], 1, 0, True, False
+    decoder = codecs.getincrementaldecoder("utf-8")()
     with path.open("rb") as f:
-        return [n for n, line in enumerate(f, start=1) if line.strip()]
+        while chunk := f.readline(limit + 1):
+            if capped and length + len(chunk) > limit + (1 if chunk.endswith(b"\n") else 0):
+                raise DataError(f"{path}, line {n}: longer than data.max_line_bytes={limit} bytes; "
+                                "fix the line or raise data.max_line_bytes")
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                if config.decode_errors == "error":
+                    at = length + exc.start - (len(exc.object) - len(chunk)) + 1
+                    raise DataError(f"{path}, line {n}: byte 0x{exc.object[exc.start]:02x} at byte {at} of the line "
+                                    "is not UTF-8; fix the file's encoding or set data.decode_errors=replace") from None
+                decoder.reset()
+                replaced = True
+            length, blank = length + len(chunk), blank and not chunk.strip()
+            if chunk.endswith(b"\n"):
+                numbers += [] if blank else [n]
+                stats["replaced_lines"] = stats.get("replaced_lines", 0) + replaced
+                n, length, blank, replaced = n + 1, 0, True, False
+    if not blank:
+        numbers.append(n)
+        stats["replaced_lines"] = stats.get("replaced_lines", 0) + replaced
+    if not numbers:
+        raise DataError(f"{path}: the file is empty (no rows)")
+    return numbers
 
 
 def _read_json_lines(path: Path, config: MathFilesDatasetConfig, stats: dict[str, int], cause: Exception):
@@ -128,7 +165,7 @@ def _read_json_lines(path: Path, config: MathFilesDatasetConfig, stats: dict[str
             rows.append(row)
             where.append(f"line {n}")
     if not rows and not stats["bad_rows"]:
-        raise DataError(f"{path}: cannot read as JSON lines: {cause}")
+        raise DataError(f"{path}: cannot read as JSON lines: {str(cause).strip() or type(cause).__name__}")
     return rows, where
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import importlib
 import multiprocessing as mp
+import os
 import signal
 import time
 import weakref
@@ -247,7 +248,12 @@ class RayGradingPool:
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
+            if options.ray_address or os.environ.get("RAY_ADDRESS"):
+                ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
+            else:  # a local instance listening on loopback only, as rlcore's own
+                from rlcore.controller.ray_local import start_local_ray
+
+                start_local_ray(log_to_driver=False)
         self._ray = ray
         self.options = options
         self._actor_cls = ray.remote(num_cpus=0, max_restarts=0)(_RayGrader)

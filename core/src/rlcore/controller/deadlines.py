@@ -1,0 +1,106 @@
+"""Waits of the run loop bounded by ``cluster.timeout_s``: environment calls and generation.
+
+Environments and generators are plugin code that may hang (a remote grader, a sandbox, an engine
+process). Each call is bounded: in the main thread by a ``SIGALRM`` interval timer (so that an
+environment's own main-thread deadlines, such as rlcore-math's inline grader, keep working: that
+grader suspends and re-arms an outer timer), elsewhere by waiting on a helper thread. A timer
+someone else armed (pytest-timeout, say) still fires on time. A call in the main thread that sits
+in one long C call is interrupted only when it returns to Python.
+
+On expiry of an environment call the run stops with an error naming the environment and the step
+(``env.on_timeout: stop``), or the batch scores 0 and is counted in ``env/timeout`` (``zero``;
+the stuck call is abandoned, not killed).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+from rlcore.interfaces import EnvStep
+
+
+class EnvironmentTimeout(TimeoutError):
+    """An environment call took longer than ``cluster.timeout_s``."""
+
+
+class GenerationTimeout(TimeoutError):
+    """A generator call took longer than ``cluster.timeout_s``."""
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float, describe: Callable[[], str],
+                      error: type[TimeoutError] = EnvironmentTimeout) -> Any:
+    in_main = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    return (_with_alarm if in_main else _with_thread)(fn, timeout_s, lambda: error(describe()))
+
+
+def _with_alarm(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
+    previous = signal.getsignal(signal.SIGALRM)
+    outer_delay, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    outer_first = bool(outer_delay) and outer_delay <= timeout_s and callable(previous)
+    started = time.monotonic()
+
+    def expire(signum, frame):
+        if outer_first and time.monotonic() - started < timeout_s:
+            previous(signum, frame)  # the other deadline came first: it decides (pytest-timeout fails the test)
+            signal.setitimer(signal.ITIMER_REAL, max(timeout_s - (time.monotonic() - started), 1e-3))
+            return
+        raise expired()
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, outer_delay if outer_first else timeout_s)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_delay and not outer_first:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_delay - (time.monotonic() - started), 1e-3), outer_interval)
+
+
+def _with_thread(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="rlcore-bounded-call", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise expired()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class TimedEnvironment:
+    """Wraps an environment so that every ``step`` is bounded; other attributes pass through.
+    ``current_step`` is set by the run loop, for the message."""
+
+    def __init__(self, environment, name: str, timeout_s: float, on_timeout: str):
+        self.inner, self.name = environment, name
+        self.timeout_s, self.on_timeout = timeout_s, on_timeout
+        self.current_step = 0
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def _describe(self) -> str:
+        return (f"timeout: environment '{self.name}' did not answer within {self.timeout_s:g}s (cluster.timeout_s) "
+                f"at step {self.current_step}; set env.on_timeout=zero to score such batches 0 and go on")
+
+    def step(self, samples, responses):
+        try:
+            return call_with_timeout(lambda: self.inner.step(samples, responses), self.timeout_s, self._describe)
+        except EnvironmentTimeout as exc:
+            if self.on_timeout == "stop":
+                raise
+            print(f"warning: {exc}; the batch of {len(samples)} scores 0 (env.on_timeout=zero)", flush=True)
+            return [EnvStep(reward=0.0, done=True, metrics={"timeout": 1.0}) for _ in samples]

@@ -1,0 +1,83 @@
+"""Checks made when a run's parts are built, before the first step: what would otherwise fail
+later, deep inside a library, without naming the key or the row at fault."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from rlcore.config import ConfigError, RunConfig
+
+log = logging.getLogger("rlcore")
+_NAMED_ROWS = 3  # over-long prompts named in the message; the rest are counted
+
+
+def check_model_name(config: RunConfig) -> None:
+    """``policy.model_name`` (and ``policy.tokenizer_name``) must be Hugging Face model directories."""
+    policy = config.policy
+    _check_hf_dir("policy.model_name", policy.model_name, need="config.json")
+    if policy.tokenizer_name:
+        _check_hf_dir("policy.tokenizer_name", policy.tokenizer_name, need=None)
+
+
+def _check_hf_dir(key: str, name: str, need: str | None) -> None:
+    if not name or not name.strip():
+        raise ConfigError(key, "is empty; give a local Hugging Face model directory")
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if need and not (path / need).is_file():
+            raise ConfigError(key, f"{name!r} is a directory but not a Hugging Face model: it has no {need}")
+        return
+    if path.exists():
+        raise ConfigError(key, f"{name!r} is a file; give the Hugging Face model directory that holds it")
+    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ConfigError(key, f"{name!r}: no such directory (a local Hugging Face model directory is expected)")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)
+    except Exception as exc:  # noqa: BLE001 - transformers' many error types; the key is what matters
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(key, f"{name!r} is neither a local directory nor a loadable Hugging Face model: {first}") from None
+
+
+def check_prompt_lengths(dataset: Any, config: RunConfig) -> dict[str, int]:
+    """Drop (``policy.overlong_prompts: drop``, counted and the first rows named) or refuse
+    (``error``) prompts that leave no room for a response within ``policy.max_total_sequence_length``.
+    Returns counts by split."""
+    limit = config.policy.max_total_sequence_length
+    counts = {}
+    for split in ("train", "validation"):
+        samples = getattr(dataset, split, None)
+        if not samples:
+            continue
+        long = [s for s in samples if s.prompt_ids is not None and len(s.prompt_ids) >= limit]
+        counts[split] = len(long)
+        if not long:
+            continue
+        named = "; ".join(_where(s) for s in long[:_NAMED_ROWS]) + (f"; and {len(long) - _NAMED_ROWS} more" if len(long) > _NAMED_ROWS else "")
+        what = (f"{split}: {len(long)} of {len(samples)} prompts have at least policy.max_total_sequence_length={limit} "
+                f"tokens, leaving no room for a response ({named})")
+        if config.policy.overlong_prompts == "error" or len(long) == len(samples):
+            raise ConfigError("policy.max_total_sequence_length", f"{what}; raise the limit, shorten the prompts"
+                              + (", or set policy.overlong_prompts=drop" if len(long) < len(samples) else ""))
+        kept = [s for s in samples if not (s.prompt_ids is not None and len(s.prompt_ids) >= limit)]
+        for index, sample in enumerate(kept):
+            sample.index = index
+        try:
+            setattr(dataset, split, kept)
+        except (AttributeError, TypeError) as exc:
+            raise ConfigError("policy.overlong_prompts", f"{what}, and the dataset {type(dataset).__name__} cannot drop them "
+                              f"({exc}); shorten them or raise the limit") from None
+        message = f"warning: {what}: dropped (policy.overlong_prompts=drop)"
+        print(message, flush=True)
+        log.warning(message)
+    return counts
+
+
+def _where(sample: Any) -> str:
+    meta = getattr(sample, "metadata", None) or {}
+    place = ", ".join(str(meta[k]) for k in ("source", "location") if k in meta)
+    return f"{place or f'row {sample.index}'}: {len(sample.prompt_ids)} tokens"

@@ -1,0 +1,18 @@
+"""Errors a run reports as one clear message (the CLI prints them without a traceback).
+
+Kept free of heavy imports so that ``rlcore`` commands that never touch torch can catch them.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used or written; the message names the file or directory."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file holds objects that loading would have to construct by running code."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint file is truncated or garbled."""

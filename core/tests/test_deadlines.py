@@ -1,0 +1,103 @@
+"""Environment calls are bounded by cluster.timeout_s, in the main thread and in others."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rlcore.controller.deadlines import EnvironmentTimeout, TimedEnvironment
+from rlcore.interfaces import EnvStep, Sample
+
+
+class HungEnvironment:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def step(self, samples, responses):
+        time.sleep(self.seconds)
+        return [EnvStep(reward=1.0) for _ in samples]
+
+    def close(self):
+        self.closed = True
+
+
+def _timed(seconds: float, on_timeout: str) -> TimedEnvironment:
+    env = TimedEnvironment(HungEnvironment(seconds), "sleepy", timeout_s=0.3, on_timeout=on_timeout)
+    env.current_step = 7
+    return env
+
+
+def test_a_hung_environment_stops_the_run_naming_it_and_the_step():
+    began = time.monotonic()
+    with pytest.raises(EnvironmentTimeout) as failure:
+        _timed(60, "stop").step([Sample(prompt="p")], [["r"]])
+    assert time.monotonic() - began < 5
+    assert "'sleepy'" in str(failure.value) and "step 7" in str(failure.value) and "cluster.timeout_s" in str(failure.value)
+
+
+def test_a_hung_environment_off_the_main_thread_is_bounded_too():
+    failures = []
+
+    def rollouts():  # as the async producer thread calls it
+        try:
+            _timed(60, "stop").step([Sample(prompt="p")], [["r"]])
+        except EnvironmentTimeout as exc:
+            failures.append(exc)
+
+    worker = threading.Thread(target=rollouts)
+    worker.start()
+    worker.join(timeout=5)
+    assert not worker.is_alive() and len(failures) == 1
+
+
+def test_on_timeout_zero_scores_the_batch_zero_and_counts_it():
+    steps = _timed(60, "zero").step([Sample(prompt="p"), Sample(prompt="q")], [["r"], ["s"]])
+    assert [(s.reward, s.metrics["timeout"]) for s in steps] == [(0.0, 1.0), (0.0, 1.0)]
+
+
+def test_a_prompt_environment_is_untouched_and_its_attributes_pass_through():
+    env = _timed(0, "stop")
+    assert [s.reward for s in env.step([Sample(prompt="p")], [["r"]])] == [1.0]
+    env.close()
+    assert env.inner.closed
+
+
+class OuterDeadline(Exception):
+    pass
+
+
+def _raise_outer(signum, frame):
+    raise OuterDeadline()
+
+
+def test_an_earlier_outer_timer_still_fires_inside_a_bounded_call():
+    """pytest-timeout's alarm (or anyone's) keeps its own time while an environment call runs."""
+    import signal
+
+    previous = signal.signal(signal.SIGALRM, _raise_outer)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    began = time.monotonic()
+    try:
+        with pytest.raises(OuterDeadline):
+            TimedEnvironment(HungEnvironment(60), "sleepy", timeout_s=30, on_timeout="stop").step([Sample(prompt="p")], [["r"]])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - began < 5
+
+
+def test_a_later_outer_timer_is_rearmed_after_a_bounded_call():
+    import signal
+
+    previous = signal.signal(signal.SIGALRM, _raise_outer)
+    signal.setitimer(signal.ITIMER_REAL, 30)
+    try:
+        _timed(0, "stop").step([Sample(prompt="p")], [["r"]])
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 25 < remaining <= 30
+        assert signal.getsignal(signal.SIGALRM) is _raise_outer
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

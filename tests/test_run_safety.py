@@ -1,0 +1,193 @@
+"""Runs that cannot hurt the user, end to end on CPU (fsdp2 backend, hf generator, math env):
+checkpoints tied to their run, one writer per run directory, no code run from a checkpoint on
+resume, hung environments bounded by cluster.timeout_s."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_loop import run_recipe, tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def _recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
+    recipe = tiny_recipe(model_dir, run_dir, **{"grpo.max_num_steps": 2, "grpo.val_period": 0, **extra})
+    if "checkpointing.checkpoint_dir" not in extra:
+        del recipe["checkpointing"]["checkpoint_dir"]  # the default: under logger.log_dir
+    return recipe
+
+
+def test_runs_with_other_settings_never_resume_each_other(tiny_model_dir, tmp_path):
+    first = run_recipe(_recipe(tiny_model_dir, tmp_path / "a"), tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "training backend: fsdp2 (policy.dtensor_cfg)" in first.stdout
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    other = run_recipe(_recipe(tiny_model_dir, tmp_path / "b", **{"grpo.seed": 4}), tmp_path)
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "resumed from" not in other.stdout
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["steps"] == 2
+    shared = run_recipe(_recipe(tiny_model_dir, tmp_path / "c", **{"grpo.seed": 4, "checkpointing.checkpoint_dir":
+                                                                    str(tmp_path / "a" / "checkpoints")}), tmp_path)
+    assert shared.returncode != 0
+    assert "grpo.seed" in shared.stderr and str(tmp_path / "a") in shared.stderr and str(tmp_path / "c") in shared.stderr
+    assert not (tmp_path / "c" / "metrics.jsonl").exists() or not (tmp_path / "c" / "metrics.jsonl").read_text()
+
+
+def _cli(recipe: dict, tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    path = tmp / f"recipe-{os.urandom(3).hex()}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return subprocess.run([sys.executable, "-m", "rlcore.cli", "run", str(path), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_same_command_twice_refuses_rather_than_appending(tiny_model_dir, tmp_path):
+    recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"checkpointing.enabled": False})
+    assert _cli(recipe, tmp_path).returncode == 0
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    again = _cli(recipe, tmp_path)
+    assert again.returncode == 2 and "logger.log_dir" in again.stderr and "already holds" in again.stderr, again.stderr[-2000:]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    records = [json.loads(line) for line in metrics.splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and len({r["run_id"] for r in records}) == 1
+
+
+def test_no_resume_flag_on_a_checkpointed_run_refuses(tiny_model_dir, tmp_path):
+    recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"grpo.max_num_steps": 1})
+    assert _cli(recipe, tmp_path).returncode == 0
+    again = _cli(recipe, tmp_path, "--no-resume")
+    assert again.returncode == 2 and "checkpointing.resume is false" in again.stderr, again.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_backend(single_process_group, tiny_model_dir):
+    from rlcore.config.schema import PolicyConfig, RunConfig
+    from rlcore.interfaces import WorldInfo
+    from rlcore.plugins import get_plugin_manager
+
+    reg = get_plugin_manager().get("training_backend", "fsdp2")
+    config = RunConfig(policy=PolicyConfig(model_name=str(tiny_model_dir), precision="float32"),
+                       sections={reg.section: reg.config_cls(enabled=True)})
+    backend = reg.build(config, config.section(reg.section), WorldInfo())
+    yield backend
+    backend.shutdown()
+
+
+def _loop_state(step: int) -> dict:
+    from rlcore.controller.checkpoint import rng_state
+
+    return {"step": step, "records": [{"step": step}], "rng": rng_state(), "run": {"run_id": "r"}}
+
+
+def _resume(root: Path, backend):
+    from rlcore.controller.checkpoint import CheckpointManager
+
+    return CheckpointManager(root, 3).resume(lambda path, state: None, lambda path: backend.load_checkpoint(str(path)))
+
+
+def test_resume_runs_no_code_planted_in_any_checkpoint_file(fsdp2_backend, tmp_path):
+    """Every file a resume reads (loop state, DCP metadata and data, the backend's JSON), through
+    the same CheckpointManager.resume the loop calls, with the real fsdp2 backend."""
+    from rlcore.controller.checkpoint import CheckpointManager
+    from rlcore.testing.planting import files_under, plant
+
+    backend = fsdp2_backend
+    saved = CheckpointManager(tmp_path / "saved", 2).save(1, backend.save_checkpoint, _loop_state(1))
+    files = files_under(saved)
+    assert {p.name for p in files} >= {"loop_state.pt", ".metadata", "__0_0.distcp"}
+    for i, original in enumerate(files):
+        root, marker = tmp_path / f"planted{i}", tmp_path / f"ran{i}"
+        shutil.copytree(saved.parent, root)
+        planted = root / original.relative_to(saved.parent)
+        plant(planted, marker)
+        with pytest.raises(Exception) as failure:
+            _resume(root, backend)
+        assert not marker.exists(), f"resume ran code planted in {planted}"
+        assert planted.name in str(failure.value), (planted, failure.value)
+
+
+@pytest.mark.parametrize("damaged", [".metadata", "__0_0.distcp", "loop_state.pt"])
+def test_resume_falls_back_past_a_truncated_newest_checkpoint(fsdp2_backend, tmp_path, damaged, capsys):
+    from rlcore.controller.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, 3)
+    for step in (1, 2):
+        manager.save(step, fsdp2_backend.save_checkpoint, _loop_state(step))
+    (victim,) = (tmp_path / "step_000002").rglob(damaged)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.warns(UserWarning, match=damaged):
+        path, state = _resume(tmp_path, fsdp2_backend)
+    assert path.name == "step_000001" and state["step"] == 1
+    assert "skipped checkpoint" in capsys.readouterr().out
+
+
+HUNG_RUN = """
+import time, rlcore
+from rlcore.interfaces import EnvStep
+class Hung:
+    def step(self, samples, responses):
+        time.sleep(600)
+        return [EnvStep(reward=1.0) for _ in samples]
+if __name__ == "__main__":
+    rlcore.run(rlcore.load_config({path!r}), environment=Hung())
+"""
+
+
+def _run_hung(template: str, model_dir: Path, tmp: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """A two-step run whose environment or generator (in ``template``) hangs, under ``cluster.timeout_s``."""
+    path = tmp / "hung.yaml"
+    recipe = _recipe(model_dir, tmp / "hung", **{"cluster.timeout_s": timeout_s, "checkpointing.enabled": False})
+    path.write_text(yaml.safe_dump(recipe))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(template.format(path=str(path)))], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_hung_environment_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
+    # Long enough for the real generation before it on two busy cores; the environment sleeps 600 s.
+    done = _run_hung(HUNG_RUN, tiny_model_dir, tmp_path, timeout_s=15)
+    assert done.returncode != 0
+    assert "environment 'math' did not answer within 15s" in done.stderr and "step 1" in done.stderr, done.stderr[-3000:]
+
+
+HUNG_GENERATOR_RUN = """
+import time, rlcore
+class HungGenerator:
+    weights_version = 0
+    def generate(self, prompts, params):
+        time.sleep(60)
+    def update_weights(self, named_tensors):
+        pass
+if __name__ == "__main__":
+    rlcore.run(rlcore.load_config({path!r}), generator=HungGenerator())
+"""
+
+
+def test_a_hung_generator_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
+    done = _run_hung(HUNG_GENERATOR_RUN, tiny_model_dir, tmp_path, timeout_s=2)
+    assert done.returncode != 0
+    assert "GenerationTimeout" in done.stderr and "'generate' did not finish within 2s" in done.stderr, done.stderr[-3000:]
+    assert "at step 1" in done.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_during_a_dcp_save_is_named_and_leaves_no_tmp(fsdp2_backend, tmp_path):
+    """The backend's data file is /dev/full (writes fail with ENOSPC from the kernel)."""
+    from rlcore.controller.checkpoint import CheckpointManager, CheckpointWriteError
+
+    def save_onto_a_full_disk(path: str) -> None:
+        Path(path).mkdir()
+        (Path(path) / "__0_0.distcp").symlink_to("/dev/full")
+        fsdp2_backend.save_checkpoint(path)
+
+    with pytest.raises(CheckpointWriteError, match="no space left on device"):
+        CheckpointManager(tmp_path, 2).save(1, save_onto_a_full_disk, _loop_state(1))
+    assert list(tmp_path.iterdir()) == []
