@@ -91,27 +91,21 @@ def rlcore_loggers(register):
 
 
 @hookspec(firstresult=True)
-def rlcore_weight_transport(backend, generator):
-    """Pick how weights move from ``backend`` to ``generator`` at refit.
+def rlcore_weight_transport(trainer, generator):
+    """Pick how weights move from the trainer ranks to ``generator`` at refit.
 
-    Called once per run with the generator and, as ``backend``, one of:
+    Called once per run with the generator and the trainer handle (a
+    :class:`rlcore.interfaces.TrainerHandle`, wherever its ranks run): ``export_chunks(dtype,
+    chunk_bytes)`` yields rank 0's Hugging Face-named chunks in the caller's process;
+    ``run_on_ranks(fn, *args, what=...)`` runs ``fn(backend, rank, world_size, *args)`` (``fn`` a
+    ``"module:attr"`` string, imported in each rank's process) next to every rank's backend and
+    returns all ranks' results; ``in_process`` says whether rank 0's backend lives in the caller's
+    process (one rank, no Ray, or a backend object passed to ``rlcore.run``).
 
-    - the live training backend (a :class:`rlcore.interfaces.TrainingBackend`, it has
-      ``export_weights``) when the trainer runs in the caller's process (one rank, no Ray, or a
-      backend object passed to ``rlcore.run``);
-    - the trainer-group handle when the trainer ranks are Ray actors
-      (:class:`rlcore.controller.workers.RayTrainerGroup`; it has no ``export_weights``). It
-      offers ``run_on_ranks(fn, *args, what=..., fault_point=...)``, which runs
-      ``fn(backend, rank, world_size, *args)`` (``fn`` a ``"module:attr"`` string, imported in
-      each rank's process) in every rank next to its backend and returns all ranks' results, and
-      ``export_chunks(dtype, chunk_bytes)``, which yields rank 0's chunks in the caller's process.
-
-    The returned transport's ``transfer(backend, generator)`` later gets that same kind of
-    object. Return a :class:`rlcore.interfaces.WeightTransport` if this plugin knows how to
-    connect the two, or ``None`` to let another plugin decide (a plugin that only handles live
-    backends should check for ``export_weights``). The first non-``None`` answer wins; plugins
+    The returned transport's ``transfer(trainer, generator)`` later gets that same handle.
+    Return a :class:`rlcore.interfaces.WeightTransport` if this plugin knows how to connect the
+    two, or ``None`` to let another plugin decide. The first non-``None`` answer wins; plugins
     registered later are asked first (pluggy's LIFO order), so a third party can override the
-    built-in choice. rlcore's own fallback streams the trainer's chunks
-    (``export_weights()``, or ``export_chunks()`` through the caller's process for Ray ranks)
-    into ``generator.update_weights()``.
+    built-in choice. rlcore's own fallback streams ``export_chunks()`` into
+    ``generator.update_weights()``.
     """

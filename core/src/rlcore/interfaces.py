@@ -180,10 +180,44 @@ class TrainingBackend(Protocol):
     def export_hf(self, path: str) -> None:
         """Write the trained policy as a Hugging Face checkpoint (safetensors + config)."""
 
-    def offload(self) -> None:
-        """Release accelerator memory (colocated generation is about to run)."""
+    def shutdown(self) -> None: ...
 
-    def onload(self) -> None: ...
+
+@runtime_checkable
+class TrainerHandle(Protocol):
+    """The trainer ranks as the run loop and weight transports see them, wherever they run.
+
+    Every method runs the same call on every rank (SPMD backends need that) and returns rank 0's
+    result. Implemented by :class:`rlcore.controller.workers.LocalTrainer` (the backend in this
+    process) and :class:`rlcore.controller.workers.RayTrainerGroup` (one Ray actor per rank,
+    every wait bounded by ``cluster.timeout_s`` and a dead rank named at once). ``what``
+    describes the call in those errors.
+    """
+
+    loop_step: int  # the run loop's step (not the backend's optimizer step): named in errors
+
+    @property
+    def in_process(self) -> bool:
+        """Whether rank 0's backend lives in this process (one rank, no Ray): a transport may then
+        hand this process's tensors to the generator directly."""
+
+    def logprobs(self, batch: SequenceBatch, *, reference: bool = False, what: str = "") -> list[torch.Tensor]:
+        """:meth:`TrainingBackend.logprobs` on every rank; rank 0's (all N sequences)."""
+
+    def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
+        """:meth:`TrainingBackend.train` on every rank; rank 0's metrics."""
+
+    def save_checkpoint(self, path: str) -> None: ...
+
+    def load_checkpoint(self, path: str) -> None: ...
+
+    def export_chunks(self, dtype: Any = None, chunk_bytes: int = 1 << 30) -> Iterator[NamedTensors]:
+        """Rank 0's :meth:`TrainingBackend.export_weights` chunks, in this process."""
+
+    def run_on_ranks(self, fn: str, *args: Any, what: str = "") -> list[Any]:
+        """``fn(backend, rank, world_size, *args)`` next to every rank's backend; all ranks' results
+        in rank order. ``fn`` is a ``"module:attr"`` string imported in each rank's process, so a
+        plugin's code (e.g. a weight sender) runs in the trainer processes."""
 
     def shutdown(self) -> None: ...
 
@@ -238,5 +272,5 @@ class MetricLogger(Protocol):
 class WeightTransport(Protocol):
     name: str
 
-    def transfer(self, backend: TrainingBackend, generator: Generator) -> dict[str, float]:
-        """Move the backend's current weights into the generator; return ``{"bytes": .., "seconds": ..}``."""
+    def transfer(self, trainer: TrainerHandle, generator: Generator) -> dict[str, float]:
+        """Move the trainer's current weights into the generator; return ``{"bytes": .., "seconds": ..}``."""

@@ -18,7 +18,6 @@ Nothing here imports torch: listing plugins must stay fast.
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata as md
 import os
 import traceback
@@ -29,6 +28,7 @@ import attrs
 import pluggy
 
 from rlcore import hookspecs
+from rlcore.utils import resolve
 
 ENTRY_POINT_GROUP = "rlcore"
 BUILTIN_ENTRY_POINT = "builtin"
@@ -62,17 +62,6 @@ class Source:
 
     def describe(self) -> str:
         return f"{self.distribution} {self.version} (entry point '{self.entry_point}')"
-
-
-def resolve(spec: str):
-    """The object a ``"module:attr"`` string names (``attr`` may be dotted); imported on call."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected 'module:attr', got {spec!r}")
-    obj = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 @attrs.frozen
@@ -227,8 +216,8 @@ class PluginManager:
     def sections(self) -> set[str]:
         return {r.section for regs in self.registry.values() for r in regs.values() if r.section}
 
-    def weight_transport(self, backend: Any, generator: Any):
-        return self.pm.hook.rlcore_weight_transport(backend=backend, generator=generator)
+    def weight_transport(self, trainer: Any, generator: Any):
+        return self.pm.hook.rlcore_weight_transport(trainer=trainer, generator=generator)
 
     def iter_registrations(self) -> Iterable[Registration]:
         for kind in KINDS:
@@ -247,8 +236,3 @@ def get_plugin_manager() -> PluginManager:
         _MANAGER = manager
     return _MANAGER
 
-
-def reset_plugin_manager() -> None:
-    """Forget loaded plugins (tests that change entry points or environment variables)."""
-    global _MANAGER
-    _MANAGER = None

@@ -9,10 +9,10 @@ Runs without installing the distributions (the GPU machines have no package inde
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
+from rlcore.utils import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -24,9 +24,7 @@ def nccl_group():
     if dist.is_initialized():
         yield
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:

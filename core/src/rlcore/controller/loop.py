@@ -13,7 +13,7 @@ import math
 import queue
 import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -22,10 +22,16 @@ import torch
 from rlcore.controller.batching import (
     DataCursor, Trajectory, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
 )
-from rlcore.interfaces import EnvStep
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlcore.controller.timing import StepTimer
-from rlcore.interfaces import SequenceBatch
+from rlcore.interfaces import (
+    Algorithm, Environment, EnvStep, Generator, MetricLogger, PromptDataset, SequenceBatch, TrainerHandle, WeightTransport,
+)
+
+if TYPE_CHECKING:
+    from rlcore.config import RunConfig
+    from rlcore.controller.report import Reporter
+    from rlcore.rollout import MultiTurnRunner
 
 
 class RefitError(RuntimeError):
@@ -38,16 +44,18 @@ class NonFiniteLossError(RuntimeError):
 
 @attrs.define
 class Components:
-    config: Any
-    trainer: Any  # LocalTrainer / RayTrainerGroup: call(method, ...), export_chunks(...)
-    generator: Any
-    environment: Any
-    algorithm: Any
-    dataset: Any
-    transport: Any
-    loggers: list
-    reporter: Any
-    multi_turn: Any = None  # callable(samples, params) -> list[list[GenerationResult]] for multi-turn envs
+    """What one run is made of; each part is reached only through its protocol."""
+
+    config: RunConfig
+    trainer: TrainerHandle
+    generator: Generator
+    environment: Environment
+    algorithm: Algorithm
+    dataset: PromptDataset
+    transport: WeightTransport
+    loggers: list[MetricLogger]
+    reporter: Reporter
+    multi_turn: MultiTurnRunner | None = None  # rollouts of multi-turn environments
 
 
 class GRPOLoop:
@@ -147,11 +155,11 @@ class GRPOLoop:
             batch.loss_mask[i] = torch.zeros_like(batch.loss_mask[i])
         with timer.phase("logprobs"):
             if algorithm.uses_old_logprobs:
-                batch.token_fields["old_logprobs"] = trainer.call("logprobs", batch, what="'logprobs' (policy)")
+                batch.token_fields["old_logprobs"] = trainer.logprobs(batch, what="'logprobs' (policy)")
             if algorithm.uses_reference:
-                batch.token_fields["ref_logprobs"] = trainer.call("logprobs", batch, reference=True, what="'logprobs' (reference)")
+                batch.token_fields["ref_logprobs"] = trainer.logprobs(batch, reference=True, what="'logprobs' (reference)")
         with timer.phase("training"):
-            out = trainer.call("train", batch, algorithm, what="'train'")
+            out = trainer.train(batch, algorithm)
         metrics = {f"train/{k}": float(v) for k, v in out.items()}
         if out.get("skipped_nonfinite"):
             self.nonfinite_in_a_row += 1
@@ -184,7 +192,7 @@ class GRPOLoop:
         probe = batch.select(range(min(count, len(batch))))
         with self.gen_lock:
             gen_lp = self.c.generator.score([ids.tolist() for ids in probe.input_ids])
-        train_lp = self.c.trainer.call("logprobs", probe, what="'logprobs' (refit probe)")
+        train_lp = self.c.trainer.logprobs(probe, what="'logprobs' (refit probe)")
         diffs = []
         for g, t, m in zip(gen_lp, train_lp, probe.loss_mask):
             d = (torch.as_tensor(g, dtype=torch.float32) - t.float()).abs()
@@ -223,7 +231,7 @@ class GRPOLoop:
         if latest is None:
             return
         state = CheckpointManager.load_loop_state(latest)
-        self.c.trainer.call("load_checkpoint", str(latest / "backend"), what="'load_checkpoint'")
+        self.c.trainer.load_checkpoint(str(latest / "backend"))
         self.step, self.policy_version = state["step"], state["policy_version"]
         self.cursor.position, self.records = state["data_position"], state["records"]
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
@@ -236,7 +244,7 @@ class GRPOLoop:
             "step": self.step, "policy_version": self.policy_version, "data_position": self.cursor.position,
             "records": self.records, "nonfinite_in_a_row": self.nonfinite_in_a_row, "rng": rng_state(),
         }
-        self.ckpt.save(self.step, lambda path: self.c.trainer.call("save_checkpoint", path, what="'save_checkpoint'"), state)
+        self.ckpt.save(self.step, self.c.trainer.save_checkpoint, state)
 
     # ---- driver -----------------------------------------------------------------------------
     def finish_step(self, record: dict, timer: StepTimer) -> None:
@@ -281,7 +289,7 @@ class GRPOLoop:
         return self.records
 
     def _set_trainer_step(self) -> None:
-        self.c.trainer.step = self.step
+        self.c.trainer.loop_step = self.step
 
     def _run_async(self) -> list[dict]:
         max_age = self.grpo.async_grpo.max_trajectory_age_steps

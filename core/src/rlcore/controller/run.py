@@ -19,10 +19,12 @@ import torch
 import yaml
 
 from rlcore.config import ConfigError, RunConfig, to_dict
+from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.loop import Components, GRPOLoop
 from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.timing import summarize
 from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
+from rlcore.interfaces import Generator, TrainerHandle, WeightTransport
 from rlcore.plugins import get_plugin_manager
 from rlcore.weights import stream_into
 
@@ -35,29 +37,8 @@ class StreamTransport:
     def __init__(self, chunk_bytes: int = 256 << 20, dtype: Any = None):
         self.chunk_bytes, self.dtype = chunk_bytes, dtype
 
-    def transfer(self, trainer, generator) -> dict[str, float]:
+    def transfer(self, trainer: TrainerHandle, generator: Generator) -> dict[str, float]:
         return stream_into(generator, trainer.export_chunks(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
-
-
-class _PluginTransport:
-    """Adapts a plugin's transport to the trainer handle the loop passes.
-
-    The transport gets what the ``rlcore_weight_transport`` hook was shown: the live backend when
-    it is in this process, else the trainer-group handle (``run_on_ranks``, ``export_chunks``)."""
-
-    def __init__(self, transport, in_process: bool):
-        self.inner, self.in_process = transport, in_process
-        self.name = getattr(transport, "name", type(transport).__name__)
-
-    def transfer(self, trainer, generator) -> dict[str, float]:
-        return self.inner.transfer(trainer.backend if self.in_process else trainer, generator)
-
-
-class _PassedBackend(LocalTrainer):
-    """A backend object given by the user (composable API), used in this process."""
-
-    def __init__(self, backend):
-        self.backend, self.step = backend, 0
 
 
 def select_backend(config: RunConfig, manager):
@@ -90,7 +71,7 @@ def _device(config: RunConfig) -> str:
 
 def build_trainer(config: RunConfig, manager, backend=None):
     if backend is not None:
-        return _PassedBackend(backend)
+        return LocalTrainer(backend)
     reg = select_backend(config, manager)
     device = _device(config)
     world = config.cluster.gpus_per_node * config.cluster.num_nodes if device == "cuda" else config.cluster.cpu_workers
@@ -113,7 +94,7 @@ def build_trainer(config: RunConfig, manager, backend=None):
         if separate_gpus:
             raise ConfigError("cluster.use_ray", "non-colocated generation on GPUs needs the trainer in its own "
                                                  "process (Ray actors) so each side sees only its GPUs; set cluster.use_ray=true")
-        return LocalTrainer(reg, config, config.section(reg.section), device)
+        return LocalTrainer.build(reg, config, config.section(reg.section), device)
     import ray
 
     address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
@@ -149,16 +130,14 @@ def driver_gpu_ids(visible: str | None, gpus_per_node: int, trainer_gpus: int) -
     return left
 
 
-def pick_transport(manager, trainer, generator, config: RunConfig):
+def pick_transport(manager, trainer: TrainerHandle, generator: Generator, config: RunConfig) -> WeightTransport:
     """A plugin's transport when one claims the pair, else :class:`StreamTransport`.
 
-    The hook sees the live backend when the trainer runs in this process, otherwise the trainer
-    group itself (trainer ranks in Ray actors): a plugin that can send from inside the ranks uses
-    its ``run_on_ranks``; one that cannot returns None and weights stream through this process."""
-    in_process = hasattr(trainer, "backend")
-    found = manager.weight_transport(backend=trainer.backend if in_process else trainer, generator=generator)
+    The hook gets the trainer handle: a plugin that can send from inside the ranks uses its
+    ``run_on_ranks``; one that cannot returns None and weights stream through this process."""
+    found = manager.weight_transport(trainer=trainer, generator=generator)
     if found is not None:
-        return _PluginTransport(found, in_process)
+        return found
     refit = getattr(config.section("policy.generation"), "refit", None)
     return StreamTransport(chunk_bytes=int(getattr(refit, "chunk_bytes", 256 << 20)))
 
@@ -178,7 +157,7 @@ def build_components(config: RunConfig, **given) -> Components:
     if dataset is None:
         data_cfg = config.require_section("data")
         dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
-    trainer = build_trainer(config, manager, given.get("backend"))
+    trainer = wrap_from_env(build_trainer(config, manager, given.get("backend")))
     generator = given.get("generator")
     if generator is None:
         gen_cfg = config.require_section("policy.generation")
