@@ -71,7 +71,7 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     environment = manager.get("environment", "math").build(config.section("env.math"))
     algorithm = manager.get("algorithm", "sft").build(config.section("algorithm"))
     reg = manager.get("training_backend", "fsdp2")
-    trainer = LocalTrainer.build(reg, config, config.section(reg.section), "cpu")
+    trainer = LocalTrainer.build(reg, config, config.section(reg.section))
     evaluator = HFGenerator(str(base_dir), HFGenerationConfig(), 64)
     transport = StreamTransport()
     val = list(dataset.validation)

@@ -12,8 +12,9 @@ from collections.abc import Iterable
 
 import torch
 
+from rlcore.config import ConfigError
 from rlcore.config.hf_generation import HFGenerationConfig
-from rlcore.interfaces import GenerationResult, NamedTensors, SamplingParams
+from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
 
 
 class HFGenerator:
@@ -118,6 +119,10 @@ class HFGenerator:
         pass
 
 
-def build(config, section_config: HFGenerationConfig, placement: dict) -> HFGenerator:
+def build(config, section_config: HFGenerationConfig, placement: Placement) -> HFGenerator:
+    """Runs in the driver process, on the CPU."""
+    if not placement.colocated and placement.device == "cuda":
+        raise ConfigError("policy.generation.colocated.enabled", "the hf generator runs in the driver process "
+                          "and cannot take GPUs of its own; use colocated generation or the vllm generator")
     policy = config.policy
     return HFGenerator(policy.model_name, section_config, policy.max_total_sequence_length)

@@ -120,6 +120,21 @@ class SequenceBatch:
 
 
 @attrs.frozen
+class Placement:
+    """Where a run's trainer and generator go. Computed once by core
+    (:func:`rlcore.controller.placement.plan_placement`) and handed, the same object, to the
+    backend factory (``WorldInfo.placement``) and to the generator factory."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    trainer_ranks: int = 1  # trainer processes (GPUs on a GPU run)
+    use_ray: bool = False  # trainer ranks are Ray actors (else the one rank runs in the driver)
+    colocated: bool = True  # generation shares the trainer's devices
+    # When not colocated on GPUs of one node with a local Ray instance: the devices left to generation
+    # (as CUDA_VISIBLE_DEVICES names them); the trainer's actors hold the others. Empty otherwise.
+    generator_gpus: tuple[str, ...] = ()
+
+
+@attrs.frozen
 class WorldInfo:
     """The process a backend is built in. torch.distributed is initialized before the factory runs."""
 
@@ -127,6 +142,7 @@ class WorldInfo:
     world_size: int = 1
     local_rank: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
+    placement: Placement = attrs.field(factory=Placement)
 
 
 # ---- protocols -------------------------------------------------------------------------------

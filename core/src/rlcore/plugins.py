@@ -103,6 +103,33 @@ def _check_capabilities(capabilities: dict[str, Any], where: str) -> None:
             )
 
 
+def _contract_schema(kind: str, config_cls: type | None, capabilities: dict[str, Any], where: str) -> type | None:
+    """The schema a registration gets, checked against what core reads of its section: a
+    generator's extends :class:`rlcore.config.GenerationConfig` (none given: that base itself),
+    a multi-turn environment's extends :class:`rlcore.config.environment.MultiTurnEnvConfig`, and
+    a training backend's or logger's has the ``enabled`` switch that selects it."""
+    from rlcore.config.environment import MultiTurnEnvConfig
+    from rlcore.config.generation import GenerationConfig
+
+    if kind in ("training_backend", "logger"):
+        if config_cls is not None and "enabled" not in attrs.fields_dict(config_cls):
+            raise PluginError(f"{where}: config_cls {config_cls.__qualname__} needs a bool field 'enabled' "
+                              "(its section's enabled: true is what turns it on)")
+        return config_cls
+    if kind == "generator":
+        base = GenerationConfig
+    elif kind == "environment" and capabilities.get("multi_turn"):
+        base = MultiTurnEnvConfig
+    else:
+        return config_cls
+    if config_cls is None:
+        return base
+    if not issubclass(config_cls, base):
+        raise PluginError(f"{where}: config_cls {config_cls.__qualname__} must extend {base.__module__}.{base.__qualname__}, "
+                          "the keys of this section that rlcore itself reads")
+    return config_cls
+
+
 class PluginManager:
     """Loads the ``rlcore`` entry points and holds what they register, per kind."""
 
@@ -174,6 +201,7 @@ class PluginManager:
                 raise PluginError(f"{where}: factory must be callable or 'module:attr'")
             if config_cls is not None and not attrs.has(config_cls):
                 raise PluginError(f"{where}: config_cls must be an attrs class, got {config_cls!r}")
+            config_cls = _contract_schema(kind, config_cls, capabilities, where)
             _check_capabilities(capabilities, where)
             template = KINDS[kind][1]
             if section is None:

@@ -63,8 +63,8 @@ class GRPOLoop:
         self.c = c
         cfg = c.config
         self.grpo = cfg.grpo
-        self.generation_cfg = cfg.section("policy.generation")
-        self.refit_cfg = getattr(self.generation_cfg, "refit", None)
+        self.generation_cfg = cfg.generation
+        self.refit_cfg = self.generation_cfg.refit
         self.cursor = DataCursor(len(c.dataset.train), cfg.grpo.seed)
         self.step = 0
         self.policy_version = 0
@@ -186,7 +186,7 @@ class GRPOLoop:
 
     def verify_refit(self, batch: SequenceBatch) -> dict:
         """Compare generator and trainer logprobs of a few sequences on the model's tokens."""
-        count = int(getattr(self.refit_cfg, "probe_num_sequences", 4) or 0)
+        count = self.refit_cfg.probe_num_sequences
         if count <= 0:
             return {}
         probe = batch.select(range(min(count, len(batch))))
@@ -201,7 +201,7 @@ class GRPOLoop:
         worst, mean = float(diff_T.max()), float(diff_T.mean())
         # The mean is what a corrupt refit moves (every token of a stale layer); the max of a few
         # thousand bf16 tokens can reach ~1 on a peaked distribution with correct weights.
-        threshold = float(getattr(self.refit_cfg, "probe_threshold", 0.05))
+        threshold = self.refit_cfg.probe_threshold
         if not (math.isfinite(worst) and math.isfinite(mean)) or mean > threshold:
             raise RefitError(
                 f"refit verification failed at step {self.step}: generator and trainer logprobs differ by "

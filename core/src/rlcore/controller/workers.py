@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 
-from rlcore.interfaces import WorldInfo
+from rlcore.interfaces import Placement, WorldInfo
 from rlcore.utils import free_port, resolve
 
 _PEER_GRACE_S = 5.0  # how long a rank's error waits for news of a dead peer (see _gather)
@@ -49,10 +49,11 @@ class LocalTrainer:
         self.loop_step = 0
 
     @classmethod
-    def build(cls, registration, config, section_config, device: str) -> LocalTrainer:
+    def build(cls, registration, config, section_config, placement: Placement | None = None) -> LocalTrainer:
         """Rank 0 of a one-process world (torch.distributed initialized here), then the backend."""
-        init_distributed(0, 1, free_port(), device)
-        return cls(registration.build(config, section_config, WorldInfo(rank=0, world_size=1, local_rank=0, device=device)))
+        placement = placement or Placement()
+        init_distributed(0, 1, free_port(), placement.device)
+        return cls(registration.build(config, section_config, WorldInfo(0, 1, 0, placement.device, placement)))
 
     def logprobs(self, batch, *, reference: bool = False, what: str = ""):
         return self.backend.logprobs(batch, reference=reference)
@@ -80,13 +81,14 @@ class LocalTrainer:
 class _TrainerActor:
     """Body of the Ray actor; one per rank."""
 
-    def __init__(self, registration, config, section_config, rank: int, world_size: int, port: int, device: str):
+    def __init__(self, registration, config, section_config, rank: int, port: int, placement: Placement):
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("RLCORE_THREADS_PER_RANK", "1"))))
+        world_size, device = placement.trainer_ranks, placement.device
         init_distributed(rank, world_size, port, device)
         self.rank, self.world_size = rank, world_size
-        self.backend = registration.build(config, section_config, WorldInfo(rank, world_size, 0, device))
+        self.backend = registration.build(config, section_config, WorldInfo(rank, world_size, 0, device, placement))
 
     def logprobs(self, batch, reference: bool):
         return self.backend.logprobs(batch, reference=reference)
@@ -115,17 +117,17 @@ class RayTrainerGroup:
 
     in_process = False
 
-    def __init__(self, registration, config, section_config, world_size: int, device: str, timeout_s: float):
+    def __init__(self, registration, config, section_config, placement: Placement, timeout_s: float):
         import ray
 
         self.ray = ray
         self.timeout_s = timeout_s
         self.loop_step = 0
         port = free_port()
-        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if device == "cuda" else 0)(_TrainerActor)
+        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if placement.device == "cuda" else 0)(_TrainerActor)
         self.actors = [
-            actor_cls.remote(registration, config, section_config, rank, world_size, port, device)
-            for rank in range(world_size)
+            actor_cls.remote(registration, config, section_config, rank, port, placement)
+            for rank in range(placement.trainer_ranks)
         ]
         # Start-up imports torch and builds the model in every rank: allow more than one step's wait.
         self.pids = self._gather([a.pid.remote() for a in self.actors], "start-up (building the backend)", max(timeout_s, 600.0))

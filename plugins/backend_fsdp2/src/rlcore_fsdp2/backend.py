@@ -81,7 +81,7 @@ class FSDP2Backend:
         self.reference = ReferencePolicy(self.params)
         self.offloader = Offloader()
         self.step = 0
-        self._empty_cache_after_train = self.device.type == "cuda" and _empty_cache_after_train(config, cfg)
+        self._empty_cache_after_train = self.device.type == "cuda" and _empty_cache_after_train(world, cfg)
         self._grad_sync: bool | None = None  # last value given to set_requires_gradient_sync (None: never set)
 
     # ---- construction ----------------------------------------------------------------------
@@ -391,10 +391,10 @@ def _fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _empty_cache_after_train(config: RunConfig, cfg: DTensorConfig) -> bool:
+def _empty_cache_after_train(world: WorldInfo, cfg: DTensorConfig) -> bool:
     if cfg.empty_cache_after_train is not None:
         return cfg.empty_cache_after_train
-    return config.generation_colocated
+    return world.placement.colocated
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype | None:
