@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from rlcore.config import RunConfig
 from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
+from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.weights import chunked, gather_sequences_to_rank0
 from rlcore_megatron import checkpoint, context_parallel, cpu_shims, parallel
 from rlcore_megatron.config import MegatronConfig
@@ -60,9 +61,8 @@ class MegatronBackend:
         """``hf_config``: build a random-init model from this transformers config instead of
         loading ``policy.model_name`` (benchmarks)."""
         self.run, self.cfg, self.world = config, cfg, world
-        if dist.is_initialized() and dist.get_world_size() != world.world_size:
-            raise RuntimeError(f"rlcore-megatron: WorldInfo says world_size={world.world_size} but torch.distributed "
-                               f"has {dist.get_world_size()} ranks")
+        if dist.is_initialized():  # else Megatron's parallel.initialize starts it
+            check_world(world, "rlcore-megatron")
         self.on_cpu = world.device == "cpu" or not torch.cuda.is_available()
         if self.on_cpu:
             cpu_shims.install()
@@ -183,17 +183,9 @@ class MegatronBackend:
     # ---- training ----------------------------------------------------------------------------
     @cpu_shims.shimmed
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
-        gbs = self.run.policy.train_global_batch_size or len(batch)
-        results = [self._train_step(batch.select(range(a, min(a + gbs, len(batch)))), algorithm)
-                   for a in range(0, max(len(batch), 1), gbs)]
-        if len(results) == 1:
-            return {**results[0], "num_optimizer_steps": 1.0}
-        # Several optimizer steps: each metric averaged over them (as the fsdp2 backend reports).
-        keys = {k for r in results for k in r}
-        out = {k: sum(r.get(k, 0.0) for r in results) / len(results) for k in keys}
-        out.update(lr=results[-1]["lr"], num_micro_batches=sum(r["num_micro_batches"] for r in results),
-                   num_optimizer_steps=float(len(results)))
-        return out
+        """One optimizer step per ``policy.train_global_batch_size`` sequences (:mod:`rlcore.training`)."""
+        return train_in_optimizer_steps(batch, self.run.policy.train_global_batch_size,
+                                        lambda part: self._train_step(part, algorithm), "rlcore-megatron")
 
     def _train_step(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
         start = time.perf_counter()
@@ -223,10 +215,9 @@ class MegatronBackend:
 
     def _loss_fn(self, algorithm: Algorithm, totals: StepTotals, mb: MicroBatch, logprobs_fn, output):
         logprobs_T = logprobs_fn(output)
-        mb_cpu = mb  # the algorithm reads mask/fields; move them next to the logprobs
-        if logprobs_T.device.type != "cpu":
-            mb_cpu = _to_device(mb, logprobs_T.device)
-        loss, metrics = algorithm.loss(logprobs_T, mb_cpu, totals)
+        if logprobs_T.device.type != "cpu":  # the algorithm reads mask/fields: next to the logprobs
+            mb = mb.to(logprobs_T.device)
+        loss, metrics = algorithm.loss(logprobs_T, mb, totals)
         # metrics may be floats or 0-d tensors: read them with the loss in one device sync
         names = list(metrics) + ["loss"]
         values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loss.device).detach()
@@ -239,17 +230,11 @@ class MegatronBackend:
     def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
         """Sum over micro-batches and data-parallel replicas; every rank gets the result."""
         local: dict[str, float] = {}
-        if self.ranks.reports:
+        if self.ranks.reports:  # one copy per data-parallel replica (not its TP/PP/CP peers)
             for out in outputs:
                 for k, v in out["metrics"].items():
                     local[k] = local.get(k, 0.0) + v
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
-        total: dict[str, float] = {}
-        for part in everyone:
-            for k, v in part.items():
-                total[k] = total.get(k, 0.0) + v
-        return total
+        return sum_over_ranks(local)
 
     def _grads_finite(self) -> bool:
         """Every rank's gradient buffers are finite (one flag all-reduced over the world). Checked on
@@ -338,12 +323,3 @@ class MegatronBackend:
         if not self.on_cpu:
             torch.cuda.empty_cache()
 
-
-def _to_device(mb: MicroBatch, device) -> MicroBatch:
-    import attrs
-
-    return attrs.evolve(
-        mb, loss_mask_T=mb.loss_mask_T.to(device), seq_index_T=mb.seq_index_T.to(device),
-        token_fields={k: v.to(device) for k, v in mb.token_fields.items()},
-        seq_fields={k: v.to(device) for k, v in mb.seq_fields.items()},
-    )
