@@ -105,7 +105,8 @@ class MegatronBackend:
         tp, cp = self.cfg.tensor_model_parallel_size, self.cfg.context_parallel_size
         return 2 * cp * tp if cp > 1 else tp
 
-    def _micro_batches(self, batch: SequenceBatch, max_tokens: int, micro_batch_size: int) -> list[MicroBatch]:
+    def micro_batches(self, batch: SequenceBatch, max_tokens: int, micro_batch_size: int) -> list[MicroBatch]:
+        """This data-parallel rank's packed micro-batches of ``batch`` (padded for TP/CP)."""
         packing = self.run.policy.sequence_packing
         return make_micro_batches(batch, max_tokens, self.ranks.dp, self.dp_size, pad_to_multiple=self._pad_multiple(),
                                   pack=packing.enabled, micro_batch_size=micro_batch_size)
@@ -145,7 +146,7 @@ class MegatronBackend:
 
     def _logprobs(self, batch: SequenceBatch) -> list[torch.Tensor] | None:
         policy = self.run.policy
-        mbs = self._micro_batches(batch, policy.sequence_packing.logprob_mb_tokens, policy.logprob_batch_size)
+        mbs = self.micro_batches(batch, policy.sequence_packing.logprob_mb_tokens, policy.logprob_batch_size)
 
         def loss_fn(mb, logprobs_fn, output):
             lp_T = logprobs_fn(output)
@@ -191,7 +192,7 @@ class MegatronBackend:
         start = time.perf_counter()
         policy = self.run.policy
         totals = step_totals(batch)
-        mbs = self._micro_batches(batch, policy.sequence_packing.train_mb_tokens, policy.train_micro_batch_size)
+        mbs = self.micro_batches(batch, policy.sequence_packing.train_mb_tokens, policy.train_micro_batch_size)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(mbs, partial(self._loss_fn, algorithm, totals), forward_only=False)

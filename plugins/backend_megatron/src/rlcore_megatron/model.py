@@ -22,10 +22,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rlcore.attention import packed_causal_attention, sdpa
 from rlcore.config import ConfigError
+from rlcore.utils import torch_dtype
 from rlcore_megatron.config import SECTION, MegatronConfig
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def have_transformer_engine() -> bool:
@@ -162,7 +162,7 @@ def transformer_config(hf_config, cfg: MegatronConfig, *, params_dtype: torch.dt
             moe_router_dtype=cfg.moe_router_dtype, moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
             moe_router_enable_expert_bias=cfg.moe_router_bias_update_rate > 0, moe_permute_fusion=False,
         )
-    pipeline_dtype = DTYPES[cfg.pipeline_dtype] if cfg.pipeline_dtype else params_dtype
+    pipeline_dtype = torch_dtype(cfg.pipeline_dtype) if cfg.pipeline_dtype else params_dtype
     recompute = cfg.recompute
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size, num_attention_heads=num_heads,
