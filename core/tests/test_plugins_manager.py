@@ -311,3 +311,15 @@ def test_a_config_section_has_one_owner(fake_site, monkeypatch):
     """)
     manager = load(monkeypatch, disable="mybackend")
     assert len(manager.by_section("policy.generation")) >= 2
+
+
+def test_registration_hooks_named_by_specname_are_called(fake_site, monkeypatch):
+    fake_site.add_plugin("rlcore-specname", "specname", """
+        from rlcore import hookimpl
+
+        @hookimpl(specname="rlcore_environments")
+        def register_my_environments(register):
+            register("specname_env", "x:y")
+    """)
+    manager = load(monkeypatch)
+    assert manager.get("environment", "specname_env").source.distribution == "rlcore-specname"

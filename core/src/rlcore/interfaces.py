@@ -158,7 +158,7 @@ class Algorithm(Protocol):
     def shape_rewards(self, rewards_N: torch.Tensor, response_lengths_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
         """Reward shaping before advantages (identity for most; DAPO's overlong penalty)."""
 
-    def keep_groups(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
+    def keep_trajectories(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
         """Bool [N]: which trajectories to train on (DAPO dynamic sampling/overlong filter)."""
 
     def advantages(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:

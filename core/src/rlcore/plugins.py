@@ -181,12 +181,14 @@ class PluginManager:
         self._collect(module, source)
 
     def _collect(self, module: Any, source: Source) -> None:
-        for kind, (hook_name, _) in KINDS.items():
-            impl = getattr(module, hook_name, None)
-            if impl is None:
-                continue
+        """Call this plugin's registration hooks as pluggy registered them (so an implementation
+        named differently with ``@hookimpl(specname=...)`` is found), in :data:`KINDS` order."""
+        kind_of = {hook_name: kind for kind, (hook_name, _) in KINDS.items()}
+        impls = [(impl, caller.name) for caller in self.pm.get_hookcallers(module) or [] if caller.name in kind_of
+                 for impl in caller.get_hookimpls() if impl.plugin is module]
+        for impl, hook_name in sorted(impls, key=lambda pair: list(kind_of).index(pair[1])):
             try:
-                impl(register=self._registrar(kind, source))
+                impl.function(register=self._registrar(kind_of[hook_name], source))
             except PluginError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a failing hook must name its plugin

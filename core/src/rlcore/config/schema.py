@@ -75,8 +75,8 @@ class AsyncConfig:
 
 
 @frozen
-class GRPOConfig:
-    """The run loop."""
+class LoopConfig:
+    """The run loop (section ``grpo``)."""
 
     num_prompts_per_step: int = field(default=32, validator=_positive, metadata=doc("P prompts drawn per step"))
     num_generations_per_prompt: int = field(default=8, validator=_positive, metadata=doc("G samples per prompt"))
@@ -132,7 +132,7 @@ class RunConfig:
     """A whole run. Plugin-owned sections are in ``sections`` by dotted path."""
 
     policy: PolicyConfig
-    grpo: GRPOConfig = field(factory=GRPOConfig)
+    grpo: LoopConfig = field(factory=LoopConfig)
     cluster: ClusterConfig = field(factory=ClusterConfig)
     checkpointing: CheckpointingConfig = field(factory=CheckpointingConfig)
     env: EnvConfig = field(factory=EnvConfig)

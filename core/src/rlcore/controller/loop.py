@@ -121,7 +121,7 @@ class GRPOLoop:
             rewards_N, groups_N, truncated_N = self._reward_tensors(trajs)
             # Whole groups are kept or dropped here (dynamic sampling); single trajectories the
             # algorithm filters (overlong) stay in their group's baseline and are masked in train_on.
-            keep_N = self.c.algorithm.keep_groups(rewards_N, groups_N, truncated_N)
+            keep_N = self.c.algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
             kept_groups = set(groups_N[keep_N].tolist())
             kept.extend(t for t in trajs if t.group in kept_groups)
             metrics["rollout/refill_rounds"] = float(round_)
@@ -150,7 +150,7 @@ class GRPOLoop:
         shaped_N = algorithm.shape_rewards(rewards_N, lengths_N, truncated_N)
         advantages_N = algorithm.advantages(shaped_N, groups_N)
         batch = to_sequence_batch(trajectories, advantages_N, self.c.config.policy.max_total_sequence_length)
-        keep_N = algorithm.keep_groups(rewards_N, groups_N, truncated_N)
+        keep_N = algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
         for i in torch.nonzero(~keep_N).flatten().tolist():
             batch.loss_mask[i] = torch.zeros_like(batch.loss_mask[i])
         with timer.phase("logprobs"):

@@ -25,12 +25,12 @@ FSDP hooks sit outside the recomputed region):
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 from torch import nn
 
+from rlcore.utils import resolve
 from rlcore_fsdp2 import one_rank
 from rlcore_fsdp2.config import SECTION, DTensorConfig
 from rlcore_fsdp2.parallel_dims import ParallelDims
@@ -120,9 +120,8 @@ def _embedding_plan(config: Any, sequence_parallel: bool) -> dict[str, Any]:
 
 
 def load_custom_plan(spec: str, model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
-    module_name, _, attr = spec.partition(":")
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
+        obj = resolve(spec)
     except Exception as exc:  # noqa: BLE001 - name the key that pointed here
         raise ValueError(f"{SECTION}.custom_parallel_plan: cannot import {spec!r}: {exc!r}") from exc
     plan = obj(model, sequence_parallel) if callable(obj) else obj
