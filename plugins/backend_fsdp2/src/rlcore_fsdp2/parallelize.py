@@ -155,7 +155,8 @@ def apply_ac(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               cpu_offload: bool, reshard_after_forward: bool, per_layer: bool = True) -> None:
+               cpu_offload: bool, reshard_after_forward: bool, per_layer: bool = True,
+               one_rank_fast_paths: bool = True) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(
@@ -168,7 +169,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, redu
             fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     if dp_mesh.size() == 1:
-        one_rank.install()  # FSDP2's one-rank gradient accumulation and copy-in, cheaper
+        if one_rank_fast_paths:  # policy.dtensor_cfg.one_rank_fast_paths
+            one_rank.install()  # FSDP2's one-rank gradient accumulation and copy-in, cheaper
         # One rank already sums (FSDP2's default divides by the world size, 1), and a factor set
         # anyway costs a division pass over all fp32 gradients in torch 2.11's single-rank path.
         return
@@ -205,7 +207,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, cfg: DTensorCon
     cpu_offload = cfg.cpu_offload and device_type == "cuda"
     reshard = reshard_after_forward(cfg, dims)
     apply_fsdp(model, mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
-               reshard_after_forward=reshard, per_layer=dims.dp_shard > 1 or cpu_offload or reshard)
+               reshard_after_forward=reshard, per_layer=dims.dp_shard > 1 or cpu_offload or reshard,
+               one_rank_fast_paths=cfg.one_rank_fast_paths)
     return model
 
 
