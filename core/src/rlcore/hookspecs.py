@@ -39,9 +39,12 @@ def rlcore_training_backends(register):
     """Register training backends (kind ``training_backend``).
 
     Factory: ``factory(config: RunConfig, section_config, world: WorldInfo) -> TrainingBackend``,
-    called once in each trainer rank. ``section`` is required and names the config block whose
-    ``enabled: true`` selects this backend (e.g. ``policy.megatron_cfg``). Capability
-    ``precedence`` (int, default 0) decides between several enabled backends: highest wins.
+    called once in each trainer rank; ``world.placement`` is the run's
+    :class:`rlcore.interfaces.Placement`. ``section`` is required and names the config block whose
+    ``enabled: true`` selects this backend (e.g. ``policy.megatron_cfg``): its schema must have a
+    bool field ``enabled``. Capability ``precedence`` (int, default 0) decides between several
+    enabled backends: highest wins. :mod:`rlcore.training` is the outer layer a backend's
+    ``train`` is built from.
     """
 
 
@@ -49,9 +52,11 @@ def rlcore_training_backends(register):
 def rlcore_generators(register):
     """Register rollout generators (kind ``generator``).
 
-    Factory: ``factory(config: RunConfig, section_config, placement: dict) -> Generator``.
-    Default section: ``policy.generation``, shared by all generators; its ``backend`` key
-    picks one by name.
+    Factory: ``factory(config: RunConfig, section_config, placement: Placement) -> Generator``,
+    with the same :class:`rlcore.interfaces.Placement` the backend got. Default section:
+    ``policy.generation``, shared by all generators; its ``backend`` key picks one by name. The
+    schema (``config_cls``) must extend :class:`rlcore.config.GenerationConfig` (the sampling keys,
+    ``colocated`` and ``refit``, all that core reads of the section); none given means that base.
     """
 
 
@@ -59,7 +64,9 @@ def rlcore_generators(register):
 def rlcore_environments(register):
     """Register environments that score trajectories (kind ``environment``).
 
-    Factory: ``factory(section_config) -> Environment``. Default section: ``env.<name>``.
+    Factory: ``factory(section_config) -> Environment``. Default section: ``env.<name>``. With
+    capability ``multi_turn=True`` the schema extends
+    :class:`rlcore.config.environment.MultiTurnEnvConfig` (the turn settings core reads).
     """
 
 
