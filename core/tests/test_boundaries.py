@@ -179,17 +179,27 @@ class _BoundaryPlugin:
         register("boundary_gen", _FakeGenerator)
 
 
-def test_backend_and_generator_factories_get_the_one_placement(tmp_path):
+def test_backend_and_generator_factories_get_the_one_placement(tmp_path, single_process_group, monkeypatch):
+    """(With a process group already up, the in-process trainer leaves this process's environment
+    alone: subprocesses of later tests must not inherit its MASTER_PORT.)"""
+    import os
+
     from rlcore.controller.run import build_components
 
-    manager = rlcore.get_plugin_manager()
+    before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+
+    from rlcore.plugins import PluginManager
+
+    manager = PluginManager()  # not the process-wide one: later tests must not see these providers
+    manager.load_entry_points()
     manager.register_module(_BoundaryPlugin)
+    monkeypatch.setattr("rlcore.controller.run.get_plugin_manager", lambda: manager)
     config = rlcore.build_config({
         "policy": {"model_name": str(tmp_path), "boundary_cfg": {"enabled": True},
                    "generation": {"backend": "boundary_gen", "colocated": {"enabled": True}}},
         "algorithm": {"name": "grpo"}, "data": {"name": "arithmetic"}, "env": {"name": "math"},
         "logger": {"log_dir": str(tmp_path / "run"), "print_table": False},
-    })
+    }, manager=manager)
     _Recorded.placements.clear()
     c = build_components(config, tokenizer=object(), algorithm=object(), environment=object(), dataset=object(), loggers=[])
     try:
@@ -200,3 +210,4 @@ def test_backend_and_generator_factories_get_the_one_placement(tmp_path):
         assert c.transport.chunk_bytes == config.generation.refit.chunk_bytes
     finally:
         c.trainer.shutdown()
+    assert {k: os.environ.get(k) for k in before} == before

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import yaml
 
-from rlcore.config import ConfigError, RunConfig, to_dict
+from rlcore.config import ConfigError, RefitConfig, RunConfig, to_dict
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.loop import Components, GRPOLoop
 from rlcore.controller.report import Reporter, plot_curves, summary_table
@@ -35,8 +35,9 @@ class StreamTransport:
 
     name = "stream"
 
-    def __init__(self, chunk_bytes: int = 256 << 20, dtype: Any = None):
-        self.chunk_bytes, self.dtype = chunk_bytes, dtype
+    def __init__(self, chunk_bytes: int | None = None, dtype: Any = None):
+        self.chunk_bytes = chunk_bytes or RefitConfig().chunk_bytes  # the one default, policy.generation.refit's
+        self.dtype = dtype
 
     def transfer(self, trainer: TrainerHandle, generator: Generator) -> dict[str, float]:
         return stream_into(generator, trainer.export_chunks(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
@@ -114,7 +115,7 @@ def build_components(config: RunConfig, **given) -> Components:
         data_cfg = config.require_section("data")
         dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
     placement = plan_placement(config)
-    trainer = wrap_from_env(build_trainer(config, manager, placement, given.get("backend")))
+    trainer = build_trainer(config, manager, placement, given.get("backend"))
     generator = given.get("generator")
     if generator is None:
         config.require_section("policy.generation")
@@ -122,6 +123,7 @@ def build_components(config: RunConfig, **given) -> Components:
         generator = manager.get("generator", gen_cfg.backend).build(config, gen_cfg, placement)
     transport = pick_transport(manager, trainer, generator, config)
     print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
+    trainer = wrap_from_env(trainer)  # tests' RLCORE_FAULT: from here on every call may hit a rank
     multi_turn = None
     if env_reg.capabilities.get("multi_turn"):
         from rlcore.rollout import make_multi_turn_runner

@@ -7,14 +7,15 @@ from typing import Literal
 import attrs
 from attrs import field, frozen
 
-from rlcore.config import ColocatedConfig, GenerationConfig, RefitConfig, doc
+from rlcore.config import GenerationConfig, doc
+from rlcore.config import generation as core
 from rlcore.config.generation import fraction
 
 _positive = attrs.validators.gt(0)
 
 
 @frozen
-class VllmColocatedConfig(ColocatedConfig):
+class ColocatedConfig(core.ColocatedConfig):
     """Whether the engines share devices with the trainer, and how they free them while it trains."""
 
     sleep_level: Literal[1, 2] = field(default=1, metadata=doc(
@@ -24,7 +25,7 @@ class VllmColocatedConfig(ColocatedConfig):
 
 
 @frozen
-class VllmRefitConfig(RefitConfig):
+class RefitConfig(core.RefitConfig):
     """Core's refit settings plus the non-colocated broadcast group's."""
 
     group_backend: Literal["auto", "gloo", "nccl"] = field(default="auto", metadata=doc("non-colocated broadcast group; auto = nccl on GPU, gloo on CPU"))
@@ -47,8 +48,8 @@ class VllmConfig(GenerationConfig):
     num_replicas: int = field(default=1, validator=_positive, metadata=doc("data-parallel engine replicas; requests are balanced across them"))
     max_model_len: int | None = field(default=None, metadata=doc("prompt + response limit; None = policy.max_total_sequence_length"))
     prompt_overflow: Literal["truncate", "drop"] = field(default="truncate", metadata=doc("over-long prompts: 'truncate' (keep the last tokens) or 'drop'"))
-    colocated: VllmColocatedConfig = field(factory=VllmColocatedConfig, metadata=doc("placement"))
-    refit: VllmRefitConfig = field(factory=VllmRefitConfig, metadata=doc("weight updates"))
+    colocated: ColocatedConfig = field(factory=ColocatedConfig, metadata=doc("placement"))
+    refit: RefitConfig = field(factory=RefitConfig, metadata=doc("weight updates"))
     kv_cache_space_gib: float = field(default=1.0, validator=_positive, metadata=doc("KV cache size on CPU (GiB)"))
     seed: int | None = field(default=None, metadata=doc("engine seed; None = grpo.seed"))
     max_num_seqs: int = field(default=256, validator=_positive, metadata=doc("sequences batched at once per engine"))
