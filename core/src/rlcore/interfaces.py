@@ -180,9 +180,11 @@ class TrainingBackend(Protocol):
         other ranks may return None. ``reference=True`` uses the frozen initial policy."""
 
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
-        """Optimizer step(s) on ``batch`` with ``algorithm.loss``; returns summed metrics plus
-        ``loss``, ``grad_norm``, ``lr``, ``num_micro_batches``. A non-finite loss skips the update
-        and returns ``{"skipped_nonfinite": 1.0, ...}``."""
+        """Optimizer step(s) on ``batch`` with ``algorithm.loss`` (one per
+        ``policy.train_global_batch_size`` sequences: :func:`rlcore.training.train_in_optimizer_steps`);
+        returns summed metrics plus ``loss``, ``grad_norm``, ``lr``, ``num_micro_batches``,
+        ``num_optimizer_steps``. A non-finite loss skips that update and counts it in
+        ``skipped_nonfinite``."""
 
     def export_weights(self, dtype: Any = None, chunk_bytes: int = 1 << 30) -> Iterator[NamedTensors]:
         """Chunks of (Hugging Face name, tensor) covering the whole model, each at most
