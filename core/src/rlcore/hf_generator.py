@@ -15,6 +15,7 @@ import torch
 from rlcore.config import ConfigError
 from rlcore.config.hf_generation import HFGenerationConfig
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
+from rlcore.utils import torch_dtype
 
 
 class HFGenerator:
@@ -23,7 +24,7 @@ class HFGenerator:
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, config.dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(config.dtype)).eval()
         self.max_model_len = max_model_len
         self.weights_version = 0
 
