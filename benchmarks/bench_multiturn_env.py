@@ -22,13 +22,13 @@ import time
 from attrs import field, frozen
 
 from rlcore import hookimpl
+from rlcore.config.environment import MultiTurnEnvConfig
 from rlcore.config.structure import doc
 from rlcore.interfaces import EnvStep
 
 
 @frozen
-class BenchToolConfig:
-    max_turns: int = field(default=3, metadata=doc("model turns per trajectory"))
+class BenchToolConfig(MultiTurnEnvConfig):
     tool_latency_s: float = field(default=0.5, metadata=doc("simulated tool latency, uniform in [0, this]"))
     turn_stop_strings: tuple[str, ...] = field(default=("777|>",), metadata=doc("ends a model turn"))
     seed: int = field(default=0, metadata=doc("seed of latencies and rewards"))

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from rlcore.utils import free_port
 
 
 def parse_args(argv=None):
@@ -111,9 +111,7 @@ def make_batch(args, vocab: int, gen: torch.Generator):
 def init_single_process_group(device: str) -> None:
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=0, world_size=1, **({"device_id": torch.device("cuda", 0)} if device == "cuda" else {}))
 

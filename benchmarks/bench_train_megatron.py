@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import statistics
 import sys
 import time
@@ -55,6 +54,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train_fsdp2 as common  # noqa: E402  (model shapes, FLOP formula, batch maker)
 import results_log  # noqa: E402
+from rlcore.utils import free_port  # noqa: E402
 
 MEGATRON_VARIANTS = {
     "megatron": {},
@@ -328,9 +328,7 @@ def main(argv=None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         dist.init_process_group("nccl" if not args.tiny else "gloo")
         return worker(dist.get_rank(), dist.get_world_size(), 0, args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     gpus = args.gpus or args.tp
     if gpus % args.tp:
         print(f"--gpus {gpus} is not a multiple of --tp {args.tp}", file=sys.stderr)

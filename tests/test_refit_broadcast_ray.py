@@ -118,10 +118,10 @@ def test_trainer_rank_dying_mid_refit_is_named_not_a_hang(faulted_run):
 
 def test_in_process_trainer_runs_the_same_rank_functions_as_rank_0_of_1():
     """Transports have one code path: an in-process trainer answers ``run_on_ranks`` as rank 0 of 1."""
-    from rlcore.controller.run import _PassedBackend
-    from rlcore.controller.workers import resolve
+    from rlcore.controller.workers import LocalTrainer
+    from rlcore.utils import resolve
 
-    trainer = _PassedBackend(object())
+    trainer = LocalTrainer(object())
     (port,) = trainer.run_on_ranks("rlcore_vllm.broadcast:sender_port", what="'sender_port'")
     assert isinstance(port, int) and port > 0
     assert resolve("rlcore_vllm.broadcast:WeightGroup.send").__name__ == "send"

@@ -254,10 +254,10 @@ def test_dapo_dynamic_sampling_overlong_shaping_and_filtering():
     # L_max - L_c = 6: excess [0, 0, 2, 4, 6] / 4 -> [0, 0, .5, 1, 1(capped)] * 0.5
     assert shaped.tolist() == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.5])
     truncated = torch.tensor([False, False, False, True, False, False, False, False])
-    keep = alg.keep_groups(REWARDS, GROUPS, truncated)
+    keep = alg.keep_trajectories(REWARDS, GROUPS, truncated)
     assert keep.tolist() == [True, True, True, False, False, False, False, False]
     assert DAPO(C.DAPOConfig(dynamic_sampling=False)).max_refill_rounds == 0
-    assert GRPO().keep_groups(REWARDS, GROUPS, truncated).all()
+    assert GRPO().keep_trajectories(REWARDS, GROUPS, truncated).all()
 
 
 # ---- bad input -------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_non_finite_rewards_are_errors(cls, bad):
     with pytest.raises(ValueError, match=r"rewards\[5\] is .*must be finite"):
         cls().advantages(r, GROUPS)
     with pytest.raises(ValueError, match=r"rewards\[5\]"):
-        cls().keep_groups(r, GROUPS, torch.zeros(8, dtype=torch.bool))
+        cls().keep_trajectories(r, GROUPS, torch.zeros(8, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"rewards\[5\]"):
         cls().shape_rewards(r, torch.ones(8), torch.zeros(8, dtype=torch.bool))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from rlcore.config import structure
-from rlcore.interfaces import Sample
+from rlcore.interfaces import Placement, Sample
 from rlcore.plugins import get_plugin_manager
 from rlcore.testing.conformance import AlgorithmConformance, EnvironmentConformance, GeneratorConformance
 
@@ -150,4 +150,4 @@ class TestBuiltinHFGenerator(GeneratorConformance):
         from rlcore.config import build_config
 
         config = build_config({"policy": {"model_name": str(generator_model_dir), "generation": {"backend": "hf"}}})
-        return MANAGER.get("generator", "hf").build(config, config.section("policy.generation"), {})
+        return MANAGER.get("generator", "hf").build(config, config.generation, Placement())

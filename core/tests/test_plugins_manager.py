@@ -274,20 +274,20 @@ def test_weight_transport_is_first_result_latest_plugin_first(fake_site, monkeyp
         from rlcore import hookimpl
 
         @hookimpl
-        def rlcore_weight_transport(backend, generator):
+        def rlcore_weight_transport(trainer, generator):
             return "transport-a"
     """)
     fake_site.add_plugin("rlcore-wt-b", "wt_b", """
         from rlcore import hookimpl
 
         @hookimpl
-        def rlcore_weight_transport(backend, generator):
+        def rlcore_weight_transport(trainer, generator):
             return None if generator == "only-a" else "transport-b"
     """)
     manager = load(monkeypatch)
     # Entry points load in name order (wt_a, then wt_b); pluggy asks the latest first.
-    assert manager.weight_transport(backend="be", generator="gen") == "transport-b"
-    assert manager.weight_transport(backend="be", generator="only-a") == "transport-a"
+    assert manager.weight_transport(trainer="be", generator="gen") == "transport-b"
+    assert manager.weight_transport(trainer="be", generator="only-a") == "transport-a"
 
 
 def test_a_config_section_has_one_owner(fake_site, monkeypatch):
@@ -311,3 +311,15 @@ def test_a_config_section_has_one_owner(fake_site, monkeypatch):
     """)
     manager = load(monkeypatch, disable="mybackend")
     assert len(manager.by_section("policy.generation")) >= 2
+
+
+def test_registration_hooks_named_by_specname_are_called(fake_site, monkeypatch):
+    fake_site.add_plugin("rlcore-specname", "specname", """
+        from rlcore import hookimpl
+
+        @hookimpl(specname="rlcore_environments")
+        def register_my_environments(register):
+            register("specname_env", "x:y")
+    """)
+    manager = load(monkeypatch)
+    assert manager.get("environment", "specname_env").source.distribution == "rlcore-specname"

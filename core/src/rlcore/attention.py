@@ -130,14 +130,14 @@ def _exact_causal_attention(query_THD: torch.Tensor, key_TGD: torch.Tensor, valu
     run = functools.partial(sdpa, dropout_p=dropout, is_causal=True, scale=scale)
     q, k, v = (x.transpose(0, 1)[None] for x in (query_THD, key_TGD, value_TGD))  # [1, H, T, D]
     if len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= 2 * sum(n * n for n in lengths):
-        out_1HTD = _padded_rows(run, q, k, v, bounds, lengths)
+        out_1HTD = padded_rows_attention(run, q, k, v, bounds, lengths)
     else:
         pieces = [run(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         out_1HTD = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
     return out_1HTD[0].transpose(0, 1)
 
 
-def _padded_rows(run, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+def padded_rows_attention(run, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
                  lengths: list[int]) -> torch.Tensor:
     """Similar-length sequences as one causal SDPA over a [n, H, max_len, D] batch.
 

@@ -72,7 +72,7 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     environment = manager.get("environment", "math").build(config.section("env.math"))
     algorithm = manager.get("algorithm", "sft").build(config.section("algorithm"))
     reg = manager.get("training_backend", "fsdp2")
-    trainer = LocalTrainer(reg, config, config.section(reg.section), "cpu")
+    trainer = LocalTrainer.build(reg, config, config.section(reg.section))
     evaluator = HFGenerator(str(base_dir), HFGenerationConfig(), 64)
     transport = StreamTransport()
     val = list(dataset.validation)
@@ -80,7 +80,7 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     for step in range(1, max_steps + 1):
         first = (step - 1) * batch_size
         samples = [dataset.train[(first + i) % len(dataset.train)] for i in range(batch_size)]
-        metrics = trainer.call("train", sft_batch(samples, tokenizer), algorithm)
+        metrics = trainer.train(sft_batch(samples, tokenizer), algorithm)
         if step % 25 == 0 or step == max_steps:
             transport.transfer(trainer, evaluator)
             accuracy = greedy_accuracy(evaluator, environment, val)
@@ -89,7 +89,7 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
                   f"({time.perf_counter() - started:.0f}s)", flush=True)
             if accuracy >= target:
                 break
-    trainer.call("export_hf", str(out_dir))
+    trainer.backend.export_hf(str(out_dir))
     tokenizer.save_pretrained(out_dir)
     trainer.shutdown()
     (out_dir / "sft_history.json").write_text(json.dumps(history, indent=2))

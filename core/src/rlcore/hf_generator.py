@@ -16,8 +16,10 @@ from collections.abc import Iterable
 
 import torch
 
+from rlcore.config import ConfigError
 from rlcore.config.hf_generation import HFGenerationConfig
-from rlcore.interfaces import GenerationResult, NamedTensors, SamplingParams
+from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
+from rlcore.utils import torch_dtype
 
 
 class HFGenerator:
@@ -28,7 +30,7 @@ class HFGenerator:
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, config.dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(config.dtype)).eval()
         self.max_model_len = max_model_len
         self.weights_version = 0
 
@@ -154,6 +156,10 @@ class HFGenerator:
         pass
 
 
-def build(config, section_config: HFGenerationConfig, placement: dict) -> HFGenerator:
+def build(config, section_config: HFGenerationConfig, placement: Placement) -> HFGenerator:
+    """Runs in the driver process, on the CPU."""
+    if not placement.colocated and placement.device == "cuda":
+        raise ConfigError("policy.generation.colocated.enabled", "the hf generator runs in the driver process "
+                          "and cannot take GPUs of its own; use colocated generation or the vllm generator")
     policy = config.policy
     return HFGenerator(policy.model_name, section_config, policy.max_total_sequence_length)

@@ -39,9 +39,12 @@ def rlcore_training_backends(register):
     """Register training backends (kind ``training_backend``).
 
     Factory: ``factory(config: RunConfig, section_config, world: WorldInfo) -> TrainingBackend``,
-    called once in each trainer rank. ``section`` is required and names the config block whose
-    ``enabled: true`` selects this backend (e.g. ``policy.megatron_cfg``). Capability
-    ``precedence`` (int, default 0) decides between several enabled backends: highest wins.
+    called once in each trainer rank; ``world.placement`` is the run's
+    :class:`rlcore.interfaces.Placement`. ``section`` is required and names the config block whose
+    ``enabled: true`` selects this backend (e.g. ``policy.megatron_cfg``): its schema must have a
+    bool field ``enabled``. Capability ``precedence`` (int, default 0) decides between several
+    enabled backends: highest wins. :mod:`rlcore.training` is the outer layer a backend's
+    ``train`` is built from.
     """
 
 
@@ -49,9 +52,11 @@ def rlcore_training_backends(register):
 def rlcore_generators(register):
     """Register rollout generators (kind ``generator``).
 
-    Factory: ``factory(config: RunConfig, section_config, placement: dict) -> Generator``.
-    Default section: ``policy.generation``, shared by all generators; its ``backend`` key
-    picks one by name.
+    Factory: ``factory(config: RunConfig, section_config, placement: Placement) -> Generator``,
+    with the same :class:`rlcore.interfaces.Placement` the backend got. Default section:
+    ``policy.generation``, shared by all generators; its ``backend`` key picks one by name. The
+    schema (``config_cls``) must extend :class:`rlcore.config.GenerationConfig` (the sampling keys,
+    ``colocated`` and ``refit``, all that core reads of the section); none given means that base.
     """
 
 
@@ -59,7 +64,9 @@ def rlcore_generators(register):
 def rlcore_environments(register):
     """Register environments that score trajectories (kind ``environment``).
 
-    Factory: ``factory(section_config) -> Environment``. Default section: ``env.<name>``.
+    Factory: ``factory(section_config) -> Environment``. Default section: ``env.<name>``. With
+    capability ``multi_turn=True`` the schema extends
+    :class:`rlcore.config.environment.MultiTurnEnvConfig` (the turn settings core reads).
     """
 
 
@@ -91,27 +98,21 @@ def rlcore_loggers(register):
 
 
 @hookspec(firstresult=True)
-def rlcore_weight_transport(backend, generator):
-    """Pick how weights move from ``backend`` to ``generator`` at refit.
+def rlcore_weight_transport(trainer, generator):
+    """Pick how weights move from the trainer ranks to ``generator`` at refit.
 
-    Called once per run with the generator and, as ``backend``, one of:
+    Called once per run with the generator and the trainer handle (a
+    :class:`rlcore.interfaces.TrainerHandle`, wherever its ranks run): ``export_chunks(dtype,
+    chunk_bytes)`` yields rank 0's Hugging Face-named chunks in the caller's process;
+    ``run_on_ranks(fn, *args, what=...)`` runs ``fn(backend, rank, world_size, *args)`` (``fn`` a
+    ``"module:attr"`` string, imported in each rank's process) next to every rank's backend and
+    returns all ranks' results; ``in_process`` says whether rank 0's backend lives in the caller's
+    process (one rank, no Ray, or a backend object passed to ``rlcore.run``).
 
-    - the live training backend (a :class:`rlcore.interfaces.TrainingBackend`, it has
-      ``export_weights``) when the trainer runs in the caller's process (one rank, no Ray, or a
-      backend object passed to ``rlcore.run``);
-    - the trainer-group handle when the trainer ranks are Ray actors
-      (:class:`rlcore.controller.workers.RayTrainerGroup`; it has no ``export_weights``). It
-      offers ``run_on_ranks(fn, *args, what=..., fault_point=...)``, which runs
-      ``fn(backend, rank, world_size, *args)`` (``fn`` a ``"module:attr"`` string, imported in
-      each rank's process) in every rank next to its backend and returns all ranks' results, and
-      ``export_chunks(dtype, chunk_bytes)``, which yields rank 0's chunks in the caller's process.
-
-    The returned transport's ``transfer(backend, generator)`` later gets that same kind of
-    object. Return a :class:`rlcore.interfaces.WeightTransport` if this plugin knows how to
-    connect the two, or ``None`` to let another plugin decide (a plugin that only handles live
-    backends should check for ``export_weights``). The first non-``None`` answer wins; plugins
+    The returned transport's ``transfer(trainer, generator)`` later gets that same handle.
+    Return a :class:`rlcore.interfaces.WeightTransport` if this plugin knows how to connect the
+    two, or ``None`` to let another plugin decide. The first non-``None`` answer wins; plugins
     registered later are asked first (pluggy's LIFO order), so a third party can override the
-    built-in choice. rlcore's own fallback streams the trainer's chunks
-    (``export_weights()``, or ``export_chunks()`` through the caller's process for Ray ranks)
-    into ``generator.update_weights()``.
+    built-in choice. rlcore's own fallback streams ``export_chunks()`` into
+    ``generator.update_weights()``.
     """

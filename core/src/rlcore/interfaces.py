@@ -120,6 +120,21 @@ class SequenceBatch:
 
 
 @attrs.frozen
+class Placement:
+    """Where a run's trainer and generator go. Computed once by core
+    (:func:`rlcore.controller.placement.plan_placement`) and handed, the same object, to the
+    backend factory (``WorldInfo.placement``) and to the generator factory."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    trainer_ranks: int = 1  # trainer processes (GPUs on a GPU run)
+    use_ray: bool = False  # trainer ranks are Ray actors (else the one rank runs in the driver)
+    colocated: bool = True  # generation shares the trainer's devices
+    # When not colocated on GPUs of one node with a local Ray instance: the devices left to generation
+    # (as CUDA_VISIBLE_DEVICES names them); the trainer's actors hold the others. Empty otherwise.
+    generator_gpus: tuple[str, ...] = ()
+
+
+@attrs.frozen
 class WorldInfo:
     """The process a backend is built in. torch.distributed is initialized before the factory runs."""
 
@@ -127,6 +142,7 @@ class WorldInfo:
     world_size: int = 1
     local_rank: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
+    placement: Placement = attrs.field(factory=Placement)
 
 
 # ---- protocols -------------------------------------------------------------------------------
@@ -142,7 +158,7 @@ class Algorithm(Protocol):
     def shape_rewards(self, rewards_N: torch.Tensor, response_lengths_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
         """Reward shaping before advantages (identity for most; DAPO's overlong penalty)."""
 
-    def keep_groups(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
+    def keep_trajectories(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
         """Bool [N]: which trajectories to train on (DAPO dynamic sampling/overlong filter)."""
 
     def advantages(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
@@ -164,9 +180,11 @@ class TrainingBackend(Protocol):
         other ranks may return None. ``reference=True`` uses the frozen initial policy."""
 
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
-        """Optimizer step(s) on ``batch`` with ``algorithm.loss``; returns summed metrics plus
-        ``loss``, ``grad_norm``, ``lr``, ``num_micro_batches``. A non-finite loss skips the update
-        and returns ``{"skipped_nonfinite": 1.0, ...}``."""
+        """Optimizer step(s) on ``batch`` with ``algorithm.loss`` (one per
+        ``policy.train_global_batch_size`` sequences: :func:`rlcore.training.train_in_optimizer_steps`);
+        returns summed metrics plus ``loss``, ``grad_norm``, ``lr``, ``num_micro_batches``,
+        ``num_optimizer_steps``. A non-finite loss skips that update and counts it in
+        ``skipped_nonfinite``."""
 
     def export_weights(self, dtype: Any = None, chunk_bytes: int = 1 << 30) -> Iterator[NamedTensors]:
         """Chunks of (Hugging Face name, tensor) covering the whole model, each at most
@@ -180,10 +198,44 @@ class TrainingBackend(Protocol):
     def export_hf(self, path: str) -> None:
         """Write the trained policy as a Hugging Face checkpoint (safetensors + config)."""
 
-    def offload(self) -> None:
-        """Release accelerator memory (colocated generation is about to run)."""
+    def shutdown(self) -> None: ...
 
-    def onload(self) -> None: ...
+
+@runtime_checkable
+class TrainerHandle(Protocol):
+    """The trainer ranks as the run loop and weight transports see them, wherever they run.
+
+    Every method runs the same call on every rank (SPMD backends need that) and returns rank 0's
+    result. Implemented by :class:`rlcore.controller.workers.LocalTrainer` (the backend in this
+    process) and :class:`rlcore.controller.workers.RayTrainerGroup` (one Ray actor per rank,
+    every wait bounded by ``cluster.timeout_s`` and a dead rank named at once). ``what``
+    describes the call in those errors.
+    """
+
+    loop_step: int  # the run loop's step (not the backend's optimizer step): named in errors
+
+    @property
+    def in_process(self) -> bool:
+        """Whether rank 0's backend lives in this process (one rank, no Ray): a transport may then
+        hand this process's tensors to the generator directly."""
+
+    def logprobs(self, batch: SequenceBatch, *, reference: bool = False, what: str = "") -> list[torch.Tensor]:
+        """:meth:`TrainingBackend.logprobs` on every rank; rank 0's (all N sequences)."""
+
+    def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
+        """:meth:`TrainingBackend.train` on every rank; rank 0's metrics."""
+
+    def save_checkpoint(self, path: str) -> None: ...
+
+    def load_checkpoint(self, path: str) -> None: ...
+
+    def export_chunks(self, dtype: Any = None, chunk_bytes: int = 1 << 30) -> Iterator[NamedTensors]:
+        """Rank 0's :meth:`TrainingBackend.export_weights` chunks, in this process."""
+
+    def run_on_ranks(self, fn: str, *args: Any, what: str = "") -> list[Any]:
+        """``fn(backend, rank, world_size, *args)`` next to every rank's backend; all ranks' results
+        in rank order. ``fn`` is a ``"module:attr"`` string imported in each rank's process, so a
+        plugin's code (e.g. a weight sender) runs in the trainer processes."""
 
     def shutdown(self) -> None: ...
 
@@ -238,5 +290,5 @@ class MetricLogger(Protocol):
 class WeightTransport(Protocol):
     name: str
 
-    def transfer(self, backend: TrainingBackend, generator: Generator) -> dict[str, float]:
-        """Move the backend's current weights into the generator; return ``{"bytes": .., "seconds": ..}``."""
+    def transfer(self, trainer: TrainerHandle, generator: Generator) -> dict[str, float]:
+        """Move the trainer's current weights into the generator; return ``{"bytes": .., "seconds": ..}``."""

@@ -59,6 +59,20 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids_T.numel())
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        """The token tensors and fields on ``device``; ``cu_seqlens`` stays on the CPU (read on the
+        host: no device syncs). ``non_blocking`` from pageable memory: CUDA stages the data before
+        the call returns, and torch then skips the stream sync that would make the host wait for
+        the previous micro-batch's backward."""
+        def to(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return attrs.evolve(
+            self, input_ids_T=to(self.input_ids_T), position_ids_T=to(self.position_ids_T),
+            seq_index_T=to(self.seq_index_T), loss_mask_T=to(self.loss_mask_T),
+            token_fields={k: to(v) for k, v in self.token_fields.items()},
+            seq_fields={k: to(v) for k, v in self.seq_fields.items()})
+
 
 # ---- planning --------------------------------------------------------------------------------
 def _check_lengths(lengths: Sequence[int]) -> np.ndarray:

@@ -18,7 +18,6 @@ Nothing here imports torch: listing plugins must stay fast.
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata as md
 import os
 import traceback
@@ -29,6 +28,7 @@ import attrs
 import pluggy
 
 from rlcore import hookspecs
+from rlcore.utils import resolve
 
 ENTRY_POINT_GROUP = "rlcore"
 BUILTIN_ENTRY_POINT = "builtin"
@@ -62,17 +62,6 @@ class Source:
 
     def describe(self) -> str:
         return f"{self.distribution} {self.version} (entry point '{self.entry_point}')"
-
-
-def resolve(spec: str):
-    """The object a ``"module:attr"`` string names (``attr`` may be dotted); imported on call."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected 'module:attr', got {spec!r}")
-    obj = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 @attrs.frozen
@@ -112,6 +101,33 @@ def _check_capabilities(capabilities: dict[str, Any], where: str) -> None:
                 f"{where}: capability '{key}' must be plain data "
                 f"(str, number, bool or a tuple of them), got {type(value).__name__}"
             )
+
+
+def _contract_schema(kind: str, config_cls: type | None, capabilities: dict[str, Any], where: str) -> type | None:
+    """The schema a registration gets, checked against what core reads of its section: a
+    generator's extends :class:`rlcore.config.GenerationConfig` (none given: that base itself),
+    a multi-turn environment's extends :class:`rlcore.config.environment.MultiTurnEnvConfig`, and
+    a training backend's or logger's has the ``enabled`` switch that selects it."""
+    from rlcore.config.environment import MultiTurnEnvConfig
+    from rlcore.config.generation import GenerationConfig
+
+    if kind in ("training_backend", "logger"):
+        if config_cls is not None and "enabled" not in attrs.fields_dict(config_cls):
+            raise PluginError(f"{where}: config_cls {config_cls.__qualname__} needs a bool field 'enabled' "
+                              "(its section's enabled: true is what turns it on)")
+        return config_cls
+    if kind == "generator":
+        base = GenerationConfig
+    elif kind == "environment" and capabilities.get("multi_turn"):
+        base = MultiTurnEnvConfig
+    else:
+        return config_cls
+    if config_cls is None:
+        return base
+    if not issubclass(config_cls, base):
+        raise PluginError(f"{where}: config_cls {config_cls.__qualname__} must extend {base.__module__}.{base.__qualname__}, "
+                          "the keys of this section that rlcore itself reads")
+    return config_cls
 
 
 class PluginManager:
@@ -165,12 +181,14 @@ class PluginManager:
         self._collect(module, source)
 
     def _collect(self, module: Any, source: Source) -> None:
-        for kind, (hook_name, _) in KINDS.items():
-            impl = getattr(module, hook_name, None)
-            if impl is None:
-                continue
+        """Call this plugin's registration hooks as pluggy registered them (so an implementation
+        named differently with ``@hookimpl(specname=...)`` is found), in :data:`KINDS` order."""
+        kind_of = {hook_name: kind for kind, (hook_name, _) in KINDS.items()}
+        impls = [(impl, caller.name) for caller in self.pm.get_hookcallers(module) or [] if caller.name in kind_of
+                 for impl in caller.get_hookimpls() if impl.plugin is module]
+        for impl, hook_name in sorted(impls, key=lambda pair: list(kind_of).index(pair[1])):
             try:
-                impl(register=self._registrar(kind, source))
+                impl.function(register=self._registrar(kind_of[hook_name], source))
             except PluginError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a failing hook must name its plugin
@@ -185,6 +203,7 @@ class PluginManager:
                 raise PluginError(f"{where}: factory must be callable or 'module:attr'")
             if config_cls is not None and not attrs.has(config_cls):
                 raise PluginError(f"{where}: config_cls must be an attrs class, got {config_cls!r}")
+            config_cls = _contract_schema(kind, config_cls, capabilities, where)
             _check_capabilities(capabilities, where)
             template = KINDS[kind][1]
             if section is None:
@@ -227,8 +246,8 @@ class PluginManager:
     def sections(self) -> set[str]:
         return {r.section for regs in self.registry.values() for r in regs.values() if r.section}
 
-    def weight_transport(self, backend: Any, generator: Any):
-        return self.pm.hook.rlcore_weight_transport(backend=backend, generator=generator)
+    def weight_transport(self, trainer: Any, generator: Any):
+        return self.pm.hook.rlcore_weight_transport(trainer=trainer, generator=generator)
 
     def iter_registrations(self) -> Iterable[Registration]:
         for kind in KINDS:
@@ -247,8 +266,3 @@ def get_plugin_manager() -> PluginManager:
         _MANAGER = manager
     return _MANAGER
 
-
-def reset_plugin_manager() -> None:
-    """Forget loaded plugins (tests that change entry points or environment variables)."""
-    global _MANAGER
-    _MANAGER = None

@@ -175,20 +175,18 @@ class MultiTurnRunner:
 
 
 def make_multi_turn_runner(generator, environment, tokenizer, config: Any) -> MultiTurnRunner:
-    """Build a runner from a :class:`rlcore.config.RunConfig`: ``max_turns``, ``observation_role``,
-    ``turn_stop_strings`` and ``max_env_concurrency`` are read from the environment's section (then
-    the generation section) when they define them."""
-    env_section = config.section(f"env.{config.env.name}")
-    gen_section = config.section("policy.generation")
+    """Build a runner from a :class:`rlcore.config.RunConfig`: the turn settings are the
+    environment section's (:class:`rlcore.config.environment.MultiTurnEnvConfig`)."""
+    from rlcore.config.environment import MultiTurnEnvConfig
 
-    def pick(key, default):
-        for section in (env_section, gen_section):
-            if section is not None and getattr(section, key, None) is not None:
-                return getattr(section, key)
-        return default
-
+    path = f"env.{config.env.name}"
+    turns = config.section(path)
+    if turns is None:
+        turns = MultiTurnEnvConfig()
+    elif not isinstance(turns, MultiTurnEnvConfig):
+        raise TypeError(f"{path}: a multi-turn environment's section must be a MultiTurnEnvConfig, got {type(turns).__name__}")
     return MultiTurnRunner(
-        generator, environment, tokenizer, max_turns=int(pick("max_turns", 3)),
-        max_total_tokens=config.policy.max_total_sequence_length, observation_role=str(pick("observation_role", "user")),
-        turn_stop_strings=tuple(pick("turn_stop_strings", ())), max_env_concurrency=int(pick("max_env_concurrency", 256)),
+        generator, environment, tokenizer, max_turns=turns.max_turns, max_total_tokens=config.policy.max_total_sequence_length,
+        observation_role=turns.observation_role, turn_stop_strings=tuple(turns.turn_stop_strings),
+        max_env_concurrency=turns.max_env_concurrency,
     )

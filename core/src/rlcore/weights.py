@@ -1,9 +1,15 @@
-"""Helpers every backend and transport shares: byte-bounded chunks of named tensors, and the
-gather of per-sequence results from data-parallel ranks to rank 0."""
+"""Helpers every backend and transport shares: byte-bounded chunks of named tensors, the gather
+of per-sequence results from data-parallel ranks to rank 0, and the one Hugging Face checkpoint
+writer."""
 
 from __future__ import annotations
 
+import copy
+import json
+import shutil
 from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,3 +65,59 @@ def stream_into(generator, chunks: Iterable[list[NamedTensor]]) -> dict[str, flo
 
     generator.update_weights(counted())
     return {"bytes": float(moved["bytes"]), "seconds": time.perf_counter() - start}
+
+
+def write_hf_checkpoint(chunks: Iterable[list[NamedTensor]], path: str | Path, hf_config: Any, dtype: torch.dtype,
+                        tokenizer_dir: str | None, *, model_dir: str | None = None, rank: int = 0) -> None:
+    """A Hugging Face checkpoint from a backend's exported chunks (every rank passes its
+    ``export_weights``; rank 0 writes, the others only iterate, for the collectives inside).
+
+    One safetensors file per chunk (``model.safetensors`` alone, else
+    ``model-0000i-of-0000n.safetensors`` and an index), ``config.json`` with ``dtype``, the
+    tokenizer of ``tokenizer_dir`` (skipped when None or a directory without a tokenizer) and
+    ``generation_config.json`` from ``model_dir`` (default: the tokenizer directory) if it has one."""
+    if rank != 0:
+        for _ in chunks:
+            pass
+        return
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    files: list[tuple[str, list[str]]] = []
+    total = 0
+    for i, chunk in enumerate(chunks):
+        tmp = f"model-part-{i:05d}.safetensors"
+        # Clone: reverse weight conversion returns views of one fused tensor, which safetensors refuses.
+        tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in chunk}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, str(path / tmp), metadata={"format": "pt"})
+        files.append((tmp, list(tensors)))
+    if len(files) == 1:
+        (path / files[0][0]).rename(path / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, (tmp, names) in enumerate(files):
+            final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            (path / tmp).rename(path / final)
+            weight_map.update({n: final for n in names})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    _write_config(hf_config, path, dtype)
+    if tokenizer_dir and any((Path(tokenizer_dir) / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")):
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    generation = Path(model_dir or tokenizer_dir or "") / "generation_config.json"
+    if (model_dir or tokenizer_dir) and generation.is_file():
+        shutil.copy(generation, path / "generation_config.json")
+
+
+def _write_config(hf_config: Any, path: Path, dtype: torch.dtype) -> None:
+    config = copy.deepcopy(hf_config)
+    config.dtype = dtype
+    # A backend's own attention implementation name must not leak: a plain transformers/vLLM load
+    # would not know it.
+    config._attn_implementation = None
+    config.use_cache = True
+    config.save_pretrained(path)

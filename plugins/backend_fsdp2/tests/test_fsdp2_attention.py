@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlcore.attention import _padded_rows
+from rlcore.attention import padded_rows_attention
 from rlcore_fsdp2.attention import attention_cu_seqlens, varlen_attention_forward
 
 
@@ -53,7 +53,7 @@ def test_padded_rows_strategy_directly():
     lengths = [6, 2, 5]
     q, k, v, cu, total = _inputs(lengths, 0)
     sdpa = functools.partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=True)
-    out = _padded_rows(sdpa, q, k, v, cu.tolist(), lengths)  # [1, H, T, D]
+    out = padded_rows_attention(sdpa, q, k, v, cu.tolist(), lengths)  # [1, H, T, D]
     torch.testing.assert_close(out[0].transpose(0, 1), _alone(q, k, v, lengths))
 
 

@@ -84,18 +84,14 @@ def test_lr_schedule():
 
 
 def test_empty_cache_after_train_follows_colocation_unless_set():
-    from types import SimpleNamespace
-
-    from rlcore.config.schema import PolicyConfig, RunConfig
+    from rlcore.interfaces import Placement, WorldInfo
     from rlcore_fsdp2.backend import _empty_cache_after_train
 
-    def run(colocated):
-        sections = {} if colocated is None else {
-            "policy.generation": SimpleNamespace(colocated=SimpleNamespace(enabled=colocated))}
-        return RunConfig(policy=PolicyConfig(model_name="unused"), sections=sections)
+    def world(colocated):
+        return WorldInfo(device="cuda", placement=Placement(device="cuda", colocated=colocated))
 
-    assert _empty_cache_after_train(run(None), DTensorConfig())  # no generation section: colocated by default
-    assert _empty_cache_after_train(run(True), DTensorConfig())
-    assert not _empty_cache_after_train(run(False), DTensorConfig())
-    assert not _empty_cache_after_train(run(True), DTensorConfig(empty_cache_after_train=False))
-    assert _empty_cache_after_train(run(False), DTensorConfig(empty_cache_after_train=True))
+    assert _empty_cache_after_train(WorldInfo(), DTensorConfig())  # default placement: colocated
+    assert _empty_cache_after_train(world(True), DTensorConfig())
+    assert not _empty_cache_after_train(world(False), DTensorConfig())
+    assert not _empty_cache_after_train(world(True), DTensorConfig(empty_cache_after_train=False))
+    assert _empty_cache_after_train(world(False), DTensorConfig(empty_cache_after_train=True))

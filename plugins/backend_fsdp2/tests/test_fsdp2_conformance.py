@@ -188,3 +188,56 @@ def test_one_rank_bf16_accumulation_equals_fsdp2s_own(single_process_group, tiny
     assert len(calls) == metrics["num_micro_batches"]  # the first run only
     ours, theirs = results
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_one_rank_replaces_what_this_torch_has():
+    """The private FSDP2 names one_rank replaces are where, and of the shape, it expects. A torch
+    release that moves or changes them fails here, loudly, before any run silently loses (or
+    breaks) the fast paths: re-read FSDP2's code, adapt one_rank, add the release to CHECKED_TORCH."""
+    import inspect
+
+    import torch
+
+    from rlcore_fsdp2 import one_rank
+
+    where = f"torch {torch.__version__} (one_rank checked against {one_rank.CHECKED_TORCH})"
+    assert torch.__version__.startswith(one_rank.CHECKED_TORCH), f"{where}: not a checked release"
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError as exc:
+        pytest.fail(f"{where}: FSDP2's internals moved: {exc}")
+
+    def original(fn):
+        return getattr(fn, one_rank._ORIGINAL_ATTR, fn)
+
+    copy_in = inspect.signature(original(collectives.foreach_reduce_scatter_copy_in))
+    assert list(copy_in.parameters) == ["unsharded_grads", "reduce_scatter_input", "world_size"], f"{where}: {copy_in}"
+    assert "foreach_reduce_scatter_copy_in(" in inspect.getsource(collectives.foreach_reduce), where  # looked up per call
+    post_backward = inspect.signature(original(FSDPParamGroup.post_backward))
+    assert list(post_backward.parameters) == ["self", "unused"], f"{where}: {post_backward}"
+    param_src, group_src = inspect.getsource(FSDPParam), inspect.getsource(FSDPParamGroup)
+    for name in ("unsharded_accumulated_grad", "_unsharded_param", "reduce_dtype", "offload_to_cpu"):
+        assert f"self.{name}" in param_src, f"{where}: FSDPParam.{name} is gone"
+    for name in ("fsdp_params", "reduce_grads", "mesh_info"):
+        assert f"self.{name}" in group_src, f"{where}: FSDPParamGroup.{name} is gone"
+    assert one_rank.install() is True
+    assert hasattr(collectives.foreach_reduce_scatter_copy_in, one_rank._ORIGINAL_ATTR)
+    assert hasattr(FSDPParamGroup.post_backward, one_rank._ORIGINAL_ATTR)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_one_rank_fast_paths_key_decides_the_replacement(single_process_group, tiny_model_dir, monkeypatch, enabled):
+    from _fsdp2_common import run_config
+    from rlcore.interfaces import WorldInfo
+    from rlcore_fsdp2 import one_rank
+    from rlcore_fsdp2.backend import FSDP2Backend
+    from rlcore_fsdp2.config import SECTION
+
+    calls = []
+    monkeypatch.setattr(one_rank, "install", lambda: calls.append(1) or True)
+    config = run_config(tiny_model_dir, one_rank_fast_paths=enabled)
+    assert config.section(SECTION).one_rank_fast_paths is enabled
+    FSDP2Backend(config, config.section(SECTION), WorldInfo()).shutdown()
+    assert calls == ([1] if enabled else [])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,22 +26,17 @@ import pytest
 import torch
 
 from _fsdp2_common import algorithm, hf_logprobs, hf_state, load_hf, make_batch, max_diff, reference_train
+from rlcore.utils import free_port
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("_fsdp2_worker.py")
 TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(spec: dict, out: Path, timeout: float = 240.0) -> None:
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(WORKER.parent)}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(spec_path)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

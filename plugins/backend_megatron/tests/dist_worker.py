@@ -74,7 +74,7 @@ def megatron_logits(backend, batch) -> list[torch.Tensor] | None:
     from megatron.core import parallel_state as mpu
     from rlcore.packing import unpack
 
-    mbs = backend._micro_batches(batch, 64, 4)
+    mbs = backend.micro_batches(batch, 64, 4)
 
     def loss_fn(mb, _logprobs_fn, output):
         parts = [torch.empty_like(output) for _ in range(mpu.get_tensor_model_parallel_world_size())]

@@ -8,28 +8,22 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rlcore.utils import free_port
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 WORKER = Path(__file__).with_name("dist_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tiny_model_factory, tmp_path_factory):
     models = {a: str(tiny_model_factory(a, hidden_size=256, num_heads=4, num_kv_heads=2)) for a in ARCHS}
     out = tmp_path_factory.mktemp("megatron-dist")
-    port = str(_free_port())
+    port = str(free_port())
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, json.dumps(models), str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

@@ -28,7 +28,8 @@ def main() -> None:
     from rlcore.interfaces import WorldInfo
     from rlcore_fsdp2.backend import FSDP2Backend
     from rlcore_fsdp2.config import SECTION, DTensorConfig
-    from rlcore_vllm.broadcast import WeightGroup, free_port
+    from rlcore.utils import free_port
+    from rlcore_vllm.broadcast import WeightGroup
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -18,6 +18,13 @@ class StateDictBackend:
         yield from chunked(named, chunk_bytes)
 
 
+def state_dict_trainer(state_dict: dict[str, torch.Tensor]):
+    """A trainer handle over :class:`StateDictBackend` in this process (what transports get)."""
+    from rlcore.controller.workers import LocalTrainer
+
+    return LocalTrainer(StateDictBackend(state_dict))
+
+
 def perturbed_state_dict(model, scale: float = 0.03, seed: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: t.detach().clone() + scale * torch.randn(t.shape, generator=g) for n, t in model.state_dict().items()}

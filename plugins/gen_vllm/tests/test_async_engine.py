@@ -19,7 +19,7 @@ import torch
 from rlcore.interfaces import EnvStep, Sample, SamplingParams
 from rlcore.rollout import ChatSuffixes, MultiTurnRunner
 
-from _vllm_helpers import StateDictBackend, hf_greedy, hf_token_logprobs, perturbed_state_dict, with_weights
+from _vllm_helpers import hf_greedy, hf_token_logprobs, perturbed_state_dict, state_dict_trainer, with_weights
 
 pytestmark = pytest.mark.vllm
 HERE = Path(__file__).parent
@@ -107,7 +107,7 @@ def test_multi_turn_32_trajectories_3_turns_concurrently(async_generator):
 
 
 def test_non_colocated_refit_from_a_trainer_process_over_gloo(async_generator, hf_model, tmp_path):
-    from rlcore_vllm.broadcast import free_port
+    from rlcore.utils import free_port
 
     pytest.importorskip("rlcore_fsdp2", reason="the trainer process runs the FSDP2 backend (rlcore-fsdp2)")
 
@@ -141,7 +141,7 @@ def test_non_colocated_refit_from_a_trainer_process_over_gloo(async_generator, h
     # back to the original weights through the colocated path (shared memory into the engine process)
     from rlcore_vllm.transport import ColocatedTransport
 
-    ColocatedTransport(chunk_bytes=64 << 10).transfer(StateDictBackend(dict(hf_model.state_dict())), async_generator)
+    ColocatedTransport(chunk_bytes=64 << 10).transfer(state_dict_trainer(dict(hf_model.state_dict())), async_generator)
     assert [r[0].response_ids for r in async_generator.generate(prompts, greedy)] == before
 
 
@@ -153,13 +153,13 @@ def test_broadcast_transport_in_one_process(async_generator, hf_model):
     async_generator.config = attrs.evolve(config, colocated=attrs.evolve(config.colocated, enabled=False))
     try:
         new_weights = perturbed_state_dict(hf_model, seed=31)
-        transport = get_plugin_manager().weight_transport(backend=StateDictBackend(new_weights), generator=async_generator)
+        transport = get_plugin_manager().weight_transport(trainer=state_dict_trainer(new_weights), generator=async_generator)
         assert isinstance(transport, BroadcastTransport) and transport.group_backend == "gloo"
-        moved = transport.transfer(StateDictBackend(new_weights), async_generator)
+        moved = transport.transfer(state_dict_trainer(new_weights), async_generator)
         seq = [5, 6, 7, 8, 9, 10]
         diff = (torch.tensor(async_generator.score([seq])[0]) - hf_token_logprobs(with_weights(hf_model, new_weights), seq)).abs().max()
         assert moved["bytes"] > 0 and diff < 1e-3
-        transport.transfer(StateDictBackend(dict(hf_model.state_dict())), async_generator)  # same group again
+        transport.transfer(state_dict_trainer(dict(hf_model.state_dict())), async_generator)  # same group again
         diff = (torch.tensor(async_generator.score([seq])[0]) - hf_token_logprobs(hf_model, seq)).abs().max()
         assert diff < 1e-3
     finally:

@@ -10,7 +10,7 @@ import torch
 from rlcore.interfaces import SamplingParams
 from rlcore.testing.conformance import GeneratorConformance
 
-from _vllm_helpers import StateDictBackend, hf_greedy, hf_token_logprobs, perturbed_state_dict, with_weights
+from _vllm_helpers import hf_greedy, hf_token_logprobs, perturbed_state_dict, state_dict_trainer, with_weights
 
 pytestmark = pytest.mark.vllm
 
@@ -49,7 +49,7 @@ def test_colocated_refit_then_greedy_equals_hf_greedy_with_the_new_weights(sync_
     from rlcore_vllm.transport import ColocatedTransport
 
     new_weights = perturbed_state_dict(hf_model, seed=11)
-    transport = get_plugin_manager().weight_transport(backend=StateDictBackend(new_weights), generator=sync_generator)
+    transport = get_plugin_manager().weight_transport(trainer=state_dict_trainer(new_weights), generator=sync_generator)
     assert isinstance(transport, ColocatedTransport)
     assert sync_generator.encoding_for(torch.zeros(1)) == "shm"  # the engine core is another process
     version = sync_generator.weights_version
@@ -57,7 +57,7 @@ def test_colocated_refit_then_greedy_equals_hf_greedy_with_the_new_weights(sync_
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     before = [r[0].response_ids for r in sync_generator.generate(prompts, greedy)]
     try:
-        moved = transport.transfer(StateDictBackend(new_weights), sync_generator)
+        moved = transport.transfer(state_dict_trainer(new_weights), sync_generator)
         assert moved["bytes"] == sum(t.numel() * 4 for t in new_weights.values()) and moved["seconds"] > 0
         assert sync_generator.weights_version == version + 1
         reference = with_weights(hf_model, new_weights)
@@ -68,7 +68,7 @@ def test_colocated_refit_then_greedy_equals_hf_greedy_with_the_new_weights(sync_
         diff = (torch.tensor(sync_generator.score([seq])[0]) - hf_token_logprobs(reference, seq)).abs().max().item()
         assert diff < 1e-3
     finally:
-        transport.transfer(StateDictBackend(dict(hf_model.state_dict())), sync_generator)
+        transport.transfer(state_dict_trainer(dict(hf_model.state_dict())), sync_generator)
     assert [r[0].response_ids for r in sync_generator.generate(prompts, greedy)] == before
 
 

@@ -156,6 +156,6 @@ class AlgorithmBase:
         adv.check_per_sequence("truncated", truncated_N, rewards_N.numel())
         return rewards_N
 
-    def keep_groups(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
+    def keep_trajectories(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
         adv.check_rewards(rewards_N, group_ids_N)
         return torch.ones(rewards_N.shape, dtype=torch.bool)

@@ -3,7 +3,7 @@
 Same loss as GRPO (:mod:`rlcore.algorithms.grpo`) with defaults eps_lo = 0.2, eps_hi = 0.28,
 token-level normalization and no KL. On top:
 
-- **Dynamic sampling** (:meth:`DAPO.keep_groups`): groups whose rewards are all equal carry no
+- **Dynamic sampling** (:meth:`DAPO.keep_trajectories`): groups whose rewards are all equal carry no
   gradient and are dropped; the run loop generates more prompts to refill the batch, at most
   ``max_refill_rounds`` extra rounds.
 - **Overlong reward shaping** (:meth:`DAPO.shape_rewards`), with L_max = ``max_response_length``
@@ -20,7 +20,7 @@ Differences from the paper: the paper filters groups on accuracy (all right or a
 on the rewards the run loop passes (after shaping, if it shapes first), which is the same for
 0/1 rewards. The paper keeps sampling until the batch is full; the refill is capped here so a
 run whose groups are all solved or all failed cannot loop forever. Overlong filtering drops the
-trajectory from the trained batch (``keep_groups``); the run loop should compute group
+trajectory from the trained batch (``keep_trajectories``); the run loop should compute group
 advantages before dropping, as the paper masks the loss but keeps the group statistics.
 """
 
@@ -51,8 +51,8 @@ class DAPO(GRPO):
         penalty_N = -(excess_N / cfg.overlong_buffer_length).clamp(max=1.0) * cfg.overlong_penalty_factor
         return (rewards_N.double() + penalty_N).to(rewards_N.dtype)
 
-    def keep_groups(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
-        keep_N = super().keep_groups(rewards_N, group_ids_N, truncated_N)
+    def keep_trajectories(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor, truncated_N: torch.Tensor) -> torch.Tensor:
+        keep_N = super().keep_trajectories(rewards_N, group_ids_N, truncated_N)
         check_per_sequence("truncated", truncated_N, rewards_N.numel())
         if self.config.dynamic_sampling:
             keep_N &= ~all_equal_groups(rewards_N, group_ids_N)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import attrs
 from attrs import field, frozen
 
+from rlcore.config.generation import GenerationConfig
 from rlcore.config.structure import ConfigError, doc
 
 _positive = attrs.validators.gt(0)
@@ -80,8 +81,8 @@ class AsyncConfig:
 
 
 @frozen
-class GRPOConfig:
-    """The run loop."""
+class LoopConfig:
+    """The run loop (section ``grpo``)."""
 
     num_prompts_per_step: int = field(default=32, validator=_positive, metadata=doc("P prompts drawn per step"))
     num_generations_per_prompt: int = field(default=8, validator=_positive, metadata=doc("G samples per prompt"))
@@ -140,7 +141,7 @@ class RunConfig:
     """A whole run. Plugin-owned sections are in ``sections`` by dotted path."""
 
     policy: PolicyConfig
-    grpo: GRPOConfig = field(factory=GRPOConfig)
+    grpo: LoopConfig = field(factory=LoopConfig)
     cluster: ClusterConfig = field(factory=ClusterConfig)
     checkpointing: CheckpointingConfig = field(factory=CheckpointingConfig)
     env: EnvConfig = field(factory=EnvConfig)
@@ -152,11 +153,17 @@ class RunConfig:
         return self.sections.get(path, default)
 
     @property
-    def generation_colocated(self) -> bool:
-        """Whether generation shares the trainer's devices: ``policy.generation.colocated.enabled``
-        of the generator's section, true when the section has no such key."""
-        generation = self.section("policy.generation")
-        return bool(getattr(getattr(generation, "colocated", None), "enabled", True))
+    def generation(self) -> GenerationConfig:
+        """``policy.generation`` as its contract (the base schema's defaults when the recipe has no
+        such section, e.g. a generator object passed to ``rlcore.run``). Core reads the section only
+        through this: a section of another type is refused here, naming the key."""
+        section = self.sections.get("policy.generation")
+        if section is None:
+            return GenerationConfig()
+        if not isinstance(section, GenerationConfig):
+            raise ConfigError("policy.generation", f"the section is a {type(section).__name__}, not a "
+                              "rlcore.config.GenerationConfig (every generator's schema must extend it)")
+        return section
 
     def require_section(self, path: str) -> Any:
         if path not in self.sections:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import attrs
 import numpy as np
 import torch
 
+from rlcore.config.generation import GenerationConfig
 from rlcore.controller.deadlines import EnvironmentTimeout
 from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, SequenceBatch
 
@@ -46,19 +45,18 @@ class Trajectory:
         return self.result.finish_reason == "length"
 
 
-def sampling_params(generation_config: Any, n: int, seed: int | None, greedy: bool = False) -> SamplingParams:
-    """SamplingParams from whatever generator section is configured (keys shared by convention)."""
-    get = lambda key, default: getattr(generation_config, key, default)  # noqa: E731
+def sampling_params(generation: GenerationConfig, n: int, seed: int | None, greedy: bool = False) -> SamplingParams:
+    """SamplingParams from the generation section's contract (greedy: temperature 0, no top-p/k)."""
     return SamplingParams(
-        temperature=0.0 if greedy else get("temperature", 1.0),
-        top_p=1.0 if greedy else get("top_p", 1.0),
-        top_k=-1 if greedy else get("top_k", -1),
-        max_new_tokens=get("max_new_tokens", 256),
+        temperature=0.0 if greedy else generation.temperature,
+        top_p=1.0 if greedy else generation.top_p,
+        top_k=-1 if greedy else generation.top_k,
+        max_new_tokens=generation.max_new_tokens,
         n=n,
-        stop=tuple(get("stop_strings", ()) or ()),
-        stop_token_ids=tuple(get("stop_token_ids", ()) or ()),
+        stop=tuple(generation.stop_strings),
+        stop_token_ids=tuple(generation.stop_token_ids),
         seed=seed,
-        ignore_eos=bool(get("ignore_eos", False)),
+        ignore_eos=generation.ignore_eos,
     )
 
 

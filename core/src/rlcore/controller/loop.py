@@ -13,7 +13,7 @@ import math
 import queue
 import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -22,12 +22,18 @@ import torch
 from rlcore.controller.batching import (
     DataCursor, Trajectory, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
 )
-from rlcore.interfaces import EnvStep
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
-from rlcore.interfaces import SequenceBatch
+from rlcore.interfaces import (
+    Algorithm, Environment, EnvStep, Generator, MetricLogger, PromptDataset, SequenceBatch, TrainerHandle, WeightTransport,
+)
+
+if TYPE_CHECKING:
+    from rlcore.config import RunConfig
+    from rlcore.controller.report import Reporter
+    from rlcore.rollout import MultiTurnRunner
 
 
 class RefitError(RuntimeError):
@@ -40,16 +46,18 @@ class NonFiniteLossError(RuntimeError):
 
 @attrs.define
 class Components:
-    config: Any
-    trainer: Any  # LocalTrainer / RayTrainerGroup: call(method, ...), export_chunks(...)
-    generator: Any
-    environment: Any
-    algorithm: Any
-    dataset: Any
-    transport: Any
-    loggers: list
-    reporter: Any
-    multi_turn: Any = None  # callable(samples, params) -> list[list[GenerationResult]] for multi-turn envs
+    """What one run is made of; each part is reached only through its protocol."""
+
+    config: RunConfig
+    trainer: TrainerHandle
+    generator: Generator
+    environment: Environment
+    algorithm: Algorithm
+    dataset: PromptDataset
+    transport: WeightTransport
+    loggers: list[MetricLogger]
+    reporter: Reporter
+    multi_turn: MultiTurnRunner | None = None  # rollouts of multi-turn environments
     run_identity: dict | None = None  # RunDir.identity(): run id, log dir, fingerprint (checkpoints record it)
 
 
@@ -58,8 +66,8 @@ class GRPOLoop:
         self.c = c
         cfg = c.config
         self.grpo = cfg.grpo
-        self.generation_cfg = cfg.section("policy.generation")
-        self.refit_cfg = getattr(self.generation_cfg, "refit", None)
+        self.generation_cfg = cfg.generation
+        self.refit_cfg = self.generation_cfg.refit
         self.cursor = DataCursor(len(c.dataset.train), cfg.grpo.seed)
         self.step = 0
         self.policy_version = 0
@@ -122,7 +130,7 @@ class GRPOLoop:
             rewards_N, groups_N, truncated_N = self._reward_tensors(trajs)
             # Whole groups are kept or dropped here (dynamic sampling); single trajectories the
             # algorithm filters (overlong) stay in their group's baseline and are masked in train_on.
-            keep_N = self.c.algorithm.keep_groups(rewards_N, groups_N, truncated_N)
+            keep_N = self.c.algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
             kept_groups = set(groups_N[keep_N].tolist())
             kept.extend(t for t in trajs if t.group in kept_groups)
             metrics["rollout/refill_rounds"] = float(round_)
@@ -151,16 +159,16 @@ class GRPOLoop:
         shaped_N = algorithm.shape_rewards(rewards_N, lengths_N, truncated_N)
         advantages_N = algorithm.advantages(shaped_N, groups_N)
         batch = to_sequence_batch(trajectories, advantages_N, self.c.config.policy.max_total_sequence_length)
-        keep_N = algorithm.keep_groups(rewards_N, groups_N, truncated_N)
+        keep_N = algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
         for i in torch.nonzero(~keep_N).flatten().tolist():
             batch.loss_mask[i] = torch.zeros_like(batch.loss_mask[i])
         with timer.phase("logprobs"):
             if algorithm.uses_old_logprobs:
-                batch.token_fields["old_logprobs"] = trainer.call("logprobs", batch, what="'logprobs' (policy)")
+                batch.token_fields["old_logprobs"] = trainer.logprobs(batch, what="'logprobs' (policy)")
             if algorithm.uses_reference:
-                batch.token_fields["ref_logprobs"] = trainer.call("logprobs", batch, reference=True, what="'logprobs' (reference)")
+                batch.token_fields["ref_logprobs"] = trainer.logprobs(batch, reference=True, what="'logprobs' (reference)")
         with timer.phase("training"):
-            out = trainer.call("train", batch, algorithm, what="'train'")
+            out = trainer.train(batch, algorithm)
         metrics = {f"train/{k}": float(v) for k, v in out.items()}
         if out.get("skipped_nonfinite"):
             self.nonfinite_in_a_row += 1
@@ -187,13 +195,13 @@ class GRPOLoop:
 
     def verify_refit(self, batch: SequenceBatch) -> dict:
         """Compare generator and trainer logprobs of a few sequences on the model's tokens."""
-        count = int(getattr(self.refit_cfg, "probe_num_sequences", 4) or 0)
+        count = self.refit_cfg.probe_num_sequences
         if count <= 0:
             return {}
         probe = batch.select(range(min(count, len(batch))))
         with self.gen_lock:
             gen_lp = self.c.generator.score([ids.tolist() for ids in probe.input_ids])
-        train_lp = self.c.trainer.call("logprobs", probe, what="'logprobs' (refit probe)")
+        train_lp = self.c.trainer.logprobs(probe, what="'logprobs' (refit probe)")
         diffs = []
         for g, t, m in zip(gen_lp, train_lp, probe.loss_mask):
             d = (torch.as_tensor(g, dtype=torch.float32) - t.float()).abs()
@@ -202,7 +210,7 @@ class GRPOLoop:
         worst, mean = float(diff_T.max()), float(diff_T.mean())
         # The mean is what a corrupt refit moves (every token of a stale layer); the max of a few
         # thousand bf16 tokens can reach ~1 on a peaked distribution with correct weights.
-        threshold = float(getattr(self.refit_cfg, "probe_threshold", 0.05))
+        threshold = self.refit_cfg.probe_threshold
         if not (math.isfinite(worst) and math.isfinite(mean)) or mean > threshold:
             raise RefitError(
                 f"refit verification failed at step {self.step}: generator and trainer logprobs differ by "
@@ -230,7 +238,7 @@ class GRPOLoop:
             return
         found = self.ckpt.resume(
             lambda path, state: check_owner(state.get("run"), self.identity, path),
-            lambda path: self.c.trainer.call("load_checkpoint", str(path), what="'load_checkpoint'"),
+            lambda path: self.c.trainer.load_checkpoint(str(path)),
         )
         if found is None:
             return
@@ -251,7 +259,7 @@ class GRPOLoop:
             "records": self.records, "nonfinite_in_a_row": self.nonfinite_in_a_row, "rng": rng_state(),
             "run": self.identity,
         }
-        self.ckpt.save(self.step, lambda path: self.c.trainer.call("save_checkpoint", path, what="'save_checkpoint'"), state)
+        self.ckpt.save(self.step, self.c.trainer.save_checkpoint, state)
 
     # ---- driver -----------------------------------------------------------------------------
     def finish_step(self, record: dict, timer: StepTimer) -> None:
@@ -299,8 +307,8 @@ class GRPOLoop:
         return self.records
 
     def _set_trainer_step(self) -> None:
-        self.c.trainer.step = self.step
-        if hasattr(self.c.environment, "current_step"):
+        self.c.trainer.loop_step = self.step
+        if hasattr(self.c.environment, "current_step"):  # TimedEnvironment names the step of a hung call
             self.c.environment.current_step = self.step
 
     def _run_async(self) -> list[dict]:

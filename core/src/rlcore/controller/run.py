@@ -1,9 +1,9 @@
 """``rlcore.run``: build what the recipe names (or take the objects a user passes), place it, run.
 
-Placement: a CPU run with one trainer process, or any run with ``cluster.use_ray: false``, keeps
-everything in this process. Otherwise the trainer ranks are Ray actors (a local Ray instance is
-started when neither ``cluster.ray_address`` nor ``RAY_ADDRESS`` names a cluster), and the
-generator stays with the driver unless its plugin places its engines itself.
+Placement (:mod:`rlcore.controller.placement`) is computed once and handed to the backend and
+generator factories. Ray trainer ranks use a local Ray instance when neither
+``cluster.ray_address`` nor ``RAY_ADDRESS`` names a cluster; the generator stays with the driver
+unless its plugin places its engines itself.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import numpy as np
 import torch
 import yaml
 
-from rlcore.config import ConfigError, RunConfig, to_dict
+from rlcore.config import ConfigError, RefitConfig, RunConfig, to_dict
 from rlcore.controller.deadlines import TimedEnvironment
+from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.loop import Components, GRPOLoop
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
 from rlcore.controller.ray_local import start_local_ray
@@ -27,6 +28,8 @@ from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.timing import summarize
 from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
+from rlcore.controller.placement import plan_placement
+from rlcore.interfaces import Generator, Placement, TrainerHandle, WeightTransport
 from rlcore.plugins import get_plugin_manager
 from rlcore.weights import stream_into
 
@@ -36,39 +39,19 @@ class StreamTransport:
 
     name = "stream"
 
-    def __init__(self, chunk_bytes: int = 256 << 20, dtype: Any = None):
-        self.chunk_bytes, self.dtype = chunk_bytes, dtype
+    def __init__(self, chunk_bytes: int | None = None, dtype: Any = None):
+        self.chunk_bytes = chunk_bytes or RefitConfig().chunk_bytes  # the one default, policy.generation.refit's
+        self.dtype = dtype
 
-    def transfer(self, trainer, generator) -> dict[str, float]:
+    def transfer(self, trainer: TrainerHandle, generator: Generator) -> dict[str, float]:
         return stream_into(generator, trainer.export_chunks(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
-
-
-class _PluginTransport:
-    """Adapts a plugin's transport to the trainer handle the loop passes.
-
-    The transport gets what the ``rlcore_weight_transport`` hook was shown: the live backend when
-    it is in this process, else the trainer-group handle (``run_on_ranks``, ``export_chunks``)."""
-
-    def __init__(self, transport, in_process: bool):
-        self.inner, self.in_process = transport, in_process
-        self.name = getattr(transport, "name", type(transport).__name__)
-
-    def transfer(self, trainer, generator) -> dict[str, float]:
-        return self.inner.transfer(trainer.backend if self.in_process else trainer, generator)
-
-
-class _PassedBackend(LocalTrainer):
-    """A backend object given by the user (composable API), used in this process."""
-
-    def __init__(self, backend):
-        self.backend, self.step = backend, 0
 
 
 def select_backend(config: RunConfig, manager):
     enabled = []
     for reg in manager.registry["training_backend"].values():
         section = config.section(reg.section)
-        if section is not None and getattr(section, "enabled", False):
+        if section is not None and section.enabled:  # the field every backend schema has (checked at registration)
             enabled.append(reg)
     if not enabled:
         raise ConfigError("policy", "no training backend is enabled: set policy.dtensor_cfg.enabled=true or policy.megatron_cfg.enabled=true")
@@ -90,36 +73,14 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def _device(config: RunConfig) -> str:
-    return "cuda" if config.cluster.gpus_per_node > 0 else "cpu"
-
-
-def build_trainer(config: RunConfig, manager, backend=None):
+def build_trainer(config: RunConfig, manager, placement: Placement, backend=None) -> TrainerHandle:
+    """The trainer ranks ``placement`` asks for (or ``backend``, a user's object, in this process)."""
     if backend is not None:
-        return _PassedBackend(backend)
+        return LocalTrainer(backend)
     reg = select_backend(config, manager)
-    device = _device(config)
-    world = config.cluster.gpus_per_node * config.cluster.num_nodes if device == "cuda" else config.cluster.cpu_workers
-    gen = config.section("policy.generation")
-    colocated = config.generation_colocated
-    separate_gpus = device == "cuda" and not colocated
-    gen_gpus = 0
-    if separate_gpus:
-        resources = getattr(gen.colocated, "resources", None)
-        gen_gpus = getattr(resources, "gpus_per_node", 0) * getattr(resources, "num_nodes", 1)
-        world -= gen_gpus
-        if world < 1:
-            raise ConfigError("policy.generation.colocated.resources.gpus_per_node",
-                              f"takes {gen_gpus} of the {world + gen_gpus} GPUs in cluster.gpus_per_node x num_nodes, "
-                              "leaving none for the trainer")
-    use_ray = config.cluster.use_ray if config.cluster.use_ray is not None else (world > 1 or separate_gpus)
-    if not use_ray:
-        if world > 1:
-            raise ConfigError("cluster.use_ray", f"{world} trainer processes need Ray; set cluster.use_ray=true")
-        if separate_gpus:
-            raise ConfigError("cluster.use_ray", "non-colocated generation on GPUs needs the trainer in its own "
-                                                 "process (Ray actors) so each side sees only its GPUs; set cluster.use_ray=true")
-        return LocalTrainer(reg, config, config.section(reg.section), device)
+    section = config.section(reg.section)
+    if not placement.use_ray:
+        return LocalTrainer.build(reg, config, section, placement)
     import ray
 
     address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
@@ -128,46 +89,21 @@ def build_trainer(config: RunConfig, manager, backend=None):
             ray.init(address=address, include_dashboard=False)
             print(f"ray: joined the cluster at {address}; its nodes listen where that cluster was started to", flush=True)
         else:  # a local instance with a CPU slot per trainer rank, even on a 2-core machine
-            kwargs = {"num_gpus": world} if separate_gpus else {}
+            world = placement.trainer_ranks
+            kwargs = {"num_gpus": world} if placement.device == "cuda" and not placement.colocated else {}
             start_local_ray(num_cpus=max(world + 1, os.cpu_count() or 1), **kwargs)
-    group = RayTrainerGroup(reg, config, config.section(reg.section), world, device, config.cluster.timeout_s)
-    if separate_gpus and not address and config.cluster.num_nodes == 1:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(driver_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                                                     config.cluster.gpus_per_node, world))
-    return group
+    return RayTrainerGroup(reg, config, section, placement, config.cluster.timeout_s)
 
 
-def driver_gpu_ids(visible: str | None, gpus_per_node: int, trainer_gpus: int) -> list[str]:
-    """GPUs left to this (driver) process's generator when the trainer's Ray actors hold the first
-    ``trainer_gpus`` of the node (a local Ray instance started with ``num_gpus=trainer_gpus`` hands
-    out exactly those). Only processes that start CUDA afterwards see the narrowed list: a CUDA
-    context already created in this process is refused below, but a bare ``torch.cuda.is_available()``
-    also fixes the device list and leaves no trace, so a generator should do its device work in
-    freshly started processes (the vllm plugin spawns its engine core when not colocated)."""
-    import torch
-
-    if torch.cuda.is_initialized():
-        raise RuntimeError("non-colocated generation: CUDA was initialised in the driver before its GPUs were chosen")
-    ids = [i.strip() for i in visible.split(",") if i.strip()] if visible else [str(i) for i in range(gpus_per_node)]
-    left = ids[trainer_gpus:gpus_per_node]
-    if not left:
-        raise ConfigError("policy.generation.colocated.resources.gpus_per_node",
-                          f"no GPU left for generation: {len(ids)} visible, {trainer_gpus} taken by the trainer")
-    return left
-
-
-def pick_transport(manager, trainer, generator, config: RunConfig):
+def pick_transport(manager, trainer: TrainerHandle, generator: Generator, config: RunConfig) -> WeightTransport:
     """A plugin's transport when one claims the pair, else :class:`StreamTransport`.
 
-    The hook sees the live backend when the trainer runs in this process, otherwise the trainer
-    group itself (trainer ranks in Ray actors): a plugin that can send from inside the ranks uses
-    its ``run_on_ranks``; one that cannot returns None and weights stream through this process."""
-    in_process = hasattr(trainer, "backend")
-    found = manager.weight_transport(backend=trainer.backend if in_process else trainer, generator=generator)
+    The hook gets the trainer handle: a plugin that can send from inside the ranks uses its
+    ``run_on_ranks``; one that cannot returns None and weights stream through this process."""
+    found = manager.weight_transport(trainer=trainer, generator=generator)
     if found is not None:
-        return _PluginTransport(found, in_process)
-    refit = getattr(config.section("policy.generation"), "refit", None)
-    return StreamTransport(chunk_bytes=int(getattr(refit, "chunk_bytes", 256 << 20)))
+        return found
+    return StreamTransport(chunk_bytes=config.generation.refit.chunk_bytes)
 
 
 def build_components(config: RunConfig, **given) -> Components:
@@ -189,14 +125,16 @@ def build_components(config: RunConfig, **given) -> Components:
         data_cfg = config.require_section("data")
         dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
     check_prompt_lengths(dataset, config)
-    trainer = build_trainer(config, manager, given.get("backend"))
+    placement = plan_placement(config)
+    trainer = build_trainer(config, manager, placement, given.get("backend"))
     generator = given.get("generator")
     if generator is None:
-        gen_cfg = config.require_section("policy.generation")
-        placement = {"device": _device(config), "cluster": config.cluster}
+        config.require_section("policy.generation")
+        gen_cfg = config.generation
         generator = manager.get("generator", gen_cfg.backend).build(config, gen_cfg, placement)
     transport = pick_transport(manager, trainer, generator, config)
     print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
+    trainer = wrap_from_env(trainer)  # tests' RLCORE_FAULT: from here on every call may hit a rank
     multi_turn = None
     if env_reg.capabilities.get("multi_turn"):
         from rlcore.rollout import make_multi_turn_runner
@@ -208,7 +146,7 @@ def build_components(config: RunConfig, **given) -> Components:
         loggers = []
         for reg in manager.registry["logger"].values():
             section = config.section(reg.section)
-            if section is not None and getattr(section, "enabled", False):
+            if section is not None and section.enabled:  # checked at registration
                 loggers.append(reg.build(section, run_dir))
     reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn)

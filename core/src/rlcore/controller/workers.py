@@ -1,55 +1,31 @@
-"""Trainer placement: in this process, or one Ray actor per rank.
+"""The trainer ranks behind :class:`rlcore.interfaces.TrainerHandle`: in this process, or one Ray
+actor per rank.
 
-Both forms expose ``call(method, *args, what=..., **kwargs)``, which runs the backend method on
-every rank (the same call everywhere, as SPMD backends need) and returns rank 0's result, and
-``run_on_ranks(fn, *args, what=..., fault_point=...)``, which runs a plugin's function
-``fn(backend, rank, world_size, *args)`` (given as ``"module:attr"``, imported in each rank's
-process) next to every rank's backend and returns all ranks' results: how a transport sends
-weights straight from the trainer processes. In the Ray form every wait has a timeout; on expiry
-the error says which ranks the driver was waiting for and what they were doing. A dead actor is
-named with what it was running as soon as it is seen, before any error of its peers (which may
-be blocked in a collective with it, or have failed because of it).
-
-Fault injection for tests: ``RLCORE_FAULT=<crash|hang>:<method>:<step>[:<rank>]`` makes that
-rank (default: the last) exit or sleep when it starts ``method`` at ``step``.
+Both run every call on every rank (the same call everywhere, as SPMD backends need) and return
+rank 0's result; ``run_on_ranks`` runs a plugin's function ``fn(backend, rank, world_size,
+*args)`` (given as ``"module:attr"``, imported in each rank's process) next to every rank's
+backend and returns all ranks' results: how a transport sends weights straight from the trainer
+processes. In the Ray form every wait has a timeout; on expiry the error says which ranks the
+driver was waiting for and what they were doing. A dead actor is named with what it was running
+as soon as it is seen, before any error of its peers (which may be blocked in a collective with
+it, or have failed because of it). Test fault injection wraps a handle
+(:mod:`rlcore.controller.faults`).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
-from typing import Any
 
-from rlcore.interfaces import WorldInfo
-from rlcore.plugins import resolve
+from rlcore.interfaces import Placement, WorldInfo
+from rlcore.utils import free_port, resolve
 
 _PEER_GRACE_S = 5.0  # how long a rank's error waits for news of a dead peer (see _gather)
 
 
 class WorkerError(RuntimeError):
     """A trainer or generator worker died or did not answer in time."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def maybe_inject_fault(method: str, step: int, rank: int, world_size: int) -> None:
-    spec = os.environ.get("RLCORE_FAULT")
-    if not spec:
-        return
-    parts = spec.split(":")
-    kind, target, at_step = parts[0], parts[1], int(parts[2])
-    at_rank = int(parts[3]) if len(parts) > 3 else world_size - 1
-    if target == method and at_step == step and at_rank == rank:
-        if kind == "crash":
-            os._exit(17)
-        if kind == "hang":
-            time.sleep(10**6)
 
 
 def init_distributed(rank: int, world_size: int, master_port: int, device: str, master_addr: str = "127.0.0.1") -> None:
@@ -82,22 +58,35 @@ def init_distributed(rank: int, world_size: int, master_port: int, device: str, 
 
 
 class LocalTrainer:
-    """The backend in the driver process (single-process runs, debugging, the CPU demo)."""
+    """A backend in the driver process (single-process runs, debugging, the CPU demo)."""
 
-    def __init__(self, registration, config, section_config, device: str):
-        init_distributed(0, 1, free_port(), device)
-        self.world = WorldInfo(rank=0, world_size=1, local_rank=0, device=device)
-        self.backend = registration.build(config, section_config, self.world)
-        self.step = 0
+    in_process = True
 
-    def call(self, method: str, *args, what: str = "", **kwargs) -> Any:
-        maybe_inject_fault(method, self.step, 0, 1)
-        return getattr(self.backend, method)(*args, **kwargs)
+    def __init__(self, backend):
+        self.backend = backend
+        self.loop_step = 0
 
-    def run_on_ranks(self, fn: str, *args, what: str = "", fault_point: str | None = None) -> list:
+    @classmethod
+    def build(cls, registration, config, section_config, placement: Placement | None = None) -> LocalTrainer:
+        """Rank 0 of a one-process world (torch.distributed initialized here), then the backend."""
+        placement = placement or Placement()
+        init_distributed(0, 1, free_port(), placement.device)
+        return cls(registration.build(config, section_config, WorldInfo(0, 1, 0, placement.device, placement)))
+
+    def logprobs(self, batch, *, reference: bool = False, what: str = ""):
+        return self.backend.logprobs(batch, reference=reference)
+
+    def train(self, batch, algorithm) -> dict[str, float]:
+        return self.backend.train(batch, algorithm)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.backend.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.backend.load_checkpoint(path)
+
+    def run_on_ranks(self, fn: str, *args, what: str = "") -> list:
         """``[fn(backend, 0, 1, *args)]``: this process is rank 0 of 1 (see :meth:`RayTrainerGroup.run_on_ranks`)."""
-        if fault_point:
-            maybe_inject_fault(fault_point, self.step, 0, 1)
         return [resolve(fn)(self.backend, 0, 1, *args)]
 
     def export_chunks(self, dtype=None, chunk_bytes: int = 1 << 30):
@@ -110,25 +99,31 @@ class LocalTrainer:
 class _TrainerActor:
     """Body of the Ray actor; one per rank."""
 
-    def __init__(self, registration, config, section_config, rank: int, world_size: int, port: int, device: str):
+    def __init__(self, registration, config, section_config, rank: int, port: int, placement: Placement):
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("RLCORE_THREADS_PER_RANK", "1"))))
+        world_size, device = placement.trainer_ranks, placement.device
         init_distributed(rank, world_size, port, device)
         self.rank, self.world_size = rank, world_size
-        self.backend = registration.build(config, section_config, WorldInfo(rank, world_size, 0, device))
+        self.backend = registration.build(config, section_config, WorldInfo(rank, world_size, 0, device, placement))
 
-    def call(self, method: str, step: int, args, kwargs):
-        maybe_inject_fault(method, step, self.rank, self.world_size)
-        return getattr(self.backend, method)(*args, **kwargs)
+    def logprobs(self, batch, reference: bool):
+        return self.backend.logprobs(batch, reference=reference)
 
-    def run(self, fn: str, step: int, args, fault_point: str | None):
-        if fault_point:
-            maybe_inject_fault(fault_point, step, self.rank, self.world_size)
+    def train(self, batch, algorithm):
+        return self.backend.train(batch, algorithm)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.backend.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.backend.load_checkpoint(path)
+
+    def run(self, fn: str, args):
         return resolve(fn)(self.backend, self.rank, self.world_size, *args)
 
-    def export_all(self, step: int, dtype, chunk_bytes: int):
-        maybe_inject_fault("export_weights", step, self.rank, self.world_size)
+    def export_all(self, dtype, chunk_bytes: int):
         return list(self.backend.export_weights(dtype=dtype, chunk_bytes=chunk_bytes))
 
     def pid(self) -> int:
@@ -138,17 +133,19 @@ class _TrainerActor:
 class RayTrainerGroup:
     """``world_size`` trainer ranks as Ray actors (gloo on CPU, NCCL on GPU)."""
 
-    def __init__(self, registration, config, section_config, world_size: int, device: str, timeout_s: float):
+    in_process = False
+
+    def __init__(self, registration, config, section_config, placement: Placement, timeout_s: float):
         import ray
 
         self.ray = ray
         self.timeout_s = timeout_s
-        self.step = 0
+        self.loop_step = 0
         port = free_port()
-        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if device == "cuda" else 0)(_TrainerActor)
+        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if placement.device == "cuda" else 0)(_TrainerActor)
         self.actors = [
-            actor_cls.remote(registration, config, section_config, rank, world_size, port, device)
-            for rank in range(world_size)
+            actor_cls.remote(registration, config, section_config, rank, port, placement)
+            for rank in range(placement.trainer_ranks)
         ]
         # Start-up imports torch and builds the model in every rank: allow more than one step's wait.
         self.pids = self._gather([a.pid.remote() for a in self.actors], "start-up (building the backend)", max(timeout_s, 600.0))
@@ -178,7 +175,7 @@ class RayTrainerGroup:
                     results[rank] = self.ray.get(ref)
                 except self.ray.exceptions.RayActorError as exc:
                     pid = self.pids[rank] if hasattr(self, "pids") else "?"
-                    raise WorkerError(f"trainer rank {rank} (pid {pid}) died during {what} at step {self.step}: {exc.__class__.__name__}") from exc
+                    raise WorkerError(f"trainer rank {rank} (pid {pid}) died during {what} at step {self.loop_step}: {exc.__class__.__name__}") from exc
                 except Exception as exc:  # noqa: BLE001 - re-raised below unless a dead rank explains it
                     if failure is None:
                         failure = (exc, time.monotonic() + _PEER_GRACE_S)
@@ -189,27 +186,37 @@ class RayTrainerGroup:
             done = [rank for rank in range(len(refs)) if rank not in late]
             raise WorkerError(
                 f"timeout: the driver waited {timeout_s:.0f}s (cluster.timeout_s) for trainer ranks {late} "
-                f"running {what} at step {self.step}; ranks {done} had finished"
+                f"running {what} at step {self.loop_step}; ranks {done} had finished"
             )
         return results
 
-    def call(self, method: str, *args, what: str = "", **kwargs) -> Any:
-        refs = [a.call.remote(method, self.step, args, kwargs) for a in self.actors]
-        return self._gather(refs, what or f"'{method}'")[0]
+    def _on_all(self, what: str, submit) -> list:
+        """Every rank's result of ``submit(actor)`` (a Ray call); ``what`` names the call in errors."""
+        return self._gather([submit(actor) for actor in self.actors], what)
 
-    def run_on_ranks(self, fn: str, *args, what: str = "", fault_point: str | None = None) -> list:
+    def logprobs(self, batch, *, reference: bool = False, what: str = ""):
+        return self._on_all(what or "'logprobs'", lambda a: a.logprobs.remote(batch, reference))[0]
+
+    def train(self, batch, algorithm) -> dict[str, float]:
+        return self._on_all("'train'", lambda a: a.train.remote(batch, algorithm))[0]
+
+    def save_checkpoint(self, path: str) -> None:
+        self._on_all("'save_checkpoint'", lambda a: a.save_checkpoint.remote(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        self._on_all("'load_checkpoint'", lambda a: a.load_checkpoint.remote(path))
+
+    def run_on_ranks(self, fn: str, *args, what: str = "") -> list:
         """Run ``fn(backend, rank, world_size, *args)`` in every rank's process; all ranks' results.
 
         ``fn`` is a ``"module:attr"`` string, imported inside each actor (so a plugin's code runs
         next to the backend without the driver importing it there). Every rank runs it, as SPMD
-        backends need (e.g. ``export_weights`` gathers are collectives). ``fault_point`` names the
-        call for ``RLCORE_FAULT``; ``what`` describes it in errors. Waits at most ``cluster.timeout_s``."""
-        refs = [a.run.remote(fn, self.step, args, fault_point) for a in self.actors]
-        return self._gather(refs, what or f"'{fn}'")
+        backends need (e.g. ``export_weights`` gathers are collectives). ``what`` describes the
+        call in errors. Waits at most ``cluster.timeout_s``."""
+        return self._on_all(what or f"'{fn}'", lambda a: a.run.remote(fn, args))
 
     def export_chunks(self, dtype=None, chunk_bytes: int = 1 << 30):
-        refs = [a.export_all.remote(self.step, dtype, chunk_bytes) for a in self.actors]
-        yield from self._gather(refs, "'export_weights' (refit)")[0]
+        yield from self._on_all("'export_weights' (refit)", lambda a: a.export_all.remote(dtype, chunk_bytes))[0]
 
     def shutdown(self) -> None:
         for actor in self.actors:

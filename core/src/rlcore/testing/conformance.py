@@ -269,7 +269,7 @@ class AlgorithmConformance:
         adv_N = algorithm.advantages(rewards_N, group_ids_N)
         assert adv_N.shape == (12,) and adv_N.is_floating_point()
         assert torch.isfinite(adv_N).all(), f"advantages {adv_N} (a group with equal rewards must not give NaN)"
-        keep_N = algorithm.keep_groups(rewards_N, group_ids_N, torch.zeros(12, dtype=torch.bool))
+        keep_N = algorithm.keep_trajectories(rewards_N, group_ids_N, torch.zeros(12, dtype=torch.bool))
         assert keep_N.shape == (12,) and keep_N.dtype == torch.bool
         shaped_N = algorithm.shape_rewards(rewards_N, torch.full((12,), 5), torch.zeros(12, dtype=torch.bool))
         assert shaped_N.shape == (12,) and torch.isfinite(shaped_N).all()

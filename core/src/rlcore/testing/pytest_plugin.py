@@ -45,7 +45,7 @@ def single_process_group():
     that is already initialized and leaves it alone)."""
     import torch.distributed as dist
 
-    from rlcore.controller.workers import free_port
+    from rlcore.utils import free_port
 
     if dist.is_initialized():
         yield

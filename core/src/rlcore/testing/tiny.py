@@ -85,13 +85,15 @@ def build_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0, dt
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rlcore.utils import torch_dtype
+
     path = Path(path)
     tokenizer = build_tokenizer()
     config_kwargs.setdefault("vocab_size", _round_up(len(tokenizer), 64))
     config = tiny_config(arch, **config_kwargs)
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
     # Larger-than-default init spread makes logits differ across tokens, so parity tests bite.
     with torch.no_grad():
         for name, param in model.named_parameters():

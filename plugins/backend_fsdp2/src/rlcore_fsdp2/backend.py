@@ -19,11 +19,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from rlcore.algorithms.base import merge_metrics
 from rlcore.config.schema import RunConfig
 from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
@@ -35,9 +35,10 @@ from rlcore_fsdp2.optim import ShardLocalAdamW
 from rlcore_fsdp2.parallel_dims import ParallelDims
 from rlcore_fsdp2.parallelize import defer_grad_sync, parallelize
 from rlcore_fsdp2.schedule import lr_factor
-from rlcore.weights import gather_sequences_to_rank0
-from rlcore_fsdp2.weights import (DTYPES, Offloader, ReferencePolicy, chunked, iter_hf_tensors, local, to_dtype,
-                                  write_hf_checkpoint)
+from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
+from rlcore.utils import torch_dtype
+from rlcore.weights import chunked, gather_sequences_to_rank0, write_hf_checkpoint
+from rlcore_fsdp2.weights import Offloader, ReferencePolicy, iter_hf_tensors, local
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +54,14 @@ class FSDP2Backend:
     def __init__(self, config: RunConfig, cfg: DTensorConfig, world: WorldInfo, *, hf_config: Any = None, seed: int | None = None):
         """``hf_config``: build a random-init model from this transformers config instead of
         loading ``policy.model_name`` (benchmarks)."""
-        if not dist.is_initialized():
-            raise RuntimeError("fsdp2 backend: torch.distributed must be initialized before the backend is built")
-        if dist.get_world_size() != world.world_size:
-            raise RuntimeError(f"fsdp2 backend: WorldInfo says world_size={world.world_size} but torch.distributed "
-                               f"has {dist.get_world_size()} ranks")
+        check_world(world, "fsdp2 backend")
         self.config, self.cfg, self.world, self.policy = config, cfg, world, config.policy
         self.device = self._init_device(world)
         self.dims = ParallelDims.from_config(cfg.tensor_parallel_size, cfg.context_parallel_size, world.world_size)
         if self.policy.precision == "float16":
             raise ConfigError("policy.precision", "float16 is not supported by the fsdp2 backend (it has no loss "
                               "scaling, so small gradients would underflow); use bfloat16")
-        self.compute_dtype = DTYPES[self.policy.precision]
+        self.compute_dtype = torch_dtype(self.policy.precision)
         # Master weights and gradient reduction stay in fp32 (fp64 for float64 runs).
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         self.hf_config = self._load_hf_config(hf_config)
@@ -81,7 +78,7 @@ class FSDP2Backend:
         self.reference = ReferencePolicy(self.params)
         self.offloader = Offloader()
         self.step = 0
-        self._empty_cache_after_train = self.device.type == "cuda" and _empty_cache_after_train(config, cfg)
+        self._empty_cache_after_train = self.device.type == "cuda" and _empty_cache_after_train(world, cfg)
         self._grad_sync: bool | None = None  # last value given to set_requires_gradient_sync (None: never set)
 
     # ---- construction ----------------------------------------------------------------------
@@ -146,21 +143,6 @@ class FSDP2Backend:
             pad_to_multiple=self._pad_multiple, pack=packing.enabled,
             micro_batch_size=self.policy.train_micro_batch_size if train else self.policy.logprob_batch_size)
 
-    def _to_device(self, mb: MicroBatch) -> MicroBatch:
-        """Token tensors on the device; ``cu_seqlens`` stays on CPU (read on the host: no syncs).
-
-        Copied with ``non_blocking``: from pageable memory CUDA stages the data before the call
-        returns, and torch then skips the stream sync that would make the host wait for the
-        previous micro-batch's backward."""
-        def to(t: torch.Tensor) -> torch.Tensor:
-            return t.to(self.device, non_blocking=True)
-
-        return attrs.evolve(
-            mb, input_ids_T=to(mb.input_ids_T), position_ids_T=to(mb.position_ids_T),
-            seq_index_T=to(mb.seq_index_T), loss_mask_T=to(mb.loss_mask_T),
-            token_fields={k: to(v) for k, v in mb.token_fields.items()},
-            seq_fields={k: to(v) for k, v in mb.seq_fields.items()})
-
     def _forward_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         """Token-aligned logprobs [T] of a (device) micro-batch; float32 (float64 for float64 runs)."""
         cu, max_len = attention.attention_cu_seqlens(mb.cu_seqlens, mb.num_tokens, self.device)
@@ -181,7 +163,7 @@ class FSDP2Backend:
         self.model.eval()
         mine: dict[int, torch.Tensor] = {}
         for mb in self._micro_batches(batch, train=False):
-            logprobs_T = self._forward_logprobs(self._to_device(mb)).float().cpu()
+            logprobs_T = self._forward_logprobs(mb.to(self.device, non_blocking=True)).float().cpu()
             for seq_id, values in zip(mb.seq_ids, unpack(logprobs_T, mb)):
                 mine[seq_id] = values.clone()
         # Without reshard_after_forward the gathered params outlive a no-grad forward (no backward
@@ -193,31 +175,28 @@ class FSDP2Backend:
         """One optimizer step per ``policy.train_global_batch_size`` sequences (all of them when
         unset); returns the mean over optimizer steps of each step's summed metrics, plus
         ``lr`` (last), ``num_micro_batches`` (per rank, all steps) and ``num_optimizer_steps``."""
-        if len(batch) == 0:
-            raise ValueError("fsdp2 backend: train() got an empty batch")
-        gbs = self.policy.train_global_batch_size or len(batch)
         self.model.train()
-        results = [self._train_step(batch.select(range(start, min(start + gbs, len(batch)))), algorithm)
-                   for start in range(0, len(batch), gbs)]
+        out = train_in_optimizer_steps(batch, self.policy.train_global_batch_size,
+                                       lambda part: self._train_step(part, algorithm), "fsdp2 backend")
         if self._empty_cache_after_train:
             # Return the allocator's cached activation blocks: a colocated engine wakes up next and
             # needs them (seen at 8B on 2 H200s: 96 GiB held after training, vLLM's wake-up ran out
             # of memory). Not by default without colocation: re-allocating them next step costs
             # host time (cudaMalloc/cudaFree, ~65 ms a step at 1.2B).
             torch.cuda.empty_cache()
-        return _combine(results)
+        return out
 
     def _train_step(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
         totals = step_totals(batch)
         micro_batches = self._micro_batches(batch, train=True)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        metrics: dict[str, Any] = defaultdict(float)
+        metrics: dict[str, Any] = {}
         defer = defer_grad_sync(self.cfg, self.dims)
         for index, mb in enumerate(micro_batches):
             if defer:  # reduce (and reshard) once, after the last micro-batch's backward
                 self._set_grad_sync(index == len(micro_batches) - 1)
-            mb = self._to_device(mb)
+            mb = mb.to(self.device, non_blocking=True)
             logprobs_T = self._forward_logprobs(mb)
             if mb.num_seqs == 0:
                 # Padding-only micro-batch: a zero loss that still runs backward, so the FSDP
@@ -227,8 +206,8 @@ class FSDP2Backend:
                 loss, mb_metrics = algorithm.loss(logprobs_T, mb, totals)
             loss.backward()
             loss_sum += loss.detach().to(torch.float64)
-            for key, value in mb_metrics.items():  # tensors stay on the device: no sync per micro-batch
-                metrics[key] = metrics[key] + (value.detach() if torch.is_tensor(value) else value)
+            # tensors stay on the device: no sync per micro-batch
+            merge_metrics(metrics, {k: v.detach() if torch.is_tensor(v) else v for k, v in mb_metrics.items()})
         return self._update(loss_sum, metrics, len(micro_batches))
 
     def _update(self, loss_sum: torch.Tensor, metrics: dict[str, Any], num_micro_batches: int) -> dict[str, float]:
@@ -254,7 +233,8 @@ class FSDP2Backend:
                              + [loss_sum, grad_sq.sqrt()]).tolist()  # the step's one device sync
         *metric_values, loss_total, grad_norm = values
         metrics = {**{k: float(v) for k, v in metrics.items() if not torch.is_tensor(v)}, **dict(zip(on_device_keys, metric_values))}
-        metrics = self._sum_over_dp(metrics, dp_group)
+        if self.dims.dp_shard > 1:  # TP peers hold the same values: summed over data-parallel ranks only
+            metrics = sum_over_ranks(metrics, dp_group)
         result = {**metrics, "loss": loss_total, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
                   "num_micro_batches": float(num_micro_batches)}
         finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
@@ -280,19 +260,6 @@ class FSDP2Backend:
                 module.set_requires_gradient_sync(sync, recurse=False)
                 module.set_reshard_after_backward(sync, recurse=False)
             self._grad_sync = sync
-
-    def _sum_over_dp(self, metrics: dict[str, float], group: Any) -> dict[str, float]:
-        """Sum metrics over data-parallel ranks (TP peers hold the same values). Gathered as
-        objects: a rank whose micro-batches were all padding reports no keys."""
-        if self.dims.dp_shard == 1:
-            return metrics
-        parts: list[Any] = [None] * self.dims.dp_shard
-        dist.all_gather_object(parts, metrics, group=group)
-        total: dict[str, float] = defaultdict(float)
-        for part in parts:
-            for key, value in part.items():
-                total[key] += value
-        return dict(total)
 
     @torch.no_grad()
     def _grad_norm_squared(self) -> torch.Tensor:
@@ -337,19 +304,15 @@ class FSDP2Backend:
         training precision). Rank 0 yields; the others iterate for the collectives."""
         if chunk_bytes < 1:
             raise ValueError(f"export_weights: chunk_bytes must be >= 1, got {chunk_bytes}")
-        named = iter_hf_tensors(self.model, to_dtype(dtype) or self.compute_dtype, self.device, dist.get_rank())
+        named = iter_hf_tensors(self.model, torch_dtype(dtype) or self.compute_dtype, self.device, dist.get_rank())
         yield from chunked(named, chunk_bytes)
 
     def export_hf(self, path: str, dtype: Any = None, shard_bytes: int = 5 << 30) -> None:
         """Safetensors + config + tokenizer, in ``dtype`` (default: the loaded checkpoint's dtype)."""
-        dtype = to_dtype(dtype) or _config_dtype(self.hf_config) or self.compute_dtype
-        chunks = self.export_weights(dtype, shard_bytes)
-        if dist.get_rank() == 0:
-            tokenizer = self.policy.tokenizer_name or self.policy.model_name
-            write_hf_checkpoint(chunks, Path(path), self.hf_config, dtype, tokenizer if Path(tokenizer).is_dir() else None)
-        else:
-            for _ in chunks:
-                pass
+        dtype = torch_dtype(dtype) or _config_dtype(self.hf_config) or self.compute_dtype
+        write_hf_checkpoint(self.export_weights(dtype, shard_bytes), path, self.hf_config, dtype,
+                            self.policy.tokenizer_name or self.policy.model_name, model_dir=self.policy.model_name,
+                            rank=dist.get_rank())
         dist.barrier()
 
     def save_checkpoint(self, path: str) -> None:
@@ -391,27 +354,15 @@ def _fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _empty_cache_after_train(config: RunConfig, cfg: DTensorConfig) -> bool:
+def _empty_cache_after_train(world: WorldInfo, cfg: DTensorConfig) -> bool:
     if cfg.empty_cache_after_train is not None:
         return cfg.empty_cache_after_train
-    return config.generation_colocated
+    return world.placement.colocated
 
 
 def _config_dtype(hf_config: Any) -> torch.dtype | None:
     dtype = getattr(hf_config, "dtype", None)
     try:
-        return to_dtype(dtype)
+        return torch_dtype(dtype)
     except ValueError:
         return None
-
-
-def _combine(results: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over optimizer steps; counts are summed, ``lr`` is the last step's."""
-    keys = {k for r in results for k in r}
-    out = {k: sum(r.get(k, 0.0) for r in results) / len(results) for k in keys}
-    out["num_micro_batches"] = sum(r["num_micro_batches"] for r in results)
-    out["lr"] = results[-1]["lr"]
-    out["num_optimizer_steps"] = float(sum(1 for r in results if "skipped_nonfinite" not in r))
-    if any("skipped_nonfinite" in r for r in results):
-        out["skipped_nonfinite"] = float(sum(r.get("skipped_nonfinite", 0.0) for r in results))
-    return out

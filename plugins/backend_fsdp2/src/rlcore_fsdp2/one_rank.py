@@ -4,7 +4,7 @@
 ``torch._chunk_cat``. Its CUDA kernel builds its launch metadata on the host, one entry per
 block of the copy: for the 1.2B Llama of ``benchmarks/bench_train_fsdp2.py`` that is 31-38 ms of
 host time per optimizer step (one call, all parameters at the root), during which the H200 sat
-idle (a 36 ms gap in a profiled step of 290 ms; ``benchmarks/RESULTS.md``, seventh session). With
+idle (a 36 ms gap in a profiled step of 290 ms; ``benchmarks/RESULTS.md``). With
 one rank there is one chunk, and ``_chunk_cat`` with one chunk is ``torch.cat`` of the flattened
 gradients (same values, same dtype cast into the buffer), whose launch costs microseconds.
 
@@ -20,7 +20,14 @@ gradients already folded in (measured on one H200, same machine: 0.283 -> 0.274-
 :func:`install` wraps FSDP2's copy-in function (a module-level function that ``foreach_reduce``
 looks up at each call; one chunk goes through ``torch.cat``, several through FSDP2's own code)
 and ``FSDPParamGroup.post_backward`` (parameter groups on a one-rank mesh only). Written here
-because no FSDP2 option changes either; torch versions without these names are left alone.
+because no FSDP2 option changes either.
+
+**Side effect and switch.** These are private FSDP2 names, replaced process-wide (every FSDP2
+model of the process goes through the wrappers; groups on meshes of more than one rank, or
+offloaded ones, take FSDP2's own path unchanged). ``policy.dtensor_cfg.one_rank_fast_paths``
+(default true) turns it off. Checked against :data:`CHECKED_TORCH`;
+``tests/test_fsdp2_conformance.py::test_one_rank_replaces_what_this_torch_has`` fails when a torch
+release moves or changes them, and a torch without them is left alone (logged) at run time.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from rlcore.compiling import CompiledOrEager
 log = logging.getLogger(__name__)
 
 _ORIGINAL_ATTR = "_rlcore_original"
+# torch releases whose FSDP2 internals these wrappers were read against and measured on
+# (2.11.0+cu130 on H200, 2.13.0+cpu on the CPU machines).
+CHECKED_TORCH = ("2.11", "2.13")
 
 
 def copy_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor, world_size: int,
@@ -105,6 +115,8 @@ def install() -> bool:
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     except ImportError:
+        log.warning("fsdp2 backend: this torch (%s) has no FSDP2 internals one_rank_fast_paths replaces; left as is",
+                    torch.__version__)
         return False
     copy_in_done = _wrap(collectives, "foreach_reduce_scatter_copy_in",
                          lambda current: lambda grads, buffer, world_size: copy_in(grads, buffer, world_size, current))

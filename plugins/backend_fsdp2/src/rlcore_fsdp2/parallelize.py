@@ -25,12 +25,12 @@ FSDP hooks sit outside the recomputed region):
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 from torch import nn
 
+from rlcore.utils import resolve
 from rlcore_fsdp2 import one_rank
 from rlcore_fsdp2.config import SECTION, DTensorConfig
 from rlcore_fsdp2.parallel_dims import ParallelDims
@@ -120,9 +120,8 @@ def _embedding_plan(config: Any, sequence_parallel: bool) -> dict[str, Any]:
 
 
 def load_custom_plan(spec: str, model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
-    module_name, _, attr = spec.partition(":")
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
+        obj = resolve(spec)
     except Exception as exc:  # noqa: BLE001 - name the key that pointed here
         raise ValueError(f"{SECTION}.custom_parallel_plan: cannot import {spec!r}: {exc!r}") from exc
     plan = obj(model, sequence_parallel) if callable(obj) else obj
@@ -156,7 +155,8 @@ def apply_ac(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               cpu_offload: bool, reshard_after_forward: bool, per_layer: bool = True) -> None:
+               cpu_offload: bool, reshard_after_forward: bool, per_layer: bool = True,
+               one_rank_fast_paths: bool = True) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(
@@ -169,7 +169,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, redu
             fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     if dp_mesh.size() == 1:
-        one_rank.install()  # FSDP2's one-rank gradient accumulation and copy-in, cheaper
+        if one_rank_fast_paths:  # policy.dtensor_cfg.one_rank_fast_paths
+            one_rank.install()  # FSDP2's one-rank gradient accumulation and copy-in, cheaper
         # One rank already sums (FSDP2's default divides by the world size, 1), and a factor set
         # anyway costs a division pass over all fp32 gradients in torch 2.11's single-rank path.
         return
@@ -206,7 +207,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, cfg: DTensorCon
     cpu_offload = cfg.cpu_offload and device_type == "cuda"
     reshard = reshard_after_forward(cfg, dims)
     apply_fsdp(model, mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
-               reshard_after_forward=reshard, per_layer=dims.dp_shard > 1 or cpu_offload or reshard)
+               reshard_after_forward=reshard, per_layer=dims.dp_shard > 1 or cpu_offload or reshard,
+               one_rank_fast_paths=cfg.one_rank_fast_paths)
     return model
 
 

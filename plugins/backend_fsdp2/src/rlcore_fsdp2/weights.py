@@ -8,30 +8,14 @@ full model more than one tensor at a time.
 from __future__ import annotations
 
 import contextlib
-import json
-import shutil
 from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from rlcore.weights import chunked  # noqa: F401 - re-exported for the backend
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlcore_fsdp2.parallelize import hf_name
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def to_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)} or a torch.dtype")
-    return DTYPES[name]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -62,53 +46,6 @@ def iter_hf_tensors(model: nn.Module, dtype: torch.dtype, device: torch.device, 
         if rank == 0:
             yield from revert_weight_conversion(model, {hf_name(name): full}).items()
         del full
-
-
-def write_hf_checkpoint(chunks: Iterable[list[tuple[str, torch.Tensor]]], path: Path, hf_config: Any,
-                        dtype: torch.dtype, tokenizer_dir: str | None) -> None:
-    """Rank 0: one safetensors file per chunk (+ index when several), config, tokenizer."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    files: list[tuple[str, list[str]]] = []
-    for i, chunk in enumerate(chunks):
-        tmp = f"model-part-{i:05d}.safetensors"
-        # Clone: reverse conversion returns views of one fused tensor, which safetensors refuses.
-        save_file({n: t.detach().to("cpu").contiguous().clone() for n, t in chunk}, str(path / tmp), metadata={"format": "pt"})
-        files.append((tmp, [n for n, _ in chunk]))
-    if len(files) == 1:
-        (path / files[0][0]).rename(path / "model.safetensors")
-    else:
-        weight_map = {}
-        for i, (tmp, names) in enumerate(files):
-            final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-            (path / tmp).rename(path / final)
-            weight_map.update({n: final for n in names})
-        index = {"metadata": {}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    _write_config(hf_config, path, dtype)
-    if tokenizer_dir:
-        _copy_tokenizer(tokenizer_dir, path)
-
-
-def _write_config(hf_config: Any, path: Path, dtype: torch.dtype) -> None:
-    import copy
-
-    config = copy.deepcopy(hf_config)
-    config.dtype = dtype
-    # Our packed-attention name must not leak: a plain transformers/vLLM load would not know it.
-    config._attn_implementation = None
-    config.use_cache = True
-    config.save_pretrained(path)
-
-
-def _copy_tokenizer(tokenizer_dir: str, path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
-    generation = Path(tokenizer_dir) / "generation_config.json"
-    if generation.exists():
-        shutil.copy(generation, path / "generation_config.json")
 
 
 class ReferencePolicy:

@@ -27,9 +27,11 @@ from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlcore.config import RunConfig
+from rlcore.algorithms.base import merge_metrics
 from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
 from rlcore.ops import token_logprobs, vocab_parallel_token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
+from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.weights import chunked, gather_sequences_to_rank0
 from rlcore_megatron import checkpoint, context_parallel, cpu_shims, kernels, parallel
 from rlcore_megatron.config import MegatronConfig
@@ -62,9 +64,8 @@ class MegatronBackend:
         """``hf_config``: build a random-init model from this transformers config instead of
         loading ``policy.model_name`` (benchmarks)."""
         self.run, self.cfg, self.world = config, cfg, world
-        if dist.is_initialized() and dist.get_world_size() != world.world_size:
-            raise RuntimeError(f"rlcore-megatron: WorldInfo says world_size={world.world_size} but torch.distributed "
-                               f"has {dist.get_world_size()} ranks")
+        if dist.is_initialized():  # else Megatron's parallel.initialize starts it
+            check_world(world, "rlcore-megatron")
         self.on_cpu = world.device == "cpu" or not torch.cuda.is_available()
         if self.on_cpu:
             cpu_shims.install()
@@ -110,7 +111,8 @@ class MegatronBackend:
         tp, cp = self.cfg.tensor_model_parallel_size, self.cfg.context_parallel_size
         return (2 * cp * tp if cp > 1 else tp) * self.kernels.token_multiple
 
-    def _micro_batches(self, batch: SequenceBatch, max_tokens: int, micro_batch_size: int) -> list[MicroBatch]:
+    def micro_batches(self, batch: SequenceBatch, max_tokens: int, micro_batch_size: int) -> list[MicroBatch]:
+        """This data-parallel rank's packed micro-batches of ``batch`` (padded for TP/CP)."""
         packing = self.run.policy.sequence_packing
         return make_micro_batches(batch, max_tokens, self.ranks.dp, self.dp_size, pad_to_multiple=self._pad_multiple(),
                                   pack=packing.enabled, micro_batch_size=micro_batch_size)
@@ -122,7 +124,7 @@ class MegatronBackend:
             lay = context_parallel.layout(mb, self.ranks.cp_size, self.ranks.cp, self._pad_multiple())
             ids, pos, params = context_parallel.inputs(mb, lay, device)
             return mb, ids, pos, params, partial(context_parallel.cp_logprobs, lay=lay)
-        on_device = _to_device(mb, device)
+        on_device = mb.to(device, non_blocking=True)
         params = packed_seq_params(mb.cu_seqlens, mb.num_tokens, int(mb.max_seqlen), device)
         return (on_device, on_device.input_ids_T[None], on_device.position_ids_T[None], params,
                 partial(micro_batch_logprobs, mb=on_device))
@@ -154,7 +156,7 @@ class MegatronBackend:
 
     def _logprobs(self, batch: SequenceBatch) -> list[torch.Tensor] | None:
         policy = self.run.policy
-        mbs = self._micro_batches(batch, policy.sequence_packing.logprob_mb_tokens, policy.logprob_batch_size)
+        mbs = self.micro_batches(batch, policy.sequence_packing.logprob_mb_tokens, policy.logprob_batch_size)
 
         def loss_fn(mb, logprobs_fn, output):
             lp_T = logprobs_fn(output)
@@ -208,23 +210,15 @@ class MegatronBackend:
     # ---- training ----------------------------------------------------------------------------
     @cpu_shims.shimmed
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
-        gbs = self.run.policy.train_global_batch_size or len(batch)
-        results = [self._train_step(batch.select(range(a, min(a + gbs, len(batch)))), algorithm)
-                   for a in range(0, max(len(batch), 1), gbs)]
-        if len(results) == 1:
-            return {**results[0], "num_optimizer_steps": 1.0}
-        # Several optimizer steps: each metric averaged over them (as the fsdp2 backend reports).
-        keys = {k for r in results for k in r}
-        out = {k: sum(r.get(k, 0.0) for r in results) / len(results) for k in keys}
-        out.update(lr=results[-1]["lr"], num_micro_batches=sum(r["num_micro_batches"] for r in results),
-                   num_optimizer_steps=float(len(results)))
-        return out
+        """One optimizer step per ``policy.train_global_batch_size`` sequences (:mod:`rlcore.training`)."""
+        return train_in_optimizer_steps(batch, self.run.policy.train_global_batch_size,
+                                        lambda part: self._train_step(part, algorithm), "rlcore-megatron")
 
     def _train_step(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
         start = time.perf_counter()
         policy = self.run.policy
         totals = step_totals(batch)
-        mbs = self._micro_batches(batch, policy.sequence_packing.train_mb_tokens, policy.train_micro_batch_size)
+        mbs = self.micro_batches(batch, policy.sequence_packing.train_mb_tokens, policy.train_micro_batch_size)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(mbs, partial(self._loss_fn, algorithm, totals), forward_only=False)
@@ -249,7 +243,7 @@ class MegatronBackend:
     def _loss_fn(self, algorithm: Algorithm, totals: StepTotals, mb: MicroBatch, logprobs_fn, output):
         logprobs_T = logprobs_fn(output)
         if logprobs_T.device.type != "cpu":  # the algorithm reads mask/fields next to the logprobs
-            mb = _to_device(mb, logprobs_T.device)
+            mb = mb.to(logprobs_T.device, non_blocking=True)
         loss, metrics = algorithm.loss(logprobs_T, mb, totals)
         # 0-d tensor metrics stay on the device (read once per step); floats stay floats.
         metrics = {k: v.detach().double() if torch.is_tensor(v) else v for k, v in metrics.items()}
@@ -261,22 +255,15 @@ class MegatronBackend:
     def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
         """Sum over micro-batches and data-parallel replicas; every rank gets the result."""
         local: dict[str, float] = {}
-        if self.ranks.reports:
-            sums: dict[str, object] = {}
+        if self.ranks.reports:  # one copy per data-parallel replica (not its TP/PP/CP peers)
+            merged: dict[str, object] = {}
             for out in outputs:
-                for k, v in out["metrics"].items():
-                    sums[k] = sums[k] + v if k in sums else v
-            tensors = [k for k, v in sums.items() if torch.is_tensor(v)]
-            values = torch.stack([sums[k] for k in tensors]).tolist() if tensors else []  # one sync
-            local = {k: float(v) for k, v in sums.items() if not torch.is_tensor(v)}
+                merge_metrics(merged, out["metrics"])
+            tensors = [k for k, v in merged.items() if torch.is_tensor(v)]
+            values = torch.stack([merged[k] for k in tensors]).tolist() if tensors else []  # one sync
+            local = {k: float(v) for k, v in merged.items() if not torch.is_tensor(v)}
             local.update(zip(tensors, values))
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
-        total: dict[str, float] = {}
-        for part in everyone:
-            for k, v in part.items():
-                total[k] = total.get(k, 0.0) + v
-        return total
+        return sum_over_ranks(local)
 
     def _grads_finite(self) -> bool:
         """Every rank's gradient buffers are finite (one flag all-reduced over the world). Checked on
@@ -365,18 +352,3 @@ class MegatronBackend:
         if not self.on_cpu:
             torch.cuda.empty_cache()
 
-
-def _to_device(mb: MicroBatch, device) -> MicroBatch:
-    """Token tensors on ``device``; ``cu_seqlens`` stays on the host (read there: no syncs). Copied
-    with ``non_blocking``: from pageable memory CUDA stages the data before the call returns, and
-    torch then skips the stream sync that would make the host wait for the GPU. Idempotent."""
-    import attrs
-
-    def to(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
-    return attrs.evolve(
-        mb, input_ids_T=to(mb.input_ids_T), position_ids_T=to(mb.position_ids_T), loss_mask_T=to(mb.loss_mask_T),
-        seq_index_T=to(mb.seq_index_T), token_fields={k: to(v) for k, v in mb.token_fields.items()},
-        seq_fields={k: to(v) for k, v in mb.seq_fields.items()},
-    )

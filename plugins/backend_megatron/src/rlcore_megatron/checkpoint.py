@@ -13,9 +13,7 @@ its non-tensor items without restrictions, so those files are verified first
 
 from __future__ import annotations
 
-import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -137,37 +135,12 @@ def _verify(directory: Path) -> None:
 
 
 def export_hf(backend, path: str, shard_bytes: int = 4 << 30) -> None:
-    """Write safetensors shards (+ index), config and tokenizer files; rank 0 writes, all ranks iterate."""
-    from safetensors.torch import save_file
+    """A Hugging Face checkpoint (:func:`rlcore.weights.write_hf_checkpoint`) in the model's
+    ``params_dtype``, with the tokenizer of ``policy.tokenizer_name`` (default: the model's)."""
+    from rlcore.weights import write_hf_checkpoint
 
-    out = Path(path)
-    rank = dist.get_rank()
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
+    policy = backend.run.policy
     dtype = backend.module.config.params_dtype
-    files: list[tuple[str, list[str]]] = []
-    for i, chunk in enumerate(backend.export_weights(dtype=dtype, chunk_bytes=shard_bytes)):
-        name = f"model-{i + 1:05d}.safetensors"
-        save_file({n: t.detach().cpu().contiguous() for n, t in chunk}, str(out / name), metadata={"format": "pt"})
-        files.append((name, [n for n, _ in chunk]))
-    if rank == 0:
-        _write_index(out, files)
-        backend.hf_config.save_pretrained(out)
-        _copy_tokenizer(Path(backend.model_path), out)
+    write_hf_checkpoint(backend.export_weights(dtype=dtype, chunk_bytes=shard_bytes), path, backend.hf_config, dtype,
+                        policy.tokenizer_name or policy.model_name, model_dir=policy.model_name, rank=dist.get_rank())
     dist.barrier()
-
-
-def _write_index(out: Path, files: list[tuple[str, list[str]]]) -> None:
-    if len(files) == 1:
-        (out / files[0][0]).rename(out / "model.safetensors")
-        return
-    total = sum((out / f).stat().st_size for f, _ in files)
-    weight_map = {n: f for f, names in files for n in names}
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-
-
-def _copy_tokenizer(src: Path, dst: Path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                 "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt"):
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)

@@ -25,11 +25,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rlcore.attention import packed_causal_attention, sdpa
 from rlcore.config import ConfigError
+from rlcore.utils import torch_dtype
 from rlcore_megatron.config import SECTION, MegatronConfig
 from rlcore_megatron.kernels import Kernels, fuse_weight_gradient_accumulation
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def architecture(hf_config) -> str:
@@ -164,7 +164,7 @@ def transformer_config(hf_config, cfg: MegatronConfig, kernels: Kernels, *, para
             moe_router_dtype=cfg.moe_router_dtype, moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
             moe_router_enable_expert_bias=cfg.moe_router_bias_update_rate > 0, moe_permute_fusion=False,
         )
-    pipeline_dtype = DTYPES[cfg.pipeline_dtype] if cfg.pipeline_dtype else params_dtype
+    pipeline_dtype = torch_dtype(cfg.pipeline_dtype) if cfg.pipeline_dtype else params_dtype
     recompute = cfg.recompute
     fp8: dict[str, Any] = {}
     if kernels.fp8 is not None:

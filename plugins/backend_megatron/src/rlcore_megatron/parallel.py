@@ -12,9 +12,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from rlcore.config import RunConfig
+from rlcore.utils import torch_dtype
 from rlcore_megatron.config import MegatronConfig, validate_parallelism
 from rlcore_megatron.kernels import Kernels
-from rlcore_megatron.model import DTYPES, build_gpt_model
+from rlcore_megatron.model import build_gpt_model
 
 
 @attrs.frozen
@@ -75,7 +76,7 @@ def initialize(cfg: MegatronConfig, hf_config, run: RunConfig, seed: int) -> int
 
 
 def params_dtype(cfg: MegatronConfig, run: RunConfig) -> torch.dtype:
-    return DTYPES[cfg.optimizer.params_dtype or run.policy.precision]
+    return torch_dtype(cfg.optimizer.params_dtype or run.policy.precision)
 
 
 def build_model(cfg: MegatronConfig, hf_config, run: RunConfig, kernels: Kernels, *, on_cpu: bool):

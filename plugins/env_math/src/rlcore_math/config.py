@@ -12,6 +12,7 @@ from typing import Literal
 import attrs
 from attrs import field, frozen
 
+from rlcore.config.environment import MultiTurnEnvConfig
 from rlcore.config.structure import ConfigError, doc
 
 _positive = attrs.validators.gt(0)
@@ -64,8 +65,9 @@ class MathEnvConfig(GradingConfig):
 
 
 @frozen
-class MathToolEnvConfig(GradingConfig):
-    """Multi-turn math with a calculator: ``<calc>expr</calc>`` turns get the result back."""
+class MathToolEnvConfig(GradingConfig, MultiTurnEnvConfig):
+    """Multi-turn math with a calculator: ``<calc>expr</calc>`` turns get the result back; the turn
+    keys (``max_turns``, ``observation_role``, ...) are core's :class:`MultiTurnEnvConfig`."""
 
     max_turns: int = field(default=4, validator=_positive, metadata=doc("model turns per trajectory, the answering turn included"))
     max_calls_per_turn: int = field(default=4, validator=_positive, metadata=doc("calculator calls evaluated per turn"))

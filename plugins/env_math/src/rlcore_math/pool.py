@@ -12,7 +12,6 @@ oversized responses never cross a pipe.
 from __future__ import annotations
 
 import collections
-import importlib
 import multiprocessing as mp
 import os
 import signal
@@ -21,6 +20,7 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any
 
+from rlcore.utils import resolve
 from rlcore_math.config import GradingConfig
 from rlcore_math.grading import Verdict, grade_text, precheck
 
@@ -34,18 +34,13 @@ def _grade_chunk(chunk: list[Task], options: GradingConfig, grade_fn=grade_text)
                                 answer_format=options.answer_format, strict_format=options.strict_format)
 
 
-def _resolve(path: str):
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 _FLUSH_S = 0.02  # a worker sends its verdicts at least this often (and at the end of a chunk)
 
 
 def _worker_main(conn, progress, options: GradingConfig, grade_fn_path: str) -> None:
     """Grade chunks; ``progress.value`` counts responses started, so the parent can tell which one is stuck."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    grade_fn = _resolve(grade_fn_path)
+    grade_fn = resolve(grade_fn_path)
     import rlcore_math.warm  # noqa: F401 - already done when forked from a preloaded forkserver
     conn.send([])  # ready: the parent starts its stall clock now
     while True:

@@ -23,7 +23,8 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from rlcore_vllm.codecs import _layout, _pack_into, _unpack
+from rlcore.utils import free_port
+from rlcore_vllm.codecs import buffer_size, layout, pack_into, unpack
 
 END = "__rlcore_end__"
 
@@ -84,10 +85,10 @@ class WeightGroup:
         for chunk in chunks:
             if not chunk:
                 continue
-            entries, size = _layout(chunk)
+            entries, size = layout(chunk)
             self._header(entries)
             buffer_U8 = torch.empty(size, dtype=torch.uint8, device=self.device)
-            _pack_into(buffer_U8, [(n, t.to(self.device)) for n, t in chunk], entries)
+            pack_into(buffer_U8, [(n, t.to(self.device)) for n, t in chunk], entries)
             self._broadcast(buffer_U8)
             total += sum(e["nbytes"] for e in entries)
             count += 1
@@ -103,22 +104,14 @@ class WeightGroup:
             entries = self._header(None)
             if entries is None:
                 return
-            size = max(sum((e["nbytes"] + 63) // 64 * 64 for e in entries), 64)
+            size = buffer_size(entries)
             buffer_U8 = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._broadcast(buffer_U8)
-            yield _unpack(buffer_U8, entries)
+            yield unpack(buffer_U8, entries)
 
     def close(self) -> None:
         self.pg = None
         self._store = None
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Sending groups this process has joined, by (host, port): a trainer rank keeps its group between refits.

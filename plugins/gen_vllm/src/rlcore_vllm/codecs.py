@@ -47,24 +47,34 @@ class Encoded:
             self.cleanup_path = None
 
 
-def _layout(chunk) -> tuple[list[dict[str, Any]], int]:
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to :data:`ALIGN`."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def buffer_size(entries: list[dict[str, Any]]) -> int:
+    """Bytes of the packed buffer that holds ``entries`` (at least one aligned block)."""
+    return max(sum(aligned(e["nbytes"]) for e in entries), ALIGN)
+
+
+def layout(chunk) -> tuple[list[dict[str, Any]], int]:
     """Metadata of each tensor in a packed byte buffer, and the buffer size."""
     entries, offset = [], 0
     for name, tensor in chunk:
         nbytes = tensor.numel() * tensor.element_size()
         entries.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
                         "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes})
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return entries, max(offset, ALIGN)
+        offset += aligned(nbytes)
+    return entries, buffer_size(entries)
 
 
-def _pack_into(buffer_U8, chunk, entries) -> None:
+def pack_into(buffer_U8, chunk, entries) -> None:
     for (_, tensor), entry in zip(chunk, entries):
         view = buffer_U8[entry["offset"] : entry["offset"] + entry["nbytes"]]
         view.copy_(tensor.detach().contiguous().reshape(-1).view(_torch().uint8))
 
 
-def _unpack(buffer_U8, entries) -> list[tuple[str, Any]]:
+def unpack(buffer_U8, entries) -> list[tuple[str, Any]]:
     torch = _torch()
     out = []
     for entry in entries:
@@ -89,13 +99,13 @@ def encode(chunk, mode: str, shm_dir: str | None = None) -> Encoded:
     if mode == "direct":
         return Encoded({"mode": "direct", "tensors": list(chunk)}, nbytes)
     torch = _torch()
-    entries, size = _layout(chunk)
+    entries, size = layout(chunk)
     if mode == "shm":
         directory = shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         path = os.path.join(directory, f"rlcore-refit-{os.getpid()}-{uuid.uuid4().hex}")
         storage = torch.UntypedStorage.from_file(path, True, size)
         buffer_U8 = torch.empty(0, dtype=torch.uint8).set_(storage)
-        _pack_into(buffer_U8, chunk, entries)
+        pack_into(buffer_U8, chunk, entries)
         return Encoded({"mode": "shm", "path": path, "size": size, "entries": entries}, nbytes,
                        keepalive=[buffer_U8], cleanup_path=path)
     if mode == "cuda_ipc":
@@ -103,7 +113,7 @@ def encode(chunk, mode: str, shm_dir: str | None = None) -> Encoded:
 
         device = chunk[0][1].device
         buffer_U8 = torch.empty(size, dtype=torch.uint8, device=device)
-        _pack_into(buffer_U8, chunk, entries)
+        pack_into(buffer_U8, chunk, entries)
         torch.cuda.current_stream(device).synchronize()
         rebuild, args = reduce_tensor(buffer_U8)
         handle = pickle.dumps((rebuild, args))
@@ -121,12 +131,12 @@ def decode(payload: dict[str, Any]) -> list[tuple[str, Any]]:
     torch = _torch()
     if mode == "shm":
         storage = torch.UntypedStorage.from_file(payload["path"], True, payload["size"])
-        return _unpack(torch.empty(0, dtype=torch.uint8).set_(storage), payload["entries"])
+        return unpack(torch.empty(0, dtype=torch.uint8).set_(storage), payload["entries"])
     if mode == "cuda_ipc":
         rebuild, args = pickle.loads(payload["handle"])  # noqa: S301 - produced by our own trainer
         args = list(args)
         args[6] = local_device_index(payload.get("device_uuid"))  # the sender's index means nothing here
-        return _unpack(rebuild(*args), payload["entries"])
+        return unpack(rebuild(*args), payload["entries"])
     raise ValueError(f"unknown weight payload mode {mode!r}")
 
 

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from rlcore.interfaces import GenerationResult, NamedTensors, SamplingParams
+from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
 from rlcore_vllm.config import VllmConfig
 
 EXTENSION = "rlcore_vllm.worker_ext.RlcoreWorkerExtension"
@@ -69,14 +69,6 @@ class VllmGenerator:
         return kwargs
 
     # ---- sampling ------------------------------------------------------------------------------
-    def default_params(self, **overrides) -> SamplingParams:
-        cfg = self.config
-        params = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                      stop=tuple(cfg.stop_strings), stop_token_ids=tuple(cfg.stop_token_ids),
-                      ignore_eos=cfg.ignore_eos)
-        params.update(overrides)
-        return SamplingParams(**params)
-
     def _vllm_params(self, params: SamplingParams, prompt_len: int, n: int):
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
@@ -271,24 +263,26 @@ def _load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def factory(config, section_config: VllmConfig, placement: dict) -> VllmGenerator:
-    """``factory(RunConfig, VllmConfig, placement)``; ``placement`` may set ``device`` and ``engine_kwargs``."""
+def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGenerator:
+    """``factory(RunConfig, VllmConfig, Placement)``: the engine on ``placement.device``; without
+    colocation, on ``placement.generator_gpus``."""
     policy = config.policy
-    device = placement.get("device") or ("cuda" if config.cluster.gpus_per_node > 0 else "cpu")
+    device = placement.device
     dtype = policy.precision if section_config.dtype == "auto" else section_config.dtype
     if device == "cpu" and dtype == "float16":
         raise ValueError("policy.generation.dtype: float16 is not supported by vLLM on CPU; use bfloat16 or float32")
     seed = section_config.seed if section_config.seed is not None else config.grpo.seed
     if device == "cuda":
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        if not section_config.colocated.enabled:
-            # The engine's GPUs are the driver's CUDA_VISIBLE_DEVICES, narrowed by the controller after
-            # this process may already have initialised CUDA (any torch.cuda.is_available() does, and
-            # then fixes the device list): an in-process engine core would land on the trainer's GPU 0
-            # (seen on nvidia-h200-x2). A freshly spawned engine process reads the narrowed list.
+        if not placement.colocated:
+            if placement.generator_gpus:
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(placement.generator_gpus)
+            # This process may have fixed its CUDA device list already (any torch.cuda.is_available()
+            # does): an in-process engine core would land on the trainer's GPU 0 (seen on
+            # nvidia-h200-x2). A freshly spawned engine process reads the narrowed list.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     return VllmGenerator(
         policy.model_name, section_config, max_model_len=policy.max_total_sequence_length, dtype=dtype, seed=seed,
-        device=device, tokenizer_path=policy.tokenizer_name, engine_kwargs=placement.get("engine_kwargs"),
+        device=device, tokenizer_path=policy.tokenizer_name,
     )

@@ -101,17 +101,16 @@ class RankHandoffTransport:
     def __init__(self, chunk_bytes: int = 1 << 30, dtype: Any = None, timeout_s: float = 600.0):
         self.chunk_bytes, self.dtype, self.timeout_s = chunk_bytes, dtype, timeout_s
 
-    def transfer(self, group, generator) -> dict[str, float]:
-        from rlcore_vllm.transport import _in_thread
+    def transfer(self, trainer, generator) -> dict[str, float]:
+        from rlcore.utils import in_daemon_thread
 
         encoding = "cuda_ipc" if generator.device == "cuda" else "shm"
         start = time.perf_counter()
         receiver = HandoffReceiver()
         try:
-            receiving = _in_thread(lambda: receiver.serve(generator))
-            sent = group.run_on_ranks(self.sender, receiver.address, receiver.authkey, encoding, self.dtype,
-                                      self.chunk_bytes, what="'export_weights' (colocated refit)",
-                                      fault_point="export_weights")[0]
+            receiving = in_daemon_thread(lambda: receiver.serve(generator), "rlcore-refit-recv")
+            sent = trainer.run_on_ranks(self.sender, receiver.address, receiver.authkey, encoding, self.dtype,
+                                        self.chunk_bytes, what="'export_weights' (colocated refit)")[0]
             loaded = receiving.result(timeout=self.timeout_s)
         finally:
             receiver.close()

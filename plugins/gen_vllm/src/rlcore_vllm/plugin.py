@@ -16,7 +16,7 @@ def rlcore_generators(register):
 
 
 @hookimpl
-def rlcore_weight_transport(backend, generator):
+def rlcore_weight_transport(trainer, generator):
     from rlcore_vllm.transport import pick_transport
 
-    return pick_transport(backend, generator)
+    return pick_transport(trainer, generator)

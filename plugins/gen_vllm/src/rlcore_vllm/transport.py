@@ -19,18 +19,10 @@ done by the run loop after every transfer, with ``policy.generation.refit.probe_
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 import time
 from typing import Any
 
-
-def _torch_dtype(name: str | None):
-    import torch
-
-    if name in (None, "auto"):
-        return None
-    return getattr(torch, name)
+from rlcore.utils import free_port, in_daemon_thread, torch_dtype
 
 
 class ColocatedTransport:
@@ -39,20 +31,19 @@ class ColocatedTransport:
     def __init__(self, chunk_bytes: int = 1 << 30, dtype: Any = None):
         self.chunk_bytes, self.dtype = chunk_bytes, dtype
 
-    def transfer(self, backend, generator) -> dict[str, float]:
+    def transfer(self, trainer, generator) -> dict[str, float]:
         from rlcore.weights import stream_into
 
-        return stream_into(generator, backend.export_weights(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
+        return stream_into(generator, trainer.export_chunks(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
 
 
 class BroadcastTransport:
     """Trainer rank 0 sends; the generator's workers receive (ranks 1..N of the group).
 
-    ``backend`` is either the live backend (trainer in this process, which is then rank 0 of the
-    group) or a trainer-group handle with ``run_on_ranks`` (trainer ranks in Ray actors). With a
-    handle, every trainer rank runs :func:`rlcore_vllm.broadcast.send_from_trainer` and rank 0
-    sends from its own process: weights go trainer process -> engine workers, never through this
-    process or Ray's object store. Either way this process receives on behalf of the engine
+    Through the trainer handle's ``run_on_ranks`` every trainer rank runs
+    :func:`rlcore_vllm.broadcast.send_from_trainer` and rank 0 sends from its own process (this
+    one, for an in-process trainer): weights go trainer process -> engine workers, never through
+    this process's copy or Ray's object store. Either way this process receives on behalf of the engine
     (``generator.receive_weights``) in a thread while the sender runs; the group is formed on the
     first transfer (``generator.join_weight_group``) and kept. A trainer rank that dies or hangs
     mid-send surfaces as the trainer group's ``WorkerError`` (rank, step) within
@@ -68,28 +59,18 @@ class BroadcastTransport:
         self.group_backend, self.host, self.timeout_s, self.device = group_backend, host, timeout_s, device
         self.port: int | None = None  # of the group's store, hosted by the sending rank; set on first use
 
-    def transfer(self, backend, generator) -> dict[str, float]:
-        from rlcore_vllm.broadcast import free_port, send_from_trainer
-
-        on_ranks = hasattr(backend, "run_on_ranks")
+    def transfer(self, trainer, generator) -> dict[str, float]:
         group_size = 1 + generator.world_size()
         joining = None
         start = time.perf_counter()
-        if self.port is None:
-            if on_ranks:  # rank 0 hosts the group's store: a port free on its host
-                port = backend.run_on_ranks("rlcore_vllm.broadcast:sender_port", what="'sender_port' (broadcast refit)")[0]
-            else:
-                port = free_port()
+        if self.port is None:  # rank 0 hosts the group's store: a port free on its host
+            port = trainer.run_on_ranks("rlcore_vllm.broadcast:sender_port", what="'sender_port' (broadcast refit)")[0]
             joining = generator.join_weight_group(self.host, port, group_size, self.group_backend, self.timeout_s)
             self.port = port
-        receiving = _in_thread(lambda: _receive(generator, joining, self.timeout_s))
+        receiving = in_daemon_thread(lambda: _receive(generator, joining, self.timeout_s), "rlcore-refit-recv")
         args = (self.host, self.port, group_size, self.group_backend, self.timeout_s, self.device, self.dtype, self.chunk_bytes)
         try:
-            if on_ranks:
-                sent = backend.run_on_ranks(self.sender, *args, what="'export_weights' (broadcast refit)",
-                                            fault_point="export_weights")[0]
-            else:
-                sent = send_from_trainer(backend, 0, 1, *args)
+            sent = trainer.run_on_ranks(self.sender, *args, what="'export_weights' (broadcast refit)")[0]
         except BaseException:
             self.port = None  # the group is broken (the engines may be blocked mid-receive); never reuse it
             raise
@@ -105,34 +86,16 @@ def _receive(generator, joining, timeout_s: float) -> int:
     return generator.receive_weights()
 
 
-def _in_thread(fn) -> concurrent.futures.Future:
-    """``fn()`` in a daemon thread: a receive left blocked by a dead sender must not keep the process alive."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def target():
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            future.set_exception(exc)
-
-    threading.Thread(target=target, name="rlcore-refit-recv", daemon=True).start()
-    return future
-
-
-def pick_transport(backend, generator):
-    """The transport for this (backend, generator) pair, or None when it is not ours.
-
-    ``backend`` is the live backend (``export_weights``) or a trainer-group handle
-    (``run_on_ranks``, trainer ranks in Ray actors)."""
+def pick_transport(trainer, generator):
+    """The transport for this (trainer handle, generator) pair, or None when it is not ours."""
     from rlcore_vllm.generator import VllmGenerator
 
-    live, on_ranks = hasattr(backend, "export_weights"), hasattr(backend, "run_on_ranks")
-    if not isinstance(generator, VllmGenerator) or not (live or on_ranks):
+    if not isinstance(generator, VllmGenerator):
         return None
     cfg = generator.config
-    dtype = _torch_dtype(generator.dtype)
+    dtype = torch_dtype(generator.dtype)
     if cfg.colocated.enabled:
-        if live:
+        if trainer.in_process:
             return ColocatedTransport(cfg.refit.chunk_bytes, dtype)
         from rlcore_vllm.handoff import RankHandoffTransport
 

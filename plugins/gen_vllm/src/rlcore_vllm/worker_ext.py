@@ -96,8 +96,3 @@ class RlcoreWorkerExtension:
             self.rlcore_finish_update()
         return total
 
-    def rlcore_leave_weight_group(self) -> None:
-        group = getattr(self, "rlcore_group", None)
-        if group is not None:
-            group.close()
-            self.rlcore_group = None

@@ -1,0 +1,64 @@
+"""Small helpers that several parts of rlcore and its plugins need, written once.
+
+Imports no torch at import time (``torch_dtype`` imports it when called).
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+from typing import Any
+
+# The dtypes a recipe may name (policy.precision, generation dtypes, pipeline dtypes).
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a process group's store or a local listener)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def resolve(spec: str) -> Any:
+    """The object a ``"module:attr"`` string names (``attr`` may be dotted); imported on call."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'module:attr', got {spec!r}")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def torch_dtype(dtype: Any):
+    """A ``torch.dtype`` from one of :data:`DTYPE_NAMES` (``"torch."`` prefix allowed), a
+    ``torch.dtype`` (returned as is) or None / ``"auto"`` (None)."""
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name == "auto":
+        return None
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {list(DTYPE_NAMES)} or a torch.dtype")
+    return getattr(torch, name)
+
+
+def in_daemon_thread(fn, name: str = "rlcore-worker"):
+    """``fn()`` in a daemon thread; a :class:`concurrent.futures.Future` of its result. Daemon: a
+    call left blocked by a dead peer (a refit receive) must not keep the process alive."""
+    import concurrent.futures
+    import threading
+
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(exc)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return future
