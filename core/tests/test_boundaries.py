@@ -179,7 +179,7 @@ class _BoundaryPlugin:
         register("boundary_gen", _FakeGenerator)
 
 
-def test_backend_and_generator_factories_get_the_one_placement(tmp_path, single_process_group, monkeypatch):
+def test_backend_and_generator_factories_get_the_one_placement(tmp_path, tiny_model_dir, single_process_group, monkeypatch):
     """(With a process group already up, the in-process trainer leaves this process's environment
     alone: subprocesses of later tests must not inherit its MASTER_PORT.)"""
     import os
@@ -195,7 +195,7 @@ def test_backend_and_generator_factories_get_the_one_placement(tmp_path, single_
     manager.register_module(_BoundaryPlugin)
     monkeypatch.setattr("rlcore.controller.run.get_plugin_manager", lambda: manager)
     config = rlcore.build_config({
-        "policy": {"model_name": str(tmp_path), "boundary_cfg": {"enabled": True},
+        "policy": {"model_name": str(tiny_model_dir), "boundary_cfg": {"enabled": True},  # preflight checks it
                    "generation": {"backend": "boundary_gen", "colocated": {"enabled": True}}},
         "algorithm": {"name": "grpo"}, "data": {"name": "arithmetic"}, "env": {"name": "math"},
         "logger": {"log_dir": str(tmp_path / "run"), "print_table": False},

@@ -15,7 +15,7 @@ import pytest
 
 from rlcore.cli import build_parser, run_overrides
 from rlcore.config import ConfigError
-from rlcore.config.schema import CheckpointingConfig, GRPOConfig, LoggerConfig, PolicyConfig, RunConfig
+from rlcore.config.schema import CheckpointingConfig, LoggerConfig, LoopConfig, PolicyConfig, RunConfig
 from rlcore.controller.checkpoint import CheckpointManager, rng_state
 from rlcore.controller.run_dir import RunDir, check_owner, checkpoint_root
 from rlcore.loggers.config import JsonlLoggerConfig
@@ -23,7 +23,7 @@ from rlcore.loggers.jsonl import JsonlLogger
 
 
 def _config(log_dir: Path, seed: int = 1, **checkpointing) -> RunConfig:
-    return RunConfig(policy=PolicyConfig(model_name="models/tiny"), grpo=GRPOConfig(seed=seed),
+    return RunConfig(policy=PolicyConfig(model_name="models/tiny"), grpo=LoopConfig(seed=seed),
                      logger=LoggerConfig(log_dir=str(log_dir)), checkpointing=CheckpointingConfig(**checkpointing))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 
 from rlcore.interfaces import Placement, WorldInfo

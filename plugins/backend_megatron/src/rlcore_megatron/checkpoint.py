@@ -13,6 +13,7 @@ its non-tensor items without restrictions, so those files are verified first
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
