@@ -42,7 +42,7 @@ class Kernels:
     def describe(self) -> str:
         impl = "transformer_engine" if self.transformer_engine else "local"
         fused = [name for name, on in (("rope", self.rope_fusion), ("swiglu", self.swiglu_fusion),
-                                       ("wgrad-accumulation", self.wgrad_fusion), ("te-op-fuser-mlp", self.te_op_fuser)) if on]
+                                       ("wgrad-accumulation", self.wgrad_fusion), ("te-op-fuser-mlp (dense layers)", self.te_op_fuser)) if on]
         fp8 = f", fp8 {self.fp8.fp8}/{self.fp8.fp8_recipe}" if self.fp8 is not None else ""
         return f"{impl} layers, {self.core_attention} attention, fused: {', '.join(fused) or 'none'}{fp8}"
 
