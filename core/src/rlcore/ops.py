@@ -6,6 +6,10 @@ function keeps only the (model-dtype) logits and one logsumexp per token, and re
 softmax chunk by chunk in the backward pass. With a 150k vocabulary and 16k tokens that is the
 difference between ~10 GB of float32 activations and a few MB.
 
+:func:`vocab_parallel_token_logprobs` is the same computation when each tensor-parallel rank holds
+a slice of the vocabulary (the Megatron backend): the per-token logsumexps and target logits
+are combined across the group, so the full-vocabulary logits are never gathered.
+
 Each chunk's math is a few element-wise passes over ``[chunk, vocab]``. Run op by op, those passes
 cost more GPU time than the LM head's matmuls (measured on an H200, 1.2B Llama shape, vocab
 128256: 13 ms per 4096-token micro-batch, a tenth of the eager training step, `benchmarks/RESULTS.md`).
