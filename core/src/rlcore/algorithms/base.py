@@ -45,8 +45,7 @@ def token_advantages(name: str, mb: MicroBatch) -> torch.Tensor:
     if "advantages" in mb.token_fields:
         adv_T = mb.token_fields["advantages"]
     elif "advantages" in mb.seq_fields:
-        per_seq = mb.seq_fields["advantages"]
-        adv_T = torch.cat([per_seq, per_seq.new_zeros(1)])[mb.seq_index_T]  # index -1 -> the 0 appended
+        adv_T = spread_per_seq(mb.seq_fields["advantages"], mb)
     else:
         raise ValueError(f"{name}.loss: the micro-batch has no 'advantages' (token or sequence field); compute advantages first")
     bad = (~torch.isfinite(adv_T) & (mb.loss_mask_T > 0)).nonzero().flatten()
@@ -60,6 +59,11 @@ def token_advantages(name: str, mb: MicroBatch) -> torch.Tensor:
 def masked(x_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
     """x on valid tokens, 0 elsewhere, without letting inf/NaN in masked slots reach sums or grads."""
     return torch.where(valid_T, x_T, torch.zeros((), dtype=x_T.dtype, device=x_T.device))
+
+
+def spread_per_seq(values_n: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Each sequence's value on each of its tokens [T]; padding tokens (index -1) read an appended 0."""
+    return torch.cat([values_n, values_n.new_zeros(1)])[mb.seq_index_T.to(values_n.device)]
 
 
 def per_seq_sum(values_T: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.algorithms.base import per_seq_sum
+from rlcore.algorithms.base import per_seq_sum, spread_per_seq
 from rlcore.algorithms.config import GSPOConfig
 from rlcore.algorithms.grpo import GRPO
 from rlcore.packing import MicroBatch
@@ -33,5 +33,5 @@ class GSPO(GRPO):
     def ratio(self, log_ratio_T: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         tokens_n = per_seq_sum(mb.loss_mask_T.to(device=log_ratio_T.device, dtype=log_ratio_T.dtype), mb)
         mean_log_n = per_seq_sum(log_ratio_T, mb) / tokens_n.clamp(min=1)
-        # padding tokens (sequence index -1) read the appended 0: ratio 1, masked anyway
-        return torch.exp(torch.cat([mean_log_n, mean_log_n.new_zeros(1)])[mb.seq_index_T.to(log_ratio_T.device)])
+        # padding tokens read 0: ratio 1, masked anyway
+        return torch.exp(spread_per_seq(mean_log_n, mb))

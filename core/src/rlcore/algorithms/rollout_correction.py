@@ -37,7 +37,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from rlcore.algorithms.base import masked, per_seq_sum
+from rlcore.algorithms.base import masked, per_seq_sum, spread_per_seq
 from rlcore.interfaces import StepTotals
 from rlcore.packing import MicroBatch
 
@@ -51,23 +51,15 @@ def _largest(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, values, torch.zeros_like(values)).amax()
 
 
-def _spread(values_n: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """A per-sequence value spread over its tokens (padding, index -1, gets the appended 0)."""
-    return torch.cat([values_n, values_n.new_zeros(1)])[mb.seq_index_T.to(values_n.device)]
-
-
 @attrs.frozen
 class Ratios:
     """The ratios of one micro-batch and the shares the metrics are reported in."""
 
     log_r_T: torch.Tensor  # log p_train - log p_gen on valid tokens, 0 elsewhere
+    r_T: torch.Tensor  # exp(log_r_T), clamped in log space
     valid_T: torch.Tensor
     mb: MicroBatch
     totals: StepTotals
-
-    @property
-    def r_T(self) -> torch.Tensor:
-        return torch.exp(self.log_r_T.clamp(-_LOG_CLAMP, _LOG_CLAMP))
 
     @property
     def mask_T(self) -> torch.Tensor:
@@ -96,7 +88,7 @@ def _token_tis(cfg, x: Ratios):
 def _seq_tis(cfg, x: Ratios):
     log_rho_n = x.log_rho_n
     rho_n = torch.exp(log_rho_n)
-    return _spread(rho_n.clamp(max=cfg.cap), x.mb), {
+    return spread_per_seq(rho_n.clamp(max=cfg.cap), x.mb), {
         "rollout_truncated_seq_fraction": x.seq_share(log_rho_n > math.log(cfg.cap)),
         "rollout_seq_ratio_max": _largest(rho_n, x.seq_valid_n)}
 
@@ -105,9 +97,9 @@ def _seq_mis(cfg, x: Ratios):
     log_rho_n = x.log_rho_n
     rho_n = torch.exp(log_rho_n)
     kept_n = (log_rho_n >= math.log(cfg.low)) & (log_rho_n <= math.log(cfg.high))
-    return _spread(torch.where(kept_n, rho_n, torch.zeros_like(rho_n)), x.mb), {
+    return spread_per_seq(torch.where(kept_n, rho_n, torch.zeros_like(rho_n)), x.mb), {
         "rollout_masked_seq_fraction": x.seq_share(~kept_n),
-        "rollout_masked_token_fraction": x.token_share(_spread(kept_n.to(rho_n.dtype), x.mb) == 0),
+        "rollout_masked_token_fraction": x.token_share(spread_per_seq(kept_n.to(rho_n.dtype), x.mb) == 0),
         "rollout_seq_ratio_max": _largest(rho_n, x.seq_valid_n)}
 
 
@@ -133,8 +125,9 @@ def correct(cfg, train_T: torch.Tensor, gen_T: torch.Tensor, valid_T: torch.Tens
             totals: StepTotals) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(detached weights [T], 0 on invalid tokens, or None for ``none``; metrics) of preset
     ``cfg.preset`` (a :class:`~rlcore.algorithms.config.RolloutCorrectionConfig`)."""
-    x = Ratios(masked(train_T.detach() - gen_T.to(train_T.dtype), valid_T), valid_T, mb, totals)
-    r_T = x.r_T
+    log_r_T = masked(train_T.detach() - gen_T.to(train_T.dtype), valid_T)
+    r_T = torch.exp(log_r_T.clamp(-_LOG_CLAMP, _LOG_CLAMP))
+    x = Ratios(log_r_T, r_T, valid_T, mb, totals)
     metrics = {"rollout_kl_k3": x.token_share(r_T - 1 - x.log_r_T), "gen_kl_error": x.token_share(x.log_r_T.abs()),
                "rollout_ratio_max": _largest(r_T, valid_T)}
     preset = PRESETS[cfg.preset]

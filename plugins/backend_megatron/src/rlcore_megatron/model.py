@@ -230,7 +230,7 @@ def packed_seq_params(cu_seqlens_N1: torch.Tensor, total: int, max_seqlen: int, 
     if bounds[-1] < total:
         max_seqlen = max(max_seqlen, total - bounds[-1])
         bounds.append(total)
-    cu = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)  # no stream sync (see backend._to_device)
+    cu = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)  # no stream sync (see MicroBatch.to)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
     params.host_bounds = tuple(bounds)
     return params
