@@ -20,7 +20,7 @@ from rlcore.config.loader import set_dotted
 
 pytestmark = pytest.mark.slow
 
-TIMING_PREFIXES = ("timing/", "refit/seconds", "refit/gb_per_s", "train/seconds", "run_id")
+TIMING_PREFIXES = ("timing/", "time/", "refit/seconds", "refit/gb_per_s", "train/seconds", "run_id")
 
 
 def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:

@@ -191,3 +191,38 @@ def test_a_full_disk_during_a_dcp_save_is_named_and_leaves_no_tmp(fsdp2_backend,
     with pytest.raises(CheckpointWriteError, match="no space left on device"):
         CheckpointManager(tmp_path, 2).save(1, save_onto_a_full_disk, _loop_state(1))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_ends_the_step_checkpoints_it_and_the_run_resumes_from_it(tiny_model_dir, tmp_path):
+    """A scheduler's SIGTERM (preemption, a time limit) costs no finished work: the run ends its
+    step, checkpoints that step although save_period is far off, exits 143, and resumes there."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    recipe = _recipe(tiny_model_dir, run_dir, **{"grpo.max_num_steps": 60, "checkpointing.save_period": 1000})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    proc = subprocess.Popen([sys.executable, "-m", "rlcore.cli", "run", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    last = steps[-1]
+    assert 1 <= last < 60 and steps == list(range(1, last + 1))
+    assert f"SIGTERM received: stopped after step {last}, checkpoint of step {last}" in out, out[-2000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{last:06d}"]
+    assert json.loads((run_dir / "summary.json").read_text())["stopped_by_signal"] == "SIGTERM"
+    recipe["grpo"]["max_num_steps"] = last + 2
+    resumed = _cli(recipe, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {last}" in resumed.stdout
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, last + 3)), "each step once, resumed after the signalled one"
+    elapsed = [r["time/elapsed_s"] for r in lines]
+    assert elapsed == sorted(elapsed), "wall time counts on across the resume"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from rich.console import Console
@@ -103,8 +104,9 @@ def cmd_run(args) -> int:
     import rlcore
 
     config = load_config(args.recipe, run_overrides(args))
-    rlcore.run(config)
-    return 0
+    result = rlcore.run(config)
+    stopped = result["summary"].get("stopped_by_signal")
+    return 128 + signal.Signals[stopped].value if stopped else 0  # a shell's status for a run a signal ended
 
 
 def build_parser() -> argparse.ArgumentParser:

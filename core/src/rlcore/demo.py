@@ -9,6 +9,11 @@
    ``arithmetic`` dataset): per-step table, summary table, ``curves.png`` and ``metrics.jsonl``.
 
 Any recipe override can follow: ``python -m rlcore.demo policy.megatron_cfg.enabled=true``.
+
+The same two stages serve the GPU learning recipe: ``--recipe recipes/grpo_arith3_gpu.yaml
+--shape llama150m`` builds the 141M-parameter shape, and the SFT warm start takes the recipe's
+data, precision and device (``cluster.gpus_per_node``); ``--sft-only`` stops after it, so that
+several GRPO runs (backends, sync/async) start from one warm start with ``rlcore run``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,12 @@ from pathlib import Path
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "grpo_arith_tiny_cpu.yaml"
 DEMO_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, max_positions=128)
+# --shape: model presets (Llama, random init). llama150m: 141M parameters, the GPU learning recipe's.
+MODEL_SHAPES = {
+    "tiny": dict(DEMO_MODEL),
+    "llama150m": dict(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=8, intermediate_size=2816,
+                      max_positions=256, init_std=0.02),
+}
 
 
 def sft_batch(samples, tokenizer):
@@ -38,42 +49,64 @@ def sft_batch(samples, tokenizer):
     return SequenceBatch(input_ids=ids, loss_mask=masks)
 
 
-def greedy_accuracy(generator, environment, samples) -> float:
+def greedy_accuracy(generator, environment, samples, max_new_tokens: int = 6) -> float:
     from rlcore.controller.batching import Trajectory, is_correct, score
     from rlcore.interfaces import SamplingParams
 
-    results = generator.generate([s.prompt_ids for s in samples], SamplingParams(temperature=0.0, max_new_tokens=6))
+    results = generator.generate([s.prompt_ids for s in samples], SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
     trajs = [Trajectory(s, i, r[0]) for i, (s, r) in enumerate(zip(samples, results))]
     score(environment, trajs)
     return sum(is_correct(t.reward, t.env_metrics) for t in trajs) / len(trajs)
 
 
-def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int, batch_size: int, lr: float) -> dict:
-    """SFT with the registered ``sft`` algorithm and ``fsdp2`` backend, stopping at ``target``."""
+def sft_config(recipe, base_dir: Path, lr: float, warmup: int):
+    """The recipe's policy, data and environment, with the ``sft`` algorithm and the fsdp2 backend."""
     from rlcore.config import build_config
+    from rlcore.config.loader import to_dict
+
+    tree = to_dict(recipe)
+    policy = tree["policy"]
+    return build_config({
+        "policy": {"model_name": str(base_dir), "precision": policy["precision"],
+                   "max_total_sequence_length": policy["max_total_sequence_length"],
+                   "optimizer": {"lr": lr, "weight_decay": 0.0}, "scheduler": {"warmup_steps": warmup},
+                   "max_grad_norm": 1.0, "sequence_packing": policy["sequence_packing"],
+                   "dtensor_cfg": {"enabled": True}, "megatron_cfg": {"enabled": False}},
+        "algorithm": {"name": "sft"},
+        "data": tree["data"],
+        "env": tree["env"],
+        "cluster": {"gpus_per_node": min(1, tree["cluster"]["gpus_per_node"]), "cpu_workers": 1},
+    })
+
+
+def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int, batch_size: int, lr: float,
+                   recipe=None, warmup: int = 0, eval_every: int = 25) -> dict:
+    """SFT with the registered ``sft`` algorithm and ``fsdp2`` backend, stopping at ``target``.
+
+    Without a ``recipe``, the demo's own settings (2-digit addition, fp32, CPU); with one, its
+    data, environment, precision and device. Held-out accuracy is greedy, on the recipe's
+    validation split, every ``eval_every`` steps (the hf generator, on the trainer's device)."""
+    from rlcore.config.hf_generation import HFGenerationConfig
     from rlcore.controller.run import StreamTransport
     from rlcore.controller.workers import LocalTrainer
     from rlcore.hf_generator import HFGenerator
-    from rlcore.config.hf_generation import HFGenerationConfig
+    from rlcore.interfaces import Placement
     from rlcore.plugins import get_plugin_manager
     from transformers import AutoTokenizer
 
-    config = build_config({
-        "policy": {"model_name": str(base_dir), "precision": "float32", "max_total_sequence_length": 64,
-                   "optimizer": {"lr": lr, "weight_decay": 0.0}, "max_grad_norm": 1.0,
-                   "dtensor_cfg": {"enabled": True}},
-        "algorithm": {"name": "sft"},
-        "data": {"name": "arithmetic", "digits": 2, "operations": ["+"], "num_validation": 200, "seed": 1},
-        "env": {"name": "math", "math": {"executor": "inline"}},
-    })
+    recipe = recipe or default_recipe()
+    config = sft_config(recipe, base_dir, lr, warmup)
+    device = "cuda" if config.cluster.gpus_per_node else "cpu"
+    max_new_tokens = recipe.generation.max_new_tokens
     manager = get_plugin_manager()
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    dataset = manager.get("dataset", "arithmetic").build(config.section("data"), tokenizer)
-    environment = manager.get("environment", "math").build(config.section("env.math"))
+    data_cfg = config.section("data")
+    dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
+    environment = manager.get("environment", config.env.name).build(config.section(f"env.{config.env.name}"))
     algorithm = manager.get("algorithm", "sft").build(config.section("algorithm"))
     reg = manager.get("training_backend", "fsdp2")
-    trainer = LocalTrainer.build(reg, config, config.section(reg.section))
-    evaluator = HFGenerator(str(base_dir), HFGenerationConfig(), 64)
+    trainer = LocalTrainer.build(reg, config, config.section(reg.section), Placement(device=device))
+    evaluator = HFGenerator(str(base_dir), HFGenerationConfig(), config.policy.max_total_sequence_length, device=device)
     transport = StreamTransport()
     val = list(dataset.validation)
     history, started = [], time.perf_counter()
@@ -81,10 +114,11 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
         first = (step - 1) * batch_size
         samples = [dataset.train[(first + i) % len(dataset.train)] for i in range(batch_size)]
         metrics = trainer.train(sft_batch(samples, tokenizer), algorithm)
-        if step % 25 == 0 or step == max_steps:
+        if step % eval_every == 0 or step == max_steps:
             transport.transfer(trainer, evaluator)
-            accuracy = greedy_accuracy(evaluator, environment, val)
-            history.append({"step": step, "loss": float(metrics.get("loss", float("nan"))), "val_accuracy": accuracy})
+            accuracy = greedy_accuracy(evaluator, environment, val, max_new_tokens)
+            history.append({"step": step, "loss": float(metrics.get("loss", float("nan"))), "val_accuracy": accuracy,
+                            "seconds": time.perf_counter() - started})
             print(f"sft step {step:4d}  loss {history[-1]['loss']:.4f}  held-out greedy accuracy {accuracy:.3f}  "
                   f"({time.perf_counter() - started:.0f}s)", flush=True)
             if accuracy >= target:
@@ -96,6 +130,12 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     return history[-1] if history else {}
 
 
+def default_recipe():
+    import rlcore
+
+    return rlcore.load_config(RECIPE, ["policy.model_name=unused"])
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo", help="working directory")
@@ -103,6 +143,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sft-max-steps", type=int, default=1500)
     parser.add_argument("--sft-batch-size", type=int, default=128)
     parser.add_argument("--sft-lr", type=float, default=1e-3)
+    parser.add_argument("--sft-warmup", type=int, default=0, help="SFT learning-rate warmup steps")
+    parser.add_argument("--sft-eval-every", type=int, default=25, help="SFT steps between held-out evaluations")
+    parser.add_argument("--sft-only", action="store_true", help="stop after the SFT warm start (GRPO runs follow with rlcore run)")
+    parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="tiny", help="model preset (random init)")
     parser.add_argument("--recipe", default=str(RECIPE))
     parser.add_argument("overrides", nargs="*", help="recipe overrides, dotted.key=value")
     args = parser.parse_args(argv)
@@ -116,10 +160,14 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     base, sft = out / "base", out / "sft"
     if not (base / "config.json").is_file():
-        build_tiny_model(base, "llama", seed=0, **DEMO_MODEL)
+        build_tiny_model(base, "llama", seed=0, **MODEL_SHAPES[args.shape])
+    recipe = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", *args.overrides])
     if not (sft / "config.json").is_file():
         print(f"SFT warm start of {base} (target held-out accuracy {args.sft_target:.0%})", flush=True)
-        sft_warm_start(base, sft, args.sft_target, args.sft_max_steps, args.sft_batch_size, args.sft_lr)
+        sft_warm_start(base, sft, args.sft_target, args.sft_max_steps, args.sft_batch_size, args.sft_lr,
+                       recipe=recipe, warmup=args.sft_warmup, eval_every=args.sft_eval_every)
+    if args.sft_only:
+        return {"sft": str(sft)}
     # Each demo is a new GRPO run in <out>/grpo (a run directory holds one run); the SFT warm
     # start above is what is cached between demos.
     shutil.rmtree(out / "grpo", ignore_errors=True)

@@ -25,12 +25,16 @@ from rlcore.utils import torch_dtype
 class HFGenerator:
     BATCH_ROWS = 256  # sequences decoded together: the demo's whole step (16 prompts x 8) in one batch
 
-    def __init__(self, model_dir: str, config: HFGenerationConfig, max_model_len: int):
+    def __init__(self, model_dir: str, config: HFGenerationConfig, max_model_len: int, device: str = "cpu"):
+        """``device``: where the model runs. The registered generator runs in the driver on the CPU
+        (:func:`build`); an evaluator of the driver's own, such as the demo's SFT warm start on a GPU,
+        may put it on ``cuda``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config = config
+        self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(config.dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(config.dtype)).to(self.device).eval()
         self.max_model_len = max_model_len
         self.weights_version = 0
 
@@ -54,8 +58,8 @@ class HFGenerator:
         live = [b > 0 for b in budgets]
         width = max(lengths)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        inputs = torch.tensor([[pad] * (width - n) + list(p) for p, n in zip(prompts, lengths)])
-        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+        inputs = torch.tensor([[pad] * (width - n) + list(p) for p, n in zip(prompts, lengths)], device=self.device)
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         past = None
         with torch.no_grad():
@@ -78,9 +82,9 @@ class HFGenerator:
                         finish[r], live[r] = "stop", False
                     elif len(responses[r]) >= budgets[r]:
                         live[r] = False
-                inputs = torch.tensor(next_tokens)[:, None]
-                mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], dim=1)
-                positions = torch.tensor([[n + step] for n in lengths])
+                inputs = torch.tensor(next_tokens, device=self.device)[:, None]
+                mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=self.device)], dim=1)
+                positions = torch.tensor([[n + step] for n in lengths], device=self.device)
         return [GenerationResult(list(prompt), response, lps, reason, policy_version=self.weights_version,
                                  text=self.tokenizer.decode(response, skip_special_tokens=True))
                 for prompt, response, lps, reason in zip(prompts, responses, logprobs, finish)]
@@ -107,6 +111,7 @@ class HFGenerator:
             logprobs_BV = torch.log_softmax(scaled_BV, -1)
             vocab = logits_BV.shape[-1]
             uniform_BV = torch.stack([torch.rand(vocab, generator=g) for g in generators]).clamp_(1e-20, 1.0)
+            uniform_BV = uniform_BV.to(logprobs_BV.device)  # drawn on the CPU, so that seeded rows repeat on any device
             tokens_B = (logprobs_BV - torch.log(-torch.log(uniform_BV))).argmax(-1)
         chosen_B = logprobs_BV.gather(-1, tokens_B[:, None])[:, 0]
         return tokens_B.tolist(), chosen_B.tolist()
@@ -130,7 +135,7 @@ class HFGenerator:
         out = []
         with torch.no_grad():
             for seq in sequences:
-                ids_T = torch.tensor(seq)
+                ids_T = torch.tensor(seq, device=self.device)
                 logits_TV = self.model(input_ids=ids_T[None]).logits[0]
                 out.append(token_logprobs(logits_TV, ids_T).tolist())
         return out

@@ -124,9 +124,15 @@ def to_sequence_batch(trajectories: list[Trajectory], advantages_N: torch.Tensor
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Per-step rollout statistics. ``rollout/entropy_estimate`` is the mean of ``-log p_gen`` over
+    the tokens the model sampled: an unbiased Monte-Carlo estimate of the per-token entropy of the
+    sampling distribution (the policy itself at temperature 1), needing no full-vocabulary pass."""
     lengths = [len(t.result.response_ids) for t in trajectories]
     rewards = [t.reward for t in trajectories]
+    sampled = [-lp for t in trajectories
+               for lp, m in zip(t.result.response_logprobs, t.result.response_mask or [1] * len(t.result.response_logprobs)) if m]
     return {
+        "rollout/entropy_estimate": float(np.mean(sampled)) if sampled else 0.0,
         "train/reward_mean": float(np.mean(rewards)),
         "train/accuracy": float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajectories])),
         "rollout/mean_response_tokens": float(np.mean(lengths)),

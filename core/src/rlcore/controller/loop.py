@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import queue
+import signal
 import threading
+import time
 import warnings
 from typing import TYPE_CHECKING
 
@@ -76,6 +78,14 @@ class GRPOLoop:
         self.gen_lock = threading.Lock()
         self.ckpt = CheckpointManager(checkpoint_root(cfg), cfg.checkpointing.keep_last_k) if cfg.checkpointing.enabled else None
         self.identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
+        # ``time/elapsed_s`` of each record: wall seconds since the run began, counted across resumes
+        # (a resumed run starts from its checkpoint's last record), so curves against wall time join up.
+        self.started = time.perf_counter()
+        self.elapsed_before = 0.0
+        self.saved_step = -1
+        # SIGTERM (a scheduler's preemption, a job's time limit) ends the run after the current
+        # step, with a checkpoint of that step when checkpointing is on: nothing done is lost.
+        self.stop_signal: int | None = None
 
     # ---- rollouts ---------------------------------------------------------------------------
     def _generate(self, samples, n: int, seed: int | None, greedy: bool = False):
@@ -245,6 +255,8 @@ class GRPOLoop:
         latest, state = found
         self.step, self.policy_version = state["step"], state["policy_version"]
         self.cursor.position, self.records = state["data_position"], state["records"]
+        self.started = time.perf_counter()
+        self.elapsed_before = self.records[-1].get("time/elapsed_s", 0.0) if self.records else 0.0
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         set_rng_state(state["rng"])
         self.c.transport.transfer(self.c.trainer, self.c.generator)
@@ -260,6 +272,19 @@ class GRPOLoop:
             "run": self.identity,
         }
         self.ckpt.save(self.step, self.c.trainer.save_checkpoint, state)
+        self.saved_step = self.step
+
+    def stop_requested(self) -> bool:
+        """After a step: whether SIGTERM arrived; if so, checkpoint this step (unless just done)."""
+        if self.stop_signal is None:
+            return False
+        where = "no checkpoint (checkpointing.enabled is false)"
+        if self.ckpt is not None:
+            if self.saved_step != self.step:
+                self.save()
+            where = f"checkpoint of step {self.step} in {checkpoint_root(self.c.config)}; the run resumes from it when started again"
+        print(f"{signal.Signals(self.stop_signal).name} received: stopped after step {self.step}, {where}", flush=True)
+        return True
 
     # ---- driver -----------------------------------------------------------------------------
     def finish_step(self, record: dict, timer: StepTimer) -> None:
@@ -270,21 +295,36 @@ class GRPOLoop:
         record["step"] = self.step
         record["policy_version"] = self.policy_version
         self.records.append(record)
+        record["time/elapsed_s"] = self.elapsed()  # before saving, so that a resumed run counts on from it
         if self.ckpt is not None and self.step % self.c.config.checkpointing.save_period == 0:
             # Saved after the record joins the list, so a resumed run's summary has this step too
             # (its saved timing lacks only the checkpoint's own time).
             with timer.phase("checkpoint"):
                 self.save()
             record.update(timer.finish())
+        record["time/elapsed_s"] = self.elapsed()
         for logger in self.c.loggers:
             logger.log({k: v for k, v in record.items() if k != "step"}, self.step)
         self.c.reporter.step(record, self.step)
 
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.started
+
     def run(self) -> list[dict]:
+        if threading.current_thread() is not threading.main_thread():
+            return self._run()
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "stop_signal", signum))
+        try:
+            return self._run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run(self) -> list[dict]:
         self.maybe_resume()
         if self.grpo.val_at_start and self.step == 0:
             start = self.validate()
             if start:
+                start["time/elapsed_s"] = self.elapsed()
                 self.records.append({"step": 0, **start})
                 for logger in self.c.loggers:
                     logger.log(start, 0)
@@ -304,6 +344,8 @@ class GRPOLoop:
             record.update(metrics)
             record.update(self.refit(batch, timer))
             self.finish_step(record, timer)
+            if self.stop_requested():
+                break
         return self.records
 
     def _set_trainer_step(self) -> None:
@@ -352,6 +394,8 @@ class GRPOLoop:
                 record.update(metrics)
                 record.update(self.refit(batch, timer))
                 self.finish_step(record, timer)
+                if self.stop_requested():
+                    break
         finally:
             stop.set()
             producer.join(timeout=self.c.config.cluster.timeout_s)

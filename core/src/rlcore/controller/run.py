@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,8 @@ def _run_in(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dic
     summary = summarize([r for r in records if "timing/total" in r], config.grpo.summary_window)
     first_val = next((r["val/accuracy"] for r in records if "val/accuracy" in r), None)
     last_val = next((r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r), None)
-    summary.update({"val/accuracy_first": first_val, "val/accuracy_last": last_val, "steps": loop.step, "run_id": owner.run_id})
+    summary.update({"val/accuracy_first": first_val, "val/accuracy_last": last_val, "steps": loop.step, "run_id": owner.run_id,
+                    "stopped_by_signal": None if loop.stop_signal is None else signal.Signals(loop.stop_signal).name})
     components.reporter.console.print(summary_table(summary, f"GRPO summary (mean of steps {summary.get('window_first')}-{summary.get('window_last')})"))
     plot = plot_curves(records, run_dir / "curves.png")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

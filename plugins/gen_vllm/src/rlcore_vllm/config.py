@@ -51,6 +51,10 @@ class VllmConfig(GenerationConfig):
     colocated: ColocatedConfig = field(factory=ColocatedConfig, metadata=doc("placement"))
     refit: RefitConfig = field(factory=RefitConfig, metadata=doc("weight updates"))
     kv_cache_space_gib: float = field(default=1.0, validator=_positive, metadata=doc("KV cache size on CPU (GiB)"))
+    gpu_kv_cache_gib: float | None = field(
+        default=None, validator=attrs.validators.optional(_positive),
+        metadata=doc("KV cache size on GPU (GiB); set = vLLM skips its memory profiling, whose check fails while "
+                     "another process on the same GPU frees memory (several runs sharing one GPU); None = sized from gpu_memory_utilization"))
     seed: int | None = field(default=None, metadata=doc("engine seed; None = grpo.seed"))
     max_num_seqs: int = field(default=256, validator=_positive, metadata=doc("sequences batched at once per engine"))
     enable_prefix_caching: bool = field(default=True, metadata=doc("reuse KV of shared prefixes (multi-turn, n > 1)"))

@@ -65,6 +65,8 @@ class VllmGenerator:
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_space_gib * (1 << 30))
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            if cfg.gpu_kv_cache_gib is not None:
+                kwargs["kv_cache_memory_bytes"] = int(cfg.gpu_kv_cache_gib * (1 << 30))
             kwargs["enable_sleep_mode"] = cfg.colocated.enabled
         return kwargs
 

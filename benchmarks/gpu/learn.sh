@@ -1,0 +1,60 @@
+# The GPU learning runs of recipes/grpo_arith3_gpu.yaml, in device calls of at most 10 minutes.
+# Source it in a call (after install.sh, or env.sh on a warm machine), then:
+#   learn DIR RUN...      RUN: fsdp2 | megatron | async (fsdp2, grpo.async_grpo.enabled=true)
+# DIR is a work directory on the machine outside the checkout (e.g. /root/learn): the SFT warm
+# start, the runs and their checkpoints stay there between calls while the machine stays warm.
+# - The SFT warm start runs first when DIR has none (SFT_ARGS, below).
+# - The runs start together on the one GPU, LEARN_STAGGER seconds apart; each resumes from its
+#   newest checkpoint in DIR/grpo-RUN when an earlier call left one.
+# - At LEARN_DEADLINE (seconds since the call began) a run still going gets SIGTERM: it finishes
+#   its step, writes a checkpoint of it and exits (status 143), and the next call's `learn` goes on
+#   from there. Logs, metrics.jsonl and the SFT history are copied to $OUT after every call.
+RECIPE=recipes/grpo_arith3_gpu.yaml
+SFT_ARGS=${SFT_ARGS:---sft-target 0.2 --sft-batch-size 256 --sft-lr 3e-4 --sft-warmup 50 --sft-eval-every 50 --sft-max-steps 4000}
+
+learn_overrides() {
+  case $1 in
+    fsdp2) ;;
+    megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true" ;;
+    async) echo "grpo.async_grpo.enabled=true" ;;
+    *) echo "learn: unknown run '$1' (fsdp2, megatron, async)" >&2; return 1 ;;
+  esac
+}
+
+learn() {
+  local dir=$1; shift
+  local deadline=${LEARN_DEADLINE:-540} run pid
+  export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+  mkdir -p "$dir"
+  if [ ! -f "$dir/sft/config.json" ]; then
+    # shellcheck disable=SC2086
+    timeout -k 10 $((deadline - SECONDS)) python3 -m rlcore.demo --recipe $RECIPE --shape llama150m --out "$dir" \
+      --sft-only $SFT_ARGS > "$OUT/sft.log" 2>&1
+    echo "sft: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
+  fi
+  [ -f "$dir/sft/sft_history.json" ] && cp "$dir/sft/sft_history.json" "$OUT/"
+  [ -f "$dir/sft/config.json" ] || return 1
+  local -A pids=()
+  for run in "$@"; do
+    # shellcheck disable=SC2046
+    python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
+      $(learn_overrides "$run") >> "$OUT/grpo-$run.log" 2>&1 &
+    pids[$run]=$!
+    sleep "${LEARN_STAGGER:-20}"
+  done
+  while [ "$SECONDS" -lt "$deadline" ]; do
+    local alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 2
+  done
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  local grace=$((SECONDS + ${LEARN_GRACE:-40}))
+  for run in "${!pids[@]}"; do
+    while kill -0 "${pids[$run]}" 2>/dev/null && [ "$SECONDS" -lt "$grace" ]; do sleep 1; done
+    kill -KILL "${pids[$run]}" 2>/dev/null
+    wait "${pids[$run]}"; echo "grpo-$run: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
+    [ -f "$dir/grpo-$run/metrics.jsonl" ] && cp "$dir/grpo-$run/metrics.jsonl" "$OUT/grpo-$run.metrics.jsonl"
+  done
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$OUT/jobs.txt" 2>&1
+}
