@@ -4,13 +4,15 @@
 # DIR is a work directory on the machine outside the checkout (e.g. /root/learn): the SFT warm
 # start, the runs and their checkpoints stay there between calls while the machine stays warm.
 # - The SFT warm start runs first when DIR has none (SFT_ARGS, below).
-# - The runs start together on the one GPU, LEARN_STAGGER seconds apart; each resumes from its
-#   newest checkpoint in DIR/grpo-RUN when an earlier call left one.
+# - The runs go one after the other; each resumes from its newest checkpoint in DIR/grpo-RUN
+#   when an earlier call left one, and a run that finished is not started again. They cannot share
+#   the GPU: a colocated engine's sleep checks that the GPU's free memory grew, and fails
+#   ("Memory usage increased after sleeping") when another process allocated meanwhile.
 # - At LEARN_DEADLINE (seconds since the call began) a run still going gets SIGTERM: it finishes
 #   its step, writes a checkpoint of it and exits (status 143), and the next call's `learn` goes on
 #   from there. Logs, metrics.jsonl and the SFT history are copied to $OUT after every call.
 RECIPE=recipes/grpo_arith3_gpu.yaml
-SFT_ARGS=${SFT_ARGS:---sft-target 0.2 --sft-batch-size 256 --sft-lr 3e-4 --sft-warmup 50 --sft-eval-every 50 --sft-max-steps 4000}
+SFT_ARGS=${SFT_ARGS:---sft-target 0.2 --sft-batch-size 256 --sft-lr 3e-4 --sft-warmup 50 --sft-eval-every 10 --sft-max-steps 4000}
 
 learn_overrides() {
   case $1 in
@@ -34,26 +36,23 @@ learn() {
   fi
   [ -f "$dir/sft/sft_history.json" ] && cp "$dir/sft/sft_history.json" "$OUT/"
   [ -f "$dir/sft/config.json" ] || return 1
-  local -A pids=()
   for run in "$@"; do
+    if [ -f "$dir/grpo-$run/summary.json" ] && ! grep -q '"stopped_by_signal": "' "$dir/grpo-$run/summary.json"; then
+      continue  # finished in an earlier call
+    fi
+    [ "$SECONDS" -lt "$((deadline - 60))" ] || { echo "grpo-$run: not started, ${SECONDS}s of ${deadline}s gone" >> "$OUT/jobs.txt"; continue; }
     # shellcheck disable=SC2046
     python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
       $(learn_overrides "$run") >> "$OUT/grpo-$run.log" 2>&1 &
-    pids[$run]=$!
-    sleep "${LEARN_STAGGER:-20}"
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 1; done
+    kill -TERM "$pid" 2>/dev/null  # past the deadline: end the step, checkpoint it, exit
+    local grace=$((SECONDS + ${LEARN_GRACE:-40}))
+    while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$grace" ]; do sleep 1; done
+    kill -KILL "$pid" 2>/dev/null
+    wait "$pid"; echo "grpo-$run: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
   done
-  while [ "$SECONDS" -lt "$deadline" ]; do
-    local alive=0
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-    [ "$alive" = 0 ] && break
-    sleep 2
-  done
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null; done
-  local grace=$((SECONDS + ${LEARN_GRACE:-40}))
-  for run in "${!pids[@]}"; do
-    while kill -0 "${pids[$run]}" 2>/dev/null && [ "$SECONDS" -lt "$grace" ]; do sleep 1; done
-    kill -KILL "${pids[$run]}" 2>/dev/null
-    wait "${pids[$run]}"; echo "grpo-$run: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
+  for run in "$@"; do
     [ -f "$dir/grpo-$run/metrics.jsonl" ] && cp "$dir/grpo-$run/metrics.jsonl" "$OUT/grpo-$run.metrics.jsonl"
   done
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$OUT/jobs.txt" 2>&1
