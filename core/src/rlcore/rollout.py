@@ -8,10 +8,20 @@ Tokens only ever get appended: each model turn's ids are taken as generated, and
 is tokenized on its own as the *suffix* the chat template adds for it (the text the template
 renders for ``[..., assistant, observation]`` after ``[..., assistant]``, plus the generation
 prompt), so earlier turns are never re-tokenized and the trainer sees exactly what was sampled.
-If a turn ended without the template's end-of-turn marker (a stop string, the length limit),
-the marker is appended first. Observation and marker tokens get ``response_mask`` 0 and
-logprob 0; model tokens get mask 1 and the generator's logprobs. The result's ``text`` is the
-final model turn (what an environment grades); every turn's text is in the trajectory.
+Before an observation, the template's end-of-turn text is completed: all of it after a turn cut
+by a stop string or the length limit, only what follows the EOS token after one that ended on it
+(ChatML's ``\n`` after ``<|im_end|>``). Observation and end-of-turn tokens get ``response_mask``
+0 and logprob 0; model tokens (their EOS included) get mask 1 and the generator's logprobs. The
+result's ``text`` is the final model turn (what an environment grades); every turn's text and
+every observation are in the trajectory.
+
+So a trajectory equals, token for token, the chat template applied to its message list (up to the
+template's text after the final EOS), for Llama 3, Qwen2 and Qwen3 templates with ``user`` or
+``tool`` observations (``plugins/env_math/tests/test_multiturn_tokens.py``), given the model's
+turns tokenize as the template's text would. One exception is the template's own: Qwen3 renders
+only the reasoning of turns after the last ``user`` message, so with ``observation_role: user``
+its rendering lacks the earlier turns' ``<think>`` blocks, which the trajectory keeps (the model
+saw them); with ``observation_role: tool`` (tool responses are not user queries) it keeps them too.
 
 Every trajectory runs as its own coroutine (``asyncio.gather``), so with an async engine many
 are in flight at once and each turn is scheduled as soon as its observation is ready.
@@ -84,7 +94,7 @@ class ChatSuffixes:
         after = self._after_mark(full)
         if not after.startswith(self.end_of_turn_text):
             raise ValueError(f"the chat template closes an assistant turn with {self.end_of_turn_text!r} when it is the last "
-                             f"message but with {after[: len(self.end_of_turn_text)]!r} before a {self.role!r} message; "
+                             f"message but follows it with {after[:40]!r} before a {self.role!r} message; "
                              "multi-turn rollouts need one end-of-turn text")
         return self._encode(after[len(self.end_of_turn_text) :])
 

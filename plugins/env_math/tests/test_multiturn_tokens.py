@@ -18,7 +18,7 @@ import pytest
 from rlcore.config.loader import build_config
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
 from rlcore.plugins import get_plugin_manager
-from rlcore.rollout import MultiTurnTrajectory, make_multi_turn_runner
+from rlcore.rollout import ChatSuffixes, MultiTurnTrajectory, make_multi_turn_runner
 from rlcore.testing.chat_tokenizers import build_chat_tokenizer
 
 SYSTEM = "You are a helpful assistant."
@@ -159,3 +159,24 @@ def _diff(tok, want: list[int], got: list[int]) -> str:
     first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
     return (f"first difference at token {first}: template {tok.convert_ids_to_tokens(want[first : first + 6])} "
             f"vs trajectory {tok.convert_ids_to_tokens(got[first : first + 6])}; template text {tok.decode(want)!r}")
+
+
+def test_end_of_turn_text_is_completed_only_after_a_special_token(tmp_path):
+    tok = build_chat_tokenizer("qwen2", tmp_path / "newline_first")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n<|im_end|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    suffixes = ChatSuffixes(tok)
+    newline, end = tok.encode("\n", add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")
+    assert suffixes.end_of_turn_ids == newline + [end]
+    content = tok.encode("x", add_special_tokens=False)
+    assert suffixes.closing_ids(content + newline) == newline + [end]  # the model's newline is content
+    assert suffixes.closing_ids(content + newline + [end]) == []
+
+
+def test_a_template_that_closes_turns_two_ways_is_refused_up_front(tmp_path):
+    tok = build_chat_tokenizer("qwen2", tmp_path / "two_ways")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "{% if loop.last %}<|im_end|>{% else %}<|endoftext|>{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(ValueError, match=r"closes an assistant turn with '<\|im_end\|>'.*'<\|endoftext\|>.*before a 'tool'"):
+        ChatSuffixes(tok, observation_role="tool")
