@@ -10,7 +10,7 @@ renders for ``[..., assistant, observation]`` after ``[..., assistant]``, plus t
 prompt), so earlier turns are never re-tokenized and the trainer sees exactly what was sampled.
 Before an observation, the template's end-of-turn text is completed: all of it after a turn cut
 by a stop string or the length limit, only what follows the EOS token after one that ended on it
-(ChatML's ``\n`` after ``<|im_end|>``). Observation and end-of-turn tokens get ``response_mask``
+(ChatML's ``\\n`` after ``<|im_end|>``). Observation and end-of-turn tokens get ``response_mask``
 0 and logprob 0; model tokens (their EOS included) get mask 1 and the generator's logprobs. The
 result's ``text`` is the final model turn (what an environment grades); every turn's text and
 every observation are in the trajectory.
@@ -110,9 +110,6 @@ class ChatSuffixes:
             if list(response_ids[-k:]) == eot[:k] and response_ids[-1] in self._special_ids:
                 return eot[k:]
         return list(eot)
-
-    def closes_turn(self, response_ids: Sequence[int]) -> bool:
-        return not self.closing_ids(response_ids)
 
 
 @attrs.define
