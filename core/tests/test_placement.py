@@ -46,3 +46,50 @@ def test_one_placement_names_both_sides(monkeypatch):
                                                     "cluster": {"cpu_workers": 2}}))
     assert (colocated.device, colocated.trainer_ranks, colocated.use_ray, colocated.colocated) == ("cpu", 2, True, True)
     assert colocated.generator_gpus == ()
+
+
+# ---- Ray placement groups: checked against the cluster's nodes before any is made ------------
+
+def _ranks(n: int, device: str = "cuda"):
+    from rlcore.controller.ray_placement import rank_bundles
+    from rlcore.interfaces import Placement
+
+    return rank_bundles(Placement(device=device, trainer_ranks=n, use_ray=True))
+
+
+GPU_NODES = {"10.0.0.1": {"CPU": 16.0, "GPU": 8.0, "memory": 1e11}, "10.0.0.2": {"CPU": 16.0, "GPU": 8.0}}
+
+
+def test_one_bundle_per_rank_from_the_placement():
+    assert _ranks(3) == [{"CPU": 1.0, "GPU": 1.0}] * 3
+    assert _ranks(2, "cpu") == [{"CPU": 1.0}] * 2
+    # cluster.gpus_per_node x num_nodes, less the generator's GPUs when not colocated
+    placement = plan_placement(_config(gpus_per_node=8, num_nodes=2, gen_gpus=2, ray_address="10.0.0.1:6379"))
+    assert placement.trainer_ranks == 14 and placement.generator_gpus == ()
+
+
+@pytest.mark.parametrize(("ranks", "strategy"), [(16, "PACK"), (16, "SPREAD"), (8, "STRICT_PACK"), (2, "STRICT_SPREAD")])
+def test_requests_the_nodes_can_hold(ranks, strategy):
+    from rlcore.controller.ray_placement import unsatisfiable
+
+    assert unsatisfiable(_ranks(ranks), GPU_NODES, strategy) is None
+
+
+def test_requests_the_nodes_cannot_hold_name_what_is_missing():
+    from rlcore.controller.ray_placement import unsatisfiable
+
+    assert unsatisfiable(_ranks(20), GPU_NODES, "PACK") == (
+        "20 trainer ranks need 20 bundles of {CPU 1, GPU 1} (PACK), but the Ray cluster's 2 alive node(s) "
+        "(10.0.0.1: CPU 16, GPU 8; 10.0.0.2: CPU 16, GPU 8) has in all too few: 4 GPU missing")
+    assert "all on one node, but no node" in unsatisfiable(_ranks(12), GPU_NODES, "STRICT_PACK")
+    assert "the largest lacks 4 GPU" in unsatisfiable(_ranks(12), GPU_NODES, "STRICT_PACK")
+    assert "has only 2 node(s) that hold one: 1 node(s) missing" in unsatisfiable(_ranks(3), GPU_NODES, "STRICT_SPREAD")
+    # enough GPUs in all, but split so that no node holds a whole bundle's CPU and GPU
+    split = {"a": {"CPU": 4.0, "GPU": 0.0}, "b": {"CPU": 0.0, "GPU": 4.0}}
+    assert "hold only 0 whole bundles" in unsatisfiable(_ranks(2), split, "SPREAD")
+    assert "has in all too few: 2 GPU missing" in unsatisfiable(_ranks(2), {"cpu-only": {"CPU": 64.0}}, "PACK")
+
+
+def test_placement_strategy_is_a_checked_cluster_key():
+    with pytest.raises(ConfigError, match="cluster.placement_strategy"):
+        _config(gpus_per_node=2, placement_strategy="SPRAED")

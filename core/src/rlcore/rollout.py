@@ -8,10 +8,20 @@ Tokens only ever get appended: each model turn's ids are taken as generated, and
 is tokenized on its own as the *suffix* the chat template adds for it (the text the template
 renders for ``[..., assistant, observation]`` after ``[..., assistant]``, plus the generation
 prompt), so earlier turns are never re-tokenized and the trainer sees exactly what was sampled.
-If a turn ended without the template's end-of-turn marker (a stop string, the length limit),
-the marker is appended first. Observation and marker tokens get ``response_mask`` 0 and
-logprob 0; model tokens get mask 1 and the generator's logprobs. The result's ``text`` is the
-final model turn (what an environment grades); every turn's text is in the trajectory.
+Before an observation, the template's end-of-turn text is completed: all of it after a turn cut
+by a stop string or the length limit, only what follows the EOS token after one that ended on it
+(ChatML's ``\\n`` after ``<|im_end|>``). Observation and end-of-turn tokens get ``response_mask``
+0 and logprob 0; model tokens (their EOS included) get mask 1 and the generator's logprobs. The
+result's ``text`` is the final model turn (what an environment grades); every turn's text and
+every observation are in the trajectory.
+
+So a trajectory equals, token for token, the chat template applied to its message list (up to the
+template's text after the final EOS), for Llama 3, Qwen2 and Qwen3 templates with ``user`` or
+``tool`` observations (``plugins/env_math/tests/test_multiturn_tokens.py``), given the model's
+turns tokenize as the template's text would. One exception is the template's own: Qwen3 renders
+only the reasoning of turns after the last ``user`` message, so with ``observation_role: user``
+its rendering lacks the earlier turns' ``<think>`` blocks, which the trajectory keeps (the model
+saw them); with ``observation_role: tool`` (tool responses are not user queries) it keeps them too.
 
 Every trajectory runs as its own coroutine (``asyncio.gather``), so with an async engine many
 are in flight at once and each turn is scheduled as soon as its observation is ready.
@@ -46,25 +56,34 @@ class MultiTurnTrajectory:
     reward: float = 0.0
     done: bool = False
     turns: list[str] = attrs.field(factory=list)  # each model turn's text
+    observations: list[str] = attrs.field(factory=list)  # the environment's reply to each turn but the last
     env_metrics: dict[str, float] = attrs.field(factory=dict)
 
 
 class ChatSuffixes:
-    """Token ids the chat template puts around an observation, computed once per role."""
+    """Token ids the chat template puts around an observation, computed once per role.
+
+    Both renderings are cut at a marker inside the assistant turn, not at the length of the first:
+    a template may render an assistant turn differently once something follows it (Qwen3 adds an
+    empty ``<think></think>`` block to the last turn only), and its end-of-turn text may be longer
+    than the token that ends generation (ChatML's ``<|im_end|>\\n`` after EOS ``<|im_end|>``).
+    """
 
     def __init__(self, tokenizer, observation_role: str = "user"):
         self.tokenizer = tokenizer
         self.role = observation_role
-        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
-        rendered = self._render(base, add_generation_prompt=False)
-        cut = rendered.rindex(_MARK) + len(_MARK)
-        self.end_of_turn_text = rendered[cut:]
+        self._base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
+        self.end_of_turn_text = self._after_mark(self._render(self._base, add_generation_prompt=False))
         self.end_of_turn_ids = self._encode(self.end_of_turn_text)
-        self._prefix_len = len(rendered)
-        self._base = base
+        self._special_ids = set(getattr(tokenizer, "all_special_ids", ()))
+        self.observation_ids("probe")  # a template this cannot cut fails here, not mid-rollout
 
     def _render(self, messages, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    @staticmethod
+    def _after_mark(rendered: str) -> str:
+        return rendered[rendered.rindex(_MARK) + len(_MARK) :]
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
@@ -72,11 +91,25 @@ class ChatSuffixes:
     def observation_ids(self, observation: str) -> list[int]:
         """The ids that follow a closed assistant turn: the observation turn and the generation prompt."""
         full = self._render(self._base + [{"role": self.role, "content": observation}], add_generation_prompt=True)
-        return self._encode(full[self._prefix_len :])
+        after = self._after_mark(full)
+        if not after.startswith(self.end_of_turn_text):
+            raise ValueError(f"the chat template closes an assistant turn with {self.end_of_turn_text!r} when it is the last "
+                             f"message but follows it with {after[:40]!r} before a {self.role!r} message; "
+                             "multi-turn rollouts need one end-of-turn text")
+        return self._encode(after[len(self.end_of_turn_text) :])
 
-    def closes_turn(self, response_ids: Sequence[int]) -> bool:
-        n = len(self.end_of_turn_ids)
-        return n == 0 or list(response_ids[-n:]) == self.end_of_turn_ids
+    def closing_ids(self, response_ids: Sequence[int]) -> list[int]:
+        """What the template's end-of-turn text adds after a turn: all of it after a stop string or the
+        length limit, the rest of it after an EOS token that is its start (``\\n`` after ``<|im_end|>``)."""
+        eot = self.end_of_turn_ids
+        if eot and list(response_ids[-len(eot) :]) == eot:
+            return []
+        # A partial match counts only when it ends on a special token: content that happens to end
+        # like the template's text (a newline) is not the end of the turn.
+        for k in range(len(eot) - 1, 0, -1):
+            if list(response_ids[-k:]) == eot[:k] and response_ids[-1] in self._special_ids:
+                return eot[k:]
+        return list(eot)
 
 
 @attrs.define
@@ -148,12 +181,12 @@ class MultiTurnRunner:
             traj.reward, traj.done, traj.env_metrics = float(step.reward), bool(step.done), dict(step.metrics)
             if step.done or turn == self.max_turns - 1 or out.finish_reason in ("abort", "truncated_prompt"):
                 break
-            closing = [] if self.suffixes.closes_turn(out.response_ids) else self.suffixes.end_of_turn_ids
-            observation = closing + self.suffixes.observation_ids(step.observation or "")
+            observation = self.suffixes.closing_ids(out.response_ids) + self.suffixes.observation_ids(step.observation or "")
             if state.total() + len(observation) >= self.max_total_tokens:
                 state.finish_reason = "length"
                 break
             state.append(observation, None, model=False)
+            traj.observations.append(step.observation or "")
         traj.result = GenerationResult(
             prompt_ids=state.prompt_ids, response_ids=state.ids, response_logprobs=state.logprobs,
             finish_reason=state.finish_reason, text=traj.turns[-1] if traj.turns else "", response_mask=state.mask,

@@ -107,6 +107,9 @@ class ClusterConfig:
     use_ray: bool | None = field(default=None, metadata=doc("None = Ray when more than one process is needed"))
     ray_address: str | None = field(default=None, metadata=doc("existing Ray cluster; None = RAY_ADDRESS or a local instance"))
     timeout_s: float = field(default=1800.0, validator=_positive, metadata=doc("limit of any single blocking wait"))
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = field(
+        default="PACK", metadata=doc("Ray placement group of the trainer ranks (one bundle per rank): as few nodes as possible, as many, one node, one node per rank"),
+    )
 
 
 @frozen

@@ -98,16 +98,29 @@ class LocalTrainer:
 
 
 class _TrainerActor:
-    """Body of the Ray actor; one per rank."""
+    """Body of the Ray actor; one per rank. Built in two calls: :meth:`where` (the node this rank
+    landed on, and for rank 0 a free port there), then :meth:`start` with rank 0's address."""
 
-    def __init__(self, registration, config, section_config, rank: int, port: int, placement: Placement):
+    def __init__(self, registration, config, section_config, rank: int, placement: Placement):
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("RLCORE_THREADS_PER_RANK", "1"))))
-        world_size, device = placement.trainer_ranks, placement.device
-        init_distributed(rank, world_size, port, device)
-        self.rank, self.world_size = rank, world_size
-        self.backend = registration.build(config, section_config, WorldInfo(rank, world_size, 0, device, placement))
+        self._build = (registration, config, section_config, placement)
+        self.rank, self.world_size = rank, placement.trainer_ranks
+
+    def where(self) -> tuple[str, int]:
+        """The Ray node this rank runs on, and its pid."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def free_port(self, host: str) -> int:
+        return free_port(host)
+
+    def start(self, master_addr: str, master_port: int) -> None:
+        registration, config, section_config, placement = self._build
+        init_distributed(self.rank, self.world_size, master_port, placement.device, master_addr)
+        self.backend = registration.build(config, section_config, WorldInfo(self.rank, self.world_size, 0, placement.device, placement))
 
     def logprobs(self, batch, reference: bool):
         return self.backend.logprobs(batch, reference=reference)
@@ -127,29 +140,43 @@ class _TrainerActor:
     def export_all(self, dtype, chunk_bytes: int):
         return list(self.backend.export_weights(dtype=dtype, chunk_bytes=chunk_bytes))
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 class RayTrainerGroup:
-    """``world_size`` trainer ranks as Ray actors (gloo on CPU, NCCL on GPU)."""
+    """``world_size`` trainer ranks as Ray actors (gloo on CPU, NCCL on GPU), one per bundle of a
+    placement group (:mod:`rlcore.controller.ray_placement`; ``cluster.placement_strategy``).
+
+    The process group meets at the address rank 0's node reports and a port free there, so ranks
+    on other nodes reach it; on a local Ray instance that address is loopback."""
 
     in_process = False
 
     def __init__(self, registration, config, section_config, placement: Placement, timeout_s: float):
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlcore.controller.ray_placement import create_rank_placement_group
 
         self.ray = ray
         self.timeout_s = timeout_s
         self.loop_step = 0
-        port = free_port()
+        self.placement_group = create_rank_placement_group(ray, placement, config.cluster.placement_strategy, timeout_s)
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if placement.device == "cuda" else 0)(_TrainerActor)
         self.actors = [
-            actor_cls.remote(registration, config, section_config, rank, port, placement)
+            actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank)).remote(
+                registration, config, section_config, rank, placement)
             for rank in range(placement.trainer_ranks)
         ]
-        # Start-up imports torch and builds the model in every rank: allow more than one step's wait.
-        self.pids = self._gather([a.pid.remote() for a in self.actors], "start-up (building the backend)", max(timeout_s, 600.0))
+        start_s = max(timeout_s, 600.0)  # start-up imports torch and builds the model in every rank
+        where = self._gather([a.where.remote() for a in self.actors], "start-up (reporting its node)", start_s)
+        self.node_ids, self.pids = [node for node, _ in where], [pid for _, pid in where]
+        address_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        self.node_ips = [address_of[node] for node in self.node_ids]
+        master_addr = self.node_ips[0]
+        (master_port,) = self._gather([self.actors[0].free_port.remote(master_addr)], "start-up (choosing a port)", start_s)
+        print(f"trainer: {len(self.actors)} ranks on {len(set(self.node_ids))} node(s) ({config.cluster.placement_strategy}): "
+              + ", ".join(f"rank {r} on {ip} (node {node[:8]})" for r, (ip, node) in enumerate(zip(self.node_ips, self.node_ids)))
+              + f"; process group at {master_addr}:{master_port}", flush=True)
+        self._gather([a.start.remote(master_addr, master_port) for a in self.actors], "start-up (building the backend)", start_s)
 
     def _gather(self, refs: list, what: str, timeout_s: float | None = None) -> list:
         """Every rank's result, in rank order.
@@ -220,8 +247,14 @@ class RayTrainerGroup:
         yield from self._on_all("'export_weights' (refit)", lambda a: a.export_all.remote(dtype, chunk_bytes))[0]
 
     def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
         for actor in self.actors:
             try:
                 self.ray.kill(actor)
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
+        try:
+            remove_placement_group(self.placement_group)  # a joined cluster outlives this run
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass
