@@ -21,6 +21,7 @@ import yaml
 from rlcore.config import ConfigError, RefitConfig, RunConfig, to_dict
 from rlcore.controller.deadlines import TimedEnvironment
 from rlcore.controller.faults import wrap_from_env
+from rlcore.controller.given import check_given
 from rlcore.controller.loop import Components, GRPOLoop
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
 from rlcore.controller.ray_local import start_local_ray
@@ -106,7 +107,15 @@ def pick_transport(manager, trainer: TrainerHandle, generator: Generator, config
     return StreamTransport(chunk_bytes=config.generation.refit.chunk_bytes)
 
 
+def build_algorithm(config: RunConfig, manager):
+    """The recipe's algorithm (``algorithm.name``) built from its section."""
+    return manager.get("algorithm", config.require_section("algorithm").name).build(config.section("algorithm"))
+
+
 def build_components(config: RunConfig, **given) -> Components:
+    """Every part of the run: the objects in ``given`` as they are (checked against their
+    protocols first, :mod:`rlcore.controller.given`), the others built from the recipe."""
+    check_given(given)
     manager = get_plugin_manager()
     policy = config.policy
     if not all(given.get(k) is not None for k in ("tokenizer", "backend", "generator")):
@@ -116,10 +125,14 @@ def build_components(config: RunConfig, **given) -> Components:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(policy.tokenizer_name or policy.model_name)
-    algorithm = given.get("algorithm") or manager.get("algorithm", config.require_section("algorithm").name).build(config.section("algorithm"))
-    env_reg = manager.get("environment", config.env.name)
-    environment = given.get("environment") or env_reg.build(config.section(f"env.{config.env.name}"))
-    environment = TimedEnvironment(environment, config.env.name, config.cluster.timeout_s, config.env.on_timeout)
+    algorithm = given.get("algorithm") or build_algorithm(config, manager)
+    environment, env_name, multi_turn_env = given.get("environment"), None, False
+    if environment is None:  # a given environment replaces the lookup: no plugin of that name is needed
+        env_reg = manager.get("environment", config.env.name)
+        environment = env_reg.build(config.section(f"env.{config.env.name}"))
+        env_name, multi_turn_env = config.env.name, bool(env_reg.capabilities.get("multi_turn"))
+    environment = TimedEnvironment(environment, env_name or type(environment).__name__, config.cluster.timeout_s,
+                                   config.env.on_timeout)
     dataset = given.get("dataset")
     if dataset is None:
         data_cfg = config.require_section("data")
@@ -136,7 +149,7 @@ def build_components(config: RunConfig, **given) -> Components:
     print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
     trainer = wrap_from_env(trainer)  # tests' RLCORE_FAULT: from here on every call may hit a rank
     multi_turn = None
-    if env_reg.capabilities.get("multi_turn"):
+    if multi_turn_env:
         from rlcore.rollout import make_multi_turn_runner
 
         multi_turn = make_multi_turn_runner(generator, environment, tokenizer, config)
@@ -155,6 +168,7 @@ def build_components(config: RunConfig, **given) -> Components:
 def run(config: RunConfig, **given) -> dict:
     if config is None:
         raise ConfigError("", "rlcore.run needs a RunConfig (rlcore.load_config(path) or rlcore.build_config(dict))")
+    check_given(given)  # before the run directory is claimed: a wrong object fails at once
     seed_everything(config.grpo.seed, config.grpo.deterministic)
     run_dir = Path(config.logger.log_dir)
     owner = RunDir(config).open()
