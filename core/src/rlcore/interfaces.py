@@ -177,7 +177,9 @@ class TrainingBackend(Protocol):
 
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
         """Token-aligned float32 logprobs [L_i] of each sequence (CPU). Rank 0 returns all N;
-        other ranks may return None. ``reference=True`` uses the frozen initial policy."""
+        other ranks may return None. ``reference=True`` uses the frozen initial policy. Values
+        are required where ``loss_mask > 0`` (the tokens a loss, KL term or refit probe reads);
+        elsewhere a backend may return 0 (it need not compute prompt tokens' logits)."""
 
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
         """Optimizer step(s) on ``batch`` with ``algorithm.loss`` (one per

@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 import yaml
@@ -107,9 +108,31 @@ def pick_transport(manager, trainer: TrainerHandle, generator: Generator, config
     return StreamTransport(chunk_bytes=config.generation.refit.chunk_bytes)
 
 
+def one_update_per_batch_on_policy(config: RunConfig) -> bool:
+    """Each generated batch trains exactly one optimizer step (``policy.train_global_batch_size``
+    unset or at least P*G, the most a step keeps) and generation is sync: the old policy's
+    logprobs are then the current policy's before that step, up to numerics."""
+    size, per_step = config.policy.train_global_batch_size, config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    return not config.grpo.async_grpo.enabled and (size is None or size >= per_step)
+
+
+def resolve_old_logprobs(config: RunConfig, section: Any) -> Any:
+    """``section`` with ``use_old_logprobs: auto`` decided for this run (other sections as they are):
+    false, skipping the old-logprob pass, when :func:`one_update_per_batch_on_policy`; else true."""
+    if not attrs.has(type(section)) or attrs.fields_dict(type(section)).get("use_old_logprobs") is None:
+        return section
+    if section.use_old_logprobs != "auto":
+        return section
+    use = not one_update_per_batch_on_policy(config)
+    why = "not one sync optimizer step per batch" if use else "one sync optimizer step per batch: the pass is skipped"
+    print(f"algorithm.use_old_logprobs: auto -> {str(use).lower()} ({why})", flush=True)
+    return attrs.evolve(section, use_old_logprobs=use)
+
+
 def build_algorithm(config: RunConfig, manager):
-    """The recipe's algorithm (``algorithm.name``) built from its section."""
-    return manager.get("algorithm", config.require_section("algorithm").name).build(config.section("algorithm"))
+    """The recipe's algorithm (``algorithm.name``) built from its section, ``auto`` keys decided."""
+    section = config.require_section("algorithm")
+    return manager.get("algorithm", section.name).build(resolve_old_logprobs(config, section))
 
 
 def build_components(config: RunConfig, **given) -> Components:
