@@ -48,7 +48,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # = rlcore.config.generation.DEFAULT_MAX_NEW_TOKENS (test_config_core checks)
     n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

@@ -39,7 +39,6 @@ class VllmConfig(GenerationConfig):
     and ``refit`` are core's (:class:`rlcore.config.GenerationConfig`)."""
 
     backend: str = field(default="vllm", metadata=doc("generator plugin; 'vllm' selects this one"))
-    max_new_tokens: int = field(default=512, validator=_positive, metadata=doc("response length limit"))
     async_engine: bool = field(default=False, metadata=doc("AsyncLLM (multi-turn, streaming) instead of the sync LLM"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=doc("engine weights dtype; auto = policy.precision"))
     gpu_memory_utilization: float = field(default=0.5, validator=fraction, metadata=doc("share of GPU memory vLLM may take"))
