@@ -53,6 +53,9 @@ class VllmConfig(GenerationConfig):
     seed: int | None = field(default=None, metadata=doc("engine seed; None = grpo.seed"))
     max_num_seqs: int = field(default=256, validator=_positive, metadata=doc("sequences batched at once per engine"))
     enable_prefix_caching: bool = field(default=True, metadata=doc("reuse KV of shared prefixes (multi-turn, n > 1)"))
+    executor: Literal["auto", "uni", "mp"] = field(default="auto", metadata=doc(
+        "vLLM's executor (distributed_executor_backend): uni = the model runs in the engine process; mp = in a worker "
+        "process, which busy-waits for about a second after each engine call (auto: vLLM's choice)"))
     engine_detokenize: bool = field(default=False, metadata=doc("decode text token by token in vLLM's output loop; false = one batched decode per response (always on with stop strings)"))
 
     def __attrs_post_init__(self):
