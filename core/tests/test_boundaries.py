@@ -201,7 +201,16 @@ def test_backend_and_generator_factories_get_the_one_placement(tmp_path, tiny_mo
         "logger": {"log_dir": str(tmp_path / "run"), "print_table": False},
     }, manager=manager)
     _Recorded.placements.clear()
-    c = build_components(config, tokenizer=object(), algorithm=object(), environment=object(), dataset=object(), loggers=[])
+    from rlcore.algorithms.grpo import GRPO
+
+    class NoEnvironment:
+        def step(self, samples, histories):
+            return []
+
+    class NoDataset:
+        train, validation = [], None
+
+    c = build_components(config, tokenizer=object(), algorithm=GRPO(), environment=NoEnvironment(), dataset=NoDataset(), loggers=[])
     try:
         (kind_a, a), (kind_b, b) = _Recorded.placements
         assert (kind_a, kind_b) == ("backend", "generator") and a is b

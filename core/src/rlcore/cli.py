@@ -60,6 +60,14 @@ def cmd_plugins(args) -> int:
 def cmd_config(args) -> int:
     import yaml
 
+    if args.defaults:
+        from rlcore.config.defaults import format_defaults, run_defaults
+
+        defaults = run_defaults(get_plugin_manager())
+        print(json.dumps(defaults, indent=2, default=str) if args.json else format_defaults(defaults), end="")
+        return 0
+    if args.recipe is None:
+        raise ConfigError("", "rlcore config needs a recipe (or --defaults for the defaults of rlcore run)")
     config = load_config(args.recipe, args.overrides)
     resolved = to_dict(config)
     if args.json:
@@ -122,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
     p = sub.add_parser("config", help="print the resolved config of a recipe")
-    p.add_argument("recipe")
+    p.add_argument("recipe", nargs="?")
     p.add_argument("overrides", nargs="*")
+    p.add_argument("--defaults", action="store_true", help="print the defaults of rlcore run (core keys, each plugin's section)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("doctor", help="check installed versions")

@@ -48,7 +48,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # = rlcore.config.generation.DEFAULT_MAX_NEW_TOKENS (test_config_core checks)
     n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -177,7 +177,9 @@ class TrainingBackend(Protocol):
 
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
         """Token-aligned float32 logprobs [L_i] of each sequence (CPU). Rank 0 returns all N;
-        other ranks may return None. ``reference=True`` uses the frozen initial policy."""
+        other ranks may return None. ``reference=True`` uses the frozen initial policy. Values
+        are required where ``loss_mask > 0`` (the tokens a loss, KL term or refit probe reads);
+        elsewhere a backend may return 0 (it need not compute prompt tokens' logits)."""
 
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
         """Optimizer step(s) on ``batch`` with ``algorithm.loss`` (one per

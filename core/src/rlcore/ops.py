@@ -212,3 +212,24 @@ def token_logprobs(logits_TV: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlen
     fused = logits_TV.is_cuda if fused is None else fused
     next_T = _ChunkedTargetLogprob.apply(logits_TV, _align_targets(input_ids_T), chunk_tokens, float(temperature), bool(fused))
     return _shift_and_mask(next_T, cu_seqlens, logits_TV.device)
+
+
+def selected_token_logprobs(logits_RV: torch.Tensor, input_ids_T: torch.Tensor, rows_R: torch.Tensor, *,
+                            chunk_tokens: int = 1024, temperature: float = 1.0, fused: bool | None = None) -> torch.Tensor:
+    """:func:`token_logprobs` from the logits of some rows only: ``logits_RV[r]`` are row
+    ``rows_R[r]``'s (which predicts token ``rows_R[r] + 1``; rows ascending, each below T-1, e.g.
+    :attr:`rlcore.packing.MicroBatch.logprob_rows_R`). Returns the token-aligned [T] vector with
+    those tokens' logprobs and 0 everywhere else; differentiable with respect to ``logits_RV``.
+
+    Computing the LM head on these rows only (Hugging Face models' ``logits_to_keep``) skips the
+    full-vocabulary logits of prompt tokens in the forward and the backward; each kept row's value
+    is the same computation as :func:`token_logprobs`'s."""
+    if logits_RV.dim() != 2 or rows_R.shape != (logits_RV.shape[0],):
+        raise ValueError(f"selected_token_logprobs: logits {tuple(logits_RV.shape)} need one row per entry of rows "
+                         f"{tuple(rows_R.shape)}")
+    _check_args(logits_RV, rows_R, temperature, chunk_tokens, "selected_token_logprobs")
+    fused = logits_RV.is_cuda if fused is None else fused
+    targets_R = input_ids_T[rows_R + 1].long()
+    next_R = _ChunkedTargetLogprob.apply(logits_RV, targets_R, chunk_tokens, float(temperature), bool(fused))
+    out_T = torch.zeros(input_ids_T.shape[0], dtype=next_R.dtype, device=next_R.device)
+    return out_T.index_put((rows_R + 1,), next_R)

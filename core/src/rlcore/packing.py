@@ -50,6 +50,9 @@ class MicroBatch:
     token_fields: dict[str, torch.Tensor]  # each float [T], token-aligned
     seq_fields: dict[str, torch.Tensor]  # each [n]
     num_padding: int  # trailing pad tokens (input id 0, mask 0)
+    # int64 [R]: the rows whose next-token logprob a loss reads (row t-1 for each t with
+    # loss_mask_T[t] > 0), ascending: a backend may compute logits on these rows only. None: unknown.
+    logprob_rows_R: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -70,6 +73,7 @@ class MicroBatch:
         return attrs.evolve(
             self, input_ids_T=to(self.input_ids_T), position_ids_T=to(self.position_ids_T),
             seq_index_T=to(self.seq_index_T), loss_mask_T=to(self.loss_mask_T),
+            logprob_rows_R=None if self.logprob_rows_R is None else to(self.logprob_rows_R),
             token_fields={k: to(v) for k, v in self.token_fields.items()},
             seq_fields={k: to(v) for k, v in self.seq_fields.items()})
 
@@ -221,6 +225,7 @@ def _layout(batch: SequenceBatch, seq_ids: list[int], pad_to_multiple: int) -> M
         token_fields=token_fields,
         seq_fields={name: values[list(seq_ids)] for name, values in batch.seq_fields.items()},
         num_padding=num_padding,
+        logprob_rows_R=torch.nonzero(loss_mask_T[1:] > 0).flatten(),
     )
 
 

@@ -74,9 +74,11 @@ class PolicyGradientConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = field(
         default="k3", metadata=doc("KL estimator: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r with r = p_ref / p")
     )
-    use_old_logprobs: bool = field(
-        default=True,
-        metadata=doc("ratio against the old policy's logprobs; false = one on-policy update per batch, saves that pass"),
+    use_old_logprobs: Literal["auto", True, False] = field(
+        default="auto",
+        metadata=doc("ratio against the old policy's logprobs (a logprob pass before training); false = against the "
+                     "current policy's, detached (equal when one optimizer step trains on each generated batch); auto "
+                     "= false when rlcore.run sees one optimizer step per batch and sync (on-policy) generation, else true"),
     )
     gen_is_cap: float | None = field(
         default=None, validator=_optional(_positive),

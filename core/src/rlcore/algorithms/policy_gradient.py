@@ -11,7 +11,8 @@ Per valid token t of sequence i (m = loss mask, A = advantage, r = importance ra
 
 ``p_train`` is the old policy's probability (``old_logprobs``) or, with ``use_old_logprobs:
 false``, the current one, detached (one on-policy update per batch: r = 1 with the right
-gradient). ``reduce`` divides by the step's global count of valid tokens (token level) or
+gradient; ``auto``, the default, is false when ``rlcore.run`` sees one optimizer step per generated
+batch and sync generation, where the old policy is the current one). ``reduce`` divides by the step's global count of valid tokens (token level) or
 sequences (sequence level), so the loss is this micro-batch's share of the step loss. Subclasses
 choose the advantage estimator, the ratio (GSPO: per sequence) and the reduction (Dr.GRPO).
 
@@ -47,13 +48,14 @@ class PolicyGradient(AlgorithmBase):
     def __init__(self, config=None):
         super().__init__(config)
         self.uses_reference = self.config.kl_coef > 0
-        self.uses_old_logprobs = self.config.use_old_logprobs
+        # "auto" is decided by rlcore.run (rlcore.controller.run.resolve_old_logprobs); undecided, the pass runs.
+        self.uses_old_logprobs = self.config.use_old_logprobs is not False
         self.loss_level = getattr(self.config, "loss_level", type(self).loss_level)
 
     def required_fields(self) -> dict[str, str]:
         fields = {}
         if self.uses_old_logprobs:
-            fields["old_logprobs"] = "use_old_logprobs is true"
+            fields["old_logprobs"] = f"use_old_logprobs is {self.config.use_old_logprobs}"
         if self.uses_reference:
             fields["ref_logprobs"] = f"kl_coef={self.config.kl_coef} > 0"
         preset = self.config.correction.preset

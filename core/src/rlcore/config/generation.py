@@ -3,7 +3,8 @@
 Every generator plugin's ``config_cls`` extends :class:`GenerationConfig` (checked when it
 registers; a generator registered without one gets this base schema). The run loop reads the
 sampling keys and ``refit``; the placement planner reads ``colocated``. Plugins add their own keys
-(and may narrow a default, e.g. ``max_new_tokens``) in their subclass; core never reads those.
+in their subclass; core never reads those. The sampling keys' defaults are the same for every generator
+(``max_new_tokens``: :data:`DEFAULT_MAX_NEW_TOKENS`), so a recipe means the same with any of them.
 Imports no torch.
 """
 
@@ -15,6 +16,8 @@ from attrs import field, frozen
 from rlcore.config.structure import doc
 
 _positive = attrs.validators.gt(0)
+# Every generator's default response length (its schema extends GenerationConfig and keeps this).
+DEFAULT_MAX_NEW_TOKENS = 256
 _non_negative = attrs.validators.ge(0)
 
 
@@ -65,7 +68,7 @@ class GenerationConfig:
     temperature: float = field(default=1.0, validator=_non_negative, metadata=doc("sampling temperature; 0 = greedy"))
     top_p: float = field(default=1.0, validator=fraction, metadata=doc("nucleus sampling"))
     top_k: int = field(default=-1, validator=_top_k, metadata=doc("top-k sampling; -1 disables"))
-    max_new_tokens: int = field(default=256, validator=_positive, metadata=doc("response length limit"))
+    max_new_tokens: int = field(default=DEFAULT_MAX_NEW_TOKENS, validator=_positive, metadata=doc("response length limit"))
     stop_strings: tuple[str, ...] = field(default=(), metadata=doc("stop when any is generated (kept out of the response text)"))
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=doc("stop on these ids besides EOS"))
     ignore_eos: bool = field(default=False, metadata=doc("keep generating past EOS (benchmarks)"))

@@ -15,6 +15,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 import yaml
@@ -22,6 +23,7 @@ import yaml
 from rlcore.config import ConfigError, RefitConfig, RunConfig, to_dict
 from rlcore.controller.deadlines import TimedEnvironment
 from rlcore.controller.faults import wrap_from_env
+from rlcore.controller.given import check_given
 from rlcore.controller.loop import Components, GRPOLoop
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
 from rlcore.controller.ray_local import start_local_ray
@@ -107,7 +109,37 @@ def pick_transport(manager, trainer: TrainerHandle, generator: Generator, config
     return StreamTransport(chunk_bytes=config.generation.refit.chunk_bytes)
 
 
+def one_update_per_batch_on_policy(config: RunConfig) -> bool:
+    """Each generated batch trains exactly one optimizer step (``policy.train_global_batch_size``
+    unset or at least P*G, the most a step keeps) and generation is sync: the old policy's
+    logprobs are then the current policy's before that step, up to numerics."""
+    size, per_step = config.policy.train_global_batch_size, config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    return not config.grpo.async_grpo.enabled and (size is None or size >= per_step)
+
+
+def resolve_old_logprobs(config: RunConfig, section: Any) -> Any:
+    """``section`` with ``use_old_logprobs: auto`` decided for this run (other sections as they are):
+    false, skipping the old-logprob pass, when :func:`one_update_per_batch_on_policy`; else true."""
+    if not attrs.has(type(section)) or attrs.fields_dict(type(section)).get("use_old_logprobs") is None:
+        return section
+    if section.use_old_logprobs != "auto":
+        return section
+    use = not one_update_per_batch_on_policy(config)
+    why = "not one sync optimizer step per batch" if use else "one sync optimizer step per batch: the pass is skipped"
+    print(f"algorithm.use_old_logprobs: auto -> {str(use).lower()} ({why})", flush=True)
+    return attrs.evolve(section, use_old_logprobs=use)
+
+
+def build_algorithm(config: RunConfig, manager):
+    """The recipe's algorithm (``algorithm.name``) built from its section, ``auto`` keys decided."""
+    section = config.require_section("algorithm")
+    return manager.get("algorithm", section.name).build(resolve_old_logprobs(config, section))
+
+
 def build_components(config: RunConfig, **given) -> Components:
+    """Every part of the run: the objects in ``given`` as they are (checked against their
+    protocols first, :mod:`rlcore.controller.given`), the others built from the recipe."""
+    check_given(given)
     manager = get_plugin_manager()
     policy = config.policy
     if not all(given.get(k) is not None for k in ("tokenizer", "backend", "generator")):
@@ -117,10 +149,14 @@ def build_components(config: RunConfig, **given) -> Components:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(policy.tokenizer_name or policy.model_name)
-    algorithm = given.get("algorithm") or manager.get("algorithm", config.require_section("algorithm").name).build(config.section("algorithm"))
-    env_reg = manager.get("environment", config.env.name)
-    environment = given.get("environment") or env_reg.build(config.section(f"env.{config.env.name}"))
-    environment = TimedEnvironment(environment, config.env.name, config.cluster.timeout_s, config.env.on_timeout)
+    algorithm = given.get("algorithm") or build_algorithm(config, manager)
+    environment, env_name, multi_turn_env = given.get("environment"), None, False
+    if environment is None:  # a given environment replaces the lookup: no plugin of that name is needed
+        env_reg = manager.get("environment", config.env.name)
+        environment = env_reg.build(config.section(f"env.{config.env.name}"))
+        env_name, multi_turn_env = config.env.name, bool(env_reg.capabilities.get("multi_turn"))
+    environment = TimedEnvironment(environment, env_name or type(environment).__name__, config.cluster.timeout_s,
+                                   config.env.on_timeout)
     dataset = given.get("dataset")
     if dataset is None:
         data_cfg = config.require_section("data")
@@ -137,7 +173,7 @@ def build_components(config: RunConfig, **given) -> Components:
     print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
     trainer = wrap_from_env(trainer)  # tests' RLCORE_FAULT: from here on every call may hit a rank
     multi_turn = None
-    if env_reg.capabilities.get("multi_turn"):
+    if multi_turn_env:
         from rlcore.rollout import make_multi_turn_runner
 
         multi_turn = make_multi_turn_runner(generator, environment, tokenizer, config)
@@ -156,6 +192,7 @@ def build_components(config: RunConfig, **given) -> Components:
 def run(config: RunConfig, **given) -> dict:
     if config is None:
         raise ConfigError("", "rlcore.run needs a RunConfig (rlcore.load_config(path) or rlcore.build_config(dict))")
+    check_given(given)  # before the run directory is claimed: a wrong object fails at once
     seed_everything(config.grpo.seed, config.grpo.deterministic)
     run_dir = Path(config.logger.log_dir)
     owner = RunDir(config).open()

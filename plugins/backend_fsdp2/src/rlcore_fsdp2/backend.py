@@ -27,7 +27,7 @@ from rlcore.algorithms.base import merge_metrics
 from rlcore.config.schema import RunConfig
 from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
-from rlcore.ops import token_logprobs
+from rlcore.ops import selected_token_logprobs, token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore_fsdp2 import attention, checkpoint
 from rlcore_fsdp2.config import DTensorConfig
@@ -144,11 +144,22 @@ class FSDP2Backend:
             micro_batch_size=self.policy.train_micro_batch_size if train else self.policy.logprob_batch_size)
 
     def _forward_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        """Token-aligned logprobs [T] of a (device) micro-batch; float32 (float64 for float64 runs)."""
+        """Token-aligned logprobs [T] of a (device) micro-batch; float32 (float64 for float64 runs).
+
+        Only the tokens the loss reads (``mb.logprob_rows_R``: loss-masked ones) get a value, the
+        others 0: the LM head runs on those rows alone (``logits_to_keep``), never on prompt rows.
+        Under sequence or context parallelism each rank holds a slice of the rows, so the head
+        runs on all of them there (values the same)."""
         cu, max_len = attention.attention_cu_seqlens(mb.cu_seqlens, mb.num_tokens, self.device)
+        rows_R = mb.logprob_rows_R
+        select = rows_R is not None and rows_R.numel() > 0 and not self.cfg.sequence_parallel and self.dims.cp == 1
         out = self.model(input_ids=mb.input_ids_T[None], position_ids=mb.position_ids_T[None], use_cache=False,
-                         cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+                         cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
+                         logits_to_keep=rows_R if select else 0)
         # squeeze, not [0]: indexing's backward would fill a zero [T, V] tensor
+        if select:
+            return selected_token_logprobs(out.logits.squeeze(0), mb.input_ids_T, rows_R,
+                                           chunk_tokens=self.cfg.logprob_chunk_tokens)
         return token_logprobs(out.logits.squeeze(0), mb.input_ids_T, mb.cu_seqlens, chunk_tokens=self.cfg.logprob_chunk_tokens)
 
     # ---- TrainingBackend -------------------------------------------------------------------

@@ -39,7 +39,6 @@ class VllmConfig(GenerationConfig):
     and ``refit`` are core's (:class:`rlcore.config.GenerationConfig`)."""
 
     backend: str = field(default="vllm", metadata=doc("generator plugin; 'vllm' selects this one"))
-    max_new_tokens: int = field(default=512, validator=_positive, metadata=doc("response length limit"))
     async_engine: bool = field(default=False, metadata=doc("AsyncLLM (multi-turn, streaming) instead of the sync LLM"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=doc("engine weights dtype; auto = policy.precision"))
     gpu_memory_utilization: float = field(default=0.5, validator=fraction, metadata=doc("share of GPU memory vLLM may take"))
@@ -58,6 +57,9 @@ class VllmConfig(GenerationConfig):
     seed: int | None = field(default=None, metadata=doc("engine seed; None = grpo.seed"))
     max_num_seqs: int = field(default=256, validator=_positive, metadata=doc("sequences batched at once per engine"))
     enable_prefix_caching: bool = field(default=True, metadata=doc("reuse KV of shared prefixes (multi-turn, n > 1)"))
+    executor: Literal["auto", "uni", "mp"] = field(default="auto", metadata=doc(
+        "vLLM's executor (distributed_executor_backend): uni = the model runs in the engine process; mp = in a worker "
+        "process, which busy-waits for about a second after each engine call (auto: vLLM's choice)"))
     engine_detokenize: bool = field(default=False, metadata=doc("decode text token by token in vLLM's output loop; false = one batched decode per response (always on with stop strings)"))
 
     def __attrs_post_init__(self):

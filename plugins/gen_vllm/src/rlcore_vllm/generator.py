@@ -61,6 +61,8 @@ class VllmGenerator:
         )
         if cfg.num_replicas > 1:
             kwargs["data_parallel_size"] = cfg.num_replicas
+        if cfg.executor != "auto":
+            kwargs["distributed_executor_backend"] = cfg.executor
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_space_gib * (1 << 30))
         else:
