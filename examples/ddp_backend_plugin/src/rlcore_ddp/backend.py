@@ -2,9 +2,10 @@
 
 Every trainer rank holds the whole model (gloo on CPU, NCCL on CUDA) and takes its data-parallel
 share of each step's sequences through :func:`rlcore.packing.make_micro_batches`. A micro-batch
-is packed flat (sequences concatenated, position ids restarting at 0 for each): with no attention
-mask and no KV cache, ``transformers`` reads the sequence boundaries from the position ids and
-keeps attention inside each sequence, so packing changes no sequence's logprobs.
+comes in rlcore's flat packed layout (sequences concatenated), which the losses are written over;
+the forward takes its sequences as right-padded rows with an attention mask (attention costs
+``n * L_max**2``, not ``T**2`` as one packed row with a block mask would), and the per-token
+logprobs are laid back flat. Each sequence is computed alone, so packing changes no logprobs.
 
 rlcore's losses are global shares (divided by the whole step's token or sequence count,
 :func:`rlcore.packing.step_totals`), so gradients must be **summed** over ranks, not averaged as
@@ -105,12 +106,32 @@ class DDPBackend:
             pack=packing.enabled, micro_batch_size=self.policy.train_micro_batch_size if train else self.policy.logprob_batch_size)
 
     def _forward_logprobs(self, module: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        """Token-aligned logprobs [T] of a micro-batch on this backend's device."""
+        """Token-aligned logprobs [T] of a micro-batch on this backend's device, in its flat layout
+        (0 on the trailing padding, which the loss masks)."""
         autocast = torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != self.master_dtype)
+        if mb.num_seqs == 0:  # padding only: still a forward (and later a backward) through every parameter
+            with autocast:
+                logits_1TV = module(input_ids=mb.input_ids_T[None], use_cache=False).logits
+            return token_logprobs(logits_1TV.squeeze(0), mb.input_ids_T)
+        lengths = mb.cu_seqlens.diff().tolist()
+        real = int(mb.cu_seqlens[-1])
+        ids_NL, mask_NL = self._rows(mb.input_ids_T[:real], lengths)
         with autocast:
-            # No attention_mask and no cache: transformers finds the packed sequences from position_ids.
-            out = module(input_ids=mb.input_ids_T[None], position_ids=mb.position_ids_T[None], use_cache=False)
-        return token_logprobs(out.logits.squeeze(0), mb.input_ids_T, mb.cu_seqlens, chunk_tokens=self.cfg.logprob_chunk_tokens)
+            logits_NLV = module(input_ids=ids_NL, attention_mask=mask_NL, use_cache=False).logits
+        logits_TV = logits_NLV[mask_NL.bool()]  # row-major: the sequences back to back, as packed
+        logprobs_T = token_logprobs(logits_TV, mb.input_ids_T[:real], mb.cu_seqlens, chunk_tokens=self.cfg.logprob_chunk_tokens)
+        return torch.cat([logprobs_T, logprobs_T.new_zeros(mb.num_tokens - real)])
+
+    @staticmethod
+    def _rows(ids_T: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat sequences as right-padded rows [N, L_max] and their attention mask."""
+        width = max(lengths)
+        ids_NL = ids_T.new_zeros((len(lengths), width))
+        mask_NL = ids_T.new_zeros((len(lengths), width))
+        for row, seq_ids_L in enumerate(torch.split(ids_T, lengths)):
+            ids_NL[row, : len(seq_ids_L)] = seq_ids_L
+            mask_NL[row, : len(seq_ids_L)] = 1
+        return ids_NL, mask_NL
 
     # ---- TrainingBackend -------------------------------------------------------------------
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
