@@ -51,7 +51,8 @@ class StaticCacheGenerator:
         sample = params.temperature > 0
         return GenerationConfig(
             max_new_tokens=max_new_tokens, do_sample=sample, num_beams=1,
-            temperature=params.temperature if sample else None, top_k=params.top_k if sample and params.top_k > 0 else 0,
+            temperature=params.temperature if sample else None,
+            top_k=(params.top_k if params.top_k > 0 else 0) if sample else None,  # 0: off (the default would be 50)
             top_p=params.top_p if sample else None, eos_token_id=stops or None, pad_token_id=self.pad_id,
             stop_strings=list(params.stop) or None, cache_implementation=self.config.cache_implementation,
             return_dict_in_generate=True, output_scores=True)
