@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sft-only", action="store_true", help="stop after the SFT warm start (GRPO runs follow with rlcore run)")
     parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="tiny", help="model preset (random init)")
     parser.add_argument("--recipe", default=str(RECIPE))
+    parser.add_argument("--require-gain", type=float, default=None, metavar="G",
+                        help="exit with an error unless held-out accuracy rose by at least G (CI)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, dotted.key=value")
     args = parser.parse_args(argv)
 
@@ -178,6 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"GRPO took {time.perf_counter() - started:.0f}s; held-out accuracy "
           f"{summary['val/accuracy_first']} -> {summary['val/accuracy_last']}")
     print(f"metrics: {Path(result['run_dir']) / 'metrics.jsonl'}  curve: {result['plot']}")
+    if args.require_gain is not None:
+        first, last = summary["val/accuracy_first"], summary["val/accuracy_last"]
+        if first is None or last is None or last - first < args.require_gain:
+            raise SystemExit(f"held-out accuracy {first} -> {last}: it did not rise by {args.require_gain} (--require-gain)")
+        print(f"held-out accuracy rose by {last - first:.3f} >= {args.require_gain} (--require-gain)")
     return result
 
 

@@ -44,7 +44,8 @@ def rlcore_training_backends(register):
     ``enabled: true`` selects this backend (e.g. ``policy.megatron_cfg``): its schema must have a
     bool field ``enabled``. Capability ``precedence`` (int, default 0) decides between several
     enabled backends: highest wins. :mod:`rlcore.training` is the outer layer a backend's
-    ``train`` is built from.
+    ``train`` is built from; :mod:`rlcore.schedule` turns ``policy.scheduler`` into its learning
+    rate. A complete third-party example: ``examples/ddp_backend_plugin``.
     """
 
 
@@ -57,6 +58,8 @@ def rlcore_generators(register):
     ``policy.generation``, shared by all generators; its ``backend`` key picks one by name. The
     schema (``config_cls``) must extend :class:`rlcore.config.GenerationConfig` (the sampling keys,
     ``colocated`` and ``refit``, all that core reads of the section); none given means that base.
+    A generator plugin that moves weights its own way also implements
+    :func:`rlcore_weight_transport` (example: ``examples/hf_static_generator_plugin``).
     """
 
 

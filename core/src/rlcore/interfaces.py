@@ -13,6 +13,16 @@ Conventions every plugin follows:
   tokens or sequences (:class:`StepTotals`), so summing over micro-batches and data-parallel
   ranks gives the step value. Backends therefore **sum** gradients over data-parallel ranks.
 
+What a plugin may import (the public API; ``examples/ddp_backend_plugin`` and
+``examples/hf_static_generator_plugin`` are built on it alone): this module; the package's
+``__all__`` (``hookimpl`` for the hooks of :mod:`rlcore.hookspecs`, ``get_plugin_manager``,
+``build_config``); :mod:`rlcore.config` (its ``__all__``, and the schema classes of :mod:`rlcore.config.schema` that ``RunConfig.policy`` holds); for training
+backends :mod:`rlcore.packing` (``make_micro_batches``, ``step_totals``, ``unpack``,
+``MicroBatch``), :func:`rlcore.ops.token_logprobs`, :mod:`rlcore.training`, :mod:`rlcore.schedule`
+(``policy.scheduler`` as a ``LambdaLR`` factor) and :func:`rlcore.algorithms.base.merge_metrics`;
+:mod:`rlcore.weights` (chunks, the gather to rank 0, ``stream_into``, the Hugging Face writer);
+:mod:`rlcore.testing` in tests. Names starting with ``_`` and :mod:`rlcore.controller` are not.
+
 This module imports no torch at import time.
 """
 
