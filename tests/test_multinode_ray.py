@@ -7,7 +7,14 @@ node) runs the same deterministic 2-step recipe twice: 2 FSDP2 ranks placed ``SP
 per node; the gloo process group meets at the address rank 0's node reports, weights cross nodes
 in the refit), then ``STRICT_PACK`` (both ranks on one node). Every metric but timings must be
 equal. A third run asks for more ranks than the cluster has CPUs and must fail before any actor
-starts, naming what is missing.
+starts, naming what is missing. The ranks run on two worker nodes; the head (GCS) has no CPUs.
+
+Then a node is lost mid-step: rank 1 is held inside step 2's ``train`` call (``RLCORE_FAULT``
+hang), every listening socket of the run's processes is audited (what listens beyond loopback must
+be a documented Ray server or the process group's, bound to the node's address: README, "Run on a
+cluster"), and rank 1's node is removed ungracefully (raylet and every process of the node killed).
+The run must stop naming the rank, node, call and step; a replacement node joins and the step-1
+checkpoint resumes to step 2's metrics of the uninterrupted SPREAD run.
 """
 
 from __future__ import annotations
