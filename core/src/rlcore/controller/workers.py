@@ -240,18 +240,15 @@ class RayTrainerGroup:
         return results
 
     def _whereabouts(self, rank: int) -> str:
-        """``pid P on node <address> (<node id>)`` as far as known, and whether that node is gone:
-        a lost node (its raylet killed, the machine down) reads differently from a crashed process."""
+        """``pid P on node <address> (<node id>)``, as far as known: a rank lost with its node reads
+        differently from a process that crashed on a healthy one only through Ray's error class
+        (``ActorUnavailableError``: the connection is gone; ``ActorDiedError``: the process exited)."""
         if not hasattr(self, "pids"):
             return "before it reported its node"
-        node_id, text = self.node_ids[rank], f"pid {self.pids[rank]}"
+        text = f"pid {self.pids[rank]}"
         if hasattr(self, "node_ips"):
-            text += f" on node {self.node_ips[rank]} ({node_id[:8]})"
-        try:
-            alive = {n["NodeID"]: n["Alive"] for n in self.ray.nodes()}
-        except Exception:  # noqa: BLE001 - the GCS may be gone too; the message must still come out
-            return text
-        return text + ("" if alive.get(node_id, False) else "; that node is no longer alive in the Ray cluster")
+            text += f" on node {self.node_ips[rank]} ({self.node_ids[rank][:8]})"
+        return text
 
     def _on_all(self, what: str, submit) -> list:
         """Every rank's result of ``submit(actor)`` (a Ray call); ``what`` names the call in errors."""
