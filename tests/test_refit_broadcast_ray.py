@@ -127,3 +127,24 @@ def test_in_process_trainer_runs_the_same_rank_functions_as_rank_0_of_1():
     assert resolve("rlcore_vllm.broadcast:WeightGroup.send").__name__ == "send"
     with pytest.raises(ValueError, match="expected 'module:attr'"):
         resolve("rlcore_vllm.broadcast.send_from_trainer")
+
+
+def test_the_broadcast_groups_store_listens_only_at_the_sending_ranks_address():
+    """``refit.group_host`` unset: rank 0 answers its own node's address (loopback outside Ray), and
+    the group's store is bound to it, not to every interface as torch's own server would be."""
+    import psutil
+
+    from rlcore.controller.workers import LocalTrainer
+    from rlcore_vllm.broadcast import WeightGroup
+
+    trainer = LocalTrainer(object())
+    ((host, port),) = trainer.run_on_ranks("rlcore_vllm.broadcast:sender_address", None, what="'sender_address'")
+    assert host == "127.0.0.1" and port > 0
+    group = WeightGroup(host, port, 1, 0, "gloo", timeout_s=30.0)
+    try:
+        bound = [c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN" and c.laddr.port == port]
+        assert bound == ["127.0.0.1"], bound
+    finally:
+        group.close()
+    ((explicit, _),) = trainer.run_on_ranks("rlcore_vllm.broadcast:sender_address", "localhost", what="'sender_address'")
+    assert explicit == "localhost"  # a configured refit.group_host wins

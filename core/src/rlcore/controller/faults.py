@@ -42,6 +42,8 @@ def strike(backend: Any, rank: int, world_size: int, kind: str, at_rank: int | N
     """Run on every trainer rank: the chosen one exits or sleeps."""
     if rank != (world_size - 1 if at_rank is None else at_rank):
         return
+    # a test that acts on a rank mid-call (e.g. kills its node) waits for this line
+    print(f"{ENV}: trainer rank {rank} {'exits' if kind == 'crash' else 'hangs'} now", flush=True)
     if kind == "crash":
         os._exit(CRASH_EXIT_CODE)
     time.sleep(10**6)

@@ -29,10 +29,13 @@ class WorkerError(RuntimeError):
     """A trainer or generator worker died or did not answer in time."""
 
 
-def init_distributed(rank: int, world_size: int, master_port: int, device: str, master_addr: str = "127.0.0.1") -> None:
-    """The trainer's process group. With a loopback master (one machine) nothing listens beyond
-    loopback: the TCP store serves on a socket bound to the master address (torch's own server
-    binds every interface), and gloo's and NCCL's bootstrap sockets use the loopback interface."""
+def init_distributed(rank: int, world_size: int, master_port: int, device: str, master_addr: str = "127.0.0.1",
+                     local_addr: str | None = None) -> None:
+    """The trainer's process group, listening only where it must: the TCP store serves on a socket
+    bound to the master address (torch's own server binds every interface), and gloo's and NCCL's
+    bootstrap sockets use the interface holding this rank's node address ``local_addr`` (default:
+    the master address), which is loopback on one machine. ``GLOO_SOCKET_IFNAME`` and
+    ``NCCL_SOCKET_IFNAME`` set by the user win."""
     import torch
     import torch.distributed as dist
 
@@ -42,13 +45,10 @@ def init_distributed(rank: int, world_size: int, master_port: int, device: str, 
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if device == "cuda" else "gloo"
-    if not master_addr.startswith("127."):
-        print(f"torch.distributed: rank {rank} rendezvous at {master_addr}:{master_port}; the store listens on every interface",
-              flush=True)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-        return
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # Linux's loopback interface
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    interface = interface_of(local_addr or master_addr)
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     timeout = datetime.timedelta(seconds=1800)
     listen_fd = None
     if rank == 0:
@@ -56,6 +56,26 @@ def init_distributed(rank: int, world_size: int, master_port: int, device: str, 
         listen_fd = server.detach()
     store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout, master_listen_fd=listen_fd)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface whose (primary IPv4) address is ``address``; None when
+    none is (then gloo and NCCL pick their own)."""
+    import fcntl
+    import struct
+
+    if address.startswith("127."):
+        return "lo"  # Linux's loopback interface
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
 
 
 class LocalTrainer:
@@ -117,9 +137,9 @@ class _TrainerActor:
     def free_port(self, host: str) -> int:
         return free_port(host)
 
-    def start(self, master_addr: str, master_port: int) -> None:
+    def start(self, master_addr: str, master_port: int, local_addr: str) -> None:
         registration, config, section_config, placement = self._build
-        init_distributed(self.rank, self.world_size, master_port, placement.device, master_addr)
+        init_distributed(self.rank, self.world_size, master_port, placement.device, master_addr, local_addr)
         self.backend = registration.build(config, section_config, WorldInfo(self.rank, self.world_size, 0, placement.device, placement))
 
     def logprobs(self, batch, reference: bool):
@@ -176,7 +196,8 @@ class RayTrainerGroup:
         print(f"trainer: {len(self.actors)} ranks on {len(set(self.node_ids))} node(s) ({config.cluster.placement_strategy}): "
               + ", ".join(f"rank {r} on {ip} (node {node[:8]})" for r, (ip, node) in enumerate(zip(self.node_ips, self.node_ids)))
               + f"; process group at {master_addr}:{master_port}", flush=True)
-        self._gather([a.start.remote(master_addr, master_port) for a in self.actors], "start-up (building the backend)", start_s)
+        self._gather([a.start.remote(master_addr, master_port, ip) for a, ip in zip(self.actors, self.node_ips)],
+                     "start-up (building the backend)", start_s)
 
     def _gather(self, refs: list, what: str, timeout_s: float | None = None) -> list:
         """Every rank's result, in rank order.
@@ -202,8 +223,8 @@ class RayTrainerGroup:
                 try:
                     results[rank] = self.ray.get(ref)
                 except self.ray.exceptions.RayActorError as exc:
-                    pid = self.pids[rank] if hasattr(self, "pids") else "?"
-                    raise WorkerError(f"trainer rank {rank} (pid {pid}) died during {what} at step {self.loop_step}: {exc.__class__.__name__}") from exc
+                    raise WorkerError(f"trainer rank {rank} ({self._whereabouts(rank)}) died during {what} at step "
+                                      f"{self.loop_step}: {exc.__class__.__name__}") from exc
                 except Exception as exc:  # noqa: BLE001 - re-raised below unless a dead rank explains it
                     if failure is None:
                         failure = (exc, time.monotonic() + _PEER_GRACE_S)
@@ -217,6 +238,17 @@ class RayTrainerGroup:
                 f"running {what} at step {self.loop_step}; ranks {done} had finished"
             )
         return results
+
+    def _whereabouts(self, rank: int) -> str:
+        """``pid P on node <address> (<node id>)``, as far as known: a rank lost with its node reads
+        differently from a process that crashed on a healthy one only through Ray's error class
+        (``ActorUnavailableError``: the connection is gone; ``ActorDiedError``: the process exited)."""
+        if not hasattr(self, "pids"):
+            return "before it reported its node"
+        text = f"pid {self.pids[rank]}"
+        if hasattr(self, "node_ips"):
+            text += f" on node {self.node_ips[rank]} ({self.node_ids[rank][:8]})"
+        return text
 
     def _on_all(self, what: str, submit) -> list:
         """Every rank's result of ``submit(actor)`` (a Ray call); ``what`` names the call in errors."""

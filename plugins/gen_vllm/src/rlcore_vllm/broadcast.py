@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -42,7 +44,11 @@ class WeightGroup:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+        listen_fd = None
+        if rank == 0:  # torch's own store server would listen on every interface; this one only at ``host``
+            listen_fd = socket.create_server((host, port), backlog=max(128, world_size)).detach()
+        self._store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False,
+                                    master_listen_fd=listen_fd)
         store = dist.PrefixStore("rlcore-weights", self._store)
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -121,6 +127,18 @@ _SENDERS: dict[tuple[str, int], WeightGroup] = {}
 def sender_port(backend, rank: int, world_size: int) -> int | None:
     """A free port on rank 0's host for the group's store (rank 0 hosts it); None on other ranks."""
     return free_port() if rank == 0 else None
+
+
+def sender_address(backend, rank: int, world_size: int, host: str | None = None) -> tuple[str, int] | None:
+    """Where rank 0 hosts the group's store: ``host`` (``refit.group_host``) or, when None, the
+    address of the Ray node this rank runs on (so engines on other nodes reach it; loopback on a
+    local instance and for a trainer outside Ray), and a port free there. None on other ranks."""
+    if rank != 0:
+        return None
+    if host is None:
+        ray = sys.modules.get("ray")  # imported by any Ray worker; a trainer outside Ray never needs it
+        host = ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
+    return host, free_port(host)
 
 
 def send_from_trainer(backend, rank: int, world_size: int, host: str, port: int, group_size: int,

@@ -29,7 +29,9 @@ class RefitConfig(core.RefitConfig):
     """Core's refit settings plus the non-colocated broadcast group's."""
 
     group_backend: Literal["auto", "gloo", "nccl"] = field(default="auto", metadata=doc("non-colocated broadcast group; auto = nccl on GPU, gloo on CPU"))
-    group_host: str = field(default="127.0.0.1", metadata=doc("address of the trainer's sending rank (non-colocated)"))
+    group_host: str | None = field(default=None, metadata=doc(
+        "address of the trainer's sending rank (non-colocated), where the engines join the broadcast group; "
+        "None = the address of rank 0's Ray node (127.0.0.1 for a trainer in the driver or on a local Ray instance)"))
     timeout_s: float = field(default=600.0, validator=_positive, metadata=doc("limit of one refit"))
 
 

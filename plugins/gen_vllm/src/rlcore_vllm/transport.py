@@ -54,19 +54,22 @@ class BroadcastTransport:
     sender = "rlcore_vllm.broadcast:send_from_trainer"
 
     def __init__(self, chunk_bytes: int = 1 << 30, dtype: Any = None, group_backend: str = "gloo",
-                 host: str = "127.0.0.1", timeout_s: float = 600.0, device: str = "cpu"):
+                 host: str | None = None, timeout_s: float = 600.0, device: str = "cpu"):
         self.chunk_bytes, self.dtype = chunk_bytes, dtype
-        self.group_backend, self.host, self.timeout_s, self.device = group_backend, host, timeout_s, device
+        self.group_backend, self.timeout_s, self.device = group_backend, timeout_s, device
+        self.configured_host = host  # None: rank 0's node address, asked of rank 0 (cross-node runs)
+        self.host: str | None = None
         self.port: int | None = None  # of the group's store, hosted by the sending rank; set on first use
 
     def transfer(self, trainer, generator) -> dict[str, float]:
         group_size = 1 + generator.world_size()
         joining = None
         start = time.perf_counter()
-        if self.port is None:  # rank 0 hosts the group's store: a port free on its host
-            port = trainer.run_on_ranks("rlcore_vllm.broadcast:sender_port", what="'sender_port' (broadcast refit)")[0]
-            joining = generator.join_weight_group(self.host, port, group_size, self.group_backend, self.timeout_s)
-            self.port = port
+        if self.port is None:  # rank 0 hosts the group's store: its node's address and a port free there
+            host, port = trainer.run_on_ranks("rlcore_vllm.broadcast:sender_address", self.configured_host,
+                                              what="'sender_address' (broadcast refit)")[0]
+            joining = generator.join_weight_group(host, port, group_size, self.group_backend, self.timeout_s)
+            self.host, self.port = host, port
         receiving = in_daemon_thread(lambda: _receive(generator, joining, self.timeout_s), "rlcore-refit-recv")
         args = (self.host, self.port, group_size, self.group_backend, self.timeout_s, self.device, self.dtype, self.chunk_bytes)
         try:

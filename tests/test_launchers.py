@@ -1,0 +1,69 @@
+"""The cluster launchers in examples/launch, checked without a cluster.
+
+``slurm.sbatch`` must parse (``bash -n``) and build its ``rlcore run`` arguments from Slurm's
+variables; the KubeRay ``RayJob`` must carry the fields KubeRay reads, keep the dashboard on
+loopback, and ask for as many nodes and GPUs as its pod groups hold. The ``rlcore run`` line of
+each must resolve with ``rlcore config``.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "examples" / "launch"
+RLCORE = [sys.executable, "-m", "rlcore.cli"]
+
+
+def _resolve(args: list[str]) -> dict:
+    """The config ``rlcore config <args>`` prints, parsed; fails with its error otherwise."""
+    done = subprocess.run([*RLCORE, "config", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return yaml.safe_load(done.stdout)
+
+
+def test_the_slurm_script_parses_and_its_run_line_resolves_from_slurms_variables():
+    script = LAUNCH / "slurm.sbatch"
+    syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    text = script.read_text()
+    assert "--include-dashboard=false" in text
+    (run_line,) = [line for line in text.splitlines() if line.startswith("RUN_ARGS=(")]
+    # The script's own line, run by bash with the values Slurm and the script would give it.
+    probe = (f'set -u; RECIPE=recipes/grpo_arith3_gpu.yaml NUM_NODES=3 GPUS_PER_NODE=4 RAY_ADDRESS=10.1.2.3:6379; '
+             f'set -- grpo.max_num_steps=7; {run_line}; printf "%s\\0" "${{RUN_ARGS[@]}}"')
+    built = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.split("\0")[:-1]
+    assert built[0] == "recipes/grpo_arith3_gpu.yaml"
+    config = _resolve(built)
+    assert config["cluster"]["num_nodes"] == 3 and config["cluster"]["gpus_per_node"] == 4
+    assert config["cluster"]["ray_address"] == "10.1.2.3:6379" and config["grpo"]["max_num_steps"] == 7
+    for variable in ("SLURM_JOB_NUM_NODES", "SLURM_GPUS_ON_NODE"):  # where the two numbers come from
+        assert f"${{{variable}" in text, variable
+
+
+def test_the_rayjob_has_what_kuberay_needs_and_its_entrypoint_resolves():
+    job = yaml.safe_load((LAUNCH / "rayjob.yaml").read_text())
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob" and job["metadata"]["name"]
+    spec = job["spec"]
+    cluster = spec["rayClusterSpec"]
+    head, workers = cluster["headGroupSpec"], cluster["workerGroupSpecs"]
+    groups = [head["template"]["spec"], *[group["template"]["spec"] for group in workers]]
+    for pod in groups:
+        assert pod["containers"] and all(c["name"] and c["image"] for c in pod["containers"]), pod
+    for group in workers:
+        assert group["groupName"] and group["replicas"] >= 1 and "rayStartParams" in group
+    # The dashboard only on the head pod's loopback; the submitter then must share the pod.
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    assert spec["submissionMode"] == "SidecarMode" and head["template"]["spec"]["restartPolicy"] == "Never"
+    words = shlex.split(spec["entrypoint"])
+    assert words[:2] == ["rlcore", "run"], words
+    recipe = words[2].replace("/app/", f"{ROOT}/", 1)  # the image holds the repository at /app
+    config = _resolve([recipe, *words[3:]])
+    gpus = {int(pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) for pod in groups}
+    assert config["cluster"]["num_nodes"] == 1 + sum(group["replicas"] for group in workers)
+    assert gpus == {config["cluster"]["gpus_per_node"]}, gpus
