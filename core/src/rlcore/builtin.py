@@ -6,6 +6,7 @@ Factories are "module:attr" strings so that listing them imports no torch.
 from __future__ import annotations
 
 from rlcore.algorithms.config import (
+    CISPOConfig,
     DAPOConfig,
     DrGRPOConfig,
     GRPOConfig,
@@ -42,3 +43,4 @@ def rlcore_algorithms(register):
     register("rloo", "rlcore.algorithms.rloo:RLOO", RLOOConfig, loss_level="token|sequence")
     register("reinforce_pp", "rlcore.algorithms.reinforce_pp:ReinforcePP", ReinforcePPConfig, loss_level="token|sequence")
     register("sft", "rlcore.algorithms.sft:SFT", SFTConfig, loss_level="token")
+    register("cispo", "rlcore.algorithms.cispo:CISPO", CISPOConfig, loss_level="token|sequence")

@@ -190,7 +190,34 @@ class SFTConfig:
     name: Literal["sft"] = field(default="sft", metadata=doc("algorithm"))
 
 
+
+def _check_is_clip_min(instance, attribute, value):
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1] (the weight is truncated below at 1 - {attribute.name}; "
+                         f"1 = no lower bound), got {value}")
+
+
+@frozen(kw_only=True)
+class CISPOConfig(GroupAdvantageConfig):
+    """CISPO (:mod:`rlcore.algorithms.cispo`): the ratio clips only a detached weight, never the gradient."""
+
+    name: Literal["cispo"] = field(default="cispo", metadata=doc("algorithm"))
+    ratio_clip_min: float = field(
+        default=1.0, validator=_check_is_clip_min,
+        metadata=doc("IS weight truncated below at 1 - ratio_clip_min; 1 (default, as MiniMax-M1) = no lower bound"))
+    ratio_clip_max: float = field(
+        default=0.28, validator=_non_negative, metadata=doc("IS weight truncated above at 1 + ratio_clip_max"))
+    loss_level: Literal["token", "sequence"] = field(
+        default="token", metadata=doc("token (as the paper): mean over the step's tokens; sequence: per-sequence means"))
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.ratio_clip_c is not None:
+            raise ValueError(f"ratio_clip_c ({self.ratio_clip_c}) has no meaning for cispo: no token's gradient is "
+                             "dropped by clipping, so there is no dual clip to bound it; leave it unset")
+
+
 ALGORITHM_CONFIGS = {
     c.__attrs_attrs__.name.default: c
-    for c in (GRPOConfig, DAPOConfig, GSPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, SFTConfig)
+    for c in (GRPOConfig, DAPOConfig, GSPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, SFTConfig, CISPOConfig)
 }
