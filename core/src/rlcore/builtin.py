@@ -8,6 +8,7 @@ from __future__ import annotations
 from rlcore.algorithms.config import (
     CISPOConfig,
     DAPOConfig,
+    DPOConfig,
     DrGRPOConfig,
     GRPOConfig,
     GSPOConfig,
@@ -44,3 +45,13 @@ def rlcore_algorithms(register):
     register("reinforce_pp", "rlcore.algorithms.reinforce_pp:ReinforcePP", ReinforcePPConfig, loss_level="token|sequence")
     register("sft", "rlcore.algorithms.sft:SFT", SFTConfig, loss_level="token")
     register("cispo", "rlcore.algorithms.cispo:CISPO", CISPOConfig, loss_level="token|sequence")
+    register("dpo", "rlcore.algorithms.dpo:DPO", DPOConfig, loss_level="sequence", trains_on="pairs",
+             pair_trainer="rlcore.controller.pairs:policy_pair_trainer")
+
+
+@hookimpl
+def rlcore_datasets(register):
+    from rlcore.preference.config import PreferenceDataConfig
+
+    register("preference", "rlcore.preference.data:build_preference_dataset", PreferenceDataConfig,
+             provides="pairs", requires=("datasets",))

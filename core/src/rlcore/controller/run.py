@@ -159,6 +159,11 @@ def run(config: RunConfig, **given) -> dict:
     run_dir = Path(config.logger.log_dir)
     owner = RunDir(config).open()
     try:
+        from rlcore.controller.pairs import run_pairs, trains_on_pairs
+
+        if trains_on_pairs(config):  # dpo, reward_model: preference pairs, no rollouts
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+            return run_pairs(config, owner, run_dir, given)
         return _run_in(config, owner, run_dir, given)
     finally:
         owner.close()
