@@ -42,3 +42,44 @@ def test_dpo_recipe_raises_held_out_margin(tiny_model_dir, tmp_path, backend):
     assert records[1]["train/preference_loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2: policy = reference
     assert records[2]["train/preference_loss"] < records[1]["train/preference_loss"]
     assert (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def trained_reward_model(tiny_model_dir, tmp_path_factory):
+    """recipes/rm_tiny_cpu.yaml run as written (in this process: one device, no process group) for 12 steps."""
+    import rlcore
+
+    run_dir = tmp_path_factory.mktemp("rm") / "run"
+    config = rlcore.load_config(ROOT / "recipes" / "rm_tiny_cpu.yaml", [
+        f"policy.model_name={tiny_model_dir}", f"logger.log_dir={run_dir}", "grpo.max_num_steps=12", "grpo.val_period=12",
+        f"data.train_files=[{ROOT / 'recipes' / 'data' / 'preference_vowels.jsonl'}]"])
+    return rlcore.run(config)
+
+
+def test_rm_recipe_held_out_pair_accuracy_rises_above_0_8(trained_reward_model):
+    summary = trained_reward_model["summary"]
+    assert summary["val/accuracy_first"] < 0.7, summary  # a fresh score head ranks pairs about at random
+    assert summary["val/accuracy_last"] > 0.8, summary
+    records = {r["step"]: r for r in trained_reward_model["records"]}
+    assert records[12]["train/bt_loss"] < records[1]["train/bt_loss"]
+    assert (Path(trained_reward_model["model_dir"]) / "model.safetensors").is_file()
+
+
+def test_reward_model_environment_scores_trajectories(trained_reward_model, tiny_tokenizer):
+    from rlcore.config import build_config
+    from rlcore.interfaces import Sample
+    from rlcore.plugins import get_plugin_manager
+
+    model_dir = trained_reward_model["model_dir"]
+    config = build_config({"policy": {"model_name": model_dir}, "env": {"name": "reward_model",
+                           "reward_model": {"model": model_dir, "correct_above": 0.0}}})
+    env = get_plugin_manager().get("environment", "reward_model").build(config.section("env.reward_model"))
+    prompt = [{"role": "user", "content": "word for qzx:"}]  # not in the data file
+    sample = Sample(prompt=prompt, prompt_ids=tiny_tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                                                   tokenize=True)["input_ids"])
+    steps = env.step([sample] * 4, [["aeiou"], ["uoie"], ["bcdfg"], ["xkq"]])
+    rewards = [s.reward for s in steps]
+    assert min(rewards[:2]) > max(rewards[2:]), rewards
+    assert [s.metrics["correct"] for s in steps] == [1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(Exception, match="env.reward_model.modle"):
+        build_config({"policy": {"model_name": model_dir}, "env": {"name": "reward_model", "reward_model": {"modle": "x"}}})

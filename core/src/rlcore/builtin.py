@@ -13,6 +13,7 @@ from rlcore.algorithms.config import (
     GRPOConfig,
     GSPOConfig,
     ReinforcePPConfig,
+    RewardModelConfig,
     RLOOConfig,
     SFTConfig,
 )
@@ -47,6 +48,8 @@ def rlcore_algorithms(register):
     register("cispo", "rlcore.algorithms.cispo:CISPO", CISPOConfig, loss_level="token|sequence")
     register("dpo", "rlcore.algorithms.dpo:DPO", DPOConfig, loss_level="sequence", trains_on="pairs",
              pair_trainer="rlcore.controller.pairs:policy_pair_trainer")
+    register("reward_model", "rlcore.algorithms.reward_model:RewardModel", RewardModelConfig, loss_level="sequence",
+             trains_on="pairs", pair_trainer="rlcore.reward_model.trainer:build", head="scalar")
 
 
 @hookimpl
@@ -55,3 +58,10 @@ def rlcore_datasets(register):
 
     register("preference", "rlcore.preference.data:build_preference_dataset", PreferenceDataConfig,
              provides="pairs", requires=("datasets",))
+
+
+@hookimpl
+def rlcore_environments(register):
+    from rlcore.reward_model.config import RewardModelEnvConfig
+
+    register("reward_model", "rlcore.reward_model.env:build", RewardModelEnvConfig, devices=("cpu", "cuda"))

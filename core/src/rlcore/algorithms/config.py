@@ -244,7 +244,7 @@ class RewardModelConfig:
     """Bradley-Terry reward model on preference pairs (:mod:`rlcore.algorithms.reward_model`)."""
 
     name: Literal["reward_model"] = field(default="reward_model", metadata=doc("algorithm"))
-    margin_coef: float = field(
+    center_coef: float = field(
         default=0.0, validator=_non_negative,
         metadata=doc("weight of the centering term (r_c + r_r)^2 that keeps rewards near 0 (Eisenstein et al. 2023); 0 disables"))
 
