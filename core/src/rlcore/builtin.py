@@ -8,6 +8,7 @@ from __future__ import annotations
 from rlcore.algorithms.config import (
     CISPOConfig,
     DAPOConfig,
+    DistillationConfig,
     DPOConfig,
     DrGRPOConfig,
     GRPOConfig,
@@ -50,6 +51,8 @@ def rlcore_algorithms(register):
              pair_trainer="rlcore.controller.pairs:policy_pair_trainer")
     register("reward_model", "rlcore.algorithms.reward_model:RewardModel", RewardModelConfig, loss_level="sequence",
              trains_on="pairs", pair_trainer="rlcore.reward_model.trainer:build", head="scalar")
+    register("distillation", "rlcore.algorithms.distillation:Distillation", DistillationConfig, loss_level="token|sequence",
+             teacher="rlcore.teacher:build_teacher")
 
 
 @hookimpl

@@ -327,3 +327,11 @@ class PairTrainer(Protocol):
         """Write the trained model as a Hugging Face checkpoint."""
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class Teacher(Protocol):
+    """A frozen model that scores the policy's rollouts (on-policy distillation, :mod:`rlcore.teacher`)."""
+
+    def logprobs(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        """Token-aligned float32 logprobs [L_i] of each sequence of ``batch`` (CPU); index 0 is 0."""

@@ -250,19 +250,19 @@ class RewardModelConfig:
 
 
 @frozen(kw_only=True)
-class DistillationConfig:
+class DistillationConfig(PolicyGradientConfig):
     """On-policy distillation from a teacher checkpoint (:mod:`rlcore.algorithms.distillation`)."""
 
     name: Literal["distillation"] = field(default="distillation", metadata=doc("algorithm"))
-    teacher_model: str = field(metadata=doc("the teacher's Hugging Face checkpoint directory (same tokenizer as the policy)"))
+    teacher_model: str = field(metadata=doc("the teacher's Hugging Face checkpoint directory (the policy's tokenizer)"))
     teacher_dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata=doc("dtype the teacher scores in"))
     teacher_device: Literal["auto", "cpu", "cuda"] = field(
         default="auto", metadata=doc("where the teacher scores the rollouts (auto: cuda when available)"))
+    teacher_batch_size: int = field(default=32, validator=_positive, metadata=doc("sequences per teacher forward pass"))
     use_old_logprobs: bool = field(
-        default=False, metadata=doc("importance ratio against the old policy's logprobs (else one on-policy update per batch)"))
-    ratio_clip_min: float = field(default=0.2, validator=_check_clip_min, metadata=doc("ratio clipped below at 1 - ratio_clip_min"))
-    ratio_clip_max: float = field(default=0.2, validator=_non_negative, metadata=doc("ratio clipped above at 1 + ratio_clip_max"))
+        default=False, metadata=doc("ratio and advantage against the old policy's logprobs; false = one on-policy update "
+                                    "per batch against the current policy (detached)"))
 
 
 ALGORITHM_CONFIGS = {

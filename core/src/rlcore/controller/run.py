@@ -31,6 +31,7 @@ from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
 from rlcore.controller.placement import plan_placement
 from rlcore.interfaces import Generator, Placement, TrainerHandle, WeightTransport
 from rlcore.plugins import get_plugin_manager
+from rlcore.utils import resolve
 from rlcore.weights import stream_into
 
 
@@ -116,7 +117,8 @@ def build_components(config: RunConfig, **given) -> Components:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(policy.tokenizer_name or policy.model_name)
-    algorithm = given.get("algorithm") or manager.get("algorithm", config.require_section("algorithm").name).build(config.section("algorithm"))
+    algorithm_reg = manager.get("algorithm", config.require_section("algorithm").name)
+    algorithm = given.get("algorithm") or algorithm_reg.build(config.section("algorithm"))
     env_reg = manager.get("environment", config.env.name)
     environment = given.get("environment") or env_reg.build(config.section(f"env.{config.env.name}"))
     environment = TimedEnvironment(environment, config.env.name, config.cluster.timeout_s, config.env.on_timeout)
@@ -149,7 +151,11 @@ def build_components(config: RunConfig, **given) -> Components:
             if section is not None and section.enabled:  # checked at registration
                 loggers.append(reg.build(section, run_dir))
     reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table)
-    return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn)
+    teacher = given.get("teacher")
+    if teacher is None and "teacher" in algorithm_reg.capabilities:  # distillation: "module:attr"(algorithm section)
+        teacher = resolve(algorithm_reg.capabilities["teacher"])(config.section("algorithm"))
+    return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
+                      teacher=teacher)
 
 
 def run(config: RunConfig, **given) -> dict:
