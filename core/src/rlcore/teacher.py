@@ -48,4 +48,11 @@ class HFTeacher:
 
 def build_teacher(config) -> HFTeacher:
     """The teacher of a :class:`rlcore.algorithms.config.DistillationConfig`."""
+    from pathlib import Path
+
+    from rlcore.config import ConfigError
+
+    if not (Path(config.teacher_model).expanduser() / "config.json").is_file():
+        raise ConfigError("algorithm.teacher_model", f"{config.teacher_model!r} is not a local Hugging Face model "
+                          "directory (no config.json)")
     return HFTeacher(config.teacher_model, config.teacher_device, config.teacher_dtype, config.teacher_batch_size)

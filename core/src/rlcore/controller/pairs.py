@@ -27,6 +27,7 @@ import torch
 from rlcore.config import ConfigError, RunConfig
 from rlcore.controller.batching import DataCursor
 from rlcore.controller.placement import plan_placement
+from rlcore.controller.preflight import check_model_name
 from rlcore.controller.run_dir import RunDir
 from rlcore.interfaces import PairTrainer, PreferenceDataset, PreferencePair, TrainerHandle
 from rlcore.plugins import get_plugin_manager
@@ -100,6 +101,8 @@ def _loggers(config: RunConfig, run_dir: Path) -> list:
 
 def build_pair_run(config: RunConfig, given: dict) -> tuple[PairTrainer, PreferenceDataset]:
     manager = get_plugin_manager()
+    if given.get("pair_trainer") is None or given.get("tokenizer") is None:
+        check_model_name(config)
     tokenizer = given.get("tokenizer")
     if tokenizer is None:
         from transformers import AutoTokenizer
