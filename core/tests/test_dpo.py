@@ -54,7 +54,7 @@ def _run(alg, batch, logprobs, max_tokens=64, dp_size=1):
             lp_T = torch.nn.functional.pad(torch.cat([leaves[i] for i in mb.seq_ids]), (0, mb.num_padding))
             loss, m = alg.loss(lp_T, mb, totals)
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
             merge_metrics(metrics, {k: float(v) for k, v in m.items()})
     return total, metrics, [lp.grad for lp in leaves]
 
