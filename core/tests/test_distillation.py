@@ -47,10 +47,13 @@ def test_distillation_needs_teacher_logprobs_and_a_teacher():
     batch, lp = _example()
     with pytest.raises(ValueError, match="'teacher_logprobs' is missing .the teacher scores the rollouts"):
         _run(Distillation(C.DistillationConfig(teacher_model="t")), batch, lp)
-    from rlcore.config import build_config
+    from rlcore.config import ConfigError
+    from rlcore.teacher import build_teacher
 
-    with pytest.raises(Exception, match="algorithm.teacher_model"):
-        build_config({"policy": {"model_name": "x"}, "algorithm": {"name": "distillation"}})
+    with pytest.raises(ConfigError, match="'algorithm.teacher_model': distillation needs a teacher"):
+        build_teacher(C.DistillationConfig())
+    with pytest.raises(ConfigError, match="'algorithm.teacher_model': '/no/such' is not a local Hugging Face model"):
+        build_teacher(C.DistillationConfig(teacher_model="/no/such"))
 
 
 def test_teacher_logprobs_match_a_plain_forward(tiny_model_dir):

@@ -52,6 +52,9 @@ def build_teacher(config) -> HFTeacher:
 
     from rlcore.config import ConfigError
 
+    if not config.teacher_model:
+        raise ConfigError("algorithm.teacher_model", "distillation needs a teacher: set it to a local Hugging Face "
+                          "model directory that shares the policy's tokenizer")
     if not (Path(config.teacher_model).expanduser() / "config.json").is_file():
         raise ConfigError("algorithm.teacher_model", f"{config.teacher_model!r} is not a local Hugging Face model "
                           "directory (no config.json)")

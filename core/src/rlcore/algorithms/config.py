@@ -254,7 +254,8 @@ class DistillationConfig(PolicyGradientConfig):
     """On-policy distillation from a teacher checkpoint (:mod:`rlcore.algorithms.distillation`)."""
 
     name: Literal["distillation"] = field(default="distillation", metadata=doc("algorithm"))
-    teacher_model: str = field(metadata=doc("the teacher's Hugging Face checkpoint directory (the policy's tokenizer)"))
+    teacher_model: str | None = field(
+        default=None, metadata=doc("the teacher's Hugging Face checkpoint directory (the policy's tokenizer); required to run"))
     teacher_dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata=doc("dtype the teacher scores in"))
     teacher_device: Literal["auto", "cpu", "cuda"] = field(

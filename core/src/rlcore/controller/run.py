@@ -119,6 +119,9 @@ def build_components(config: RunConfig, **given) -> Components:
         tokenizer = AutoTokenizer.from_pretrained(policy.tokenizer_name or policy.model_name)
     algorithm_reg = manager.get("algorithm", config.require_section("algorithm").name)
     algorithm = given.get("algorithm") or algorithm_reg.build(config.section("algorithm"))
+    teacher = given.get("teacher")
+    if teacher is None and "teacher" in algorithm_reg.capabilities:  # distillation: "module:attr"(algorithm section)
+        teacher = resolve(algorithm_reg.capabilities["teacher"])(config.section("algorithm"))
     env_reg = manager.get("environment", config.env.name)
     environment = given.get("environment") or env_reg.build(config.section(f"env.{config.env.name}"))
     environment = TimedEnvironment(environment, config.env.name, config.cluster.timeout_s, config.env.on_timeout)
@@ -151,9 +154,6 @@ def build_components(config: RunConfig, **given) -> Components:
             if section is not None and section.enabled:  # checked at registration
                 loggers.append(reg.build(section, run_dir))
     reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table)
-    teacher = given.get("teacher")
-    if teacher is None and "teacher" in algorithm_reg.capabilities:  # distillation: "module:attr"(algorithm section)
-        teacher = resolve(algorithm_reg.capabilities["teacher"])(config.section("algorithm"))
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
                       teacher=teacher)
 

@@ -5,8 +5,9 @@ reward = ``scale * (score - shift)`` of prompt + response, where the prompt is t
 tokenized with the reward model's tokenizer, plus EOS: the environment protocol passes text, so
 this is the one place a response is re-tokenized (a tokenizer the policy shares gives back the
 generated ids). Scored in batches of ``batch_size`` without gradients, on the GPU when there is
-one. A trajectory that cannot be scored (e.g. over the model's positions) gets reward 0 and the
-metric ``error``; this environment never raises on model output.
+one. A trajectory that cannot be scored (longer than ``max_tokens``, by default the model's
+positions, or failing in the forward pass) gets reward 0 and the metric ``error``; this
+environment never raises on model output.
 """
 
 from __future__ import annotations
@@ -28,13 +29,19 @@ class RewardModelEnvironment:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.scorer = RewardScorer(config.model, config.device, config.dtype, self.tokenizer.pad_token_id)
         self.scorer.model.eval()
+        # longer trajectories are not scored (reward 0, metric "error"): the model has no positions for them
+        self.max_tokens = config.max_tokens or int(getattr(self.scorer.model.config, "max_position_embeddings", 0) or 0) or None
 
-    def _ids(self, sample: Sample, response: str) -> list[int]:
+    def _ids(self, sample: Sample, response: str) -> list[int] | None:
         prompt = sample.prompt_ids
         if prompt is None:
             prompt = (self.tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=True)["input_ids"]
                       if isinstance(sample.prompt, list) else self.tokenizer(sample.prompt)["input_ids"])
-        return list(prompt) + list(self.tokenizer(response, add_special_tokens=False)["input_ids"]) + [self.tokenizer.eos_token_id]
+        try:
+            response_ids = self.tokenizer(response, add_special_tokens=False)["input_ids"]
+        except Exception:  # noqa: BLE001 - text the tokenizer rejects (lone surrogates) is not scored
+            return None
+        return list(prompt) + list(response_ids) + [self.tokenizer.eos_token_id]
 
     @torch.no_grad()
     def _score_batch(self, sequences: list[list[int]]) -> list[float | None]:
@@ -48,9 +55,13 @@ class RewardModelEnvironment:
     def step(self, samples: list[Sample], histories: list[list[str]]) -> list[EnvStep]:
         cfg = self.config
         sequences = [self._ids(s, h[-1] if h else "") for s, h in zip(samples, histories)]
-        scores: list[float | None] = []
-        for start in range(0, len(sequences), cfg.batch_size):
-            scores.extend(self._score_batch(sequences[start : start + cfg.batch_size]))
+        fits = [i for i, seq in enumerate(sequences)
+                if seq is not None and (self.max_tokens is None or len(seq) <= self.max_tokens)]
+        scores: list[float | None] = [None] * len(sequences)
+        for start in range(0, len(fits), cfg.batch_size):
+            chunk = fits[start : start + cfg.batch_size]
+            for i, score in zip(chunk, self._score_batch([sequences[i] for i in chunk])):
+                scores[i] = score
         steps = []
         for score in scores:
             if score is None:
