@@ -6,11 +6,15 @@ Factories are "module:attr" strings so that listing them imports no torch.
 from __future__ import annotations
 
 from rlcore.algorithms.config import (
+    CISPOConfig,
     DAPOConfig,
+    DistillationConfig,
+    DPOConfig,
     DrGRPOConfig,
     GRPOConfig,
     GSPOConfig,
     ReinforcePPConfig,
+    RewardModelConfig,
     RLOOConfig,
     SFTConfig,
 )
@@ -42,3 +46,25 @@ def rlcore_algorithms(register):
     register("rloo", "rlcore.algorithms.rloo:RLOO", RLOOConfig, loss_level="token|sequence")
     register("reinforce_pp", "rlcore.algorithms.reinforce_pp:ReinforcePP", ReinforcePPConfig, loss_level="token|sequence")
     register("sft", "rlcore.algorithms.sft:SFT", SFTConfig, loss_level="token")
+    register("cispo", "rlcore.algorithms.cispo:CISPO", CISPOConfig, loss_level="token|sequence")
+    register("dpo", "rlcore.algorithms.dpo:DPO", DPOConfig, loss_level="sequence", trains_on="pairs",
+             pair_trainer="rlcore.controller.pairs:policy_pair_trainer")
+    register("reward_model", "rlcore.algorithms.reward_model:RewardModel", RewardModelConfig, loss_level="sequence",
+             trains_on="pairs", pair_trainer="rlcore.reward_model.trainer:build", head="scalar")
+    register("distillation", "rlcore.algorithms.distillation:Distillation", DistillationConfig, loss_level="token|sequence",
+             teacher="rlcore.teacher:build_teacher")
+
+
+@hookimpl
+def rlcore_datasets(register):
+    from rlcore.preference.config import PreferenceDataConfig
+
+    register("preference", "rlcore.preference.data:build_preference_dataset", PreferenceDataConfig,
+             provides="pairs", requires=("datasets",))
+
+
+@hookimpl
+def rlcore_environments(register):
+    from rlcore.reward_model.config import RewardModelEnvConfig
+
+    register("reward_model", "rlcore.reward_model.env:build", RewardModelEnvConfig, devices=("cpu", "cuda"))

@@ -304,3 +304,46 @@ class WeightTransport(Protocol):
 
     def transfer(self, trainer: TrainerHandle, generator: Generator) -> dict[str, float]:
         """Move the trainer's current weights into the generator; return ``{"bytes": .., "seconds": ..}``."""
+
+
+# ---- preference pairs (DPO, reward models) ---------------------------------------------------
+@attrs.define
+class PreferencePair:
+    """One preference: the same prompt answered twice, ``chosen`` preferred over ``rejected``.
+    Token ids; ``source`` names where the pair came from (``file:row``) for errors."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]  # response tokens only (EOS or the template's end-of-turn included)
+    rejected_ids: list[int]
+    source: str = ""
+
+
+@runtime_checkable
+class PreferenceDataset(Protocol):
+    train: Sequence[PreferencePair]
+    validation: Sequence[PreferencePair] | None
+
+
+@runtime_checkable
+class PairTrainer(Protocol):
+    """What the pairwise loop (:mod:`rlcore.controller.pairs`) trains: DPO through a training
+    backend, or a reward model."""
+
+    def train_pairs(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:
+        """One step on these pairs; metrics under ``train/``."""
+
+    def evaluate(self, pairs: Sequence[PreferencePair]) -> dict[str, float]:
+        """Held-out metrics under ``val/`` (``val/accuracy``: fraction of pairs ranked right)."""
+
+    def save(self, path: str) -> None:
+        """Write the trained model as a Hugging Face checkpoint."""
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class Teacher(Protocol):
+    """A frozen model that scores the policy's rollouts (on-policy distillation, :mod:`rlcore.teacher`)."""
+
+    def logprobs(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        """Token-aligned float32 logprobs [L_i] of each sequence of ``batch`` (CPU); index 0 is 0."""

@@ -19,6 +19,10 @@ two stages:
 Losses are written over the flat layout; :func:`unpack` cuts per-token outputs back into
 per-sequence tensors. :func:`step_totals` gives the global counts a loss divides by, so the step's
 gradient is the same whatever the micro-batch geometry.
+
+Sequences whose loss is not a sum over sequences (DPO's and the reward model's pairs) carry the
+sequence field ``pack_group`` (:data:`KEEP_TOGETHER_FIELD`): sequences with equal values are
+planned as one unit and always land in the same micro-batch of the same rank.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from rlcore.interfaces import SequenceBatch, StepTotals
 
 PAD_TOKEN_ID = 0
+KEEP_TOGETHER_FIELD = "pack_group"  # seq field: sequences with equal values share a micro-batch
 
 
 @attrs.define
@@ -138,6 +143,40 @@ def _equalize(ranks: list[list[list[int]]]) -> list[list[list[int]]]:
     return ranks
 
 
+def _units(groups: Sequence[int], n: int) -> list[list[int]]:
+    """Sequence indices grouped by equal ``groups`` value, in order of first appearance."""
+    if len(groups) != n:
+        raise ValueError(f"{KEEP_TOGETHER_FIELD} has {len(groups)} entries, the batch has {n} sequences")
+    units: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        units.setdefault(int(g), []).append(i)
+    return list(units.values())
+
+
+def plan_grouped_micro_batches(lengths: Sequence[int], groups: Sequence[int], max_tokens: int, dp_size: int = 1, *,
+                               pack: bool = True, micro_batch_size: int | None = None) -> list[list[list[int]]]:
+    """:func:`plan_micro_batches` where the sequences sharing a ``groups`` value are one unit: a
+    unit is never split across micro-batches or ranks (its total length must fit ``max_tokens``;
+    without packing, a micro-batch takes whole units up to ``micro_batch_size`` sequences, at least one)."""
+    lengths_N = _check_lengths(lengths)
+    units = _units(groups, lengths_N.size)
+    unit_lengths = [int(lengths_N[u].sum()) for u in units]
+    if not pack:
+        if micro_batch_size is None or micro_batch_size < 1:
+            raise ValueError(f"pack=False needs micro_batch_size >= 1, got {micro_batch_size}")
+        per_mb = max(1, micro_batch_size // max((len(u) for u in units), default=1))
+        plan = plan_micro_batches([1] * len(units), 1, dp_size, pack=False, micro_batch_size=per_mb)
+    else:
+        too_long = [i for i, n in enumerate(unit_lengths) if n > max_tokens]
+        if too_long:
+            u = units[too_long[0]]
+            raise ValueError(f"sequences {u} ({KEEP_TOGETHER_FIELD} {int(groups[u[0]])}) must share a micro-batch but "
+                             f"have {unit_lengths[too_long[0]]} tokens together, more than max_tokens={max_tokens}; "
+                             "raise the token budget or lower the sequence length limit")
+        plan = plan_micro_batches(unit_lengths, max_tokens, dp_size)
+    return [[sorted(i for unit in mb for i in units[unit]) for mb in rank] for rank in plan]
+
+
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int, dp_size: int = 1, *,
                        pack: bool = True, micro_batch_size: int | None = None) -> list[list[list[int]]]:
     """[dp_rank][micro_batch] -> sequence indices (ascending within a micro-batch).
@@ -240,7 +279,12 @@ def make_micro_batches(batch: SequenceBatch, max_tokens: int, dp_rank: int = 0, 
     if pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
     _check_batch(batch)
-    plan = plan_micro_batches(batch.lengths(), max_tokens, dp_size, pack=pack, micro_batch_size=micro_batch_size)
+    groups = batch.seq_fields.get(KEEP_TOGETHER_FIELD)
+    if groups is not None:
+        plan = plan_grouped_micro_batches(batch.lengths(), groups.tolist(), max_tokens, dp_size, pack=pack,
+                                          micro_batch_size=micro_batch_size)
+    else:
+        plan = plan_micro_batches(batch.lengths(), max_tokens, dp_size, pack=pack, micro_batch_size=micro_batch_size)
     return [_layout(batch, seq_ids, pad_to_multiple) for seq_ids in plan[dp_rank]]
 
 

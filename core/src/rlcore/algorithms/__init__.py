@@ -10,6 +10,7 @@ dr_grpo    :mod:`rlcore.algorithms.dr_grpo`        no std, constant length norma
 rloo       :mod:`rlcore.algorithms.rloo`           leave-one-out baseline
 reinforce_pp :mod:`rlcore.algorithms.reinforce_pp` batch-level advantage normalization
 sft        :mod:`rlcore.algorithms.sft`            masked negative log-likelihood
+cispo      :mod:`rlcore.algorithms.cispo`          clipped detached IS weight, no token cut
 ========== ======================================= ======================================
 
 Importing this package imports no torch; the algorithm modules do.

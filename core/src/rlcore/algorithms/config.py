@@ -192,7 +192,84 @@ class SFTConfig:
     name: Literal["sft"] = field(default="sft", metadata=doc("algorithm"))
 
 
+
+def _check_is_clip_min(instance, attribute, value):
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1] (the weight is truncated below at 1 - {attribute.name}; "
+                         f"1 = no lower bound), got {value}")
+
+
+@frozen(kw_only=True)
+class CISPOConfig(GroupAdvantageConfig):
+    """CISPO (:mod:`rlcore.algorithms.cispo`): the ratio clips only a detached weight, never the gradient."""
+
+    name: Literal["cispo"] = field(default="cispo", metadata=doc("algorithm"))
+    ratio_clip_min: float = field(
+        default=1.0, validator=_check_is_clip_min,
+        metadata=doc("IS weight truncated below at 1 - ratio_clip_min; 1 (default, as MiniMax-M1) = no lower bound"))
+    ratio_clip_max: float = field(
+        default=0.28, validator=_non_negative, metadata=doc("IS weight truncated above at 1 + ratio_clip_max"))
+    loss_level: Literal["token", "sequence"] = field(
+        default="token", metadata=doc("token (as the paper): mean over the step's tokens; sequence: per-sequence means"))
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.ratio_clip_c is not None:
+            raise ValueError(f"ratio_clip_c ({self.ratio_clip_c}) has no meaning for cispo: no token's gradient is "
+                             "dropped by clipping, so there is no dual clip to bound it; leave it unset")
+
+
+
+def _check_label_smoothing(instance, attribute, value):
+    if not 0.0 <= value < 0.5:
+        raise ValueError(f"{attribute.name} must be in [0, 0.5) (the probability that a pair's label is flipped), got {value}")
+
+
+@frozen(kw_only=True)
+class DPOConfig:
+    """DPO on preference pairs (:mod:`rlcore.algorithms.dpo`); runs with a preference dataset."""
+
+    name: Literal["dpo"] = field(default="dpo", metadata=doc("algorithm"))
+    beta: float = field(default=0.1, validator=_positive, metadata=doc("inverse temperature of the implicit reward beta * log(p / p_ref)"))
+    label_smoothing: float = field(
+        default=0.0, validator=_check_label_smoothing,
+        metadata=doc("conservative DPO: assumed probability that a pair's preference is flipped; 0 = plain DPO"))
+    sft_loss_weight: float = field(
+        default=0.0, validator=_non_negative,
+        metadata=doc("weight of the NLL of the chosen response (per-token mean per pair) added to the loss; 0 disables"))
+    reference_free: bool = field(
+        default=False, metadata=doc("no reference policy (log p_ref = 0): skips the reference pass"))
+
+
+@frozen(kw_only=True)
+class RewardModelConfig:
+    """Bradley-Terry reward model on preference pairs (:mod:`rlcore.algorithms.reward_model`)."""
+
+    name: Literal["reward_model"] = field(default="reward_model", metadata=doc("algorithm"))
+    center_coef: float = field(
+        default=0.0, validator=_non_negative,
+        metadata=doc("weight of the centering term (r_c + r_r)^2 that keeps rewards near 0 (Eisenstein et al. 2023); 0 disables"))
+
+
+@frozen(kw_only=True)
+class DistillationConfig(PolicyGradientConfig):
+    """On-policy distillation from a teacher checkpoint (:mod:`rlcore.algorithms.distillation`)."""
+
+    name: Literal["distillation"] = field(default="distillation", metadata=doc("algorithm"))
+    teacher_model: str | None = field(
+        default=None, metadata=doc("the teacher's Hugging Face checkpoint directory (the policy's tokenizer); required to run"))
+    teacher_dtype: Literal["float32", "bfloat16", "float16"] = field(
+        default="float32", metadata=doc("dtype the teacher scores in"))
+    teacher_device: Literal["auto", "cpu", "cuda"] = field(
+        default="auto", metadata=doc("where the teacher scores the rollouts (auto: cuda when available)"))
+    teacher_batch_size: int = field(default=32, validator=_positive, metadata=doc("sequences per teacher forward pass"))
+    use_old_logprobs: bool = field(
+        default=False, metadata=doc("ratio and advantage against the old policy's logprobs; false = one on-policy update "
+                                    "per batch against the current policy (detached)"))
+
+
 ALGORITHM_CONFIGS = {
     c.__attrs_attrs__.name.default: c
-    for c in (GRPOConfig, DAPOConfig, GSPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, SFTConfig)
+    for c in (GRPOConfig, DAPOConfig, GSPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, SFTConfig, CISPOConfig,
+              DPOConfig, RewardModelConfig)
 }

@@ -68,6 +68,11 @@ class PolicyGradient(AlgorithmBase):
         """Importance ratio per token from log p - log p_train (0 on masked tokens)."""
         return torch.exp(log_ratio_T)
 
+    def surrogate(self, ratio_T: torch.Tensor, adv_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token policy loss and which tokens were clipped / dual-clipped (PPO's clipped surrogate)."""
+        cfg = self.config
+        return clipped_surrogate(ratio_T, adv_T, cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.ratio_clip_c)
+
     def reduce(self, loss_T: torch.Tensor, mask_T: torch.Tensor, mb: MicroBatch, totals: StepTotals) -> torch.Tensor:
         return REDUCTIONS[self.loss_level](loss_T, mask_T, mb, totals)
 
@@ -79,7 +84,7 @@ class PolicyGradient(AlgorithmBase):
         adv_T = token_advantages(self.name, mb).to(logprobs_T.device)
         train_T = mb.token_fields["old_logprobs"] if self.uses_old_logprobs else logprobs_T.detach()
         ratio_T = self.ratio(masked(logprobs_T - train_T, valid_T), mb)
-        pg_T, clipped_T, dual_T = clipped_surrogate(ratio_T, adv_T, cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.ratio_clip_c)
+        pg_T, clipped_T, dual_T = self.surrogate(ratio_T, adv_T)
 
         def share(x_T: torch.Tensor) -> torch.Tensor:
             return token_mean_share(x_T.to(mask_T.dtype).detach(), mask_T, mb, totals)

@@ -50,6 +50,20 @@ class SequencePackingConfig:
 
 
 @frozen
+class LoraConfig:
+    """Low-rank adapters on the policy (fsdp2 backend, through ``peft``): only the adapters train."""
+
+    enabled: bool = field(default=False, metadata=doc("train LoRA adapters instead of the full model"))
+    rank: int = field(default=8, validator=_positive, metadata=doc("adapter rank r"))
+    alpha: float = field(default=16.0, validator=_positive, metadata=doc("scaling: the update is (alpha / r) * B A"))
+    dropout: float = field(default=0.0, validator=[_non_negative, attrs.validators.lt(1.0)],
+                           metadata=doc("dropout on the adapters' input"))
+    target_modules: tuple[str, ...] = field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        metadata=doc("names of the linear layers that get adapters"))
+
+
+@frozen
 class PolicyConfig:
     """The model being trained; backend and generator blocks are plugin sections inside it."""
 
@@ -70,6 +84,7 @@ class PolicyConfig:
     optimizer: OptimizerConfig = field(factory=OptimizerConfig, metadata=doc("AdamW"))
     scheduler: SchedulerConfig = field(factory=SchedulerConfig, metadata=doc("learning-rate schedule"))
     sequence_packing: SequencePackingConfig = field(factory=SequencePackingConfig, metadata=doc("packing"))
+    lora: LoraConfig = field(factory=LoraConfig, metadata=doc("LoRA adapters (refit and export send merged weights)"))
 
 
 @frozen

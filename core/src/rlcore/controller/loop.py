@@ -29,7 +29,7 @@ from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import (
-    Algorithm, Environment, EnvStep, Generator, MetricLogger, PromptDataset, SequenceBatch, TrainerHandle, WeightTransport,
+    Algorithm, Environment, EnvStep, Generator, MetricLogger, PromptDataset, SequenceBatch, Teacher, TrainerHandle, WeightTransport,
 )
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class Components:
     reporter: Reporter
     multi_turn: MultiTurnRunner | None = None  # rollouts of multi-turn environments
     run_identity: dict | None = None  # RunDir.identity(): run id, log dir, fingerprint (checkpoints record it)
+    teacher: Teacher | None = None  # scores rollouts for algorithms registered with a teacher (distillation)
 
 
 class GRPOLoop:
@@ -177,6 +178,8 @@ class GRPOLoop:
                 batch.token_fields["old_logprobs"] = trainer.logprobs(batch, what="'logprobs' (policy)")
             if algorithm.uses_reference:
                 batch.token_fields["ref_logprobs"] = trainer.logprobs(batch, reference=True, what="'logprobs' (reference)")
+            if self.c.teacher is not None:
+                batch.token_fields["teacher_logprobs"] = self.c.teacher.logprobs(batch)
         with timer.phase("training"):
             out = trainer.train(batch, algorithm)
         metrics = {f"train/{k}": float(v) for k, v in out.items()}
@@ -237,10 +240,25 @@ class GRPOLoop:
         results, _, final_steps = self._generate(samples, 1, self.grpo.seed, greedy=True)
         trajs = [Trajectory(s, i, rs[0]) for i, (s, rs) in enumerate(zip(samples, results))]
         self._score(trajs, final_steps)
-        return {
+        metrics = {
             "val/accuracy": float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajs])),
             "val/reward_mean": float(np.mean([t.reward for t in trajs])),
         }
+        if self.c.teacher is not None:
+            metrics["val/reverse_kl"] = self.held_out_reverse_kl(samples)
+        return metrics
+
+    def held_out_reverse_kl(self, samples) -> float:
+        """Mean over response tokens of log p_policy - log p_teacher on one seeded sample per prompt
+        (y ~ p: the k1 estimate of the per-token reverse KL, the quantity distillation lowers)."""
+        results, _, _ = self._generate(samples, 1, self.grpo.seed)
+        trajs = [Trajectory(s, i, rs[0]) for i, (s, rs) in enumerate(zip(samples, results))]
+        batch = to_sequence_batch(trajs, torch.zeros(len(trajs)), self.c.config.policy.max_total_sequence_length)
+        policy = self.c.trainer.logprobs(batch, what="'logprobs' (validation)")
+        teacher = self.c.teacher.logprobs(batch)
+        diff = sum(float(((p - t) * m)[1:].sum()) for p, t, m in zip(policy, teacher, batch.loss_mask))
+        tokens = sum(float(m[1:].sum()) for m in batch.loss_mask)
+        return diff / max(tokens, 1.0)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def maybe_resume(self) -> None:

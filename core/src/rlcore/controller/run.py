@@ -34,6 +34,7 @@ from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
 from rlcore.controller.placement import plan_placement
 from rlcore.interfaces import Generator, Placement, TrainerHandle, WeightTransport
 from rlcore.plugins import get_plugin_manager
+from rlcore.utils import resolve
 from rlcore.weights import stream_into
 
 
@@ -130,10 +131,10 @@ def resolve_old_logprobs(config: RunConfig, section: Any) -> Any:
     return attrs.evolve(section, use_old_logprobs=use)
 
 
-def build_algorithm(config: RunConfig, manager):
-    """The recipe's algorithm (``algorithm.name``) built from its section, ``auto`` keys decided."""
+def build_algorithm(config: RunConfig, manager, registration=None):
+    """The recipe's algorithm (``algorithm.name``, or ``registration``) built from its section, ``auto`` keys decided."""
     section = config.require_section("algorithm")
-    return manager.get("algorithm", section.name).build(resolve_old_logprobs(config, section))
+    return (registration or manager.get("algorithm", section.name)).build(resolve_old_logprobs(config, section))
 
 
 def build_components(config: RunConfig, **given) -> Components:
@@ -149,7 +150,13 @@ def build_components(config: RunConfig, **given) -> Components:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(policy.tokenizer_name or policy.model_name)
-    algorithm = given.get("algorithm") or build_algorithm(config, manager)
+    algorithm, algorithm_reg = given.get("algorithm"), None
+    if algorithm is None:  # a given algorithm replaces the lookup, as every given object does
+        algorithm_reg = manager.get("algorithm", config.require_section("algorithm").name)
+        algorithm = build_algorithm(config, manager, algorithm_reg)
+    teacher = given.get("teacher")
+    if teacher is None and algorithm_reg is not None and "teacher" in algorithm_reg.capabilities:
+        teacher = resolve(algorithm_reg.capabilities["teacher"])(config.section("algorithm"))  # distillation: "module:attr"
     environment, env_name, multi_turn_env = given.get("environment"), None, False
     if environment is None:  # a given environment replaces the lookup: no plugin of that name is needed
         env_reg = manager.get("environment", config.env.name)
@@ -186,7 +193,8 @@ def build_components(config: RunConfig, **given) -> Components:
             if section is not None and section.enabled:  # checked at registration
                 loggers.append(reg.build(section, run_dir))
     reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table)
-    return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn)
+    return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
+                      teacher=teacher)
 
 
 def run(config: RunConfig, **given) -> dict:
@@ -197,6 +205,11 @@ def run(config: RunConfig, **given) -> dict:
     run_dir = Path(config.logger.log_dir)
     owner = RunDir(config).open()
     try:
+        from rlcore.controller.pairs import run_pairs, trains_on_pairs
+
+        if trains_on_pairs(config):  # dpo, reward_model: preference pairs, no rollouts
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+            return run_pairs(config, owner, run_dir, given)
         return _run_in(config, owner, run_dir, given)
     finally:
         owner.close()

@@ -192,7 +192,7 @@ def make_algorithm_batch(algorithm, *, num_groups: int = 3, group_size: int = 4,
         out[0] = 0.0
         return out
 
-    input_ids, loss_mask, old, ref, gen, logprobs = [], [], [], [], [], []
+    input_ids, loss_mask, old, ref, gen, teacher, logprobs = [], [], [], [], [], [], []
     for length in lengths:
         input_ids.append(torch.randint(3, vocab_size, (length,), generator=g))
         mask = torch.zeros(length)
@@ -203,10 +203,11 @@ def make_algorithm_batch(algorithm, *, num_groups: int = 3, group_size: int = 4,
         old.append(base)
         ref.append(near(base, 0.1))
         gen.append(near(base, 0.05))
+        teacher.append(near(base, 0.3))  # a teacher model's (on-policy distillation)
         logprobs.append(near(base, 0.15).requires_grad_(True))
     batch = SequenceBatch(
         input_ids=input_ids, loss_mask=loss_mask,
-        token_fields={"old_logprobs": old, "ref_logprobs": ref, "gen_logprobs": gen},
+        token_fields={"old_logprobs": old, "ref_logprobs": ref, "gen_logprobs": gen, "teacher_logprobs": teacher},
         seq_fields={"rewards": shaped_N, "advantages": advantages_N.double()},
     )
     return batch, logprobs

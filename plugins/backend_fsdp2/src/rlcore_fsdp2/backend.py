@@ -29,16 +29,16 @@ from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
 from rlcore.ops import selected_token_logprobs, token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
-from rlcore_fsdp2 import attention, checkpoint
+from rlcore_fsdp2 import attention, checkpoint, lora
 from rlcore_fsdp2.config import DTensorConfig
 from rlcore_fsdp2.optim import ShardLocalAdamW
 from rlcore_fsdp2.parallel_dims import ParallelDims
-from rlcore_fsdp2.parallelize import defer_grad_sync, parallelize
+from rlcore_fsdp2.parallelize import defer_grad_sync, hf_name, parallelize
 from rlcore_fsdp2.schedule import lr_factor
 from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.utils import torch_dtype
 from rlcore.weights import chunked, gather_sequences_to_rank0, write_hf_checkpoint
-from rlcore_fsdp2.weights import Offloader, ReferencePolicy, iter_hf_tensors, local
+from rlcore_fsdp2.weights import Offloader, ReferencePolicy, gather_full, iter_hf_tensors, local
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,11 @@ class FSDP2Backend:
                                                          attn_implementation=impl)
             model.to(self.device)
         model.config.use_cache = False
+        if self.policy.lora.enabled:
+            if self.dims.tp > 1:
+                raise ConfigError("policy.lora.enabled", "LoRA on the fsdp2 backend needs tensor_parallel_size 1 (the "
+                                  "tensor-parallel plan does not cover the adapters' layers)")
+            lora.apply_lora(model, self.policy.lora)
         return model
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -315,7 +320,13 @@ class FSDP2Backend:
         training precision). Rank 0 yields; the others iterate for the collectives."""
         if chunk_bytes < 1:
             raise ValueError(f"export_weights: chunk_bytes must be >= 1, got {chunk_bytes}")
-        named = iter_hf_tensors(self.model, torch_dtype(dtype) or self.compute_dtype, self.device, dist.get_rank())
+        dtype = torch_dtype(dtype) or self.compute_dtype
+        if self.policy.lora.enabled:  # merged in fp32 (gathered in the master dtype), then cast
+            cfg = self.policy.lora
+            full = iter_hf_tensors(self.model, self.master_dtype, self.device, dist.get_rank())
+            yield from chunked(lora.merged(full, cfg.alpha / cfg.rank, dtype), chunk_bytes)
+            return
+        named = iter_hf_tensors(self.model, dtype, self.device, dist.get_rank())
         yield from chunked(named, chunk_bytes)
 
     def export_hf(self, path: str, dtype: Any = None, shard_bytes: int = 5 << 30) -> None:
@@ -324,6 +335,16 @@ class FSDP2Backend:
         write_hf_checkpoint(self.export_weights(dtype, shard_bytes), path, self.hf_config, dtype,
                             self.policy.tokenizer_name or self.policy.model_name, model_dir=self.policy.model_name,
                             rank=dist.get_rank())
+        if self.policy.lora.enabled:
+            adapters = {}
+            for name, param in self.model.named_parameters():
+                if ".lora_" in name:
+                    full = gather_full(param, self.master_dtype, self.device)  # a collective on every rank
+                    if dist.get_rank() == 0:
+                        adapters[hf_name(name)] = full
+            if dist.get_rank() == 0:
+                lora.write_adapter(Path(path) / "adapter", lora.adapter_tensors(iter(adapters.items())),
+                                   self.policy.lora, self.policy.model_name)
         dist.barrier()
 
     def save_checkpoint(self, path: str) -> None:
