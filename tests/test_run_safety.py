@@ -155,7 +155,7 @@ def test_a_hung_environment_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_pa
     # Long enough for the real generation before it on two busy cores; the environment sleeps 600 s.
     done = _run_hung(HUNG_RUN, tiny_model_dir, tmp_path, timeout_s=15)
     assert done.returncode != 0
-    assert "environment 'math' did not answer within 15s" in done.stderr and "step 1" in done.stderr, done.stderr[-3000:]
+    assert "environment 'Hung' did not answer within 15s" in done.stderr and "step 1" in done.stderr, done.stderr[-3000:]
 
 
 HUNG_GENERATOR_RUN = """
