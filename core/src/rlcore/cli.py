@@ -107,6 +107,18 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from rlcore.export import export_checkpoint
+
+    done = export_checkpoint(args.checkpoint, args.out, args.overrides)
+    if args.json:
+        print(json.dumps(done, indent=2))
+    else:
+        console.print(f"exported {done['checkpoint']} ({done['backend']} backend, {done['precision']}) to {done['out']}",
+                      highlight=False, soft_wrap=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlcore", description="RL post-training of LLMs with pluggable backends.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check installed versions")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
+    p = sub.add_parser("export", help="write an rlcore checkpoint as a Hugging Face model (safetensors, config, tokenizer)")
+    p.add_argument("checkpoint", help="a step_N directory, a checkpoints directory (its newest) or a run's log_dir")
+    p.add_argument("out", help="new or empty directory for the Hugging Face model")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value applied to the run's config (e.g. a moved policy.model_name)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_export)
     return parser
 
 
