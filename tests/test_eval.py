@@ -92,7 +92,7 @@ def test_eval_of_the_checkpoint_reports_the_runs_last_validation(planted):
                          "--no-progress", "--out", {str(root / 'eval_checkpoint.json')!r}]) == 0
             assert main(["export", {str(root / 'run')!r}, {str(root / 'exported')!r}]) == 0
             assert main(["eval", {str(root / 'exported')!r}, {str(root / 'recipe.yaml')!r}, "--no-progress",
-                         "--batch-size", "5", "--out", {str(root / 'eval_exported.json')!r}]) == 0
+                         "--batch-size", "5", "--k", "1", "--samples", "1", "--out", {str(root / 'eval_exported.json')!r}]) == 0
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
