@@ -63,6 +63,7 @@ def run_config_for(step_dir: Path, overrides: list[str] = ()) -> RunConfig:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[str] = ()) -> dict:
     """Write the checkpoint's policy to ``out`` (which must not hold files yet); returns what was done."""
+    from rlcore.controller.preflight import check_model_name
     from rlcore.controller.run import select_backend
     from rlcore.plugins import get_plugin_manager
 
@@ -71,6 +72,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[s
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("", f"export target {out} already exists and is not an empty directory; choose another OUT")
     config = run_config_for(step_dir, overrides)
+    check_model_name(config)  # its config.json and tokenizer are the export's; moved? override policy.model_name
     manager = get_plugin_manager()
     backend = select_backend(config, manager).name
     written = manager.export_checkpoint(backend, step_dir / "backend", config, out)
