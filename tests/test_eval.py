@@ -3,8 +3,9 @@ held-out accuracy (same recipe, seed, greedy), and its pass@k is the unbiased es
 
 A random tiny model answers nothing right, so the model is planted: its output layer can only
 write digits, and half of the held-out answers are what it writes before training (the others
-can never be written). Two GRPO steps move the weights; the test asks that eval of the final
-checkpoint agrees with the run's own last validation, whatever the accuracy became.
+can never be written). Two steps of ``sft`` on its own samples (any algorithm of the loop would
+do; this one moves the weights whatever the rewards) change some greedy answers; the test asks
+that eval of the final checkpoint agrees with the run's own last validation.
 """
 
 from __future__ import annotations
@@ -66,14 +67,14 @@ def planted(tiny_model_dir, tmp_path_factory):
     (root / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in val_rows))
     recipe = {
         "policy": {"model_name": str(model_dir), "precision": "float32", "max_total_sequence_length": 32,
-                   "optimizer": {"lr": 3e-4, "weight_decay": 0.0}, "dtensor_cfg": {"enabled": True},
+                   "optimizer": {"lr": 2e-2, "weight_decay": 0.0}, "dtensor_cfg": {"enabled": True},
                    "generation": {"backend": "hf", "max_new_tokens": 3, "temperature": 1.0}},
-        "algorithm": {"name": "grpo"},
+        "algorithm": {"name": "sft"},  # trains on its own samples whatever the rewards: the answers move
         "data": {"name": "math_jsonl", "preset": "deepscaler", "train_files": [str(root / "train.jsonl")],
                  "validation_files": [str(root / "val.jsonl")], "prompt_template": "{question}="},
         "env": {"name": "math", "math": {"executor": "inline", "answer_format": "none"}},
         "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 2, "val_period": 2,
-                 "val_at_start": True, "seed": 5},
+                 "val_at_start": True, "seed": 5, "deterministic": True},
         "logger": {"log_dir": str(root / "run"), "print_table": False},
         "checkpointing": {"enabled": True, "save_period": 2},
     }
@@ -93,14 +94,20 @@ def test_eval_of_the_checkpoint_reports_the_runs_last_validation(planted):
             assert main(["export", {str(root / 'run')!r}, {str(root / 'exported')!r}]) == 0
             assert main(["eval", {str(root / 'exported')!r}, {str(root / 'recipe.yaml')!r}, "--no-progress",
                          "--batch-size", "5", "--k", "1", "--samples", "1", "--out", {str(root / 'eval_exported.json')!r}]) == 0
+            assert main(["eval", {str(root / 'model')!r}, {str(root / 'recipe.yaml')!r}, "--no-progress", "--samples", "1",
+                         "--out", {str(root / 'eval_base.json')!r}]) == 0
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((root / "run" / "summary.json").read_text())
     on_checkpoint = json.loads((root / "eval_checkpoint.json").read_text())
     on_export = json.loads((root / "eval_exported.json").read_text())
-    assert 0.0 < summary["val/accuracy_first"] <= 0.5  # the planted answers: some right, odd rows never
+    on_base = json.loads((root / "eval_base.json").read_text())
+    assert summary["val/accuracy_first"] == 0.5  # the planted answers: even rows right, odd rows never
+    # The run moved the greedy answers, so eval of the base model (or of a stale checkpoint) would not match.
+    assert summary["val/accuracy_last"] != summary["val/accuracy_first"]
     assert on_checkpoint["num_prompts"] == on_export["num_prompts"] == 12
+    assert on_base["greedy_accuracy"] == summary["val/accuracy_first"]  # the weights the run started from
     assert on_checkpoint["greedy_accuracy"] == summary["val/accuracy_last"]
     assert on_export["greedy_accuracy"] == summary["val/accuracy_last"]  # in batches of 5: the same greedy answers
     assert on_checkpoint["exported_from"].endswith("step_000002")
