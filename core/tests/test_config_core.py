@@ -152,7 +152,7 @@ def test_missing_required_key(manager):
     err = error(manager, data={"grpo": {"seed": 1}})
     assert err.key == "policy" and "required key is missing" in str(err)
     err = error(manager, data={"policy": {"tokenizer_name": "t"}})
-    assert err.key == "policy.model_name" and "required key is missing (local Hugging Face checkpoint directory)" in str(err)
+    assert err.key == "policy.model_name" and "required key is missing (Hugging Face model: a local directory or a hub id" in str(err)
     err = error(manager, data={"policy": {"model_name": None}})
     assert err.key == "policy.model_name" and "expected a string, got None" in str(err)
     # On the command line a string field takes the text as written.

@@ -51,3 +51,27 @@ def test_budget_and_stop_per_row(generator):
     n = len(stopped.response_ids)
     assert stopped.finish_reason == "stop" and n <= 2 and stopped.response_ids == results[0].response_ids[:n]
     assert generator.tokenizer.decode(stopped.response_ids).endswith(first)
+
+
+def test_refit_of_checkpoint_named_moe_experts_loads_the_fused_parameters(tiny_model_factory):
+    # Refits stream checkpoint names (per-expert gate/up/down, as vLLM loads them); transformers keeps
+    # MoE experts fused in memory. Every expert weight must land in its slice of the fused tensors.
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from rlcore.config.hf_generation import HFGenerationConfig
+    from rlcore.hf_generator import HFGenerator
+
+    path = tiny_model_factory("qwen3_moe", hidden_size=256, num_heads=4, num_kv_heads=2)
+    generator = HFGenerator(str(path), HFGenerationConfig(), 64)
+    other = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(torch.randn_like(param))
+    named = revert_weight_conversion(other, dict(other.state_dict()))
+    assert any(".experts.3.gate_proj." in name for name in named)
+    generator.update_weights([list(named.items())])
+    mine, theirs = generator.model.state_dict(), other.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)

@@ -117,6 +117,27 @@ def cmd_run(args) -> int:
     return 128 + signal.Signals[stopped].value if stopped else 0  # a shell's status for a run a signal ended
 
 
+def cmd_export(args) -> int:
+    from rlcore.export import export_checkpoint
+
+    done = export_checkpoint(args.checkpoint, args.out, args.overrides)
+    if args.json:
+        print(json.dumps(done, indent=2))
+    else:
+        console.print(f"exported {done['checkpoint']} ({done['backend']} backend, {done['precision']}) to {done['out']}",
+                      highlight=False, soft_wrap=True)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from rlcore.evaluation import evaluate, write_summary
+
+    summary = evaluate(args.model, args.recipe, args.overrides, k=args.k, num_samples=args.samples,
+                       batch_size=args.batch_size, progress=not args.no_progress)
+    print(write_summary(summary, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlcore", description="RL post-training of LLMs with pluggable backends.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check installed versions")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
+    p = sub.add_parser("export", help="write an rlcore checkpoint as a Hugging Face model (safetensors, config, tokenizer)")
+    p.add_argument("checkpoint", help="a step_N directory, a checkpoints directory (its newest) or a run's log_dir")
+    p.add_argument("out", help="new or empty directory for the Hugging Face model")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value applied to the run's config (e.g. a moved policy.model_name)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on a recipe's validation set (JSON summary)")
+    p.add_argument("model", help="a Hugging Face model directory, or an rlcore checkpoint (exported first)")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value applied to the recipe")
+    p.add_argument("--k", type=int, default=1, help="pass@k (unbiased estimator over --samples samples per prompt)")
+    p.add_argument("--samples", type=int, default=None, help="samples per prompt for pass@k (default: k)")
+    p.add_argument("--batch-size", type=int, default=256, help="prompts per generate call")
+    p.add_argument("--out", default=None, help="also write the JSON summary to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_eval)
     return parser
 
 

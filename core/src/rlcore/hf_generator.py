@@ -12,6 +12,7 @@ logprobs of the sampling distribution.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterable
 
 import torch
@@ -146,9 +147,12 @@ class HFGenerator:
         with torch.no_grad():
             for chunk in chunks:
                 for name, tensor in chunk:
-                    if name not in params:
+                    target = params.get(name)
+                    if target is None:
+                        target = _fused_expert_slice(params, name)
+                    if target is None:
                         raise KeyError(f"refit: the generator's model has no tensor named {name!r}")
-                    params[name].copy_(tensor.to(params[name].dtype))
+                    target.copy_(tensor.to(target.dtype))
         self.weights_version += 1
 
     def sleep(self) -> None:
@@ -159,6 +163,27 @@ class HFGenerator:
 
     def shutdown(self) -> None:
         pass
+
+
+_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused_expert_slice(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The slice of transformers' fused MoE parameter that a checkpoint-named expert weight is
+    (refits stream checkpoint names, as vLLM takes them): ``experts.gate_up_proj[e]`` is
+    ``[gate_proj; up_proj]`` of expert e, ``experts.down_proj[e]`` its ``down_proj``."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return None
+    prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+    if kind == "down_proj":
+        fused = params.get(f"{prefix}.down_proj")
+        return None if fused is None else fused[expert]
+    fused = params.get(f"{prefix}.gate_up_proj")
+    if fused is None:
+        return None
+    half = fused.shape[1] // 2
+    return fused[expert, :half] if kind == "gate_proj" else fused[expert, half:]
 
 
 def build(config, section_config: HFGenerationConfig, placement: Placement) -> HFGenerator:

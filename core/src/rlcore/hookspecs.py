@@ -119,3 +119,19 @@ def rlcore_weight_transport(trainer, generator):
     built-in choice. rlcore's own fallback streams ``export_chunks()`` into
     ``generator.update_weights()``.
     """
+
+
+@hookspec(firstresult=True)
+def rlcore_export_checkpoint(backend, checkpoint_dir, config, out_dir):
+    """Write the policy held in a training backend's checkpoint as a Hugging Face model.
+
+    Called by ``rlcore export`` in one process, with no process group started. ``backend`` is the
+    registered name of the training backend the run used (``fsdp2``, ``megatron``);
+    ``checkpoint_dir`` the backend's part of an rlcore checkpoint (``step_N/backend``, as its
+    ``save_checkpoint`` wrote it, under whatever parallel layout); ``config`` the run's
+    :class:`rlcore.config.RunConfig`; ``out_dir`` where the safetensors, ``config.json`` and the
+    tokenizer of ``policy.tokenizer_name`` (default ``policy.model_name``) go, in the run's
+    training precision. Only the model's weights are read (no optimizer state).
+
+    Return ``out_dir`` when this plugin wrote it, ``None`` when ``backend`` is not this plugin's.
+    """

@@ -249,6 +249,10 @@ class PluginManager:
     def weight_transport(self, trainer: Any, generator: Any):
         return self.pm.hook.rlcore_weight_transport(trainer=trainer, generator=generator)
 
+    def export_checkpoint(self, backend: str, checkpoint_dir: Any, config: Any, out_dir: Any):
+        return self.pm.hook.rlcore_export_checkpoint(backend=backend, checkpoint_dir=checkpoint_dir, config=config,
+                                                     out_dir=out_dir)
+
     def iter_registrations(self) -> Iterable[Registration]:
         for kind in KINDS:
             yield from self.registry[kind].values()

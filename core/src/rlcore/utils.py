@@ -62,3 +62,17 @@ def in_daemon_thread(fn, name: str = "rlcore-worker"):
 
     threading.Thread(target=target, name=name, daemon=True).start()
     return future
+
+
+def local_model_dir(name: str) -> str:
+    """``name`` when it is a directory, else the local snapshot of the Hugging Face hub model
+    ``name`` in huggingface_hub's cache (fetched when the hub can be reached, read from the cache
+    when not): for code that reads a model's files itself rather than through ``from_pretrained``."""
+    from pathlib import Path
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path)
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"])

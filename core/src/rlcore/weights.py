@@ -104,6 +104,11 @@ def write_hf_checkpoint(chunks: Iterable[list[NamedTensor]], path: str | Path, h
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     _write_config(hf_config, path, dtype)
+    from rlcore.utils import local_model_dir
+
+    # Hub ids (policy.model_name as transformers takes it) name their snapshot in the local cache.
+    tokenizer_dir = local_model_dir(tokenizer_dir) if tokenizer_dir else None
+    model_dir = local_model_dir(model_dir) if model_dir else None
     if tokenizer_dir and any((Path(tokenizer_dir) / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")):
         from transformers import AutoTokenizer
 

@@ -199,3 +199,46 @@ def test_arithmetic_level_conflicts_with_explicit_keys(tiny_tokenizer, tmp_path)
 
     with pytest.raises(ConfigError, match=r"data\.level.*remove data\.digits"):
         build(tiny_tokenizer, tmp_path, name="arithmetic", level=3, digits=4)
+
+
+def test_save_to_disk_directories_with_field_mapping_and_system_prompt(tiny_tokenizer, tmp_path):
+    import datasets
+
+    rows = [{"q": "What is 2+3?", "final": "5"}, {"q": "What is 7*6?", "final": "42"}, {"q": "What is 9-4?", "final": "5"}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:2]),
+                          "test": datasets.Dataset.from_list(rows[2:])}).save_to_disk(str(tmp_path / "saved_dict"))
+    datasets.Dataset.from_list(rows[2:]).save_to_disk(str(tmp_path / "saved_one"))
+    section = dict(name="math_jsonl", preset="custom", prompt_column="q", answer_column="final", system_prompt="Be brief.",
+                   prompt_template="{question}")
+    ds = build(tiny_tokenizer, tmp_path, train_files=[str(tmp_path / "saved_dict")], validation_split="test", **section)
+    assert [s.answer for s in ds.train] == ["5", "42"] and [s.answer for s in ds.validation] == ["5"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    assert ds.train[0].prompt == messages
+    assert ds.train[0].prompt_ids == tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                                        return_dict=False)
+    alone = build(tiny_tokenizer, tmp_path, train_files=[str(tmp_path / "saved_one")], **section)
+    assert [s.metadata["question"] for s in alone.train] == ["What is 9-4?"]
+    with pytest.raises(Exception, match=r"data.train_split.*holds the splits \['test', 'train'\], not 'training'"):
+        build(tiny_tokenizer, tmp_path, train_files=[str(tmp_path / "saved_dict")], train_split="training", **section)
+    (tmp_path / "not_saved").mkdir()
+    with pytest.raises(DataError, match="not one written by datasets.save_to_disk"):
+        build(tiny_tokenizer, tmp_path, train_files=[str(tmp_path / "not_saved")], **section)
+
+
+def test_chat_template_off_encodes_the_text_as_is(tiny_tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DEEPSCALER)
+    ds = build(tiny_tokenizer, tmp_path, name="math_jsonl", preset="deepscaler", train_files=[str(path)],
+               prompt_template="Q: {question} A:", chat_template=False)
+    text = f"Q: {DEEPSCALER[1]['problem']} A:"
+    assert ds.train[1].prompt_ids == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_hub_dataset_offline_is_a_clear_error(tiny_tokenizer, tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets; this machine has no hub either
+    with pytest.raises(Exception, match=r"config key 'data.hub_dataset': 'openai/gsm8k' \(subset 'main', split 'train'\) "
+                                        r"could not be loaded: .*save_to_disk"):
+        build(tiny_tokenizer, tmp_path, name="math_jsonl", hub_dataset="openai/gsm8k", hub_subset="main")
+    with pytest.raises(Exception, match="either data.train_files or data.hub_dataset"):
+        build(tiny_tokenizer, tmp_path, name="math_jsonl", hub_dataset="openai/gsm8k", train_files=["x.jsonl"])

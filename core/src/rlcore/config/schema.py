@@ -67,7 +67,7 @@ class LoraConfig:
 class PolicyConfig:
     """The model being trained; backend and generator blocks are plugin sections inside it."""
 
-    model_name: str = field(metadata=doc("local Hugging Face checkpoint directory"))
+    model_name: str = field(metadata=doc("Hugging Face model: a local directory or a hub id (passed to transformers as is)"))
     tokenizer_name: str | None = field(default=None, metadata=doc("tokenizer directory; None = model_name"))
     max_total_sequence_length: int = field(default=1024, validator=_positive, metadata=doc("prompt + response limit"))
     overlong_prompts: Literal["drop", "error"] = field(

@@ -97,10 +97,10 @@ class FSDP2Backend:
         if hf_config is not None:
             return hf_config
         path = Path(self.policy.model_name)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"policy.model_name: {str(path)!r} is not a local Hugging Face checkpoint "
-                                    "directory (no config.json); the fsdp2 backend never downloads models")
-        return AutoConfig.from_pretrained(path)
+        if path.is_dir() and not (path / "config.json").exists():
+            raise FileNotFoundError(f"policy.model_name: {str(path)!r} is not a Hugging Face checkpoint "
+                                    "directory (no config.json)")
+        return AutoConfig.from_pretrained(self.policy.model_name)  # a directory, or a hub id as transformers takes it
 
     def _build_model(self, random_init: bool, seed: int) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM

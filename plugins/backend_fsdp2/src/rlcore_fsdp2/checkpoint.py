@@ -104,3 +104,19 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, s
     if "cuda" in rng:
         torch.cuda.set_rng_state(state[rng_key]["cuda"], device)
     return int(state["trainer"]["step"])
+
+
+def load_model(path: str | Path, model: nn.Module, hf_config: Any) -> None:
+    """Only the model part of a checkpoint written by :func:`save`, resharded by DCP onto this
+    world (``rlcore export`` reads a checkpoint of any FSDP/TP layout into one process)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = Path(path)
+    model_sd = get_model_state_dict(model)
+    check_compatible(path, model_sd, hf_config)
+    state = {"model": model_sd}
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+    except CheckpointException as exc:
+        raise rank_failure(exc) from None
+    set_model_state_dict(model, state["model"])

@@ -24,3 +24,12 @@ def rlcore_training_backends(register):
         architectures=("llama", "qwen2", "qwen3", "qwen3_moe"),
         requires=("torch", "transformers"),
     )
+
+
+@hookimpl
+def rlcore_export_checkpoint(backend, checkpoint_dir, config, out_dir):
+    if backend != "fsdp2":
+        return None
+    from rlcore_fsdp2.export import export_checkpoint
+
+    return export_checkpoint(checkpoint_dir, config, out_dir)

@@ -145,3 +145,19 @@ def export_hf(backend, path: str, shard_bytes: int = 4 << 30) -> None:
     write_hf_checkpoint(backend.export_weights(dtype=dtype, chunk_bytes=shard_bytes), path, backend.hf_config, dtype,
                         policy.tokenizer_name or policy.model_name, model_dir=policy.model_name, rank=dist.get_rank())
     dist.barrier()
+
+
+def load_model(backend, path: str) -> None:
+    """Only the model part of a checkpoint written by :func:`save`, resharded by
+    ``dist_checkpointing`` onto this backend's layout (``rlcore export`` reads a checkpoint of any
+    TP/PP/EP layout into one process)."""
+    root = Path(path)
+    if not (root / "megatron").is_dir():
+        raise FileNotFoundError(f"{root} is not an rlcore-megatron checkpoint (no megatron/ directory)")
+    _verify(root / "megatron")
+    try:
+        state = dist_checkpointing.load({"model": backend.module.sharded_state_dict()}, str(root / "megatron"))
+    except (Exception, CheckpointException) as exc:
+        verify_dcp_dir(root / "megatron", tensors=True)
+        raise (rank_failure(exc) if isinstance(exc, CheckpointException) else exc) from None
+    backend.module.load_state_dict(state["model"])

@@ -62,7 +62,9 @@ class HFReader:
     def __init__(self, path: str | Path):
         from safetensors import safe_open
 
-        path = Path(path)
+        from rlcore.utils import local_model_dir
+
+        path = Path(local_model_dir(str(path)))  # a hub id: its snapshot in the huggingface_hub cache
         index = path / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -23,3 +23,12 @@ def rlcore_training_backends(register):
         architectures=("llama", "qwen2", "qwen3", "qwen3_moe"),
         requires=("megatron.core",),
     )
+
+
+@hookimpl
+def rlcore_export_checkpoint(backend, checkpoint_dir, config, out_dir):
+    if backend != "megatron":
+        return None
+    from rlcore_megatron.export import export_checkpoint
+
+    return export_checkpoint(checkpoint_dir, config, out_dir)

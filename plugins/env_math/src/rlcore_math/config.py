@@ -78,11 +78,16 @@ class MathToolEnvConfig(GradingConfig, MultiTurnEnvConfig):
 
 @frozen
 class MathFilesDatasetConfig:
-    """Local JSONL/JSON/Parquet math problems loaded with Hugging Face ``datasets``."""
+    """Math problems from local JSONL/JSON/Parquet files, directories written by
+    ``datasets.save_to_disk``, or a Hugging Face hub dataset, loaded with ``datasets``."""
 
     name: Literal["math_jsonl"] = field(default="math_jsonl", metadata=doc("selects this dataset"))
-    train_files: tuple[str, ...] = field(default=(), metadata=doc("training files (.jsonl, .json or .parquet)"))
-    validation_files: tuple[str, ...] = field(default=(), metadata=doc("held-out files; empty = split validation_size off train"))
+    train_files: tuple[str, ...] = field(default=(), metadata=doc("training files (.jsonl, .json or .parquet) or datasets.save_to_disk directories"))
+    validation_files: tuple[str, ...] = field(default=(), metadata=doc("held-out files or save_to_disk directories; empty = validation_split, else split validation_size off train"))
+    hub_dataset: str | None = field(default=None, metadata=doc("Hugging Face hub dataset id (e.g. openai/gsm8k), used when train_files is empty; needs the hub or its local cache"))
+    hub_subset: str | None = field(default=None, metadata=doc("the hub dataset's configuration (gsm8k: 'main')"))
+    train_split: str = field(default="train", metadata=doc("split of hub_dataset (or of a saved DatasetDict) to train on"))
+    validation_split: str | None = field(default=None, metadata=doc("held-out split of hub_dataset (or of a saved DatasetDict); None = none"))
     validation_size: int = field(default=0, validator=_non_negative, metadata=doc("rows split off train when validation_files is empty"))
     preset: Literal["gsm8k", "math", "deepscaler", "custom"] = field(
         default="gsm8k", metadata=doc("column layout: gsm8k (question/answer '#### n'), math (problem/solution \\boxed{}), deepscaler (problem/answer)"),
@@ -97,6 +102,7 @@ class MathFilesDatasetConfig:
         metadata=doc("user message; '{question}' is replaced by the problem (no other braces are interpreted)"),
     )
     system_prompt: str | None = field(default=None, metadata=doc("optional system message"))
+    chat_template: bool = field(default=True, metadata=doc("apply the tokenizer's chat template (instruct models); false encodes the system prompt and prompt text as is (base models)"))
     max_prompt_tokens: int | None = field(default=None, metadata=doc("prompts longer than this (after the chat template) are dropped and counted"))
     skip_bad_rows: bool = field(default=False, metadata=doc("skip and count malformed rows instead of stopping"))
     max_line_bytes: int = field(
@@ -111,8 +117,10 @@ class MathFilesDatasetConfig:
     seed: int = field(default=0, metadata=doc("seed of the train/validation split"))
 
     def __attrs_post_init__(self):
-        if not self.train_files:
-            raise ConfigError("data.train_files", "at least one training file is required")
+        if not self.train_files and not self.hub_dataset:
+            raise ConfigError("data.train_files", "at least one training file (or data.hub_dataset) is required")
+        if self.train_files and self.hub_dataset:
+            raise ConfigError("data.hub_dataset", "give either data.train_files or data.hub_dataset, not both")
         if self.preset == "custom" and (self.prompt_column is None or self.answer_column is None):
             raise ConfigError("data.preset", "'custom' needs data.prompt_column and data.answer_column")
         if "{question}" not in self.prompt_template:

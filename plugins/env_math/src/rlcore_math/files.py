@@ -1,4 +1,9 @@
-"""``math_jsonl``: local JSONL/JSON/Parquet math problems, loaded through Hugging Face ``datasets``.
+"""``math_jsonl``: math problems from local JSONL/JSON/Parquet files, ``datasets.save_to_disk``
+directories (a Dataset, or a split of a DatasetDict) or a hub dataset id with a split (when the
+hub, or the ``datasets`` cache, can be reached; otherwise a ConfigError naming ``data.hub_dataset``
+says how to bring it), loaded through Hugging Face ``datasets``. ``prompt_column`` and
+``answer_column`` map other layouts; the tokenizer's chat template is applied unless
+``chat_template: false`` (base models).
 
 Column presets:
 
@@ -27,6 +32,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Sample
 
 from rlcore_math.config import MathFilesDatasetConfig
@@ -43,9 +49,11 @@ PRESETS: dict[str, tuple[str, str, str]] = {
 
 def build_math_files_dataset(config: MathFilesDatasetConfig, tokenizer: Any) -> MathDataset:
     stats: dict[str, int] = {"bad_rows": 0}
-    train = _load_files(config.train_files, config, stats)
+    train = _load_sources(config, config.train_split, stats, "data.train_split")
     if config.validation_files:
-        validation = _load_files(config.validation_files, config, stats)
+        validation = _load_files(config.validation_files, config, stats, split=config.validation_split, key="data.validation_split")
+    elif config.validation_split:
+        validation = _load_sources(config, config.validation_split, stats, "data.validation_split")
     elif config.validation_size:
         if config.validation_size >= len(train):
             raise DataError(f"data.validation_size={config.validation_size} leaves no training rows (train has {len(train)})")
@@ -56,9 +64,9 @@ def build_math_files_dataset(config: MathFilesDatasetConfig, tokenizer: Any) -> 
         validation = None
     if config.max_samples is not None:
         train = train[: config.max_samples]
-    train = tokenize_split(train, tokenizer, "train", config.max_prompt_tokens, stats)
+    train = tokenize_split(train, tokenizer, "train", config.max_prompt_tokens, stats, config.chat_template)
     if validation is not None:
-        validation = tokenize_split(validation, tokenizer, "validation", config.max_prompt_tokens, stats)
+        validation = tokenize_split(validation, tokenizer, "validation", config.max_prompt_tokens, stats, config.chat_template)
     if stats["bad_rows"]:
         log.warning("data: skipped %d malformed rows (data.skip_bad_rows=true)", stats["bad_rows"])
     if stats.get("replaced_lines"):
@@ -76,10 +84,37 @@ def _columns(config: MathFilesDatasetConfig) -> tuple[str, str, str]:
     return prompt_col, answer_col, extraction
 
 
-def _load_files(files: tuple[str, ...], config: MathFilesDatasetConfig, stats: dict[str, int]) -> list[Sample]:
+def _load_sources(config: MathFilesDatasetConfig, split: str, stats: dict[str, int], split_key: str) -> list[Sample]:
+    """``split`` of the hub dataset, or of the training files (a split matters only to saved DatasetDicts)."""
+    if config.hub_dataset:
+        rows = _read_hub(config, split)
+        return _to_samples(rows, [f"row {i}" for i in range(len(rows))], f"{config.hub_dataset}[{split}]", config, stats)
+    return _load_files(config.train_files, config, stats, split=split, key=split_key)
+
+
+def _read_hub(config: MathFilesDatasetConfig, split: str) -> list[dict]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(config.hub_dataset, config.hub_subset, split=split, cache_dir=config.cache_dir)
+    except Exception as exc:  # noqa: BLE001 - offline, unknown id, unknown split: datasets' many error types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError("data.hub_dataset", f"{config.hub_dataset!r} (subset {config.hub_subset!r}, split {split!r}) could not "
+                          f"be loaded: {first}. Offline, save it where it can be reached (datasets.load_dataset(...)"
+                          ".save_to_disk(DIR)) and set data.train_files=[DIR] instead") from None
+    return table.to_list()
+
+
+def _load_files(files: tuple[str, ...], config: MathFilesDatasetConfig, stats: dict[str, int], *, split: str | None = None,
+                key: str = "data.train_split") -> list[Sample]:
     samples: list[Sample] = []
     for name in files:
         path = Path(name).expanduser()
+        if path.is_dir():
+            rows = _read_saved(path, split, key)
+            samples.extend(_to_samples(rows, [f"row {i}" for i in range(len(rows))], path, config, stats))
+            continue
         if not path.is_file():
             raise DataError(f"data file not found: {path}")
         rows, where = _read_rows(path, config, stats)
@@ -87,6 +122,24 @@ def _load_files(files: tuple[str, ...], config: MathFilesDatasetConfig, stats: d
     if not samples:
         raise DataError(f"no usable rows in {', '.join(files)}")
     return samples
+
+
+def _read_saved(path: Path, split: str | None, key: str) -> list[dict]:
+    """Rows of a ``datasets.save_to_disk`` directory: a Dataset, or ``split`` of a DatasetDict."""
+    import datasets
+
+    if not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        raise DataError(f"{path} is a directory but not one written by datasets.save_to_disk (no dataset_dict.json, "
+                        "state.json or dataset_info.json)")
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:  # noqa: BLE001 - datasets' many error types; the directory is what matters
+        raise DataError(f"{path}: cannot load with datasets.load_from_disk: {exc}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ConfigError(key, f"{path} holds the splits {sorted(loaded)}, not {split!r}")
+        loaded = loaded[split]
+    return loaded.to_list()
 
 
 def _read_rows(path: Path, config: MathFilesDatasetConfig, stats: dict[str, int]) -> tuple[list[dict], list[str]]:
@@ -169,7 +222,7 @@ def _read_json_lines(path: Path, config: MathFilesDatasetConfig, stats: dict[str
     return rows, where
 
 
-def _to_samples(rows: list[dict], where: list[str], path: Path, config: MathFilesDatasetConfig,
+def _to_samples(rows: list[dict], where: list[str], path: Path | str, config: MathFilesDatasetConfig,
                 stats: dict[str, int]) -> list[Sample]:
     prompt_col, answer_col, extraction = _columns(config)
     samples = []

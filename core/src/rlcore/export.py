@@ -1,0 +1,84 @@
+"""``rlcore export CHECKPOINT OUT``: an rlcore checkpoint as a Hugging Face model directory.
+
+``CHECKPOINT`` is a step directory (``<log_dir>/checkpoints/step_000040``), a checkpoints root
+(its newest complete step is taken) or a run directory (``logger.log_dir``: its checkpoints
+root). The run's resolved ``config.yaml`` says which backend wrote it and from which model; it
+is found through the checkpoint's loop state (the run's ``logger.log_dir``) or two levels up.
+The backend plugin that wrote the checkpoint reads its model part in this one process
+(:func:`rlcore.hookspecs.rlcore_export_checkpoint`), whatever TP/PP/EP layout it was saved
+with, and writes safetensors, ``config.json`` and the tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlcore.config import ConfigError, RunConfig, load_config
+from rlcore.controller.checkpoint import CheckpointManager
+from rlcore.errors import CheckpointError
+
+RUN_CONFIG = "config.yaml"
+
+
+def is_hf_model_dir(path: str | Path) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The complete step directory ``path`` names (itself, the newest under it, or the newest
+    under its ``checkpoints/``)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if (path / "loop_state.pt").is_file():
+        return path
+    if path.name.endswith(".tmp"):
+        raise CheckpointError(f"{path} is an unfinished checkpoint (its save never completed); use a complete step_N")
+    for root in (path, path / "checkpoints"):
+        latest = CheckpointManager(root, keep_last_k=1).latest()
+        if latest is not None:
+            return latest
+    raise CheckpointError(f"{path} holds no complete rlcore checkpoint (a step_N directory with loop_state.pt, "
+                          "or a run directory whose checkpoints/ has one)")
+
+
+def run_config_for(step_dir: Path, overrides: list[str] = ()) -> RunConfig:
+    """The config of the run that wrote ``step_dir`` (with ``overrides``, e.g. a moved ``policy.model_name``)."""
+    candidates = []
+    try:
+        log_dir = (CheckpointManager.load_loop_state(step_dir).get("run") or {}).get("log_dir")
+    except Exception as exc:  # noqa: BLE001 - a damaged loop state still leaves the run directory to try
+        print(f"warning: {step_dir / 'loop_state.pt'} does not load ({exc}); looking for the run's config beside it", flush=True)
+        log_dir = None
+    if log_dir:
+        candidates.append(Path(log_dir) / RUN_CONFIG)
+    candidates.append(step_dir.parent.parent / RUN_CONFIG)
+    for candidate in candidates:
+        if candidate.is_file():
+            return load_config(candidate, list(overrides))
+    raise CheckpointError(f"the run config of {step_dir} was not found (looked for {', '.join(map(str, candidates))}); "
+                          "it is the config.yaml rlcore run writes into logger.log_dir")
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[str] = ()) -> dict:
+    """Write the checkpoint's policy to ``out`` (which must not hold files yet); returns what was done."""
+    from rlcore.controller.preflight import check_model_name
+    from rlcore.controller.run import select_backend
+    from rlcore.plugins import get_plugin_manager
+
+    step_dir = find_checkpoint(checkpoint)
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("", f"export target {out} already exists and is not an empty directory; choose another OUT")
+    config = run_config_for(step_dir, overrides)
+    check_model_name(config)  # its config.json and tokenizer are the export's; moved? override policy.model_name
+    manager = get_plugin_manager()
+    backend = select_backend(config, manager).name
+    written = manager.export_checkpoint(backend, step_dir / "backend", config, out)
+    if written is None:
+        raise CheckpointError(f"no installed plugin exports checkpoints of the '{backend}' backend ({step_dir})")
+    if not is_hf_model_dir(out):
+        raise CheckpointError(f"the {backend} backend's export of {step_dir} wrote no Hugging Face model to {out}")
+    return {"checkpoint": str(step_dir), "backend": backend, "out": str(out), "model_name": config.policy.model_name,
+            "precision": config.policy.precision}
