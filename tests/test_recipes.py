@@ -82,6 +82,8 @@ def dry_run_config(path: Path, model_dir: Path, log_dir: Path) -> dict:
         allowed = {f.name for f in attrs.fields(HFGenerationConfig)} - {"colocated", "refit", "dtype"}
         generation = {k: v for k, v in policy["generation"].items() if k in allowed}
         policy["generation"] = {**generation, "backend": "hf", "max_new_tokens": 4}
+    if (out.get("algorithm") or {}).get("teacher_model"):  # distillation: the tiny model teaches itself
+        out["algorithm"]["teacher_model"] = str(model_dir)
     if "data" not in keep:
         out["data"] = {"name": "arithmetic", "digits": 1, "num_train": 64, "num_validation": 4}
     for name, section in (out.get("env") or {}).items():
