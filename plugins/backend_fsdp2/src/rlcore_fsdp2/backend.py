@@ -34,7 +34,7 @@ from rlcore_fsdp2.config import DTensorConfig
 from rlcore_fsdp2.optim import ShardLocalAdamW
 from rlcore_fsdp2.parallel_dims import ParallelDims
 from rlcore_fsdp2.parallelize import defer_grad_sync, hf_name, parallelize
-from rlcore_fsdp2.schedule import lr_factor
+from rlcore.schedule import lr_lambda
 from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.utils import torch_dtype
 from rlcore.weights import chunked, gather_sequences_to_rank0, write_hf_checkpoint
@@ -74,7 +74,7 @@ class FSDP2Backend:
         self.params = list(self.model.parameters())
         self.fsdp_modules = _fsdp_modules(self.model)  # the root (and each decoder layer, see apply_fsdp)
         self.optimizer = self._build_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config))
         self.reference = ReferencePolicy(self.params)
         self.offloader = Offloader()
         self.step = 0
@@ -129,12 +129,6 @@ class FSDP2Backend:
         # gradients' norm is on the GPU and the update on the host: torch's default loop there.
         return ShardLocalAdamW(self.params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                weight_decay=opt.weight_decay, fused=not self.cfg.cpu_offload)
-
-    def _lr_lambda(self, step: int) -> float:
-        sched, opt = self.policy.scheduler, self.policy.optimizer
-        decay_steps = sched.decay_steps if sched.decay_steps is not None else self.config.grpo.max_num_steps
-        return lr_factor(step, warmup_steps=sched.warmup_steps, decay_style=sched.decay_style,
-                         decay_steps=decay_steps, lr=opt.lr, min_lr=opt.min_lr)
 
     # ---- forward ---------------------------------------------------------------------------
     @property
