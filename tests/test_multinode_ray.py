@@ -169,7 +169,11 @@ class _Driver:
             time.sleep(0.2)
 
     def finish(self, timeout_s: float) -> int:
-        code = self.proc.wait(timeout=timeout_s)
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
         for reader in self._readers:
             reader.join(timeout=5)
         return code
@@ -215,12 +219,16 @@ def _is_wildcard(ip: str) -> bool:
 def _roles_of_ray_daemons(cluster) -> dict[tuple[str, int], str]:
     """(process name, port) -> what it is, for the listeners Ray's own daemons open on a node whose
     address is not loopback (Ray 2.60; most bind every interface and cannot be told otherwise)."""
+    from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
     from ray.autoscaler._private.constants import AUTOSCALER_METRIC_PORT
     from ray.dashboard.consts import DASHBOARD_METRIC_PORT
 
     roles = {("gcs_server", int(cluster.address.rsplit(":", 1)[1])): "GCS (between nodes)",
              ("python", AUTOSCALER_METRIC_PORT): "autoscaler monitor's Prometheus metrics (head)",
-             ("python", DASHBOARD_METRIC_PORT): "dashboard process's Prometheus metrics (head; its HTTP server is off)"}
+             ("python", DASHBOARD_METRIC_PORT): "dashboard process's Prometheus metrics (head; its HTTP server is off)",
+             # an agent may hold Ray's default HTTP port while its node reports another (seen with
+             # several clusters on one machine)
+             ("ray::DashboardAgent", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT): "dashboard agent HTTP (job/state API)"}
     for node in [cluster.head_node, *cluster.worker_nodes]:
         roles[("raylet", node.node_manager_port)] = "raylet node manager (between nodes)"
         roles[("ray::DashboardAgent", node.metrics_agent_port)] = "dashboard agent gRPC (metrics from the node's workers)"
