@@ -116,7 +116,7 @@ CONFIGS = {
     "qwen3moe-megatron-r2": ("qwen3moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r2", **MOE_RUN}),
     "qwen3moe-fsdp2": ("qwen3moe", "fsdp2", MOE_RUN),
     "tiny-moe-megatron-r2": ("tiny-moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r2",
-                                                      "policy.train_global_batch_size": 32}),
+                                                      "policy.train_global_batch_size": 8}),
 }
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dist_worker import SumNLL, make_batch  # noqa: E402
 
 
-def backend_for(path: str, **mcfg):
+def backend_for(path: str, *, device: str = "cpu", precision: str = "float32", **mcfg):
     from rlcore.config import RunConfig
     from rlcore.config.schema import PolicyConfig, SequencePackingConfig
     from rlcore.interfaces import WorldInfo
@@ -33,11 +33,12 @@ def backend_for(path: str, **mcfg):
     from rlcore_megatron.config import MegatronConfig, MegatronOptimizerConfig
 
     # Logprob and training micro-batches differ (64 vs 40 tokens), and two optimizer steps per call.
-    policy = PolicyConfig(model_name=path, precision="float32", train_global_batch_size=4,
+    policy = PolicyConfig(model_name=path, precision=precision, train_global_batch_size=4,
                           sequence_packing=SequencePackingConfig(train_mb_tokens=40, logprob_mb_tokens=64))
     # A large learning rate so that the first optimizer step moves router logits past top-k boundaries.
     cfg = MegatronConfig(enabled=True, optimizer=MegatronOptimizerConfig(lr=0.05, weight_decay=0.0, adam_eps=1e-6), **mcfg)
-    return build_backend(RunConfig(policy=policy), cfg, WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size()))
+    world = WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+    return build_backend(RunConfig(policy=policy), cfg, world)
 
 
 class RouterWatch:
@@ -103,6 +104,7 @@ def gathered(local: dict) -> dict:
 
 
 def scenario(path: str, *, recompute: bool = False, **mcfg) -> dict:
+    """``mcfg``: ``policy.megatron_cfg`` keys, plus ``device`` and ``precision`` (backend_for)."""
     backend = backend_for(path, activation_checkpointing="full" if recompute else False, **mcfg)
     watch = RouterWatch(backend)
     batch = make_batch(11, n=8)
@@ -119,7 +121,34 @@ def scenario(path: str, *, recompute: bool = False, **mcfg) -> dict:
             "mismatch_fraction": metrics["moe/routing_mismatch_fraction"],
             "mismatched": metrics["moe/routing_mismatched_pairs"] * metrics["num_optimizer_steps"],
             "compared": metrics["moe/routing_compared_pairs"] * metrics["num_optimizer_steps"],
-            "optimizer_steps": metrics["num_optimizer_steps"]}
+            "optimizer_steps": metrics["num_optimizer_steps"], "kernels": backend.kernels.describe()}
+
+
+def router_keys(path: str) -> dict:
+    """Router weights after one ``train`` call with the MoE keys (none, aux loss, frozen router), from the same start."""
+    batch = make_batch(12, n=8)
+    after = {}
+    for name, mcfg in (("none", {}), ("aux_loss", dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1)),
+                       ("frozen", dict(freeze_moe_router=True))):
+        backend = backend_for(path, expert_model_parallel_size=2, **mcfg)
+        metrics = backend.train(batch, SumNLL())
+        after[name] = {n: t.clone() for chunk in backend.export_weights(chunk_bytes=1 << 16) for n, t in chunk}
+        assert metrics["loss"] == metrics["loss"], metrics
+    if dist.get_rank() != 0:
+        return {}
+    from dist_worker import checkpoint_tensors
+
+    initial = checkpoint_tensors(path)
+    gates = [k for k in initial if k.endswith("mlp.gate.weight")]
+
+    def change(a, b, keys):
+        return max(float((a[k] - b[k]).abs().max()) for k in keys)
+
+    others = [k for k in initial if k not in gates]
+    return {"none_router_moved": change(after["none"], initial, gates),
+            "aux_vs_none_router": change(after["aux_loss"], after["none"], gates),
+            "frozen_router_moved": change(after["frozen"], initial, gates),
+            "frozen_others_moved": change(after["frozen"], initial, others)}
 
 
 def main() -> None:
@@ -145,6 +174,13 @@ def main() -> None:
             out[name] = "ERROR " + traceback.format_exc()
             print(f"[rank {rank}] {name}: {out[name]}", file=sys.stderr)
         out[name + "_s"] = time.time() - start
+    start = time.time()
+    try:
+        out["moe_keys"] = router_keys(model)
+    except Exception:  # noqa: BLE001
+        out["moe_keys"] = "ERROR " + traceback.format_exc()
+        print(f"[rank {rank}] moe_keys: {out['moe_keys']}", file=sys.stderr)
+    out["moe_keys_s"] = time.time() - start
     (tmp / f"rank_{rank}.json").write_text(json.dumps(out, indent=1, default=str))
     dist.barrier()
     dist.destroy_process_group()

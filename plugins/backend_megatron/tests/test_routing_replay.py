@@ -69,3 +69,12 @@ def test_without_replay_the_trainer_routes_differently_and_the_metric_counts_it(
     assert r["differing_calls"] > 0
     assert r["mismatched"] == r["differing_calls"]  # the metric counts exactly the tokens that routed differently
     assert r["compared"] == r["train_calls"]
+
+
+def test_aux_loss_coefficient_and_frozen_router_reach_the_training_step(results):
+    # EP=2, one step from the same weights: the aux loss changes the router's update, a frozen
+    # router does not move while the rest of the model does.
+    r = scenario(results, "moe_keys")
+    assert r["none_router_moved"] > 1e-4
+    assert r["aux_vs_none_router"] > 1e-6
+    assert r["frozen_router_moved"] == 0.0 and r["frozen_others_moved"] > 1e-4
