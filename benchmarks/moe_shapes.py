@@ -67,4 +67,5 @@ if __name__ == "__main__":
     for layers in (8, 10, 48):
         c = qwen3moe_config(layers)
         total, active = params(c)
-        print(f"{layers} layers: {total / 1e9:.2f}B total, {active / 1e9:.3f}B active matmul, AdamW state {adamw_state_gib(c):.0f} GiB")
+        print(f"{layers} layers: {total / 1e9:.2f}B total, {active / 1e9:.3f}B active matmul, "
+              f"AdamW state {adamw_state_gib(c):.0f} GiB")

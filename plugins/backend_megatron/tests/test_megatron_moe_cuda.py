@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_worker import SumNLL, make_batch  # noqa: E402
-from test_megatron_cuda import _exact_fp32, cuda_backend, exported, exported_initial, max_diff, mean_diff, te_loads  # noqa: E402,F401
+from test_megatron_cuda import (  # noqa: E402,F401 - fixtures by name
+    _exact_fp32, cuda_backend, exported, exported_initial, max_diff, mean_diff, te_loads)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -34,7 +35,8 @@ def moe_path(tiny_model_factory):
 
 
 def expert_modules(backend) -> set[str]:
-    return {type(m).__name__ for m in backend.module.modules() if type(m).__name__ in ("TEGroupedMLP", "GroupedMLP", "SequentialMLP")}
+    names = ("TEGroupedMLP", "GroupedMLP", "SequentialMLP")
+    return {type(m).__name__ for m in backend.module.modules() if type(m).__name__ in names}
 
 
 LOOP = {"moe_grouped_gemm": False, "moe_permute_fusion": False}
@@ -69,15 +71,16 @@ def test_grouped_gemm_training_step_equals_the_expert_loop_fp32(single_cuda_proc
     weight_diff = max(float((w_g[k] - w_l[k]).abs().max()) for k in w_l)
     initial = exported_initial(moe_path)
     moved = max(float((w_g[k] - initial[k]).abs().max()) for k in initial)
-    print(f"grouped vs loop training step (fp32): loss {loss_diff:.2e}, grad norm {norm_diff:.2e} rel, weights {weight_diff:.2e} "
-          f"(moved up to {moved:.2e})")
+    print(f"grouped vs loop training step (fp32): loss {loss_diff:.2e}, grad norm {norm_diff:.2e} rel, "
+          f"weights {weight_diff:.2e} (moved up to {moved:.2e})")
     assert loss_diff < 1e-3 and norm_diff < 5e-3 and weight_diff < 2e-2 * moved, (loss_diff, norm_diff, weight_diff, moved)
 
 
 def test_routing_replay_r2_on_transformer_engine_bf16(single_cuda_process_group, te_loads, moe_path):
     from routing_replay_worker import scenario
 
-    result = scenario(moe_path, device="cuda", precision="bfloat16", transformer_impl="transformer_engine", moe_router_replay="r2")
+    result = scenario(moe_path, device="cuda", precision="bfloat16", transformer_impl="transformer_engine",
+                      moe_router_replay="r2")
     print(f"R2 on TE, bf16: {result}")
     assert "grouped GEMM" in result["kernels"]
     assert result["optimizer_steps"] == 2.0 and result["differing_calls"] == 0 and result["mismatched"] > 0, result

@@ -364,6 +364,7 @@ class MegatronBackend:
         import gc
 
         self._reference.clear()
+        self.routing = None
         self.model = self.optimizer = self.scheduler = None  # type: ignore[assignment]
         gc.collect()
         if not self.on_cpu:

@@ -178,8 +178,7 @@ class RoutingReplay:
 
     def step_metrics(self) -> dict[str, float]:
         """``moe/routing_mismatch_fraction`` of the training passes since the last call (all ranks)."""
-        device = self.layers[0].mismatched.device if self.layers and self.layers[0].mismatched is not None else "cpu"
-        counts = torch.zeros(2, dtype=torch.float64, device=device)
+        counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # on the device: NCCL reduces device tensors
         for layer in self.layers:
             if layer.mismatched is not None:
                 counts += torch.stack([layer.mismatched, layer.compared]).double()
