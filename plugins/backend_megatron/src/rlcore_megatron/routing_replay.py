@@ -72,13 +72,20 @@ def check_replay(cfg: MegatronConfig, num_experts: int | None) -> None:
                           "'none', 'aux_loss' or 'seq_aux_loss'")
 
 
+def _forget(instance: RouterReplay) -> None:
+    """Drop ``instance`` from Megatron's process-wide list: this module drives one model's routers
+    itself, and the list would keep every model built in the process alive (the tests build many)."""
+    if instance in RouterReplay.global_router_replay_instances:
+        RouterReplay.global_router_replay_instances.remove(instance)
+
+
 class LayerReplay(RouterReplay):
     """One MoE layer's replay (see the module docstring); Megatron's ``RouterReplay`` plus the
     per-step bookkeeping."""
 
     def __init__(self, *, replay: bool, recompute_full: bool):
         super().__init__()
-        RouterReplay.global_router_replay_instances.remove(self)  # one model's routers, not the process's
+        _forget(self)
         self.replay, self.recompute_full = replay, recompute_full
         self.training_pass = False
         self.has_record_L: torch.Tensor | None = None
@@ -90,7 +97,7 @@ class LayerReplay(RouterReplay):
         if self.recompute_full and torch.is_grad_enabled():  # full recompute's second forward
             if not self.replay:
                 return default_compute_topk(scores, topk, num_groups, group_topk)
-            return self._megatron(RouterReplayAction.REPLAY_BACKWARD, scores, topk, num_groups, group_topk, default_compute_topk)
+            return self._megatron_action(RouterReplayAction.REPLAY_BACKWARD, scores, topk, num_groups, group_topk, default_compute_topk)
         natural = default_compute_topk(scores, topk, num_groups, group_topk)
         recorded_LK, has_LK = self.target_topk_idx.to(scores.device), self.has_record_L.to(scores.device)[:, None]
         differs_L = (natural[1].sort(dim=1).values != recorded_LK.sort(dim=1).values).any(dim=1) & has_LK[:, 0]
@@ -101,9 +108,10 @@ class LayerReplay(RouterReplay):
         self.target_topk_idx = torch.where(has_LK, recorded_LK, natural[1])
         if self.recompute_full:
             self.replay_backward_list.append(self.target_topk_idx)
-        return self._megatron(RouterReplayAction.REPLAY_FORWARD, scores, topk, num_groups, group_topk, default_compute_topk)
+        return self._megatron_action(RouterReplayAction.REPLAY_FORWARD, scores, topk, num_groups, group_topk, default_compute_topk)
 
-    def _megatron(self, action, *args):
+    def _megatron_action(self, action, *args):
+        """Megatron's own replay code under ``action`` (it reads the instance's action)."""
         saved, self.router_replay_action = self.router_replay_action, action
         try:
             return super().get_replay_topk(*args)
@@ -129,7 +137,7 @@ class RoutingReplay:
         tconfig = model.config
         routers = [m for m in model.modules() if getattr(m, "router_replay", None) is not None]
         for router in routers:
-            RouterReplay.global_router_replay_instances.remove(router.router_replay)
+            _forget(router.router_replay)
             router.router_replay = LayerReplay(replay=cfg.moe_router_replay == "r2",
                                                recompute_full=tconfig.recompute_granularity == "full")
         self.layers: list[LayerReplay] = [r.router_replay for r in routers]
