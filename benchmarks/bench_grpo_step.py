@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import moe_shapes  # noqa: E402
 import results_log  # noqa: E402
 
 PEAK_FLOPS = 989e12
@@ -50,6 +51,9 @@ NEMO_8B_ROW = {
     "policy.generation.gpu_memory_utilization": 0.3,
 }
 # name -> (shape, backend, overrides)
+MOE_SHAPES = {"qwen3moe": False, "tiny-moe": True}  # name -> tiny
+MOE_RUN = {"policy.train_global_batch_size": 128, "policy.megatron_cfg.empty_unused_memory_level": 1,
+           "policy.generation.gpu_memory_utilization": 0.3}
 TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "grpo.val_period": 0}
 
 CONFIGS = {
@@ -104,6 +108,15 @@ CONFIGS = {
     # The same shape of run at tiny scale on CPU: 8 gloo trainer processes (Ray actors).
     "tiny-8rank-fsdp2": ("tiny", "fsdp2", {"cluster.cpu_workers": 8, "cluster.use_ray": True, "policy.train_global_batch_size": 8}),
     "tiny-8rank-megatron": ("tiny", "megatron", {"cluster.cpu_workers": 8, "cluster.use_ray": True, "policy.train_global_batch_size": 8}),
+    # Mixture of experts (issue 23): Qwen3-30B-A3B's layer at 8 layers (moe_shapes.py) on one H200,
+    # colocated vLLM (its fused MoE kernels), expert weights refit in Hugging Face names. Two
+    # optimizer steps a GRPO step, so the second meets weights the old-logprob pass never saw:
+    # moe/routing_mismatch_fraction measured without replay, then with R2.
+    "qwen3moe-megatron": ("qwen3moe", "megatron", {"policy.megatron_cfg.moe_routing_metrics": True, **MOE_RUN}),
+    "qwen3moe-megatron-r2": ("qwen3moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r2", **MOE_RUN}),
+    "qwen3moe-fsdp2": ("qwen3moe", "fsdp2", MOE_RUN),
+    "tiny-moe-megatron-r2": ("tiny-moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r2",
+                                                      "policy.train_global_batch_size": 8}),
 }
 
 
@@ -114,7 +127,7 @@ def build_model(shape: str, root: Path, gpu: bool) -> Path:
     cached on GPU 0 and vLLM's wake-up then ran out of memory)."""
     path = root / f"model-{shape}"
     if not (path / "config.json").is_file():
-        if shape != "tiny" and gpu:
+        if shape not in ("tiny", "tiny-moe") and gpu:
             subprocess.run([sys.executable, __file__, "--build-model", shape, "--workdir", str(root)], check=True)
         else:
             _build_model_here(shape, path, device=None)
@@ -124,11 +137,31 @@ def build_model(shape: str, root: Path, gpu: bool) -> Path:
 def _build_model_here(shape: str, path: Path, device: str | None) -> None:
     from rlcore.testing.tiny import build_tiny_model, build_tokenizer
 
+    if shape in MOE_SHAPES:
+        _build_moe_model(shape, path, device)
+        return
     kwargs = dict(SHAPES[shape])
     real_size = shape != "tiny"
     build_tiny_model(path, "llama", dtype="bfloat16" if real_size else "float32", init_std=None if real_size else 0.05,
                      device=device, **kwargs)
     build_tokenizer(kwargs["vocab_size"]).save_pretrained(path)
+
+
+def _build_moe_model(shape: str, path: Path, device: str | None) -> None:
+    """Random-init Qwen3-MoE of ``moe_shapes.qwen3moe_config`` (transformers' own init), bf16 at real size."""
+    import torch
+    from rlcore.testing.tiny import build_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tiny = MOE_SHAPES[shape]
+    config = moe_shapes.qwen3moe_config(tiny=tiny)
+    if tiny:
+        config.vocab_size = 128
+    torch.manual_seed(0)
+    with torch.device(device or "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if tiny else torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer(config.vocab_size).save_pretrained(path)
 
 
 def gpu_available() -> bool:
@@ -165,13 +198,15 @@ def recipe(model: Path, backend: str, run_dir: Path, args, gpu: bool) -> dict:
 
 def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | None = None) -> dict:
     s = result["summary"]
-    cfg = SHAPES[shape]
-    params = sum_params(cfg)
     samples = args.prompts * args.samples
     tokens_per_sample = s.get("rollout/mean_response_tokens", 0.0)
     gen_tokens = samples * tokens_per_sample
     seq_len = tokens_per_sample + 16
-    train_flops = samples * seq_len * (6 * params + 6 * cfg["num_layers"] * cfg["hidden_size"] * seq_len)
+    if shape in MOE_SHAPES:  # active parameters (moe_shapes.py)
+        train_flops = moe_shapes.step_flops(moe_shapes.qwen3moe_config(tiny=MOE_SHAPES[shape]), [int(seq_len)] * samples)
+    else:
+        cfg = SHAPES[shape]
+        train_flops = samples * seq_len * (6 * sum_params(cfg) + 6 * cfg["num_layers"] * cfg["hidden_size"] * seq_len)
     records = [r for r in result["records"] if s["window_first"] <= r.get("step", -1) <= s["window_last"]]
     refit_gbps = [r["refit/gb_per_s"] for r in records if "refit/gb_per_s" in r]
     return {
@@ -184,7 +219,11 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         "probe_mean_abs_logprob_gap": _mean([r["refit/probe_mean_abs_logprob_diff"] for r in records
                                               if "refit/probe_mean_abs_logprob_diff" in r]),
         "steps_averaged": s.get("num_steps"),
+        **{key: _mean([r[key] for r in records if key in r]) for key in MOE_KEYS if any(key in r for r in records)},
     }
+
+
+MOE_KEYS = ("train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction")
 
 
 def _mean(values: list[float]) -> float | None:
@@ -212,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generator", default="vllm")
     parser.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR", tempfile.gettempdir() + "/rlcore-bench"))
     parser.add_argument("--json-out", default=None)
-    parser.add_argument("--build-model", default=None, choices=sorted(SHAPES), help=argparse.SUPPRESS)
+    parser.add_argument("--build-model", default=None, choices=sorted([*SHAPES, *MOE_SHAPES]), help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override applied after the configuration's own (YAML value), e.g. "
                              "policy.generation.engine_detokenize=true; the row's name shows it")

@@ -6,11 +6,16 @@
     python benchmarks/bench_train_megatron.py --shape 8b --tp 2 --with-fsdp2 --steps 5   # 2 GPUs (nvidia-h200-x2)
     python benchmarks/bench_train_megatron.py --shape 8b --gpus 2 --with-fsdp2           # Megatron DP=2, as fsdp2
     python benchmarks/bench_train_megatron.py --tiny --steps 3              # CPU smoke run (tiny shape, fp32)
+    python benchmarks/bench_train_megatron.py --shape qwen3moe --variants megatron,megatron-moe-loop,fsdp2 --mb-tokens 8192
+    python benchmarks/bench_train_megatron.py --shape qwen3moe --tiny --variants megatron,fsdp2 --steps 2  # CPU smoke
 
 Models (random init from the config, built by the backend itself: ``MegatronBackend(...,
 hf_config=...)``): ``1b`` = Llama-3.2-1B shape (hidden 2048, 16 layers, GQA 32/8, head_dim 64,
 intermediate 8192, vocab 128256, tied embeddings); ``8b`` = Llama-3.1-8B shape (hidden 4096, 32
-layers, GQA 32/8, intermediate 14336, vocab 128256, untied). bf16 parameters, fp32 main weights
+layers, GQA 32/8, intermediate 14336, vocab 128256, untied); ``qwen3moe`` = Qwen3-30B-A3B's layer
+(128 experts of FFN 768, top-8, GQA 32/4, head_dim 128, vocab 151936) at 8 layers (``--layers``):
+5.61B parameters, 0.77B active matmul parameters a token (``moe_shapes.py`` says why 8 fits one
+H200); its MFU counts active parameters. bf16 parameters, fp32 main weights
 and gradient reduction in Megatron's distributed optimizer, AdamW. Each optimizer step trains
 ``--micro-batches`` packed micro-batches of at most ``--mb-tokens`` tokens per data-parallel rank
 (random lengths in [``--min-len``, ``--max-len``], rlcore's packer) with the registered ``sft``
@@ -21,7 +26,8 @@ same global batches. ``--profile DIR`` profiles two more steps (see ``trace_summ
 Variants (``--variants``, comma-separated; each a ``policy.megatron_cfg`` override of the
 defaults): ``megatron`` (the defaults: Transformer Engine's layers when TE loads, flash
 attention, fused RoPE/SwiGLU/weight-gradient accumulation, MLPs through TE's op fuser),
-``megatron-no-opfuse``, ``megatron-local`` (Megatron's local
+``megatron-no-opfuse``, ``megatron-moe-loop`` (MoE experts as a loop of TE linears, unfused permute:
+the path before grouped GEMM), ``megatron-local`` (Megatron's local
 spec), ``megatron-te-attn`` (TE's cuDNN attention), ``megatron-unfused-wgrad``, ``megatron-fp8``
 (tensorwise), ``megatron-fp8-delayed``, ``megatron-fp8-blockwise``, ``megatron-fp8-delayed-no-opfuse``,
 ``megatron-plain`` (a plain
@@ -53,6 +59,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train_fsdp2 as common  # noqa: E402  (model shapes, FLOP formula, batch maker)
+import moe_shapes  # noqa: E402
 import results_log  # noqa: E402
 from rlcore.utils import free_port  # noqa: E402
 
@@ -67,6 +74,7 @@ MEGATRON_VARIANTS = {
     "megatron-no-opfuse": {"use_te_op_fuser": False},
     "megatron-fp8-delayed-no-opfuse": {"fp8_cfg": {"enabled": True, "fp8_recipe": "delayed"}, "use_te_op_fuser": False},
     "megatron-plain": {},
+    "megatron-moe-loop": {"moe_grouped_gemm": False, "moe_permute_fusion": False},
 }
 FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True}
 
@@ -79,7 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--mb-tokens", type=int, default=4096, help="token budget of a micro-batch")
     p.add_argument("--min-len", type=int, default=256)
     p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--shape", choices=("1b", "8b"), default="1b")
+    p.add_argument("--shape", choices=("1b", "8b", "qwen3moe"), default="1b")
+    p.add_argument("--layers", type=int, default=moe_shapes.DEFAULT_LAYERS, help="depth of the qwen3moe shape")
+    p.add_argument("--ep", type=int, default=1, help="Megatron expert-parallel size (MoE shapes)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--gpus", type=int, default=None, help="processes/GPUs (default: --tp); Megatron's DP = gpus / tp")
     p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (with --tp > 1)")
@@ -96,6 +106,8 @@ def parse_args(argv=None):
 
 
 def model_config(args):
+    if args.shape == "qwen3moe":
+        return moe_shapes.qwen3moe_config(args.layers, tiny=args.tiny)
     if args.tiny or args.shape == "1b":
         return common.model_config(args.tiny)
     from transformers import LlamaConfig
@@ -120,7 +132,7 @@ def megatron_section(args, overrides: dict):
     from rlcore_megatron.config import SECTION, MegatronConfig
 
     data = {"enabled": True, "tensor_model_parallel_size": args.tp, "activation_checkpointing": args.ac,
-            "sequence_parallel": args.sp, "optimizer": {"lr": 1e-5, "weight_decay": 0.01, "clip_grad": 1.0}, **overrides}
+            "sequence_parallel": args.sp, **({"expert_model_parallel_size": args.ep} if args.ep > 1 else {}), "optimizer": {"lr": 1e-5, "weight_decay": 0.01, "clip_grad": 1.0}, **overrides}
     return structure(MegatronConfig, data, SECTION)
 
 
@@ -217,6 +229,23 @@ def make_batch(args, vocab: int, gen: torch.Generator, dp: int):
     return common.make_batch(scaled, vocab, gen)
 
 
+def shape_label(args) -> str:
+    if args.shape == "qwen3moe":
+        return f"{'tiny-' if args.tiny else ''}qwen3moe x{args.layers if not args.tiny else 2} layers"
+    return "tiny" if args.tiny else args.shape
+
+
+def step_flops(hf_config, lengths: list[int]) -> float:
+    """Training FLOPs of a step: dense shapes count every parameter, MoE shapes the active ones."""
+    if getattr(hf_config, "num_experts", None):
+        return moe_shapes.step_flops(hf_config, lengths)
+    return common.step_flops(hf_config, lengths)
+
+
+def matmul_params(hf_config) -> int:
+    return moe_shapes.params(hf_config)[1] if getattr(hf_config, "num_experts", None) else common.matmul_params(hf_config)
+
+
 def run_variant(args, name: str, hf_config, device: str) -> dict:
     from rlcore.algorithms.sft import SFT
 
@@ -238,7 +267,7 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             tokens.append(sum(batch.lengths()))
-            flops.append(common.step_flops(hf_config, batch.lengths()))
+            flops.append(step_flops(hf_config, batch.lengths()))
             mbs.append(metrics["num_micro_batches"])
         if not all(v == v for v in metrics.values()):
             raise RuntimeError(f"{name}: non-finite metrics at step {step}: {metrics}")
@@ -280,8 +309,8 @@ def worker(rank: int, world: int, port: int, args) -> int:
                                 rank=rank, world_size=world, **({"device_id": torch.device("cuda", rank)} if device == "cuda" else {}))
     hf_config = model_config(args)
     if rank == 0:
-        print(f"device={device} gpus={world} torch={torch.__version__} shape={'tiny' if args.tiny else args.shape} "
-              f"N_matmul={common.matmul_params(hf_config) / 1e9:.3f}e9 micro-batches/step/DP rank={args.micro_batches} "
+        print(f"device={device} gpus={world} torch={torch.__version__} shape={shape_label(args)} "
+              f"N_matmul={matmul_params(hf_config) / 1e9:.3f}e9 (active) micro-batches/step/DP rank={args.micro_batches} "
               f"x {args.mb_tokens} tokens, lengths [{args.min_len}, {args.max_len}], host {common.host_speed_us():.2f} us "
               "per small eager op", flush=True)
     variants = args.variants.split(",") + (["fsdp2-compile"] if args.with_fsdp2 and "fsdp2-compile" not in args.variants else [])
@@ -304,7 +333,7 @@ def worker(rank: int, world: int, port: int, args) -> int:
         for r in rows:
             if r["kernels"]:
                 print(f"{r['variant']}: {r['kernels']}")
-        shape = "tiny" if args.tiny else args.shape
+        shape = shape_label(args)
         path = results_log.append(rows, bench="bench_train_megatron", gpus=world,
                                   config=f"{shape}, {args.micro_batches} x {args.mb_tokens} tokens/step/DP rank, lengths "
                                          f"[{args.min_len}, {args.max_len}], steps {args.steps} (+{args.warmup} warm-up)")

@@ -88,6 +88,11 @@ class MegatronBackend:
         if hf_config is None:
             load_hf_into_megatron(model, self.model_path, self.hf_config)
         self.model = parallel.wrap_ddp(model, cfg)
+        self.routing = None  # MoE routing replay / mismatch measurement (routing_replay.py)
+        if cfg.moe_router_replay != "none" or cfg.moe_routing_metrics:
+            from rlcore_megatron.routing_replay import RoutingReplay
+
+            self.routing = RoutingReplay(model, cfg, pad_multiple=self._pad_multiple())
         self.optimizer = parallel.build_optimizer(self.model, cfg, config)
         self.scheduler = parallel.build_scheduler(self.optimizer, cfg, config)
         # The reference policy is the initial one: a host copy of this rank's shard.
@@ -132,12 +137,18 @@ class MegatronBackend:
     def _forward_step(self, loss_fn, data_iterator, model):
         """Run one micro-batch; ``loss_fn(mb, logprobs_fn, output)`` gets token-aligned logprobs via ``logprobs_fn``."""
         mb, ids, pos, params, logprobs_fn = next(data_iterator)
+        if self.routing is not None:
+            self.routing.next_micro_batch()
         output = model(ids, pos, None, packed_seq_params=params)
+        if self.routing is not None:
+            self.routing.after_forward()
         return output, partial(loss_fn, mb, logprobs_fn)
 
     def _run_schedule(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict]:
         # Every micro-batch's inputs are copied up front, while the GPU is still busy with earlier work.
         inputs = [self._model_inputs(mb) for mb in mbs]
+        if self.routing is not None:
+            self.routing.queue(mbs)
         schedule = get_forward_backward_func()
         return schedule(
             forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(inputs), model=[self.model],
@@ -151,6 +162,9 @@ class MegatronBackend:
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
         if reference:
             with self._swapped(self._reference):
+                return self._logprobs(batch)
+        if self.routing is not None:  # the latest policy logprob pass is the one training replays
+            with self.routing.recording():
                 return self._logprobs(batch)
         return self._logprobs(batch)
 
@@ -221,9 +235,12 @@ class MegatronBackend:
         mbs = self.micro_batches(batch, policy.sequence_packing.train_mb_tokens, policy.train_micro_batch_size)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run_schedule(mbs, partial(self._loss_fn, algorithm, totals), forward_only=False)
+        with self.routing.training() if self.routing is not None else contextlib.nullcontext():
+            outputs = self._run_schedule(mbs, partial(self._loss_fn, algorithm, totals), forward_only=False)
         self._maybe_empty_cache(2)
         metrics = self._reduce_metrics(outputs)
+        if self.routing is not None:
+            metrics.update(self.routing.step_metrics())
         if not math.isfinite(metrics.get("loss", 0.0)) or not self._grads_finite():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -347,6 +364,7 @@ class MegatronBackend:
         import gc
 
         self._reference.clear()
+        self.routing = None
         self.model = self.optimizer = self.scheduler = None  # type: ignore[assignment]
         gc.collect()
         if not self.on_cpu:

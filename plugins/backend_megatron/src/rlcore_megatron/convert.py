@@ -27,6 +27,17 @@ from megatron.core import parallel_state as mpu
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+# Grouped GEMM (TE's grouped linear, ``TEGroupedMLP``): one module per projection, one weight per local expert.
+GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
+
+
+def expert_match(rest: str) -> tuple[int, str] | None:
+    """(local expert index, 'linear_fc1' | 'linear_fc2') of a layer-relative Megatron expert weight name, either layout."""
+    e = EXPERT.match(rest)
+    if e:
+        return int(e.group(1)), e.group(2)
+    g = GROUPED_EXPERT.match(rest)
+    return (int(g.group(2)), g.group(1)) if g else None
 LAYER_MAP = {
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
@@ -137,11 +148,11 @@ def megatron_value(local: str, get: Callable[[str], torch.Tensor], s: Shape, glo
         return _fc1(get(pre + "mlp.gate_proj.weight"), get(pre + "mlp.up_proj.weight"), tp, tpr)
     if rest == "mlp.linear_fc2.weight":
         return _chunk(get(pre + "mlp.down_proj.weight"), tp, tpr, dim=1)
-    e = EXPERT.match(rest)
+    e = expert_match(rest)
     if e:
         etp, etpr = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank()
-        xp = f"{pre}mlp.experts.{expert_offset + int(e.group(1))}."
-        if e.group(2) == "linear_fc1":
+        xp = f"{pre}mlp.experts.{expert_offset + e[0]}."
+        if e[1] == "linear_fc1":
             return _fc1(get(xp + "gate_proj.weight"), get(xp + "up_proj.weight"), etp, etpr)
         return _chunk(get(xp + "down_proj.weight"), etp, etpr, dim=1)
     raise KeyError(f"no Hugging Face source for Megatron parameter {local!r}")
@@ -234,10 +245,10 @@ def stage_hf_weights(model, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         elif rest == "mlp.linear_fc2.weight":
             yield pre + "mlp.down_proj.weight", _gather(t, tpg, 1)
         else:
-            e = EXPERT.match(rest)
+            e = expert_match(rest)
             if not e:
                 raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
-            yield from _expert_weights(t, int(e.group(1)), e.group(2), pre, s, etpg, epg)
+            yield from _expert_weights(t, e[0], e[1], pre, s, etpg, epg)
 
 
 def _expert_weights(t, local_idx, kind, pre, s: Shape, etpg, epg):

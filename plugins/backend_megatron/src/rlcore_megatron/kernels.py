@@ -4,6 +4,9 @@
 ``auto`` takes Transformer Engine (TE) when its torch extension loads and the run is on CUDA.
 The fusions that follow from it (RoPE, SwiGLU, weight-gradient accumulation, FP8) are resolved
 here once, so the model builder, the backend and the benchmarks read one :class:`Kernels`.
+MoE experts follow the same rule: grouped GEMM (TE's grouped linear) and fused permute/unpermute
+are on with TE; the local spec keeps Megatron's loop over experts (its grouped path needs the
+CUDA-only ``grouped_gemm`` package) and says so in :meth:`Kernels.describe`.
 
 Weight-gradient accumulation fusion is switched on per TE module after the model is built, not
 through ``TransformerConfig.gradient_accumulation_fusion``: that flag also reaches the output
@@ -33,6 +36,8 @@ class Kernels:
     wgrad_fusion: bool
     fp8: MegatronFP8Config | None  # None: no FP8
     te_op_fuser: bool = False  # dense MLPs as one TE op sequence
+    moe_grouped_gemm: bool = False  # MoE experts as one TE grouped linear (else a loop over experts)
+    moe_permute_fusion: bool = False  # TE's fused token permute/unpermute
 
     @property
     def token_multiple(self) -> int:
@@ -44,7 +49,9 @@ class Kernels:
         fused = [name for name, on in (("rope", self.rope_fusion), ("swiglu", self.swiglu_fusion),
                                        ("wgrad-accumulation", self.wgrad_fusion), ("te-op-fuser-mlp (dense layers)", self.te_op_fuser)) if on]
         fp8 = f", fp8 {self.fp8.fp8}/{self.fp8.fp8_recipe}" if self.fp8 is not None else ""
-        return f"{impl} layers, {self.core_attention} attention, fused: {', '.join(fused) or 'none'}{fp8}"
+        moe = (f"; MoE experts: {'grouped GEMM' if self.moe_grouped_gemm else 'loop over experts'}, "
+               f"permute fusion {'on' if self.moe_permute_fusion else 'off'}")
+        return f"{impl} layers, {self.core_attention} attention, fused: {', '.join(fused) or 'none'}{fp8}{moe}"
 
 
 def resolve(cfg: MegatronConfig, *, on_cuda: bool) -> Kernels:
@@ -53,7 +60,8 @@ def resolve(cfg: MegatronConfig, *, on_cuda: bool) -> Kernels:
     if not te:
         for key, on in (("fp8_cfg.enabled", cfg.fp8_cfg.enabled), ("core_attention", cfg.core_attention == "transformer_engine"),
                         ("gradient_accumulation_fusion", cfg.gradient_accumulation_fusion),
-                        ("apply_rope_fusion", cfg.apply_rope_fusion), ("use_te_op_fuser", cfg.use_te_op_fuser)):
+                        ("apply_rope_fusion", cfg.apply_rope_fusion), ("use_te_op_fuser", cfg.use_te_op_fuser),
+                        ("moe_grouped_gemm", cfg.moe_grouped_gemm), ("moe_permute_fusion", cfg.moe_permute_fusion)):
             if on:
                 raise ConfigError(f"{SECTION}.{key}", "needs Transformer Engine's layers, which this run does not use "
                                   f"(transformer_impl={cfg.transformer_impl!r}, {'CUDA' if on_cuda else 'no CUDA device'})")
@@ -66,6 +74,8 @@ def resolve(cfg: MegatronConfig, *, on_cuda: bool) -> Kernels:
         swiglu_fusion=on_cuda if cfg.bias_activation_fusion is None else cfg.bias_activation_fusion,
         wgrad_fusion=te if cfg.gradient_accumulation_fusion is None else cfg.gradient_accumulation_fusion,
         fp8=cfg.fp8_cfg if cfg.fp8_cfg.enabled else None, te_op_fuser=te if cfg.use_te_op_fuser is None else cfg.use_te_op_fuser,
+        moe_grouped_gemm=te if cfg.moe_grouped_gemm is None else cfg.moe_grouped_gemm,
+        moe_permute_fusion=te if cfg.moe_permute_fusion is None else cfg.moe_permute_fusion,
     )
 
 

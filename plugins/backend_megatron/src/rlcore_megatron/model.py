@@ -133,7 +133,8 @@ def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None, k
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm,
-                                                          use_te_op_fuser=kernels.te_op_fuser and not num_experts)
+                                                          use_te_op_fuser=kernels.te_op_fuser and not num_experts,
+                                                          moe_grouped_gemm=bool(num_experts) and kernels.moe_grouped_gemm)
         if kernels.core_attention == "flash":
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         return spec
@@ -156,14 +157,11 @@ def transformer_config(hf_config, cfg: MegatronConfig, kernels: Kernels, *, para
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     moe: dict[str, Any] = {}
     if arch == "qwen3_moe":
-        moe = dict(
-            num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
-            moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_router_pre_softmax=not hf_config.norm_topk_prob,
-            moe_router_score_function="softmax", moe_grouped_gemm=False,
-            moe_aux_loss_coeff=0.0, moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
-            moe_router_dtype=cfg.moe_router_dtype, moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
-            moe_router_enable_expert_bias=cfg.moe_router_bias_update_rate > 0, moe_permute_fusion=False,
-        )
+        moe = moe_config(hf_config, cfg, kernels)
+    else:
+        from rlcore_megatron.routing_replay import check_replay
+
+        check_replay(cfg, None)
     pipeline_dtype = torch_dtype(cfg.pipeline_dtype) if cfg.pipeline_dtype else params_dtype
     recompute = cfg.recompute
     fp8: dict[str, Any] = {}
@@ -186,7 +184,30 @@ def transformer_config(hf_config, cfg: MegatronConfig, kernels: Kernels, *, para
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
         recompute_modules=["core_attn"] if recompute == "selective" else None,
-        cross_entropy_loss_fusion=False, moe_token_dispatcher_type="alltoall", **moe, **fp8,
+        cross_entropy_loss_fusion=False, moe_token_dispatcher_type=cfg.moe_token_dispatcher_type, **moe, **fp8,
+    )
+
+
+def moe_config(hf_config, cfg: MegatronConfig, kernels: Kernels) -> dict[str, Any]:
+    """``TransformerConfig`` MoE fields for Qwen3-MoE from ``policy.megatron_cfg``; combinations
+    Megatron would refuse deep inside its config are ConfigErrors naming the key."""
+    if cfg.moe_router_bias_update_rate > 0:
+        raise ConfigError(f"{SECTION}.moe_router_bias_update_rate", "Megatron's aux-loss-free expert bias needs the sigmoid "
+                          "router score, and Qwen3-MoE routes with softmax; keep it 0")
+    if cfg.moe_aux_loss_coeff > 0 and cfg.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss"):
+        raise ConfigError(f"{SECTION}.moe_aux_loss_coeff", f"is {cfg.moe_aux_loss_coeff} but moe_router_load_balancing_type is "
+                          f"{cfg.moe_router_load_balancing_type!r}; set it to 'aux_loss' or 'seq_aux_loss'")
+    from rlcore_megatron.routing_replay import check_replay
+
+    check_replay(cfg, hf_config.num_experts)
+    return dict(
+        num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size, moe_router_pre_softmax=not hf_config.norm_topk_prob,
+        moe_router_score_function="softmax", moe_grouped_gemm=kernels.moe_grouped_gemm,
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+        moe_router_dtype=cfg.moe_router_dtype, moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+        moe_router_enable_expert_bias=cfg.moe_router_bias_update_rate > 0, moe_permute_fusion=kernels.moe_permute_fusion,
+        moe_enable_routing_replay=cfg.moe_router_replay != "none" or cfg.moe_routing_metrics,
     )
 
 
