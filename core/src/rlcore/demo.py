@@ -59,11 +59,26 @@ def greedy_accuracy(generator, environment, samples, max_new_tokens: int = 6) ->
     return sum(is_correct(t.reward, t.env_metrics) for t in trajs) / len(trajs)
 
 
+# The demo's own SFT warm start (``make demo``): its data draws the 200 held-out problems it stops
+# on, so the warm start, and the GRPO run after it, are the ones README and RESULTS.md report.
+DEMO_SFT_DATA = {"name": "arithmetic", "digits": 2, "operations": ["+"], "num_validation": 200, "seed": 1}
+
+
 def sft_config(recipe, base_dir: Path, lr: float, warmup: int):
-    """The recipe's policy, data and environment, with the ``sft`` algorithm and the fsdp2 backend."""
+    """The recipe's policy, data and environment, with the ``sft`` algorithm and the fsdp2 backend;
+    without a recipe, the demo's own (2-digit addition, fp32, CPU)."""
     from rlcore.config import build_config
     from rlcore.config.loader import to_dict
 
+    if recipe is None:
+        return build_config({
+            "policy": {"model_name": str(base_dir), "precision": "float32", "max_total_sequence_length": 64,
+                       "optimizer": {"lr": lr, "weight_decay": 0.0}, "max_grad_norm": 1.0,
+                       "dtensor_cfg": {"enabled": True}},
+            "algorithm": {"name": "sft"},
+            "data": DEMO_SFT_DATA,
+            "env": {"name": "math", "math": {"executor": "inline"}},
+        })
     tree = to_dict(recipe)
     policy = tree["policy"]
     return build_config({
@@ -80,7 +95,7 @@ def sft_config(recipe, base_dir: Path, lr: float, warmup: int):
 
 
 def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int, batch_size: int, lr: float,
-                   recipe=None, warmup: int = 0, eval_every: int = 10) -> dict:
+                   recipe=None, warmup: int = 0, eval_every: int = 25) -> dict:
     """SFT with the registered ``sft`` algorithm and ``fsdp2`` backend, stopping at ``target``.
 
     Without a ``recipe``, the demo's own settings (2-digit addition, fp32, CPU); with one, its
@@ -94,10 +109,9 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     from rlcore.plugins import get_plugin_manager
     from transformers import AutoTokenizer
 
-    recipe = recipe or default_recipe()
     config = sft_config(recipe, base_dir, lr, warmup)
     device = "cuda" if config.cluster.gpus_per_node else "cpu"
-    max_new_tokens = recipe.generation.max_new_tokens
+    max_new_tokens = recipe.generation.max_new_tokens if recipe is not None else 6
     manager = get_plugin_manager()
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     data_cfg = config.section("data")
@@ -130,12 +144,6 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     return history[-1] if history else {}
 
 
-def default_recipe():
-    import rlcore
-
-    return rlcore.load_config(RECIPE, ["policy.model_name=unused"])
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo", help="working directory")
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sft-batch-size", type=int, default=128)
     parser.add_argument("--sft-lr", type=float, default=1e-3)
     parser.add_argument("--sft-warmup", type=int, default=0, help="SFT learning-rate warmup steps")
-    parser.add_argument("--sft-eval-every", type=int, default=10, help="SFT steps between held-out evaluations (its accuracy jumps within a few dozen steps: evaluate often enough to stop near the target)")
+    parser.add_argument("--sft-eval-every", type=int, default=25, help="SFT steps between held-out evaluations (accuracy can jump within a few dozen steps: evaluate often enough to stop near the target)")
     parser.add_argument("--sft-only", action="store_true", help="stop after the SFT warm start (GRPO runs follow with rlcore run)")
     parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="tiny", help="model preset (random init)")
     parser.add_argument("--recipe", default=str(RECIPE))
@@ -166,8 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
     recipe = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", *args.overrides])
     if not (sft / "config.json").is_file():
         print(f"SFT warm start of {base} (target held-out accuracy {args.sft_target:.0%})", flush=True)
+        own = Path(args.recipe).resolve() == RECIPE  # the demo's recipe: the demo's own warm start
         sft_warm_start(base, sft, args.sft_target, args.sft_max_steps, args.sft_batch_size, args.sft_lr,
-                       recipe=recipe, warmup=args.sft_warmup, eval_every=args.sft_eval_every)
+                       recipe=None if own else recipe, warmup=args.sft_warmup, eval_every=args.sft_eval_every)
     if args.sft_only:
         return {"sft": str(sft)}
     # Each demo is a new GRPO run in <out>/grpo (a run directory holds one run); the SFT warm
