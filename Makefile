@@ -36,7 +36,7 @@ test: install
 # installed into a directory of their own (the shared .venv stays as it is), then the demo trained
 # by ddp and sampled by hf_static, failing unless held-out accuracy rises by 0.25. .ci/run calls it.
 EXAMPLES_SITE := runs/examples-site
-EXAMPLES_DEMO := policy.ddp_cfg.enabled=true policy.generation.backend=hf_static grpo.max_num_steps=120
+EXAMPLES_DEMO := policy.ddp_cfg.enabled=true policy.generation.backend=hf_static
 demo-examples: install
 	rm -rf $(EXAMPLES_SITE)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation --target $(EXAMPLES_SITE) \
