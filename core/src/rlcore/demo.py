@@ -73,8 +73,8 @@ def sft_config(recipe, base_dir: Path, lr: float, warmup: int):
     if recipe is None:
         return build_config({
             "policy": {"model_name": str(base_dir), "precision": "float32", "max_total_sequence_length": 64,
-                       "optimizer": {"lr": lr, "weight_decay": 0.0}, "max_grad_norm": 1.0,
-                       "dtensor_cfg": {"enabled": True}},
+                       "optimizer": {"lr": lr, "weight_decay": 0.0}, "scheduler": {"warmup_steps": warmup},
+                       "max_grad_norm": 1.0, "dtensor_cfg": {"enabled": True}},
             "algorithm": {"name": "sft"},
             "data": DEMO_SFT_DATA,
             "env": {"name": "math", "math": {"executor": "inline"}},
