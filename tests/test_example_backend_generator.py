@@ -10,7 +10,6 @@ environment unchanged.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,17 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from test_example_plugin import _env  # a child process environment without rlcore variables, the given site on the path
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"rlcore-ddp": REPO / "examples" / "ddp_backend_plugin",
             "rlcore-hf-static": REPO / "examples" / "hf_static_generator_plugin"}
 BIN = Path(sys.executable).parent
-
-
-def _env(site: Path | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLCORE_") and k != "PYTHONPATH"}
-    if site is not None:
-        env["PYTHONPATH"] = str(site)
-    return dict(env, COLUMNS="250", NO_COLOR="1")
 
 
 def _run(args: list[str], site: Path | None, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
