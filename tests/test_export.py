@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from rlcore.cli import main as rlcore_main
+from rlcore.testing.ranks import run_ranks
 from rlcore.utils import free_port
 
 WORKER = Path(__file__).with_name("_export_worker.py")
@@ -27,17 +27,9 @@ def exported(tiny_model_factory, tmp_path_factory):
     out = tmp_path_factory.mktemp("export")
     port = str(free_port())
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, model, str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        logs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs) or not (out / "results.json").is_file():
-        pytest.fail("export workers failed:\n" + "\n".join(log[-4000:] for log in logs))
+    logs = run_ranks(WORKER, [port, model, out], what="export workers", timeout=400, env=env)
+    if not (out / "results.json").is_file():
+        pytest.fail("export workers wrote no results:\n" + "\n".join(log[-4000:] for log in logs))
     return out, json.loads((out / "results.json").read_text())
 
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from rlcore.testing.ranks import run_ranks
 from rlcore.utils import free_port
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -25,18 +24,9 @@ def results(tiny_model_factory, tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron-dist")
     port = str(free_port())
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, json.dumps(models), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=420)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs) or not (out / "rank_0.json").is_file():
-        pytest.fail("megatron workers failed:\n" + "\n".join(log[-4000:] for log in logs))
+    logs = run_ranks(WORKER, [port, json.dumps(models), out], what="megatron workers", timeout=420, env=env)
+    if not (out / "rank_0.json").is_file():
+        pytest.fail("megatron workers wrote no results:\n" + "\n".join(log[-4000:] for log in logs))
     data = json.loads((out / "rank_0.json").read_text())
     errors = {k: v for k, v in data.items() if isinstance(v, str) and v.startswith("ERROR")}
     data["_errors"] = errors

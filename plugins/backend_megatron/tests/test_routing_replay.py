@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from rlcore.testing.ranks import run_ranks
 from rlcore.utils import free_port
 
 WORKER = Path(__file__).with_name("routing_replay_worker.py")
@@ -27,18 +26,9 @@ def results(tiny_model_factory, tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron-replay")
     port = str(free_port())
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, model, str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs) or not (out / "rank_0.json").is_file():
-        pytest.fail("routing replay workers failed:\n" + "\n".join(log[-4000:] for log in logs))
+    logs = run_ranks(WORKER, [port, model, out], what="routing replay workers", timeout=300, env=env)
+    if not (out / "rank_0.json").is_file():
+        pytest.fail("routing replay workers wrote no results:\n" + "\n".join(log[-4000:] for log in logs))
     data = json.loads((out / "rank_0.json").read_text())
     print({k: round(v, 1) for k, v in data.items() if k.endswith("_s")})
     return data
