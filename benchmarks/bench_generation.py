@@ -15,6 +15,8 @@ batch, then ``--repeats`` timed batches, median reported. Prints one JSON line p
 text token by token in its output loop, its default) and ``batched-detok`` (rlcore's default:
 one batched decode per response). ``--engine-process`` runs vLLM's engine core in its own process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), overlapping output handling with the next step.
+``--quantization none,fp8`` compares the bf16 engine with vLLM's online FP8 (per-tensor W8A8,
+the weights quantized as they load), each in its own process. Rows go to ``benchmarks/results.jsonl``.
 ``--profile DIR``: one more batch of the first variant under cProfile (host time by function,
 top rows printed, ``.pstats`` written), and a short batch under torch.profiler (Chrome trace
 for ``trace_summary.py``: how busy the GPU is between decode steps).
@@ -31,7 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_log  # noqa: E402
 
 VARIANTS = {"engine-detok": True, "batched-detok": False}  # name -> VllmConfig.engine_detokenize
 
@@ -57,7 +60,8 @@ def run_mode(args) -> list[dict]:
     dtype = "bfloat16" if cuda else "float32"
     model_dir = config_only_model(Path(args.workdir) / args.shape, args.shape, dtype)
     cfg = VllmConfig(enforce_eager=args.mode == "eager", gpu_memory_utilization=args.gpu_memory_utilization,
-                     max_num_seqs=args.max_num_seqs, kv_cache_space_gib=args.kv_cache_space_gib, enable_prefix_caching=False)
+                     max_num_seqs=args.max_num_seqs, kv_cache_space_gib=args.kv_cache_space_gib, enable_prefix_caching=False,
+                     quantization=args.quantization)
     start = time.perf_counter()
     gen = VllmGenerator(str(model_dir), cfg, max_model_len=args.prompt_len + args.new_tokens + 8, dtype=dtype, seed=0,
                         device="cuda" if cuda else "cpu", engine_kwargs={"load_format": "dummy"})
@@ -79,7 +83,8 @@ def run_mode(args) -> list[dict]:
             times.append(time.perf_counter() - t0)
             tokens = sum(len(r.response_ids) for per_prompt in results for r in per_prompt)
         seconds = statistics.median(times)
-        rows.append({"bench": "generation", "shape": args.shape, "mode": args.mode, "variant": variant,
+        rows.append({"bench": "generation", "shape": args.shape, "mode": args.mode, "quantization": args.quantization,
+                     "variant": variant if args.quantization == "none" else f"{variant}-{args.quantization}",
                      "engine_process": args.engine_process, "device": "cuda" if cuda else "cpu",
                      "num_prompts": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "generated_tokens": tokens,
@@ -91,6 +96,7 @@ def run_mode(args) -> list[dict]:
         gen.config = attrs.evolve(base_config, engine_detokenize=VARIANTS[args.variants.split(",")[0]])
         profile(gen, prompts, params, Path(args.profile), f"gen-{args.mode}-{'mp' if args.engine_process else 'inproc'}", cuda)
     gen.shutdown()
+    results_log.append(rows, bench="bench_generation", config=f"{args.shape}-{args.mode}", gpus=1 if cuda else 0)
     return rows
 
 
@@ -139,6 +145,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-space-gib", type=float, default=0.5)
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--quantization", default="none", help="comma list of none, fp8 (a fresh engine process each)")
     args = parser.parse_args()
     tiny = args.tiny
     args.shape = args.shape or ("tiny" if tiny else "1.2b")
@@ -148,21 +155,35 @@ def main() -> None:
     args.new_tokens = args.new_tokens or (32 if tiny else 512)
     if tiny:
         args.repeats = min(args.repeats, 2)
-    if args.mode != "both":
+    quantizations = args.quantization.split(",")
+    if unknown := set(quantizations) - {"none", "fp8"}:
+        parser.error(f"--quantization: unknown {sorted(unknown)}; choose from ['fp8', 'none']")
+    if args.mode != "both" and len(quantizations) == 1:
         args.workdir = args.workdir or tempfile.mkdtemp(prefix="rlcore-bench-gen-")
         unknown = set(args.variants.split(",")) - set(VARIANTS)
         if unknown:
             parser.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(VARIANTS)}")
         run_mode(args)
         return
-    for mode in ("eager", "graphs"):  # a fresh process (and engine) per mode
-        argv, skip = [], False
-        for arg in sys.argv[1:]:  # drop "--mode X" and "--mode=X"
-            if skip or arg.startswith("--mode"):
-                skip = arg == "--mode" and not skip
-                continue
-            argv.append(arg)
-        subprocess.run([sys.executable, __file__, *argv, "--mode", mode], check=True)
+    argv = _without(sys.argv[1:], ("--mode", "--quantization"))
+    env = {**__import__("os").environ, "RLCORE_RUN_ID": results_log.RUN_ID}  # one call: one run id
+    for mode in ("eager", "graphs") if args.mode == "both" else (args.mode,):  # a fresh process (and engine) each
+        for quantization in quantizations:
+            subprocess.run([sys.executable, __file__, *argv, "--mode", mode, "--quantization", quantization], check=True, env=env)
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without ``--option X`` and ``--option=X`` for each of ``options``."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg.startswith(options):
+            skip = arg in options
+            continue
+        kept.append(arg)
+    return kept
 
 
 if __name__ == "__main__":

@@ -68,6 +68,10 @@ CONFIGS = {
     "llama1b-megatron-no-opfuse": ("llama1b", "megatron", {"policy.megatron_cfg.use_te_op_fuser": False}),
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True}),
+    # FP8 rollouts (issue 24): vLLM's online FP8 re-quantizes every refit's bf16 weights as they
+    # load; token-level truncated IS corrects for the wider generator-trainer gap.
+    "llama1b-megatron-fp8gen": ("llama1b", "megatron", {"policy.generation.quantization": "fp8",
+                                                        "algorithm.rollout_correction": {"preset": "token_tis"}}),
     # empty_unused_memory_level 1: the trainer returns its cached activation memory after each
     # optimizer step, so the colocated engine's wake-up (42 GiB on GPU 0) finds it free.
     "llama8b-megatron-tp2": ("llama8b", "megatron", {"policy.megatron_cfg.tensor_model_parallel_size": 2, "cluster.gpus_per_node": 2,

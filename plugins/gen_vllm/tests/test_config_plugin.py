@@ -37,7 +37,24 @@ def test_config_from_a_recipe_mapping():
     assert cfg.colocated.resources.gpus_per_node == 1 and cfg.refit.chunk_bytes == 1024
 
 
+def test_probe_threshold_follows_quantization_unless_set():
+    from rlcore_vllm.config import BF16_PROBE_THRESHOLD, FP8_PROBE_THRESHOLD
+
+    assert structure(VllmConfig, {}, "policy.generation").refit.probe_threshold == BF16_PROBE_THRESHOLD
+    assert structure(VllmConfig, {"quantization": "fp8"}, "policy.generation").refit.probe_threshold == FP8_PROBE_THRESHOLD
+    fixed = structure(VllmConfig, {"quantization": "fp8", "refit": {"probe_threshold": 0.2}}, "policy.generation")
+    assert fixed.refit.probe_threshold == 0.2
+
+
+def test_fp8_on_cpu_fails_before_an_engine_starts():
+    from rlcore_vllm.generator import VllmGenerator
+
+    with pytest.raises(ValueError, match=r"policy.generation.quantization='fp8' needs a CUDA device"):
+        VllmGenerator("/nonexistent-model", structure(VllmConfig, {"quantization": "fp8"}, "policy.generation"), device="cpu")
+
+
 @pytest.mark.parametrize("data, key", [
+    ({"quantization": "int4"}, "policy.generation.quantization"),
     ({"temprature": 0.5}, "policy.generation.temprature"),
     ({"refit": {"chunk_byte": 1}}, "policy.generation.refit.chunk_byte"),
     ({"prompt_overflow": "wrap"}, "policy.generation.prompt_overflow"),

@@ -13,6 +13,13 @@ from rlcore.config.generation import fraction
 
 _positive = attrs.validators.gt(0)
 
+# Probe thresholds on the mean |logprob gap| between engine and trainer. bf16: core's default (noise
+# measured on H200: mean 0.073 at 8B). FP8 rounds weights and activations (per-tensor scales), which
+# widens the gap the same probe sees with correct weights; a wrong layout or a stale layer still
+# moves the mean to ~1, far above either threshold.
+BF16_PROBE_THRESHOLD = 0.15
+FP8_PROBE_THRESHOLD = 0.3
+
 
 @frozen
 class ColocatedConfig(core.ColocatedConfig):
@@ -33,6 +40,10 @@ class RefitConfig(core.RefitConfig):
         "address of the trainer's sending rank (non-colocated), where the engines join the broadcast group; "
         "None = the address of rank 0's Ray node (127.0.0.1 for a trainer in the driver or on a local Ray instance)"))
     timeout_s: float = field(default=600.0, validator=_positive, metadata=doc("limit of one refit"))
+    probe_threshold: float | None = field(
+        default=None, validator=attrs.validators.optional(_positive),
+        metadata=doc(f"fail when the probe's mean |logprob gap| exceeds this; None = {BF16_PROBE_THRESHOLD} "
+                     f"(bf16 engine) or {FP8_PROBE_THRESHOLD} (quantization: fp8)"))
 
 
 @frozen
@@ -62,6 +73,10 @@ class VllmConfig(GenerationConfig):
     executor: Literal["auto", "uni", "mp"] = field(default="auto", metadata=doc(
         "vLLM's executor (distributed_executor_backend): uni = the model runs in the engine process; mp = in a worker "
         "process, which busy-waits for about a second after each engine call (auto: vLLM's choice)"))
+    quantization: Literal["none", "fp8"] = field(default="none", metadata=doc(
+        "fp8: vLLM's online FP8 quantization (per-tensor W8A8, CUDA only): the engine quantizes the bf16 weights as they load, "
+        "at start and at every refit; pair it with algorithm.rollout_correction {preset: token_tis} (the probe threshold "
+        "defaults to the FP8 one)"))
     engine_detokenize: bool = field(default=False, metadata=doc("decode text token by token in vLLM's output loop; false = one batched decode per response (always on with stop strings)"))
 
     def __attrs_post_init__(self):
@@ -69,3 +84,6 @@ class VllmConfig(GenerationConfig):
             raise ValueError(f"backend must be 'vllm' for this schema, got {self.backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.refit.probe_threshold is None:  # resolved here so that the run loop reads one number
+            threshold = FP8_PROBE_THRESHOLD if self.quantization == "fp8" else BF16_PROBE_THRESHOLD
+            object.__setattr__(self, "refit", attrs.evolve(self.refit, probe_threshold=threshold))

@@ -63,6 +63,11 @@ class VllmGenerator:
             kwargs["data_parallel_size"] = cfg.num_replicas
         if cfg.executor != "auto":
             kwargs["distributed_executor_backend"] = cfg.executor
+        if cfg.quantization != "none":
+            if self.device == "cpu":
+                raise ValueError(f"policy.generation.quantization={cfg.quantization!r} needs a CUDA device: vLLM's FP8 "
+                                 "kernels do not run on CPU (set it to 'none' for CPU runs)")
+            kwargs["quantization"] = cfg.quantization
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_space_gib * (1 << 30))
         else:
