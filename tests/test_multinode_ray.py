@@ -243,7 +243,7 @@ def _roles_of_ray_daemons(cluster) -> dict[tuple[str, int], str]:
              ("ray::DashboardAgent", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT): "dashboard agent HTTP (job/state API)"}
     for node in [cluster.head_node, *cluster.worker_nodes]:
         roles[("raylet", node.node_manager_port)] = "raylet node manager (between nodes)"
-        roles[("ray::DashboardAgent", node.metrics_agent_port)] = "dashboard agent gRPC (metrics from the node's workers)"
+        roles[("ray::DashboardAgent", node.metrics_agent_port)] = "dashboard agent gRPC (its node's workers; cannot be closed)"
         roles[("ray::DashboardAgent", node.dashboard_agent_listen_port)] = "dashboard agent HTTP (job/state API)"
         roles[("ray::RuntimeEnvAgent", node.runtime_env_agent_port)] = "runtime env agent (the node's raylet)"
     return roles
