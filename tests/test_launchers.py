@@ -2,7 +2,9 @@
 
 ``slurm.sbatch`` must parse (``bash -n``) and build its ``rlcore run`` arguments from Slurm's
 variables; the KubeRay ``RayJob`` must carry the fields KubeRay reads, keep the dashboard on
-loopback, and ask for as many nodes and GPUs as its pod groups hold. The ``rlcore run`` line of
+loopback, and ask for as many nodes and GPUs as its pod groups hold. Both start Ray's nodes with the
+settings the two-node test's cluster has (``test_multinode_ray.LAUNCHER_ENV``, no monitor), whose
+listener audit therefore speaks for them. The ``rlcore run`` line of
 each must resolve with ``rlcore config``.
 """
 
@@ -14,6 +16,8 @@ import sys
 from pathlib import Path
 
 import yaml
+
+from test_multinode_ray import LAUNCHER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "examples" / "launch"
@@ -32,7 +36,11 @@ def test_the_slurm_script_parses_and_its_run_line_resolves_from_slurms_variables
     syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
     text = script.read_text()
-    assert "--include-dashboard=false" in text
+    # What the two-node test's cluster starts with, so that its listener audit holds for the launchers.
+    head_line = next(line for line in text.splitlines() if "ray start --head" in line)
+    assert "--include-dashboard=false" in head_line and "--no-monitor" in head_line, head_line
+    for name, value in LAUNCHER_ENV.items():
+        assert f"\nexport {name}={value}\n" in text, name
     (run_line,) = [line for line in text.splitlines() if line.startswith("RUN_ARGS=(")]
     # The script's own line, run by bash with the values Slurm and the script would give it.
     probe = (f'set -u; RECIPE=recipes/grpo_arith3_gpu.yaml NUM_NODES=3 GPUS_PER_NODE=4 RAY_ADDRESS=10.1.2.3:6379; '
@@ -59,6 +67,11 @@ def test_the_rayjob_has_what_kuberay_needs_and_its_entrypoint_resolves():
         assert group["groupName"] and group["replicas"] >= 1 and "rayStartParams" in group
     # The dashboard only on the head pod's loopback; the submitter then must share the pod.
     assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    # As the two-node test's cluster: no monitor, and every container with the launchers' Ray settings.
+    assert head["rayStartParams"]["no-monitor"] == "true"
+    for pod in groups:
+        env = {item["name"]: item["value"] for item in pod["containers"][0].get("env", [])}
+        assert env.items() >= LAUNCHER_ENV.items(), env
     assert spec["submissionMode"] == "SidecarMode" and head["template"]["spec"]["restartPolicy"] == "Never"
     words = shlex.split(spec["entrypoint"])
     assert words[:2] == ["rlcore", "run"], words

@@ -40,20 +40,31 @@ CPUS_PER_NODE = 2
 TIMING_PREFIXES = ("timing/", "time/", "refit/seconds", "refit/gb_per_s", "train/seconds", "run_id")
 
 
+# What the launchers in examples/launch give `ray start`, for the listeners they close: on every
+# node RAY_enable_metrics_collection=0 (no Prometheus endpoint in the dashboard agents), on the head
+# --include-dashboard=false and --no-monitor (no autoscaler monitor and its metrics port).
+LAUNCHER_ENV = {"RAY_enable_metrics_collection": "0"}
+LAUNCHER_HEAD_ARGS = {"include_dashboard": False, "no_monitor": True}
+
+
 @pytest.fixture(scope="module")
 def two_node_cluster():
     """A head without CPUs (GCS, the driver's node) and two worker nodes of CPUS_PER_NODE: every
-    trainer rank runs on a worker node, so a test may kill any rank's node and keep the GCS."""
+    trainer rank runs on a worker node, so a test may kill any rank's node and keep the GCS. The
+    nodes start as the launchers start theirs (LAUNCHER_ENV, LAUNCHER_HEAD_ARGS)."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=CPUS_PER_NODE)
-        cluster.wait_for_nodes()
-        yield cluster
-    finally:
-        cluster.shutdown()
+    with pytest.MonkeyPatch.context() as env:  # every node's processes, the replacement's too, inherit it
+        for name, value in LAUNCHER_ENV.items():
+            env.setenv(name, value)
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **LAUNCHER_HEAD_ARGS})
+        try:
+            for _ in range(2):
+                cluster.add_node(num_cpus=CPUS_PER_NODE)
+            cluster.wait_for_nodes()
+            yield cluster
+        finally:
+            cluster.shutdown()
 
 
 def _recipe(model_dir: Path, run_dir: Path, address: str) -> dict:
@@ -218,21 +229,21 @@ def _is_wildcard(ip: str) -> bool:
 
 def _roles_of_ray_daemons(cluster) -> dict[tuple[str, int], str]:
     """(process name, port) -> what it is, for the listeners Ray's own daemons open on a node whose
-    address is not loopback (Ray 2.60; most bind every interface and cannot be told otherwise)."""
+    address is not loopback and that the launchers' settings cannot close (Ray 2.60; README, "Run on
+    a cluster", ports). Not among them, so an audit fails if they open: the autoscaler monitor's
+    metrics (closed by --no-monitor), the agents' Prometheus endpoints (RAY_enable_metrics_collection=0)
+    and the dashboard's HTTP server beyond loopback."""
     from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
-    from ray.autoscaler._private.constants import AUTOSCALER_METRIC_PORT
     from ray.dashboard.consts import DASHBOARD_METRIC_PORT
 
     roles = {("gcs_server", int(cluster.address.rsplit(":", 1)[1])): "GCS (between nodes)",
-             ("python", AUTOSCALER_METRIC_PORT): "autoscaler monitor's Prometheus metrics (head)",
              ("python", DASHBOARD_METRIC_PORT): "dashboard process's Prometheus metrics (head; its HTTP server is off)",
              # an agent may hold Ray's default HTTP port while its node reports another (seen with
              # several clusters on one machine)
              ("ray::DashboardAgent", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT): "dashboard agent HTTP (job/state API)"}
     for node in [cluster.head_node, *cluster.worker_nodes]:
         roles[("raylet", node.node_manager_port)] = "raylet node manager (between nodes)"
-        roles[("ray::DashboardAgent", node.metrics_agent_port)] = "dashboard agent gRPC (metrics from the node's workers)"
-        roles[("ray::DashboardAgent", node.metrics_export_port)] = "dashboard agent Prometheus metrics"
+        roles[("ray::DashboardAgent", node.metrics_agent_port)] = "dashboard agent gRPC (its node's workers; cannot be closed)"
         roles[("ray::DashboardAgent", node.dashboard_agent_listen_port)] = "dashboard agent HTTP (job/state API)"
         roles[("ray::RuntimeEnvAgent", node.runtime_env_agent_port)] = "runtime env agent (the node's raylet)"
     return roles

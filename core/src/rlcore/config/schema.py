@@ -120,7 +120,7 @@ class ClusterConfig:
     gpus_per_node: int = field(default=0, validator=_non_negative, metadata=doc("GPUs per node; 0 = CPU run"))
     cpu_workers: int = field(default=1, validator=_positive, metadata=doc("trainer processes on a CPU run"))
     use_ray: bool | None = field(default=None, metadata=doc("None = Ray when more than one process is needed"))
-    ray_address: str | None = field(default=None, metadata=doc("existing Ray cluster; None = RAY_ADDRESS or a local instance"))
+    ray_address: str | None = field(default=None, metadata=doc("existing Ray cluster; None = RAY_ADDRESS or a local instance, which listens on 127.0.0.1 only, dashboard off (no other machine can join it; no job or state API)"))
     timeout_s: float = field(default=1800.0, validator=_positive, metadata=doc("limit of any single blocking wait"))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = field(
         default="PACK", metadata=doc("Ray placement group of the trainer ranks (one bundle per rank): as few nodes as possible, as many, one node, one node per rank"),
