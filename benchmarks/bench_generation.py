@@ -165,25 +165,10 @@ def main() -> None:
             parser.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(VARIANTS)}")
         run_mode(args)
         return
-    argv = _without(sys.argv[1:], ("--mode", "--quantization"))
-    env = {**__import__("os").environ, "RLCORE_RUN_ID": results_log.RUN_ID}  # one call: one run id
-    for mode in ("eager", "graphs") if args.mode == "both" else (args.mode,):  # a fresh process (and engine) each
-        for quantization in quantizations:
-            subprocess.run([sys.executable, __file__, *argv, "--mode", mode, "--quantization", quantization], check=True, env=env)
-
-
-def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """``argv`` without ``--option X`` and ``--option=X`` for each of ``options``."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg.startswith(options):
-            skip = arg in options
-            continue
-        kept.append(arg)
-    return kept
+    runs = [["--mode", mode, "--quantization", q] for mode in (("eager", "graphs") if args.mode == "both" else (args.mode,))
+            for q in quantizations]  # a fresh process (and engine) each
+    if results_log.run_each(__file__, sys.argv[1:], ("--mode", "--quantization"), runs):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

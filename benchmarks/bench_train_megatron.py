@@ -100,6 +100,9 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny shape on CPU in fp32 (smoke test)")
     p.add_argument("--bf16", action="store_true", help="with --tiny: bf16 as on GPU (checks that code path on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="each variant in a fresh process (default: on for qwen3moe on GPU, where one variant's "
+                        "memory is not all returned before the next one builds)")
     p.add_argument("--profile", metavar="DIR", help="profile 2 more steps (rank 0): print tables, write DIR/<variant>.json.gz")
     p.add_argument("--profile-stack", action="store_true", help="record Python stacks too (host frames in trace_summary.py)")
     return p.parse_args(argv)
@@ -357,6 +360,12 @@ def main(argv=None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         dist.init_process_group("nccl" if not args.tiny else "gloo")
         return worker(dist.get_rank(), dist.get_world_size(), 0, args)
+    variants = args.variants.split(",") + (["fsdp2-compile"] if args.with_fsdp2 and "fsdp2-compile" not in args.variants else [])
+    isolate = args.isolate if args.isolate is not None else (args.shape == "qwen3moe" and not args.tiny)
+    if isolate and len(variants) > 1:
+        return min(1, results_log.run_each(__file__, sys.argv[1:] if argv is None else argv,
+                                           ("--variants", "--with-fsdp2", "--isolate", "--no-isolate"),
+                                           [["--variants", v] for v in variants]))
     port = free_port()
     gpus = args.gpus or args.tp
     if gpus % args.tp:

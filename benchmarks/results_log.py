@@ -52,3 +52,30 @@ def append(rows: list[dict], *, bench: str, config: str, gpus: int) -> Path:
             clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
             f.write(json.dumps({**stamp, **clean}, default=str) + "\n")
     return path
+
+
+def argv_without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without ``--option X``, ``--option=X`` and the flag ``--option`` for each of ``options``
+    (a following word that starts with ``--`` is not taken as its value)."""
+    kept, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in options:
+            skip = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        kept.append(arg)
+    return kept
+
+
+def run_each(script: str, argv: list[str], drop: tuple[str, ...], runs: list[list[str]]) -> int:
+    """Run ``script`` once per entry of ``runs`` (its extra arguments), each in a fresh process with
+    ``argv`` minus ``drop``; all under this call's run id. Returns how many failed."""
+    import sys
+
+    base, env, failed = argv_without(argv, drop), {**os.environ, "RLCORE_RUN_ID": RUN_ID}, 0
+    for extra in runs:
+        failed += subprocess.run([sys.executable, script, *base, *extra], env=env).returncode != 0
+    return failed

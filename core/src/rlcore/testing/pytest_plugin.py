@@ -57,10 +57,12 @@ def single_process_group():
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single_cuda_process_group():
     """A world-size-1 NCCL process group on ``cuda:0`` for the CUDA-only tests (reuses one that is
-    already initialized and leaves it alone)."""
+    already initialized and leaves it alone). One per session: Megatron's parallel state keeps the
+    groups it made from the first world, so a second world in the same process fails in Megatron
+    ("Group ... is not registered", seen when two CUDA test modules ran in one session)."""
     import torch
     import torch.distributed as dist
 
