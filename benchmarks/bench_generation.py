@@ -15,8 +15,8 @@ batch, then ``--repeats`` timed batches, median reported. Prints one JSON line p
 text token by token in its output loop, its default) and ``batched-detok`` (rlcore's default:
 one batched decode per response). ``--engine-process`` runs vLLM's engine core in its own process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), overlapping output handling with the next step.
-``--quantization none,fp8`` compares the bf16 engine with vLLM's online FP8 (per-tensor W8A8,
-the weights quantized as they load), each in its own process. Rows go to ``benchmarks/results.jsonl``.
+``--quantization none,fp8,fp8-kv`` compares the bf16 engine with vLLM's online FP8 (per-tensor W8A8,
+the weights quantized as they load) and with an FP8 KV cache besides, each in its own process. Rows go to ``benchmarks/results.jsonl``.
 ``--profile DIR``: one more batch of the first variant under cProfile (host time by function,
 top rows printed, ``.pstats`` written), and a short batch under torch.profiler (Chrome trace
 for ``trace_summary.py``: how busy the GPU is between decode steps).
@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_log  # noqa: E402
 
 VARIANTS = {"engine-detok": True, "batched-detok": False}  # name -> VllmConfig.engine_detokenize
+# --quantization name -> (VllmConfig.quantization, VllmConfig.kv_cache_dtype)
+QUANTIZATIONS = {"none": ("none", "auto"), "fp8": ("fp8", "auto"), "fp8-kv": ("fp8", "fp8"), "kv8": ("none", "fp8")}
 
 
 def run_mode(args) -> list[dict]:
@@ -61,7 +63,7 @@ def run_mode(args) -> list[dict]:
     model_dir = config_only_model(Path(args.workdir) / args.shape, args.shape, dtype)
     cfg = VllmConfig(enforce_eager=args.mode == "eager", gpu_memory_utilization=args.gpu_memory_utilization,
                      max_num_seqs=args.max_num_seqs, kv_cache_space_gib=args.kv_cache_space_gib, enable_prefix_caching=False,
-                     quantization=args.quantization)
+                     quantization=QUANTIZATIONS[args.quantization][0], kv_cache_dtype=QUANTIZATIONS[args.quantization][1])
     start = time.perf_counter()
     gen = VllmGenerator(str(model_dir), cfg, max_model_len=args.prompt_len + args.new_tokens + 8, dtype=dtype, seed=0,
                         device="cuda" if cuda else "cpu", engine_kwargs={"load_format": "dummy"})
@@ -145,7 +147,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-space-gib", type=float, default=0.5)
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--workdir", default=None)
-    parser.add_argument("--quantization", default="none", help="comma list of none, fp8 (a fresh engine process each)")
+    parser.add_argument("--quantization", default="none",
+                        help=f"comma list of {', '.join(QUANTIZATIONS)} (fp8: weights and activations; kv8 / fp8-kv: "
+                             "FP8 KV cache without / with them); a fresh engine process each")
     args = parser.parse_args()
     tiny = args.tiny
     args.shape = args.shape or ("tiny" if tiny else "1.2b")
@@ -156,8 +160,8 @@ def main() -> None:
     if tiny:
         args.repeats = min(args.repeats, 2)
     quantizations = args.quantization.split(",")
-    if unknown := set(quantizations) - {"none", "fp8"}:
-        parser.error(f"--quantization: unknown {sorted(unknown)}; choose from ['fp8', 'none']")
+    if unknown := set(quantizations) - set(QUANTIZATIONS):
+        parser.error(f"--quantization: unknown {sorted(unknown)}; choose from {sorted(QUANTIZATIONS)}")
     if args.mode != "both" and len(quantizations) == 1:
         args.workdir = args.workdir or tempfile.mkdtemp(prefix="rlcore-bench-gen-")
         unknown = set(args.variants.split(",")) - set(VARIANTS)

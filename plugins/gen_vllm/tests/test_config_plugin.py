@@ -49,8 +49,9 @@ def test_probe_threshold_follows_quantization_unless_set():
 def test_fp8_on_cpu_fails_before_an_engine_starts():
     from rlcore_vllm.generator import VllmGenerator
 
-    with pytest.raises(ValueError, match=r"policy.generation.quantization='fp8' needs a CUDA device"):
-        VllmGenerator("/nonexistent-model", structure(VllmConfig, {"quantization": "fp8"}, "policy.generation"), device="cpu")
+    for key, value in (("quantization", "fp8"), ("kv_cache_dtype", "fp8")):
+        with pytest.raises(ValueError, match=rf"policy.generation.{key}='fp8' needs a CUDA device"):
+            VllmGenerator("/nonexistent-model", structure(VllmConfig, {key: value}, "policy.generation"), device="cpu")
 
 
 @pytest.mark.parametrize("data, key", [

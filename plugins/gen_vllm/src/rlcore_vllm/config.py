@@ -77,6 +77,9 @@ class VllmConfig(GenerationConfig):
         "fp8: vLLM's online FP8 quantization (per-tensor W8A8, CUDA only): the engine quantizes the bf16 weights as they load, "
         "at start and at every refit; pair it with algorithm.rollout_correction {preset: token_tis} (the probe threshold "
         "defaults to the FP8 one)"))
+    kv_cache_dtype: Literal["auto", "fp8"] = field(default="auto", metadata=doc(
+        "KV cache storage: auto = the engine dtype; fp8 halves the cache's memory and the bytes each decode step reads "
+        "(CUDA only; per-tensor scales of 1.0, as vLLM does without calibrated scales)"))
     engine_detokenize: bool = field(default=False, metadata=doc("decode text token by token in vLLM's output loop; false = one batched decode per response (always on with stop strings)"))
 
     def __attrs_post_init__(self):

@@ -63,11 +63,12 @@ class VllmGenerator:
             kwargs["data_parallel_size"] = cfg.num_replicas
         if cfg.executor != "auto":
             kwargs["distributed_executor_backend"] = cfg.executor
-        if cfg.quantization != "none":
-            if self.device == "cpu":
-                raise ValueError(f"policy.generation.quantization={cfg.quantization!r} needs a CUDA device: vLLM's FP8 "
-                                 "kernels do not run on CPU (set it to 'none' for CPU runs)")
-            kwargs["quantization"] = cfg.quantization
+        for key, value, off in (("quantization", cfg.quantization, "none"), ("kv_cache_dtype", cfg.kv_cache_dtype, "auto")):
+            if value != off:
+                if self.device == "cpu":
+                    raise ValueError(f"policy.generation.{key}={value!r} needs a CUDA device: vLLM's FP8 kernels do not "
+                                     f"run on CPU (set it to {off!r} for CPU runs)")
+                kwargs[key] = value
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_space_gib * (1 << 30))
         else:
