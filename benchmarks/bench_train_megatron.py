@@ -27,7 +27,8 @@ Variants (``--variants``, comma-separated; each a ``policy.megatron_cfg`` overri
 defaults): ``megatron`` (the defaults: Transformer Engine's layers when TE loads, flash
 attention, fused RoPE/SwiGLU/weight-gradient accumulation, MLPs through TE's op fuser),
 ``megatron-no-opfuse``, ``megatron-moe-loop`` (MoE experts as a loop of TE linears, unfused permute:
-the path before grouped GEMM), ``megatron-local`` (Megatron's local
+the path before grouped GEMM), ``megatron-moe-host-splits`` (Megatron's own grouped experts:
+split sizes on the host, one expert GEMM launched at a time), ``megatron-local`` (Megatron's local
 spec), ``megatron-te-attn`` (TE's cuDNN attention), ``megatron-unfused-wgrad``, ``megatron-fp8``
 (tensorwise), ``megatron-fp8-delayed``, ``megatron-fp8-blockwise``, ``megatron-fp8-delayed-no-opfuse``,
 ``megatron-plain`` (a plain
@@ -75,6 +76,7 @@ MEGATRON_VARIANTS = {
     "megatron-fp8-delayed-no-opfuse": {"fp8_cfg": {"enabled": True, "fp8_recipe": "delayed"}, "use_te_op_fuser": False},
     "megatron-plain": {},
     "megatron-moe-loop": {"moe_grouped_gemm": False, "moe_permute_fusion": False},
+    "megatron-moe-host-splits": {"moe_device_splits": False},  # Megatron's TEGroupedMLP: host split sizes
 }
 FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True}
 

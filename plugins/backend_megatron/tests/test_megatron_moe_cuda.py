@@ -4,7 +4,8 @@ On an H200, with the staged wheels and rlcore's own installed (benchmarks/gpu/RE
 
     python3 -m pytest -p no:cacheprovider plugins/backend_megatron/tests/test_megatron_moe_cuda.py -q
 
-- grouped GEMM (TE's grouped linear) with fused permute/unpermute gives the logprobs of the loop
+- grouped GEMM (TE's grouped linear, with the split sizes on the GPU as rlcore_megatron.moe_splits
+  builds it, and with Megatron's host split sizes) with fused permute/unpermute gives the logprobs of the loop
   over experts in bf16 (mean |diff| < 0.02, max < 0.15: the tolerance of the bf16 TE-vs-HF check in
   test_megatron_cuda.py; a wrong expert order or weight layout differs by order 1) and the same
   training step in fp32 (TE's fp32 GEMMs round like TF32: loss < 1e-3, gradient norm < 5e-3
@@ -35,25 +36,29 @@ def moe_path(tiny_model_factory):
 
 
 def expert_modules(backend) -> set[str]:
-    names = ("TEGroupedMLP", "GroupedMLP", "SequentialMLP")
+    names = ("DeviceSplitsGroupedMLP", "TEGroupedMLP", "GroupedMLP", "SequentialMLP")
     return {type(m).__name__ for m in backend.module.modules() if type(m).__name__ in names}
 
 
 LOOP = {"moe_grouped_gemm": False, "moe_permute_fusion": False}
+HOST_SPLITS = {"moe_device_splits": False}  # Megatron's own TEGroupedMLP: host split sizes, per-expert launches
+MODULES = {"grouped": {"DeviceSplitsGroupedMLP"}, "grouped-host": {"TEGroupedMLP"}, "loop": {"SequentialMLP"}}
 
 
 def test_grouped_gemm_logprobs_equal_the_expert_loop_bf16(single_cuda_process_group, te_loads, moe_path):
     batch = make_batch(2)
     results = {}
-    for name, keys in (("grouped", {}), ("loop", LOOP)):
+    for name, keys in (("grouped", {}), ("grouped-host", HOST_SPLITS), ("loop", LOOP)):
         backend = cuda_backend(moe_path, "bfloat16", transformer_impl="transformer_engine", **keys)
-        assert backend.kernels.moe_grouped_gemm == (name == "grouped"), backend.kernels.describe()
-        assert expert_modules(backend) == ({"TEGroupedMLP"} if name == "grouped" else {"SequentialMLP"}), expert_modules(backend)
+        assert backend.kernels.moe_grouped_gemm == (name != "loop"), backend.kernels.describe()
+        assert backend.kernels.moe_device_splits == (name == "grouped"), backend.kernels.describe()
+        assert expert_modules(backend) == MODULES[name], expert_modules(backend)
         results[name] = backend.logprobs(batch)
         backend.shutdown()
-    gap = max_diff(results["grouped"], results["loop"]), mean_diff(results["grouped"], results["loop"])
-    print(f"qwen3_moe bf16: grouped GEMM vs loop over experts, logprobs |diff| max/mean {gap}")
-    assert gap[0] < 0.15 and gap[1] < 0.02, gap
+    for name in ("grouped", "grouped-host"):
+        gap = max_diff(results[name], results["loop"]), mean_diff(results[name], results["loop"])
+        print(f"qwen3_moe bf16: {name} GEMM vs loop over experts, logprobs |diff| max/mean {gap}")
+        assert gap[0] < 0.15 and gap[1] < 0.02, (name, gap)
 
 
 def test_grouped_gemm_training_step_equals_the_expert_loop_fp32(single_cuda_process_group, te_loads, moe_path):

@@ -46,7 +46,7 @@ def test_grouped_gemm_and_permute_fusion_follow_transformer_engine(monkeypatch):
             kernels.resolve(make(**{key: True}), on_cuda=False)
     monkeypatch.setattr(kernels, "transformer_engine", lambda: {"version": "2.20.2", "loads": True, "error": None})
     te = kernels.resolve(make(), on_cuda=True)
-    assert te.moe_grouped_gemm and te.moe_permute_fusion and "grouped GEMM, permute fusion on" in te.describe()
+    assert te.moe_grouped_gemm and te.moe_permute_fusion and "grouped GEMM (device split sizes), permute fusion on" in te.describe()
     assert not kernels.resolve(make(moe_grouped_gemm=False), on_cuda=True).moe_grouped_gemm
 
 

@@ -149,6 +149,10 @@ class MegatronConfig:
         "Transformer Engine's layers, off on the local spec"))
     moe_permute_fusion: bool | None = field(default=None, metadata=doc(
         "fused token permute/unpermute around the experts (TE); None = on with Transformer Engine's layers"))
+    moe_device_splits: bool | None = field(default=None, metadata=doc(
+        "keep the experts' token counts on the GPU: TE's native grouped GEMM (one kernel per expert projection), and with "
+        "one expert- and tensor-parallel rank no device-to-host sync per MoE layer (rlcore_megatron.moe_splits); None = on "
+        "with TE's grouped GEMM in bf16, off with FP8 (its padding needs host counts)"))
     moe_router_replay: Literal["none", "r2", "r3"] = field(default="none", metadata=doc(
         "routing replay: 'r2' trains with the experts each token got in the step's old-logprob pass; 'r3' (the "
         "generator's experts) is not built yet"))

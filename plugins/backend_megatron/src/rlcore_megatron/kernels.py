@@ -38,6 +38,7 @@ class Kernels:
     te_op_fuser: bool = False  # dense MLPs as one TE op sequence
     moe_grouped_gemm: bool = False  # MoE experts as one TE grouped linear (else a loop over experts)
     moe_permute_fusion: bool = False  # TE's fused token permute/unpermute
+    moe_device_splits: bool = False  # experts' token counts stay on the GPU (rlcore_megatron.moe_splits)
 
     @property
     def token_multiple(self) -> int:
@@ -49,7 +50,8 @@ class Kernels:
         fused = [name for name, on in (("rope", self.rope_fusion), ("swiglu", self.swiglu_fusion),
                                        ("wgrad-accumulation", self.wgrad_fusion), ("te-op-fuser-mlp (dense layers)", self.te_op_fuser)) if on]
         fp8 = f", fp8 {self.fp8.fp8}/{self.fp8.fp8_recipe}" if self.fp8 is not None else ""
-        moe = (f"; MoE experts: {'grouped GEMM' if self.moe_grouped_gemm else 'loop over experts'}, "
+        moe = (f"; MoE experts: {'grouped GEMM' if self.moe_grouped_gemm else 'loop over experts'}"
+               f"{' (device split sizes)' if self.moe_device_splits else ''}, "
                f"permute fusion {'on' if self.moe_permute_fusion else 'off'}")
         return f"{impl} layers, {self.core_attention} attention, fused: {', '.join(fused) or 'none'}{fp8}{moe}"
 
@@ -61,12 +63,19 @@ def resolve(cfg: MegatronConfig, *, on_cuda: bool) -> Kernels:
         for key, on in (("fp8_cfg.enabled", cfg.fp8_cfg.enabled), ("core_attention", cfg.core_attention == "transformer_engine"),
                         ("gradient_accumulation_fusion", cfg.gradient_accumulation_fusion),
                         ("apply_rope_fusion", cfg.apply_rope_fusion), ("use_te_op_fuser", cfg.use_te_op_fuser),
-                        ("moe_grouped_gemm", cfg.moe_grouped_gemm), ("moe_permute_fusion", cfg.moe_permute_fusion)):
+                        ("moe_grouped_gemm", cfg.moe_grouped_gemm), ("moe_permute_fusion", cfg.moe_permute_fusion),
+                        ("moe_device_splits", cfg.moe_device_splits)):
             if on:
                 raise ConfigError(f"{SECTION}.{key}", "needs Transformer Engine's layers, which this run does not use "
                                   f"(transformer_impl={cfg.transformer_impl!r}, {'CUDA' if on_cuda else 'no CUDA device'})")
     if cfg.bias_activation_fusion and not on_cuda:
         raise ConfigError(f"{SECTION}.bias_activation_fusion", "the fused SwiGLU kernel needs a CUDA device")
+    grouped_gemm = te if cfg.moe_grouped_gemm is None else cfg.moe_grouped_gemm
+    if cfg.moe_device_splits and not grouped_gemm:
+        raise ConfigError(f"{SECTION}.moe_device_splits", "needs moe_grouped_gemm (TE's grouped linear takes the device counts)")
+    if cfg.moe_device_splits and cfg.fp8_cfg.enabled:
+        raise ConfigError(f"{SECTION}.moe_device_splits", "FP8 experts pad each expert's tokens from host counts; "
+                          "set moe_device_splits to false (or null) with fp8_cfg.enabled")
     return Kernels(
         transformer_engine=te,
         core_attention="transformer_engine" if cfg.core_attention == "transformer_engine" else "flash",
@@ -74,7 +83,8 @@ def resolve(cfg: MegatronConfig, *, on_cuda: bool) -> Kernels:
         swiglu_fusion=on_cuda if cfg.bias_activation_fusion is None else cfg.bias_activation_fusion,
         wgrad_fusion=te if cfg.gradient_accumulation_fusion is None else cfg.gradient_accumulation_fusion,
         fp8=cfg.fp8_cfg if cfg.fp8_cfg.enabled else None, te_op_fuser=te if cfg.use_te_op_fuser is None else cfg.use_te_op_fuser,
-        moe_grouped_gemm=te if cfg.moe_grouped_gemm is None else cfg.moe_grouped_gemm,
+        moe_grouped_gemm=grouped_gemm,
+        moe_device_splits=(grouped_gemm and not cfg.fp8_cfg.enabled) if cfg.moe_device_splits is None else cfg.moe_device_splits,
         moe_permute_fusion=te if cfg.moe_permute_fusion is None else cfg.moe_permute_fusion,
     )
 

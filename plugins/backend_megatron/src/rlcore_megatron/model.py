@@ -137,6 +137,10 @@ def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None, k
                                                           moe_grouped_gemm=bool(num_experts) and kernels.moe_grouped_gemm)
         if kernels.core_attention == "flash":
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        if num_experts and kernels.moe_device_splits:
+            from rlcore_megatron.moe_splits import DeviceSplitsGroupedMLP
+
+            spec.submodules.mlp.submodules.experts.module = DeviceSplitsGroupedMLP
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -242,6 +246,10 @@ def build_gpt_model(hf_config, cfg: MegatronConfig, kernels: Kernels, *, params_
         model.cuda(torch.cuda.current_device())
     if kernels.wgrad_fusion:
         fuse_weight_gradient_accumulation(model)
+    if num_experts and kernels.moe_device_splits:
+        from rlcore_megatron.moe_splits import keep_splits_on_device
+
+        keep_splits_on_device(model)
     return model
 
 
