@@ -40,7 +40,7 @@ import results_log  # noqa: E402
 
 PEAK_FLOPS = 989e12
 SHAPES = {
-    "tiny": dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256, vocab_size=128, max_positions=512),
+    "tiny": dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256, vocab_size=128, max_positions=512),
     "llama1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192, vocab_size=128256, max_positions=20480),
     "llama8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=128256, max_positions=20480),
 }
@@ -54,6 +54,7 @@ NEMO_8B_ROW = {
 MOE_SHAPES = {"qwen3moe": False, "tiny-moe": True}  # name -> tiny
 MOE_RUN = {"policy.train_global_batch_size": 128, "policy.megatron_cfg.empty_unused_memory_level": 1,
            "policy.generation.gpu_memory_utilization": 0.3}
+TWO_CPU_RANKS = {"cluster.cpu_workers": 2, "cluster.use_ray": True, "policy.train_global_batch_size": 8}
 TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "grpo.val_period": 0}
 
 CONFIGS = {
@@ -121,6 +122,15 @@ CONFIGS = {
     "qwen3moe-fsdp2": ("qwen3moe", "fsdp2", MOE_RUN),
     "tiny-moe-megatron-r2": ("tiny-moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r2",
                                                       "policy.train_global_batch_size": 8}),
+    # The two-GPU configurations of issue 29 at tiny scale on CPU: two gloo trainer ranks (Ray actors).
+    "tiny-megatron-tp2-sp": ("tiny", "megatron", {"policy.megatron_cfg.tensor_model_parallel_size": 2,
+                                                  "policy.megatron_cfg.sequence_parallel": True, **TWO_CPU_RANKS}),
+    "tiny-megatron-dp2": ("tiny", "megatron", {"policy.megatron_cfg.optimizer.use_distributed_optimizer": True, **TWO_CPU_RANKS}),
+    "tiny-fsdp2-dp2": ("tiny", "fsdp2", TWO_CPU_RANKS),
+    "tiny-moe-megatron-ep2": ("tiny-moe", "megatron", {"policy.megatron_cfg.expert_model_parallel_size": 2,
+                                                       "policy.megatron_cfg.moe_router_replay": "r2", **TWO_CPU_RANKS}),
+    "tiny-fsdp2-async-noncolocated": ("tiny", "fsdp2", {"grpo.async_grpo.enabled": True, "policy.generation.colocated": {"enabled": False},
+                                                        **TWO_CPU_RANKS}),
 }
 
 
