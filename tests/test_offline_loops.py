@@ -1,6 +1,6 @@
-"""The offline loops (SFT on reference answers, DPO on preference pairs) through ``rlcore run`` on
-CPU with real parts: a tiny random-init Llama, the fsdp2 backend, the arithmetic and preference
-datasets. SFT lowers the held-out loss; a run ended by SIGTERM checkpoints its step, exits 143,
+"""The offline loops (SFT on reference answers; DPO and reward models on preference pairs) through
+``rlcore run`` on CPU with real parts: a tiny random-init Llama, the fsdp2 backend (SFT, DPO) or
+the reward model's own trainer, the arithmetic and preference datasets. SFT lowers the held-out loss; a run ended by SIGTERM checkpoints its step, exits 143,
 and resumed with the same ``logger.log_dir`` gives the uninterrupted run's records; a malformed
 data row ends ``rlcore run`` with one message naming the file and row, exit status 2.
 
@@ -39,8 +39,8 @@ def sft_recipe(model_dir: Path, run_dir: Path) -> dict:
     }
 
 
-def dpo_recipe(model_dir: Path, run_dir: Path) -> dict:
-    recipe = yaml.safe_load((ROOT / "recipes" / "dpo_tiny_cpu.yaml").read_text())
+def pair_recipe(file: str, model_dir: Path, run_dir: Path) -> dict:
+    recipe = yaml.safe_load((ROOT / "recipes" / file).read_text())
     recipe["policy"]["model_name"] = str(model_dir)
     recipe["data"]["train_files"] = [str(ROOT / "recipes" / "data" / "preference_vowels.jsonl")]
     recipe["data"]["num_validation"] = 8
@@ -51,7 +51,9 @@ def dpo_recipe(model_dir: Path, run_dir: Path) -> dict:
     return recipe
 
 
-RECIPES = {"sft": sft_recipe, "dpo": dpo_recipe}
+RECIPES = {"sft": sft_recipe,
+           "dpo": lambda model, run: pair_recipe("dpo_tiny_cpu.yaml", model, run),  # the fsdp2 backend
+           "reward_model": lambda model, run: pair_recipe("rm_tiny_cpu.yaml", model, run)}  # its own trainer
 
 
 def records(run_dir: Path) -> list[dict]:
