@@ -60,7 +60,7 @@ class OfflineSteps:
     evaluate: Callable[[list[Any]], dict[str, float]] | None  # held-out metrics under val/; None: no validation
     save_checkpoint: Callable[[str], None]  # the trainer's state into a new directory
     load_checkpoint: Callable[[str], None]  # and back
-    shown: tuple[str, ...] = ("train/loss", "val/loss", "val/accuracy")  # the metrics of the per-step line
+    shown: tuple[str, ...] = ("train/loss", "val/loss", "val/accuracy")  # the per-step line's (logger.print_table)
 
 
 class OfflineLoop:

@@ -127,7 +127,8 @@ def run_pairs(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> d
     steps = OfflineSteps(train=trainer.train_pairs, evaluate=trainer.evaluate, save_checkpoint=trainer.save_checkpoint,
                          load_checkpoint=trainer.load_checkpoint,
                          shown=("train/loss", "train/accuracy", "val/accuracy", "val/reward_margin"))
-    loop = OfflineLoop(config, owner.identity(), steps, dataset.train, dataset.validation, loggers, "pairs")
+    loop = OfflineLoop(config, owner.identity(), steps, dataset.train, dataset.validation, loggers, "pairs",
+                       print_lines=config.logger.print_table)
     started = time.perf_counter()
     try:
         loop.run()

@@ -76,6 +76,8 @@ class SFTTrainer:
         self.config, self.trainer, self.algorithm, self.tokenizer = config, trainer, algorithm, tokenizer
         self.generator, self.environment, self.transport = generator, environment, transport
         self.max_length = config.policy.max_total_sequence_length
+        if generator is not None:
+            generator.sleep()  # a colocated engine gives its memory back to training between validations (CPU: a no-op)
 
     def train_answers(self, samples: Sequence[Sample]) -> dict[str, float]:
         batch, cut = answer_batch(samples, self.tokenizer, self.max_length)
@@ -91,9 +93,11 @@ class SFTTrainer:
         tokens = sum(float(m.sum()) for m in batch.loss_mask)
         metrics = {"val/loss": nll / max(tokens, 1.0)}
         if self.generator is not None:
+            self.generator.wake_up()
             self.transport.transfer(self.trainer, self.generator)
             params = sampling_params(self.config.generation, 1, self.config.grpo.seed, greedy=True)
             metrics["val/accuracy"] = greedy_accuracy(self.generator, self.environment, samples, params)
+            self.generator.sleep()
         return metrics
 
     def save(self, path: str) -> None:
@@ -161,7 +165,8 @@ def run_sft(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dic
         loggers = build_loggers(config, run_dir)
     steps = OfflineSteps(train=trainer.train_answers, evaluate=trainer.evaluate, save_checkpoint=trainer.save_checkpoint,
                          load_checkpoint=trainer.load_checkpoint, shown=("train/loss", "val/loss", "val/accuracy"))
-    loop = OfflineLoop(config, owner.identity(), steps, dataset.train, dataset.validation, loggers, "sft")
+    loop = OfflineLoop(config, owner.identity(), steps, dataset.train, dataset.validation, loggers, "sft",
+                       print_lines=config.logger.print_table)
     started = time.perf_counter()
     try:
         loop.run()
