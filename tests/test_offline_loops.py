@@ -1,8 +1,9 @@
-"""The offline loops (SFT on reference answers; DPO and reward models on preference pairs) through
-``rlcore run`` on CPU with real parts: a tiny random-init Llama, the fsdp2 backend (SFT, DPO) or
-the reward model's own trainer, the arithmetic and preference datasets. SFT lowers the held-out loss; a run ended by SIGTERM checkpoints its step, exits 143,
-and resumed with the same ``logger.log_dir`` gives the uninterrupted run's records; a malformed
-data row ends ``rlcore run`` with one message naming the file and row, exit status 2.
+"""The offline loops (SFT on reference answers; DPO and reward models on preference pairs)
+through ``rlcore run`` on CPU with real parts: a tiny random-init Llama, the fsdp2 backend (SFT,
+DPO) or the reward model's own trainer, the arithmetic and preference datasets. SFT lowers the
+held-out loss; a run ended by SIGTERM checkpoints its step, exits 143, and resumed with the same
+``logger.log_dir`` gives the uninterrupted run's records; a malformed data row ends ``rlcore run``
+with one message naming the file and row, exit status 2.
 
 The runs share this process (imports dominate on two cores); SIGTERM comes from a thread that
 watches ``metrics.jsonl``, and the loop's handler ends the step as a scheduler's signal would.
@@ -74,7 +75,8 @@ def cli_run(recipe: dict, path: Path, sigterm_after_step: int | None = None) -> 
 
     def send_sigterm():
         while not done.is_set():
-            if metrics.exists() and any(json.loads(line)["step"] >= sigterm_after_step for line in metrics.read_text().splitlines()):
+            steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+            if any(step >= sigterm_after_step for step in steps):
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             time.sleep(0.01)

@@ -109,7 +109,8 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
         metrics = trainer.train(answer_batch(samples, tokenizer)[0], algorithm)
         if step % eval_every == 0 or step == max_steps:
             transport.transfer(trainer, evaluator)
-            accuracy = greedy_accuracy(evaluator, environment, val, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+            accuracy = greedy_accuracy(evaluator, environment, val, greedy)
             history.append({"step": step, "loss": float(metrics.get("loss", float("nan"))), "val_accuracy": accuracy,
                             "seconds": time.perf_counter() - started})
             print(f"sft step {step:4d}  loss {history[-1]['loss']:.4f}  held-out greedy accuracy {accuracy:.3f}  "

@@ -167,7 +167,8 @@ class OfflineLoop:
         if self.ckpt is not None:
             if self.saved_step != self.step:
                 self.save()
-            where = f"checkpoint of step {self.step} in {checkpoint_root(self.config)}; the run resumes from it when started again"
+            where = (f"checkpoint of step {self.step} in {checkpoint_root(self.config)}; "
+                     "the run resumes from it when started again")
         print(f"{signal.Signals(self.stop_signal).name} received: stopped after step {self.step}, {where}", flush=True)
         return True
 
