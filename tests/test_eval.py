@@ -3,9 +3,9 @@ held-out accuracy (same recipe, seed, greedy), and its pass@k is the unbiased es
 
 A random tiny model answers nothing right, so the model is planted: its output layer can only
 write digits, and half of the held-out answers are what it writes before training (the others
-can never be written). Two steps of ``sft`` on its own samples (any algorithm of the loop would
-do; this one moves the weights whatever the rewards) change some greedy answers; the test asks
-that eval of the final checkpoint agrees with the run's own last validation.
+can never be written). Two steps of ``sft`` on the training problems' answers (the SFT loop,
+whose validation decodes and scores as the GRPO loop's does) change some greedy answers; the test
+asks that eval of the final checkpoint agrees with the run's own last validation.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def planted(tiny_model_dir, tmp_path_factory):
         "policy": {"model_name": str(model_dir), "precision": "float32", "max_total_sequence_length": 32,
                    "optimizer": {"lr": 2e-2, "weight_decay": 0.0}, "dtensor_cfg": {"enabled": True},
                    "generation": {"backend": "hf", "max_new_tokens": 3, "temperature": 1.0}},
-        "algorithm": {"name": "sft"},  # trains on its own samples whatever the rewards: the answers move
+        "algorithm": {"name": "sft"},  # trains on the reference sums: the greedy answers move
         "data": {"name": "math_jsonl", "preset": "deepscaler", "train_files": [str(root / "train.jsonl")],
                  "validation_files": [str(root / "val.jsonl")], "prompt_template": "{question}="},
         "env": {"name": "math", "math": {"executor": "inline", "answer_format": "none"}},

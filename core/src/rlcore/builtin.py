@@ -45,7 +45,7 @@ def rlcore_algorithms(register):
     register("dr_grpo", "rlcore.algorithms.dr_grpo:DrGRPO", DrGRPOConfig, loss_level="sequence")
     register("rloo", "rlcore.algorithms.rloo:RLOO", RLOOConfig, loss_level="token|sequence")
     register("reinforce_pp", "rlcore.algorithms.reinforce_pp:ReinforcePP", ReinforcePPConfig, loss_level="token|sequence")
-    register("sft", "rlcore.algorithms.sft:SFT", SFTConfig, loss_level="token")
+    register("sft", "rlcore.algorithms.sft:SFT", SFTConfig, loss_level="token", trains_on="answers")
     register("cispo", "rlcore.algorithms.cispo:CISPO", CISPOConfig, loss_level="token|sequence")
     register("dpo", "rlcore.algorithms.dpo:DPO", DPOConfig, loss_level="sequence", trains_on="pairs",
              pair_trainer="rlcore.controller.pairs:policy_pair_trainer")

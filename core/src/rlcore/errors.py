@@ -16,3 +16,8 @@ class UnsafeCheckpointError(CheckpointError):
 
 class DamagedCheckpointError(CheckpointError):
     """A checkpoint file is truncated or garbled."""
+
+
+class DataError(ValueError):
+    """A dataset cannot be used as given (a malformed row, a missing file or column); the message
+    names the file and the line or row. Dataset plugins raise it, or a subclass of it."""

@@ -79,6 +79,11 @@ def rlcore_algorithms(register):
 
     Factory: ``factory(section_config) -> Algorithm``. Default section: ``algorithm``, shared
     by all algorithms; its ``name`` key picks one.
+
+    The ``trains_on`` capability picks the run loop: absent, the GRPO loop (the policy's own
+    rollouts); ``"answers"``, the SFT loop (prompt + reference response, :mod:`rlcore.controller.sft`);
+    ``"pairs"``, the pairwise loop (preference pairs, :mod:`rlcore.controller.pairs`), which also
+    needs ``pair_trainer="module:attr"``, a factory ``(config, algorithm, tokenizer) -> PairTrainer``.
     """
 
 

@@ -51,6 +51,7 @@ class Sample:
     prompt_ids: list[int] | None = None  # filled by the dataset (chat template applied)
     metadata: dict[str, Any] = attrs.field(factory=dict)
     index: int = -1  # position in its dataset (data-order resume)
+    response: str | None = None  # a reference response (the ``sft`` loop's target); None: ``str(answer)``
 
 
 @attrs.define
@@ -337,6 +338,13 @@ class PairTrainer(Protocol):
 
     def save(self, path: str) -> None:
         """Write the trained model as a Hugging Face checkpoint."""
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write what resuming needs (model, optimizer, RNG) into the new directory ``path``
+        (called when ``checkpointing.enabled``)."""
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
 
     def shutdown(self) -> None: ...
 

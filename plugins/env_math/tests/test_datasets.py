@@ -242,3 +242,19 @@ def test_hub_dataset_offline_is_a_clear_error(tiny_tokenizer, tmp_path, monkeypa
         build(tiny_tokenizer, tmp_path, name="math_jsonl", hub_dataset="openai/gsm8k", hub_subset="main")
     with pytest.raises(Exception, match="either data.train_files or data.hub_dataset"):
         build(tiny_tokenizer, tmp_path, name="math_jsonl", hub_dataset="openai/gsm8k", train_files=["x.jsonl"])
+
+
+def test_reference_responses_are_the_answer_column_as_written_or_the_response_column(tiny_tokenizer, tmp_path):
+    """``Sample.response``, what the sft algorithm trains on: GSM8K's worked solution (its ground
+    truth the number after ####), or another column's text (OpenMathInstruct-2's generated_solution)."""
+    gsm8k = build(tiny_tokenizer, tmp_path, name="math_jsonl", preset="gsm8k",
+                  train_files=[str(write_jsonl(tmp_path / "g.jsonl", GSM8K))])
+    assert gsm8k.train[0].answer == "72" and gsm8k.train[0].response == GSM8K[0]["answer"]
+    rows = [{"problem": "What is 2+3?", "expected_answer": "5", "generated_solution": "2+3 is \\boxed{5}."}]
+    custom = build(tiny_tokenizer, tmp_path, name="math_jsonl", preset="custom", prompt_column="problem",
+                   answer_column="expected_answer", response_column="generated_solution",
+                   train_files=[str(write_jsonl(tmp_path / "o.jsonl", rows))])
+    assert custom.train[0].answer == "5" and custom.train[0].response == "2+3 is \\boxed{5}."
+    with pytest.raises(DataError, match=r"o\.jsonl, line 1: missing column 'solution'"):
+        build(tiny_tokenizer, tmp_path, name="math_jsonl", preset="custom", prompt_column="problem",
+              answer_column="expected_answer", response_column="solution", train_files=[str(tmp_path / "o.jsonl")])

@@ -1,4 +1,8 @@
-"""SFT as an algorithm: masked negative log-likelihood, to warm-start a policy in the same run.
+"""SFT as an algorithm: masked negative log-likelihood of reference answers.
+
+``rlcore run`` with ``algorithm.name: sft`` runs the SFT loop (:mod:`rlcore.controller.sft`:
+prompt + reference response, the loss on the response tokens only); the demo's warm start
+trains with it too.
 
     loss = -sum_t m_t log p(y_t | y_<t) / N_tokens           (N_tokens: valid tokens of the step)
 

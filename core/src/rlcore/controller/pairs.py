@@ -11,7 +11,8 @@ held-out pairs (at most ``grpo.max_val_samples``). Records go to the enabled log
 The trainer comes from the algorithm's ``pair_trainer`` capability, a ``"module:attr"`` factory
 ``(config, algorithm, tokenizer) -> PairTrainer``: :func:`policy_pair_trainer` here trains the
 policy through the configured training backend (fsdp2 or Megatron).
-Not yet: checkpoints and resume of this loop (``checkpointing`` is ignored here).
+The steps, validation, checkpoints and resume (SIGTERM included) are the offline loop's
+(:mod:`rlcore.controller.offline`), with the GRPO loop's semantics.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from rlcore.config import ConfigError, RunConfig
-from rlcore.controller.batching import DataCursor
+from rlcore.controller.offline import OfflineLoop, OfflineSteps, build_loggers, trains_on
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name
 from rlcore.controller.run_dir import RunDir
@@ -35,10 +36,7 @@ from rlcore.utils import resolve
 
 
 def trains_on_pairs(config: RunConfig) -> bool:
-    section = config.section("algorithm")
-    if section is None:
-        return False
-    return get_plugin_manager().get("algorithm", section.name).capabilities.get("trains_on") == "pairs"
+    return trains_on(config) == "pairs"
 
 
 class PolicyPairTrainer:
@@ -74,6 +72,12 @@ class PolicyPairTrainer:
     def save(self, path: str) -> None:
         self.trainer.run_on_ranks("rlcore.controller.pairs:export_hf_on_rank", path, what="export_hf")
 
+    def save_checkpoint(self, path: str) -> None:
+        self.trainer.save_checkpoint(path)  # the backend's own: model, optimizer, scheduler, RNG
+
+    def load_checkpoint(self, path: str) -> None:
+        self.trainer.load_checkpoint(path)
+
     def shutdown(self) -> None:
         self.trainer.shutdown()
 
@@ -88,15 +92,6 @@ def policy_pair_trainer(config: RunConfig, algorithm: Any, tokenizer: Any) -> Po
     manager = get_plugin_manager()
     trainer = build_trainer(config, manager, plan_placement(config))
     return PolicyPairTrainer(trainer, algorithm, config.policy.max_total_sequence_length)
-
-
-def _loggers(config: RunConfig, run_dir: Path) -> list:
-    manager, loggers = get_plugin_manager(), []
-    for reg in manager.registry["logger"].values():
-        section = config.section(reg.section)
-        if section is not None and section.enabled:
-            loggers.append(reg.build(section, run_dir))
-    return loggers
 
 
 def build_pair_run(config: RunConfig, given: dict) -> tuple[PairTrainer, PreferenceDataset]:
@@ -126,44 +121,25 @@ def build_pair_run(config: RunConfig, given: dict) -> tuple[PairTrainer, Prefere
 def run_pairs(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dict:
     """The pairwise run in ``run_dir`` (opened by ``rlcore.run``); returns summary and records."""
     trainer, dataset = build_pair_run(config, given)
-    loop = config.grpo
     loggers = given.get("loggers")
     if loggers is None:
-        loggers = _loggers(config, run_dir)
-    validation = list(dataset.validation or [])[: loop.max_val_samples]
-    cursor = DataCursor(len(dataset.train), loop.seed)
-    records: list[dict] = []
+        loggers = build_loggers(config, run_dir)
+    steps = OfflineSteps(train=trainer.train_pairs, evaluate=trainer.evaluate, save_checkpoint=trainer.save_checkpoint,
+                         load_checkpoint=trainer.load_checkpoint,
+                         shown=("train/loss", "train/accuracy", "val/accuracy", "val/reward_margin"))
+    loop = OfflineLoop(config, owner.identity(), steps, dataset.train, dataset.validation, loggers, "pairs",
+                       print_lines=config.logger.print_table)
     started = time.perf_counter()
     try:
-        if loop.val_at_start and validation:
-            records.append({"step": 0, **trainer.evaluate(validation)})
-            _emit(records[-1], loggers, owner)
-        for step in range(1, loop.max_num_steps + 1):
-            t0 = time.perf_counter()
-            record = trainer.train_pairs([dataset.train[i] for i in cursor.take(loop.num_prompts_per_step)])
-            record["timing/training"] = time.perf_counter() - t0
-            if validation and loop.val_period and step % loop.val_period == 0:
-                record.update(trainer.evaluate(validation))
-            record["step"] = step
-            records.append(record)
-            _emit(record, loggers, owner)
-        trainer.save(str(run_dir / "model"))
+        loop.run()
+        if loop.stop_signal is None:  # a signalled run's model is in its checkpoint; it resumes from there
+            trainer.save(str(run_dir / "model"))
     finally:
         for logger in loggers:
             logger.close()
         trainer.shutdown()
-    vals = [r for r in records if "val/accuracy" in r]
-    summary = {"steps": loop.max_num_steps, "run_id": owner.run_id, "seconds": time.perf_counter() - started,
-               "val/accuracy_first": vals[0]["val/accuracy"] if vals else None,
-               "val/accuracy_last": vals[-1]["val/accuracy"] if vals else None,
-               "val/reward_margin_first": vals[0].get("val/reward_margin") if vals else None,
-               "val/reward_margin_last": vals[-1].get("val/reward_margin") if vals else None}
+    summary = loop.summary(owner.run_id, time.perf_counter() - started)
+    summary.setdefault("val/reward_margin_first", None)
+    summary.setdefault("val/reward_margin_last", None)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return {"summary": summary, "records": records, "run_dir": str(run_dir), "model_dir": str(run_dir / "model")}
-
-
-def _emit(record: dict, loggers: list, owner: RunDir) -> None:
-    for logger in loggers:
-        logger.log({k: v for k, v in record.items() if k != "step"}, record["step"])
-    shown = {k: record[k] for k in ("train/loss", "train/accuracy", "val/accuracy", "val/reward_margin") if k in record}
-    print(f"step {record['step']:4d}  " + "  ".join(f"{k} {v:.4f}" for k, v in shown.items()), flush=True)
+    return {"summary": summary, "records": loop.records, "run_dir": str(run_dir), "model_dir": str(run_dir / "model")}

@@ -210,6 +210,11 @@ def run(config: RunConfig, **given) -> dict:
         if trains_on_pairs(config):  # dpo, reward_model: preference pairs, no rollouts
             (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
             return run_pairs(config, owner, run_dir, given)
+        from rlcore.controller.sft import run_sft, trains_on_answers
+
+        if trains_on_answers(config):  # sft: the dataset's reference answers, no rollouts
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+            return run_sft(config, owner, run_dir, given)
         return _run_in(config, owner, run_dir, given)
     finally:
         owner.close()

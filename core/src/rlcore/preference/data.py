@@ -23,11 +23,12 @@ from typing import Any
 
 import attrs
 
+from rlcore.errors import DataError
 from rlcore.interfaces import PreferencePair
 from rlcore.preference.config import PreferenceDataConfig
 
 
-class PreferenceDataError(ValueError):
+class PreferenceDataError(DataError):
     """A preference file or row that cannot be used; the message names the file and row."""
 
 

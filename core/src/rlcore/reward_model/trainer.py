@@ -4,12 +4,15 @@ One process on one device (``cuda`` when available, else the CPU), AdamW with th
 optimizer keys (``policy.optimizer``, ``policy.max_grad_norm``), gradient accumulation over
 micro-batches of ``policy.train_micro_batch_size`` sequences (whole pairs). It does not go
 through the fsdp2 or Megatron training backends: they train causal-LM logprobs, not a score head.
+Its checkpoints (``checkpointing.enabled``) hold the weights as safetensors and the optimizer
+state, read back with ``weights_only`` loading.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,6 +83,30 @@ class RewardModelTrainer:
     def save(self, path: str) -> None:
         self.scorer.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model weights (safetensors), optimizer state and the device's RNG, for resuming."""
+        from safetensors.torch import save_model
+
+        out = Path(path)
+        out.mkdir(parents=True)
+        save_model(self.scorer.model, str(out / "model.safetensors"))
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.scorer.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.scorer.device)
+        with (out / "trainer.pt").open("wb") as f:
+            torch.save(state, f)
+
+    def load_checkpoint(self, path: str) -> None:
+        from safetensors.torch import load_model
+
+        from rlcore.safe_load import load_tensors
+
+        load_model(self.scorer.model, str(Path(path) / "model.safetensors"), device=str(self.scorer.device))
+        state = load_tensors(Path(path) / "trainer.pt")
+        self.optimizer.load_state_dict(state["optimizer"])
+        if "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.scorer.device)
 
     def shutdown(self) -> None:
         self.scorer.model.to("cpu")

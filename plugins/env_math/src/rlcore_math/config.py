@@ -94,6 +94,7 @@ class MathFilesDatasetConfig:
     )
     prompt_column: str | None = field(default=None, metadata=doc("column holding the problem; None = the preset's"))
     answer_column: str | None = field(default=None, metadata=doc("column holding the answer; None = the preset's"))
+    response_column: str | None = field(default=None, metadata=doc("column holding a reference response, the sft algorithm's target (e.g. OpenMathInstruct-2's generated_solution); None = the answer column as written"))
     answer_extraction: Literal["preset", "hash", "boxed", "verbatim"] = field(
         default="preset", metadata=doc("how the ground truth is taken from the answer column ('#### n', last \\boxed{}, or as is)"),
     )

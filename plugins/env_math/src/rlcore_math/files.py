@@ -229,14 +229,16 @@ def _to_samples(rows: list[dict], where: list[str], path: Path | str, config: Ma
     for row, location in zip(rows, where):
         try:
             question = _text(row, prompt_col)
-            answer = _ground_truth(_text(row, answer_col), extraction, answer_col)
+            written = _text(row, answer_col)
+            answer = _ground_truth(written, extraction, answer_col)
+            response = _text(row, config.response_column) if config.response_column else written
         except DataError as exc:
             if not config.skip_bad_rows:
                 raise DataError(f"{path}, {location}: {exc}; fix the row or set data.skip_bad_rows=true") from None
             stats["bad_rows"] += 1
             continue
         user = config.prompt_template.replace("{question}", question)
-        samples.append(Sample(prompt=messages_for(user, config.system_prompt), answer=answer,
+        samples.append(Sample(prompt=messages_for(user, config.system_prompt), answer=answer, response=response,
                               metadata={"source": str(path), "location": location, "question": question}))
     return samples
 

@@ -8,14 +8,16 @@ from typing import Any
 
 import attrs
 
+from rlcore.errors import DataError as CoreDataError
 from rlcore.interfaces import Sample
 
 log = logging.getLogger("rlcore_math")
 _BATCH = 1024  # conversations per apply_chat_template call
 
 
-class DataError(ValueError):
-    """A data file is unusable; the message names the file, the line or row, and the column."""
+class DataError(CoreDataError):
+    """A data file is unusable; the message names the file, the line or row, and the column.
+    (``rlcore run`` reports it as one message, exit status 2.)"""
 
 
 @attrs.define
