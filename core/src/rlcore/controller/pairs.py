@@ -96,8 +96,7 @@ def policy_pair_trainer(config: RunConfig, algorithm: Any, tokenizer: Any) -> Po
 
 def build_pair_run(config: RunConfig, given: dict) -> tuple[PairTrainer, PreferenceDataset]:
     manager = get_plugin_manager()
-    if given.get("pair_trainer") is None or given.get("tokenizer") is None:
-        check_model_name(config)
+    check_model_name(config)  # the pair trainer is always built from policy.model_name
     tokenizer = given.get("tokenizer")
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -112,10 +111,7 @@ def build_pair_run(config: RunConfig, given: dict) -> tuple[PairTrainer, Prefere
     if not dataset.train or not isinstance(dataset.train[0], PreferencePair):
         raise ConfigError("data.name", f"algorithm '{algorithm.name}' trains on preference pairs; dataset "
                           f"'{config.section('data').name}' does not provide them (use data.name: preference)")
-    trainer = given.get("pair_trainer")
-    if trainer is None:
-        trainer = resolve(algorithm_reg.capabilities["pair_trainer"])(config, algorithm, tokenizer)
-    return trainer, dataset
+    return resolve(algorithm_reg.capabilities["pair_trainer"])(config, algorithm, tokenizer), dataset
 
 
 def run_pairs(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dict:
