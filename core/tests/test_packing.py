@@ -158,7 +158,8 @@ def test_token_logprobs_matches_log_softmax_and_its_gradient(temperature, fused)
 
 def test_vocab_parallel_token_logprobs_equal_full_vocabulary_ones(tmp_path):
     """Two gloo ranks, each holding half the vocabulary: logprobs and each shard's gradient equal
-    token_logprobs on the full logits (float64, eager and compiled chunk kernels)."""
+    token_logprobs on the full logits (float64, eager and compiled chunk kernels); so do the
+    selected form's on the rows it is given (0 on the other tokens)."""
     import ast
     import socket
     import subprocess

@@ -8,7 +8,9 @@ difference between ~10 GB of float32 activations and a few MB.
 
 :func:`vocab_parallel_token_logprobs` is the same computation when each tensor-parallel rank holds
 a slice of the vocabulary (the Megatron backend): the per-token logsumexps and target logits
-are combined across the group, so the full-vocabulary logits are never gathered.
+are combined across the group, so the full-vocabulary logits are never gathered. Each has a form
+taking the logits of some rows only (:func:`selected_token_logprobs`,
+:func:`vocab_parallel_selected_token_logprobs`): the rows whose logprobs a loss reads.
 
 Each chunk's math is a few element-wise passes over ``[chunk, vocab]``. Run op by op, those passes
 cost more GPU time than the LM head's matmuls (measured on an H200, 1.2B Llama shape, vocab
@@ -231,5 +233,24 @@ def selected_token_logprobs(logits_RV: torch.Tensor, input_ids_T: torch.Tensor, 
     fused = logits_RV.is_cuda if fused is None else fused
     targets_R = input_ids_T[rows_R + 1].long()
     next_R = _ChunkedTargetLogprob.apply(logits_RV, targets_R, chunk_tokens, float(temperature), bool(fused))
+    out_T = torch.zeros(input_ids_T.shape[0], dtype=next_R.dtype, device=next_R.device)
+    return out_T.index_put((rows_R + 1,), next_R)
+
+
+def vocab_parallel_selected_token_logprobs(logits_RV: torch.Tensor, input_ids_T: torch.Tensor, rows_R: torch.Tensor, *,
+                                           group, vocab_start: int, chunk_tokens: int = 1024, temperature: float = 1.0,
+                                           fused: bool | None = None) -> torch.Tensor:
+    """:func:`selected_token_logprobs` when ``logits_RV`` holds this rank's vocabulary shard
+    (columns ``vocab_start ..``, split over ``group``), as :func:`vocab_parallel_token_logprobs`:
+    every rank of ``group`` calls it with the same ``input_ids_T`` and ``rows_R`` and gets the same
+    token-aligned [T] vector (0 off the selected tokens)."""
+    if logits_RV.dim() != 2 or rows_R.shape != (logits_RV.shape[0],):
+        raise ValueError(f"vocab_parallel_selected_token_logprobs: logits {tuple(logits_RV.shape)} need one row per "
+                         f"entry of rows {tuple(rows_R.shape)}")
+    _check_args(logits_RV, rows_R, temperature, chunk_tokens, "vocab_parallel_selected_token_logprobs")
+    fused = logits_RV.is_cuda if fused is None else fused
+    targets_R = input_ids_T[rows_R + 1].long()
+    next_R = _ChunkedVocabParallelLogprob.apply(logits_RV, targets_R, int(vocab_start), group, chunk_tokens,
+                                                float(temperature), bool(fused))
     out_T = torch.zeros(input_ids_T.shape[0], dtype=next_R.dtype, device=next_R.device)
     return out_T.index_put((rows_R + 1,), next_R)

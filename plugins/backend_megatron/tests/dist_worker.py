@@ -76,14 +76,16 @@ def megatron_logits(backend, batch) -> list[torch.Tensor] | None:
 
     mbs = backend.micro_batches(batch, 64, 4)
 
-    def loss_fn(mb, _logprobs_fn, output):
-        parts = [torch.empty_like(output) for _ in range(mpu.get_tensor_model_parallel_world_size())]
-        dist.all_gather(parts, output.contiguous(), group=mpu.get_tensor_model_parallel_group())
-        full_TV = torch.cat(parts, -1)[0]
+    def loss_fn(mb, _logprobs_fn, hidden):
+        logits_TV = output_logits(backend.module, hidden)
+        parts = [torch.empty_like(logits_TV) for _ in range(mpu.get_tensor_model_parallel_world_size())]
+        dist.all_gather(parts, logits_TV.contiguous(), group=mpu.get_tensor_model_parallel_group())
+        full_TV = torch.cat(parts, -1)
         rows = dict(zip(mb.seq_ids, unpack(full_TV, mb)))
-        return output.sum() * 0, torch.tensor(1), {"rows": rows}
+        return hidden.sum() * 0, torch.tensor(1), {"rows": rows}
 
     from rlcore_megatron import cpu_shims
+    from rlcore_megatron.output import output_logits
 
     with torch.no_grad(), cpu_shims.active():  # a private call: the public methods enter the shims themselves
         outs = backend._run_schedule(mbs, loss_fn, forward_only=True)
@@ -104,6 +106,11 @@ def hf_logits(model, batch) -> list[torch.Tensor]:
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def on_mask(values: list[torch.Tensor], batch) -> list[torch.Tensor]:
+    """Each sequence's values on its loss-masked tokens: the backend computes logprobs only there."""
+    return [v[m > 0] for v, m in zip(values, batch.loss_mask)]
 
 
 def check_parity(path: str, **mcfg) -> float:
@@ -130,7 +137,7 @@ def check_logprobs(path: str, **mcfg) -> float:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
             ref = [token_logprobs(hf(ids[None]).logits[0], ids) for ids in batch.input_ids]
-        diff = [max_diff(ours, ref)]
+        diff = [max_diff(on_mask(ours, batch), on_mask(ref, batch))]
     dist.broadcast_object_list(diff, src=0)
     return diff[0]
 
@@ -192,6 +199,52 @@ def train_vs_reference(path: str, **mcfg) -> dict:
     ref_loss, ref_norm, ref_weights = reference_step(path, batch, run, cfg)
     return {"loss": abs(metrics["loss"] - ref_loss), "grad_norm": abs(metrics["grad_norm"] - ref_norm) / ref_norm,
             "weights": max(float((weights[k] - ref_weights[k]).abs().max()) for k in ref_weights)}
+
+
+def every_row(backend):
+    """``backend`` with its micro-batches' row selection dropped: the output layer and logprob
+    kernel run on every row of the stream (the path Megatron's own ``_postprocess`` takes)."""
+    plan = backend.micro_batches
+    backend.micro_batches = lambda *args, **kwargs: [attrs.evolve(mb, logprob_rows_R=None) for mb in plan(*args, **kwargs)]
+    return backend
+
+
+def logit_rows(backend, fn) -> tuple[object, int]:
+    """(``fn()``, rows of logits the output layer produced on this rank meanwhile; 0 on a stage without it)."""
+    rows = []
+    layer = getattr(backend.module, "output_layer", None)  # only the last pipeline stage has one
+    if layer is None:
+        return fn(), 0
+    hook = layer.register_forward_hook(lambda module, args, out: rows.append(out[0].shape[0]))
+    try:
+        return fn(), sum(rows)
+    finally:
+        hook.remove()
+
+
+def check_positions(path: str, **mcfg) -> dict:
+    """Logprobs and one training step with the output layer on the loss rows only vs on every
+    row, in the same layout from the same weights: max differences, and the logit rows computed."""
+    from megatron.core import parallel_state as mpu
+
+    batch = make_batch(5, n=8)
+    selected, full = backend_for(path, **mcfg), every_row(backend_for(path, **mcfg))
+    lp_sel, rows_sel = logit_rows(selected, lambda: selected.logprobs(batch))
+    lp_full, rows_full = logit_rows(full, lambda: full.logprobs(batch))
+    m_sel, m_full = selected.train(batch, SumNLL()), full.train(batch, SumNLL())
+    w_sel, w_full = exported(selected), exported(full)
+    counts = torch.tensor([rows_sel, rows_full], dtype=torch.long)
+    dist.all_reduce(counts)  # CP ranks split the rows, TP ranks each compute all of them, PP: the last stage
+    if dist.get_rank() != 0:
+        return {}
+    copies = mpu.get_tensor_model_parallel_world_size()
+    return {"logprobs": max_diff(on_mask(lp_sel, batch), on_mask(lp_full, batch)),
+            "off_mask": max(float(v[m == 0].abs().max()) for v, m in zip(lp_sel, batch.loss_mask)),
+            "rows_selected": int(counts[0]), "rows_full": int(counts[1]),
+            "rows_needed": copies * sum(int((m[1:] > 0).sum()) for m in batch.loss_mask),
+            "loss": abs(m_sel["loss"] - m_full["loss"]), "grad_norm": abs(m_sel["grad_norm"] - m_full["grad_norm"]) / m_full["grad_norm"],
+            "weights": max(float((w_sel[k] - w_full[k]).abs().max()) for k in w_full),
+            "change": max(float((w_sel[k] - v).abs().max()) for k, v in checkpoint_tensors(path).items())}
 
 
 def check_vs_fsdp2(path: str) -> dict:
@@ -265,9 +318,9 @@ def check_training(path: str, tmp: Path, out: dict) -> None:
 
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         expect = [token_logprobs(base(ids[None]).logits[0].detach(), ids) for ids in batch2.input_ids]
-        out["ref_logprob_diff"] = max_diff(ref_lp, expect)
+        out["ref_logprob_diff"] = max_diff(on_mask(ref_lp, batch2), on_mask(expect, batch2))
         expect_now = [token_logprobs(ours[i], ids) for i, ids in enumerate(batch2.input_ids)]
-        out["policy_logprob_diff"] = max_diff(lp, expect_now)
+        out["policy_logprob_diff"] = max_diff(on_mask(lp, batch2), on_mask(expect_now, batch2))
     # resume equals uninterrupted
     backend.save_checkpoint(str(tmp / "ckpt"))
     m2 = backend.train(batch2, SumNLL())
@@ -330,6 +383,17 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             out[f"train_{name}"] = "ERROR " + traceback.format_exc()
         out[f"train_{name}_s"] = time.time() - start
+    positions = {"tp2_sp_llama": ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+                 "cp2_llama": ("llama", dict(context_parallel_size=2)),
+                 "pp2_llama": ("llama", dict(pipeline_model_parallel_size=2))}
+    for name, (arch, mcfg) in positions.items():
+        start = time.time()
+        try:
+            for k, v in check_positions(models[arch], **mcfg).items():
+                out[f"positions_{name}_{k}"] = v
+        except Exception:  # noqa: BLE001
+            out[f"positions_{name}"] = "ERROR " + traceback.format_exc()
+        out[f"positions_{name}_s"] = time.time() - start
     start = time.time()
     try:
         import rlcore_fsdp2  # noqa: F401 - the comparison needs the other backend installed

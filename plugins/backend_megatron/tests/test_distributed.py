@@ -109,3 +109,22 @@ def test_parallel_layouts_train_like_one_process(results, variant):
     assert value(results, f"train_{variant}_loss") < 1e-5
     assert value(results, f"train_{variant}_grad_norm") < 1e-5
     assert value(results, f"train_{variant}_weights") < 1e-5
+
+
+POSITION_LAYOUTS = ("tp2_sp_llama", "cp2_llama", "pp2_llama")
+
+
+@pytest.mark.parametrize("layout", POSITION_LAYOUTS)
+def test_output_layer_on_the_loss_rows_equals_every_row(results, layout):
+    # The output layer runs on the rows before loss-masked tokens only (sequence-gathered under SP,
+    # each rank's own chunks under CP, the last stage under PP); fp32 logprobs there and one whole
+    # training step equal the every-row path's, in the same layout from the same weights.
+    key = f"positions_{layout}"
+    assert value(results, f"{key}_rows_selected") == value(results, f"{key}_rows_needed")
+    assert value(results, f"{key}_rows_selected") < 0.8 * value(results, f"{key}_rows_full")
+    assert value(results, f"{key}_logprobs") < 1e-6
+    assert value(results, f"{key}_off_mask") == 0.0  # prompt tokens got no logits at all
+    assert value(results, f"{key}_change") > 5e-4  # the step really moved the weights
+    assert value(results, f"{key}_loss") < 1e-6
+    assert value(results, f"{key}_grad_norm") < 1e-6
+    assert value(results, f"{key}_weights") < 1e-6

@@ -48,14 +48,22 @@ class PolicyGradient(AlgorithmBase):
     def __init__(self, config=None):
         super().__init__(config)
         self.uses_reference = self.config.kl_coef > 0
-        # "auto" is decided by rlcore.run (rlcore.controller.run.resolve_old_logprobs); undecided, the pass runs.
+        # "auto" is decided by rlcore.run through choose_old_logprobs; undecided, the pass runs.
         self.uses_old_logprobs = self.config.use_old_logprobs is not False
         self.loss_level = getattr(self.config, "loss_level", type(self).loss_level)
+
+    def choose_old_logprobs(self, one_update_per_batch_on_policy: bool) -> bool:
+        """:class:`rlcore.interfaces.OldLogprobsChoice`: ``use_old_logprobs: auto`` becomes false,
+        skipping the pass, for one sync optimizer step per batch, else true; true/false stay."""
+        if self.config.use_old_logprobs == "auto":
+            self.uses_old_logprobs = not one_update_per_batch_on_policy
+        return self.uses_old_logprobs
 
     def required_fields(self) -> dict[str, str]:
         fields = {}
         if self.uses_old_logprobs:
-            fields["old_logprobs"] = f"use_old_logprobs is {self.config.use_old_logprobs}"
+            fields["old_logprobs"] = f"use_old_logprobs is {self.config.use_old_logprobs}" + (
+                " (true for this run)" if self.config.use_old_logprobs == "auto" else "")
         if self.uses_reference:
             fields["ref_logprobs"] = f"kl_coef={self.config.kl_coef} > 0"
         preset = self.config.correction.preset

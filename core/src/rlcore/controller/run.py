@@ -15,7 +15,6 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
 import torch
 import yaml
@@ -32,7 +31,7 @@ from rlcore.controller.run_dir import RunDir
 from rlcore.controller.timing import summarize
 from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
 from rlcore.controller.placement import plan_placement
-from rlcore.interfaces import Generator, Placement, TrainerHandle, WeightTransport
+from rlcore.interfaces import Generator, OldLogprobsChoice, Placement, TrainerHandle, WeightTransport
 from rlcore.plugins import get_plugin_manager
 from rlcore.utils import resolve
 from rlcore.weights import stream_into
@@ -118,23 +117,25 @@ def one_update_per_batch_on_policy(config: RunConfig) -> bool:
     return not config.grpo.async_grpo.enabled and (size is None or size >= per_step)
 
 
-def resolve_old_logprobs(config: RunConfig, section: Any) -> Any:
-    """``section`` with ``use_old_logprobs: auto`` decided for this run (other sections as they are):
-    false, skipping the old-logprob pass, when :func:`one_update_per_batch_on_policy`; else true."""
-    if not attrs.has(type(section)) or attrs.fields_dict(type(section)).get("use_old_logprobs") is None:
-        return section
-    if section.use_old_logprobs != "auto":
-        return section
-    use = not one_update_per_batch_on_policy(config)
-    why = "not one sync optimizer step per batch" if use else "one sync optimizer step per batch: the pass is skipped"
-    print(f"algorithm.use_old_logprobs: auto -> {str(use).lower()} ({why})", flush=True)
-    return attrs.evolve(section, use_old_logprobs=use)
+def resolve_old_logprobs(config: RunConfig, algorithm: Any) -> Any:
+    """``algorithm`` with its old-logprob pass decided for this run, built from the recipe or
+    passed to ``rlcore.run`` alike: one implementing :class:`rlcore.interfaces.OldLogprobsChoice`
+    (``use_old_logprobs: auto``) skips the pass when :func:`one_update_per_batch_on_policy`; any
+    other keeps the ``uses_old_logprobs`` it declares."""
+    if not isinstance(algorithm, OldLogprobsChoice):
+        return algorithm
+    one_update = one_update_per_batch_on_policy(config)
+    use = algorithm.choose_old_logprobs(one_update)
+    why = "one sync optimizer step per batch" if one_update else "not one sync optimizer step per batch"
+    print(f"algorithm {algorithm.name}: old-logprob pass {'runs' if use else 'skipped'} ({why}; "
+          "algorithm.use_old_logprobs: auto|true|false)", flush=True)
+    return algorithm
 
 
 def build_algorithm(config: RunConfig, manager, registration=None):
     """The recipe's algorithm (``algorithm.name``, or ``registration``) built from its section, ``auto`` keys decided."""
     section = config.require_section("algorithm")
-    return (registration or manager.get("algorithm", section.name)).build(resolve_old_logprobs(config, section))
+    return resolve_old_logprobs(config, (registration or manager.get("algorithm", section.name)).build(section))
 
 
 def build_components(config: RunConfig, **given) -> Components:
@@ -154,6 +155,8 @@ def build_components(config: RunConfig, **given) -> Components:
     if algorithm is None:  # a given algorithm replaces the lookup, as every given object does
         algorithm_reg = manager.get("algorithm", config.require_section("algorithm").name)
         algorithm = build_algorithm(config, manager, algorithm_reg)
+    else:  # decided like a built one (use_old_logprobs: auto on a passed GRPO object)
+        algorithm = resolve_old_logprobs(config, algorithm)
     teacher = given.get("teacher")
     if teacher is None and algorithm_reg is not None and "teacher" in algorithm_reg.capabilities:
         teacher = resolve(algorithm_reg.capabilities["teacher"])(config.section("algorithm"))  # distillation: "module:attr"

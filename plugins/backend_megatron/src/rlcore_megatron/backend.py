@@ -1,13 +1,14 @@
 """The Megatron-Core training backend (:class:`rlcore.interfaces.TrainingBackend`).
 
 Every micro-batch is one packed sequence stream (thd layout, ``PackedSeqParams``), padded to a
-multiple of TP (times the FP8 GEMM row multiple with FP8). Logprobs come from
-:func:`rlcore.ops.token_logprobs` (its vocab-parallel form under TP): chunked, in the logits'
-dtype, so neither full-vocabulary float32 logits nor, under TP, the full vocabulary is
-materialized on a rank. A step's micro-batches go to the device before the schedule runs, with
-non-blocking copies, and their metrics stay on the device until the step ends: a blocking copy
-or a ``.tolist()`` per micro-batch would make the host wait for the GPU before launching the
-next micro-batch. Losses are the algorithm's share of the step value
+multiple of TP (times the FP8 GEMM row multiple with FP8). The model's last stage returns hidden
+states and the output layer runs only on the rows whose logprobs a loss reads
+(:mod:`rlcore_megatron.output`); logprobs come from :func:`rlcore.ops.selected_token_logprobs`
+(its vocab-parallel form under TP): chunked, in the logits' dtype, so neither full-vocabulary
+float32 logits nor, under TP, the full vocabulary is materialized on a rank. A step's
+micro-batches go to the device before the schedule runs, with non-blocking copies, and their
+metrics stay on the device until the step ends: a blocking copy or a ``.tolist()`` per
+micro-batch would make the host wait for the GPU before launching the next micro-batch. Losses are the algorithm's share of the step value
 (global normalization by :func:`rlcore.packing.step_totals`); Megatron's DDP runs in per-token
 mode so data-parallel gradients are summed. Schedules come from ``get_forward_backward_func``
 (pipeline-parallel when PP > 1).
@@ -23,17 +24,15 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlcore.config import RunConfig
 from rlcore.algorithms.base import merge_metrics
 from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
-from rlcore.ops import token_logprobs, vocab_parallel_token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.weights import chunked, gather_sequences_to_rank0
-from rlcore_megatron import checkpoint, context_parallel, cpu_shims, kernels, parallel
+from rlcore_megatron import checkpoint, context_parallel, cpu_shims, kernels, output, parallel
 from rlcore_megatron.config import MegatronConfig
 from rlcore_megatron.convert import iter_hf_weights, load_hf_into_megatron
 from rlcore_megatron.model import packed_seq_params
@@ -42,19 +41,6 @@ from rlcore_megatron.model import packed_seq_params
 def build_backend(config: RunConfig, section_config: MegatronConfig, world: WorldInfo) -> MegatronBackend:
     """Factory registered as ``megatron`` (torch.distributed is initialized by the caller)."""
     return MegatronBackend(config, section_config, world)
-
-
-def micro_batch_logprobs(logits_1TV: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """Token-aligned logprobs [T] (float32) from this TP rank's vocabulary shard of the logits of a
-    device micro-batch: ``out[t] = log_softmax(logits[t-1])[ids[t]]``, 0 at each sequence's first
-    token and on padding."""
-    logits_TV = logits_1TV.squeeze(0)  # squeeze, not [0]: indexing's backward would fill a zero [T, V] tensor
-    tp = mpu.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return token_logprobs(logits_TV, mb.input_ids_T, mb.cu_seqlens)
-    start = mpu.get_tensor_model_parallel_rank() * logits_TV.shape[-1]
-    return vocab_parallel_token_logprobs(logits_TV, mb.input_ids_T, mb.cu_seqlens,
-                                         group=mpu.get_tensor_model_parallel_group(), vocab_start=start)
 
 
 class MegatronBackend:
@@ -84,7 +70,7 @@ class MegatronBackend:
         self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu)
         if self.world.rank == 0:
             print(f"rlcore-megatron: {self.kernels.describe()}", flush=True)
-        model = parallel.build_model(cfg, self.hf_config, config, self.kernels, on_cpu=self.on_cpu)
+        model = parallel.build_model(cfg, self.hf_config, config, self.kernels, on_cpu=self.on_cpu, return_hidden_states=True)
         if hf_config is None:
             load_hf_into_megatron(model, self.model_path, self.hf_config)
         self.model = parallel.wrap_ddp(model, cfg)
@@ -128,14 +114,15 @@ class MegatronBackend:
         if self.ranks.cp_size > 1:
             lay = context_parallel.layout(mb, self.ranks.cp_size, self.ranks.cp, self._pad_multiple())
             ids, pos, params = context_parallel.inputs(mb, lay, device)
-            return mb, ids, pos, params, partial(context_parallel.cp_logprobs, lay=lay)
+            return mb, ids, pos, params, partial(context_parallel.cp_logprobs, self.module, lay)
         on_device = mb.to(device, non_blocking=True)
         params = packed_seq_params(mb.cu_seqlens, mb.num_tokens, int(mb.max_seqlen), device)
         return (on_device, on_device.input_ids_T[None], on_device.position_ids_T[None], params,
-                partial(micro_batch_logprobs, mb=on_device))
+                partial(output.micro_batch_logprobs, self.module, on_device))
 
     def _forward_step(self, loss_fn, data_iterator, model):
-        """Run one micro-batch; ``loss_fn(mb, logprobs_fn, output)`` gets token-aligned logprobs via ``logprobs_fn``."""
+        """Run one micro-batch; ``loss_fn(mb, logprobs_fn, output)`` gets token-aligned logprobs via
+        ``logprobs_fn(output)`` (``output``: the last stage's hidden states, see :mod:`rlcore_megatron.output`)."""
         mb, ids, pos, params, logprobs_fn = next(data_iterator)
         if self.routing is not None:
             self.routing.next_micro_batch()

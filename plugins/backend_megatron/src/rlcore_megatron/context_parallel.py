@@ -10,7 +10,9 @@ Attention (:func:`cp_attention`) all-gathers K/V over the CP group (with autogra
 local query chunk attend causally to the keys before it. Logprobs (:func:`cp_logprobs`): each
 rank computes next-token logprobs for its own positions, scatters them into the global layout
 and an autograd all-reduce over CP gives every rank the full token-aligned vector, so any
-algorithm (token- or sequence-level) sees whole sequences.
+algorithm (token- or sequence-level) sees whole sequences. Only the positions that predict a
+loss-masked token (:attr:`CPLayout.rows_R`, from ``MicroBatch.logprob_rows_R``) go through the
+output layer (:mod:`rlcore_megatron.output`); the other tokens' logprobs are 0.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from rlcore.packing import MicroBatch
+from rlcore_megatron.output import output_logits
 
 
 @attrs.frozen
@@ -33,6 +36,9 @@ class CPLayout:
     labels_P: torch.Tensor  # int64 [P]: next token of each padded position (0 where none)
     src_T: torch.Tensor  # int64 [T]: padded position whose prediction is token t's logprob
     valid_T: torch.Tensor  # bool [T]: token t has a logprob (not first of its sequence, not padding)
+    # int64 [R]: this rank's rows (into its P/cp local positions) whose logits a loss reads; None: every row.
+    # Never empty (one row is kept when none is needed): the TP collectives of the logprob kernel want rows.
+    rows_R: torch.Tensor | None = None
 
 
 def _chunks(length: int, cp: int, rank: int) -> tuple[int, int]:
@@ -62,7 +68,19 @@ def layout(mb: MicroBatch, cp: int, rank: int, multiple: int) -> CPLayout:
             src[start + 1 : end] = torch.arange(base, base + n - 1)
             valid[start + 1 : end] = True
         cu_padded.append(base + padded)
-    return CPLayout(tuple(cu_padded), torch.cat(local), torch.cat(labels), src, valid)
+    local_idx = torch.cat(local)
+    return CPLayout(tuple(cu_padded), local_idx, torch.cat(labels), src, valid,
+                    _local_rows(mb.logprob_rows_R, src, local_idx, cu_padded[-1]))
+
+
+def _local_rows(logprob_rows_R: torch.Tensor | None, src_T: torch.Tensor, local_idx: torch.Tensor, total: int):
+    """This rank's local rows predicting the tokens ``logprob_rows_R + 1`` (None: all rows)."""
+    if logprob_rows_R is None:
+        return None
+    needed_P = torch.zeros(total, dtype=torch.bool)
+    needed_P[src_T[logprob_rows_R.cpu() + 1]] = True
+    rows_R = torch.nonzero(needed_P[local_idx]).flatten()
+    return rows_R if rows_R.numel() else torch.zeros(1, dtype=torch.long)
 
 
 def inputs(mb: MicroBatch, lay: CPLayout, device) -> tuple[torch.Tensor, torch.Tensor, PackedSeqParams]:
@@ -84,14 +102,17 @@ def inputs(mb: MicroBatch, lay: CPLayout, device) -> tuple[torch.Tensor, torch.T
     return ids_P[lay.local_idx].to(device)[None], pos_P[lay.local_idx].to(device)[None], params
 
 
-def cp_logprobs(logits_1TV: torch.Tensor, lay: CPLayout) -> torch.Tensor:
-    """Token-aligned logprobs [T] of the whole micro-batch, on every CP rank (differentiable)."""
+def cp_logprobs(model, lay: CPLayout, hidden_S1H: torch.Tensor) -> torch.Tensor:
+    """Token-aligned logprobs [T] of the whole micro-batch, on every CP rank (differentiable), from
+    this rank's last-stage hidden states: the output layer runs on ``lay.rows_R`` only."""
     from megatron.core import tensor_parallel
 
-    device = logits_1TV.device
-    labels = lay.labels_P.to(device)[lay.local_idx.to(device)]
-    local_lp = -tensor_parallel.vocab_parallel_cross_entropy(logits_1TV[0].float(), labels)
-    full_P = torch.zeros(lay.cu_padded[-1], dtype=local_lp.dtype, device=device).index_put((lay.local_idx.to(device),), local_lp)
+    device = hidden_S1H.device
+    positions = lay.local_idx if lay.rows_R is None else lay.local_idx[lay.rows_R]
+    logits_RV = output_logits(model, hidden_S1H, None if lay.rows_R is None else lay.rows_R.to(device))
+    positions = positions.to(device)
+    local_lp = -tensor_parallel.vocab_parallel_cross_entropy(logits_RV.float(), lay.labels_P.to(device)[positions])
+    full_P = torch.zeros(lay.cu_padded[-1], dtype=local_lp.dtype, device=device).index_put((positions,), local_lp)
     full_P = dist_nn.all_reduce(full_P, group=mpu.get_context_parallel_group())
     out_T = full_P[lay.src_T.to(device)]
     return torch.where(lay.valid_T.to(device), out_T, torch.zeros_like(out_T))

@@ -227,20 +227,40 @@ def rope_kwargs(hf_config) -> dict[str, Any]:
     return kwargs
 
 
-def build_gpt_model(hf_config, cfg: MegatronConfig, kernels: Kernels, *, params_dtype: torch.dtype, on_cpu: bool) -> GPTModel:
-    """This rank's shard of the model (random init; weights are loaded by :mod:`rlcore_megatron.convert`)."""
+class PolicyGPTModel(GPTModel):
+    """Megatron's ``GPTModel`` whose last pipeline stage can return the final hidden states
+    ``[s, 1, h]`` (after the final norm; sequence-sharded under sequence parallelism) instead of
+    logits, with ``return_hidden_states=True``: the backend then runs ``output_layer`` itself on
+    the rows a loss reads (:mod:`rlcore_megatron.output`). Parameters, state dict and sharded
+    checkpoints are the parent's. rlcore builds no multi-token-prediction block, the one part of
+    ``_postprocess`` besides the output layer and Megatron's own loss."""
+
+    def __init__(self, *args, return_hidden_states: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.return_hidden_states = return_hidden_states
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        if self.return_hidden_states and self.post_process and not self.mtp_process:
+            return hidden_states
+        return super()._postprocess(hidden_states, *args, **kwargs)
+
+
+def build_gpt_model(hf_config, cfg: MegatronConfig, kernels: Kernels, *, params_dtype: torch.dtype, on_cpu: bool,
+                    return_hidden_states: bool = False) -> PolicyGPTModel:
+    """This rank's shard of the model (random init; weights are loaded by :mod:`rlcore_megatron.convert`).
+    ``return_hidden_states``: the last stage returns hidden states, not logits (:class:`PolicyGPTModel`)."""
     tp = cfg.tensor_model_parallel_size
     if hf_config.vocab_size % tp:
         raise ConfigError(f"{SECTION}.tensor_model_parallel_size",
                           f"{tp} does not divide the model's vocabulary size {hf_config.vocab_size}")
     tconfig = transformer_config(hf_config, cfg, kernels, params_dtype=params_dtype, on_cpu=on_cpu)
     num_experts = getattr(hf_config, "num_experts", None) if architecture(hf_config) == "qwen3_moe" else None
-    model = GPTModel(
+    model = PolicyGPTModel(
         config=tconfig, transformer_layer_spec=layer_spec(hf_config, tconfig, num_experts, kernels), vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, pre_process=mpu.is_pipeline_first_stage(),
         post_process=mpu.is_pipeline_last_stage(), parallel_output=True,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        position_embedding_type="rope", rotary_percent=1.0, **rope_kwargs(hf_config),
+        position_embedding_type="rope", rotary_percent=1.0, return_hidden_states=return_hidden_states, **rope_kwargs(hf_config),
     )
     if not on_cpu:
         model.cuda(torch.cuda.current_device())

@@ -79,9 +79,10 @@ def params_dtype(cfg: MegatronConfig, run: RunConfig) -> torch.dtype:
     return torch_dtype(cfg.optimizer.params_dtype or run.policy.precision)
 
 
-def build_model(cfg: MegatronConfig, hf_config, run: RunConfig, kernels: Kernels, *, on_cpu: bool):
+def build_model(cfg: MegatronConfig, hf_config, run: RunConfig, kernels: Kernels, *, on_cpu: bool,
+                return_hidden_states: bool = False):
     dtype = params_dtype(cfg, run)
-    model = build_gpt_model(hf_config, cfg, kernels, params_dtype=dtype, on_cpu=on_cpu)
+    model = build_gpt_model(hf_config, cfg, kernels, params_dtype=dtype, on_cpu=on_cpu, return_hidden_states=return_hidden_states)
     if cfg.freeze_moe_router:
         for name, param in model.named_parameters():
             if name.endswith("mlp.router.weight"):
