@@ -78,7 +78,7 @@ class PolicyGradientConfig:
         default="auto",
         metadata=doc("ratio against the old policy's logprobs (a logprob pass before training); false = against the "
                      "current policy's, detached (equal when one optimizer step trains on each generated batch); auto "
-                     "= false when rlcore.run sees one optimizer step per batch and sync (on-policy) generation, else true"),
+                     "= false when rlcore.run sees one optimizer step per batch (sync or async), else true"),
     )
     gen_is_cap: float | None = field(
         default=None, validator=_optional(_positive),

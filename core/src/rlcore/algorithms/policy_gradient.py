@@ -12,7 +12,7 @@ Per valid token t of sequence i (m = loss mask, A = advantage, r = importance ra
 ``p_train`` is the old policy's probability (``old_logprobs``) or, with ``use_old_logprobs:
 false``, the current one, detached (one on-policy update per batch: r = 1 with the right
 gradient; ``auto``, the default, is false when ``rlcore.run`` sees one optimizer step per generated
-batch and sync generation, where the old policy is the current one). ``reduce`` divides by the step's global count of valid tokens (token level) or
+batch, sync or async: the old logprobs are taken from the weights that step starts at). ``reduce`` divides by the step's global count of valid tokens (token level) or
 sequences (sequence level), so the loss is this micro-batch's share of the step loss. Subclasses
 choose the advantage estimator, the ratio (GSPO: per sequence) and the reduction (Dr.GRPO).
 
@@ -52,11 +52,11 @@ class PolicyGradient(AlgorithmBase):
         self.uses_old_logprobs = self.config.use_old_logprobs is not False
         self.loss_level = getattr(self.config, "loss_level", type(self).loss_level)
 
-    def choose_old_logprobs(self, one_update_per_batch_on_policy: bool) -> bool:
+    def choose_old_logprobs(self, one_update_per_batch: bool) -> bool:
         """:class:`rlcore.interfaces.OldLogprobsChoice`: ``use_old_logprobs: auto`` becomes false,
-        skipping the pass, for one sync optimizer step per batch, else true; true/false stay."""
+        skipping the pass, for one optimizer step per batch, else true; true/false stay."""
         if self.config.use_old_logprobs == "auto":
-            self.uses_old_logprobs = not one_update_per_batch_on_policy
+            self.uses_old_logprobs = not one_update_per_batch
         return self.uses_old_logprobs
 
     def required_fields(self) -> dict[str, str]:

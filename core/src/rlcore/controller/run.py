@@ -109,24 +109,27 @@ def pick_transport(manager, trainer: TrainerHandle, generator: Generator, config
     return StreamTransport(chunk_bytes=config.generation.refit.chunk_bytes)
 
 
-def one_update_per_batch_on_policy(config: RunConfig) -> bool:
+def one_update_per_batch(config: RunConfig) -> bool:
     """Each generated batch trains exactly one optimizer step (``policy.train_global_batch_size``
-    unset or at least P*G, the most a step keeps) and generation is sync: the old policy's
-    logprobs are then the current policy's before that step, up to numerics."""
+    unset or at least P*G, the most a step keeps). The loop takes old logprobs right before the
+    update, from the weights it starts at, so they are then the current policy's, detached, up to
+    numerics. That holds in async runs too: a batch generated one version back is still scored by
+    the trainer's weights of the moment (the generator's staleness is the rollout correction's part,
+    p_train / p_gen)."""
     size, per_step = config.policy.train_global_batch_size, config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
-    return not config.grpo.async_grpo.enabled and (size is None or size >= per_step)
+    return size is None or size >= per_step
 
 
 def resolve_old_logprobs(config: RunConfig, algorithm: Any) -> Any:
     """``algorithm`` with its old-logprob pass decided for this run, built from the recipe or
     passed to ``rlcore.run`` alike: one implementing :class:`rlcore.interfaces.OldLogprobsChoice`
-    (``use_old_logprobs: auto``) skips the pass when :func:`one_update_per_batch_on_policy`; any
+    (``use_old_logprobs: auto``) skips the pass when :func:`one_update_per_batch`; any
     other keeps the ``uses_old_logprobs`` it declares."""
     if not isinstance(algorithm, OldLogprobsChoice):
         return algorithm
-    one_update = one_update_per_batch_on_policy(config)
+    one_update = one_update_per_batch(config)
     use = algorithm.choose_old_logprobs(one_update)
-    why = "one sync optimizer step per batch" if one_update else "not one sync optimizer step per batch"
+    why = "one optimizer step per batch" if one_update else "several optimizer steps per batch"
     print(f"algorithm {algorithm.name}: old-logprob pass {'runs' if use else 'skipped'} ({why}; "
           "algorithm.use_old_logprobs: auto|true|false)", flush=True)
     return algorithm
