@@ -8,7 +8,8 @@ with random nonzero ``B``; the adapter is written in PEFT's format by ``rlcore_f
 ``LoRARequest``. Then the adapter is rewritten with other values and reloaded in place
 (``load_inplace=True``, as a refit would). Each time, greedy tokens and their logprobs are compared
 with ``transformers`` holding the fp32-merged weights (``rlcore_fsdp2.lora.merged``). Prints one JSON
-row (``v*_check_s``: write, load, generate and the transformers reference together) and appends it to ``benchmarks/results.jsonl`` (bench ``vllm_lora_adapter``).
+row (``v*_check_s``: write, load, generate and the transformers reference together) and appends it
+to ``benchmarks/results.jsonl`` (bench ``vllm_lora_adapter``).
 """
 
 from __future__ import annotations
@@ -90,12 +91,14 @@ def main(argv: list[str] | None = None) -> dict:
               max_model_len=128, kv_cache_memory_bytes=128 << 20, max_num_seqs=16, seed=0)
     row: dict = {"variant": "adapter_refit", "engine_start_s": time.perf_counter() - started}
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    base_tokens = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    base_tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
     for version, seed in ((1, 0), (2, 1)):  # the second is a refit: same adapter id, reloaded in place
         randomize_adapters(model, seed)
         write_adapter(adapter, adapter_tensors(model.named_parameters()), cfg, str(base))
         started = time.perf_counter()
-        result = compare(llm, LoRARequest("policy", 1, str(adapter), load_inplace=version > 1), merged_reference(base, model, cfg))
+        request = LoRARequest("policy", 1, str(adapter), load_inplace=version > 1)
+        result = compare(llm, request, merged_reference(base, model, cfg))
         row[f"v{version}_check_s"] = time.perf_counter() - started
         row[f"v{version}_greedy_equal"] = result["greedy_equal"]
         row[f"v{version}_max_abs_logprob_gap"] = result["max_abs_logprob_gap"]
