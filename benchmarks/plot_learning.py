@@ -66,12 +66,14 @@ def summary(name: str, records: list[dict]) -> dict:
     elapsed = [r["time/elapsed_s"] for r in records if "time/elapsed_s" in r]
     gaps = [r["train/gen_kl_error"] for r in records if "train/gen_kl_error" in r]
     probe = [r["refit/probe_mean_abs_logprob_diff"] for r in records if "refit/probe_mean_abs_logprob_diff" in r]
+    probe_worst = [r["refit/probe_max_abs_logprob_diff"] for r in records if "refit/probe_max_abs_logprob_diff" in r]
     return {"variant": name, "val_accuracy_start": acc[0] if acc else None, "val_accuracy_end": acc[-1] if acc else None,
             "val_accuracy_max": max(acc) if acc else None, "steps": max(steps) if steps else 0,
             "wall_s": max(elapsed) if elapsed else None,
             "mean_step_s": sum(r["timing/total"] for r in records if "timing/total" in r) / max(1, len(steps)),
             "gen_kl_error_mean": sum(gaps) / len(gaps) if gaps else None,
-            "probe_mean_abs_logprob_gap_max": max(probe) if probe else None}
+            "probe_mean_abs_logprob_gap_max": max(probe) if probe else None,
+            "probe_max_abs_logprob_gap_max": max(probe_worst) if probe_worst else None, "refits_probed": len(probe)}
 
 
 def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--band", nargs=2, metavar=("A", "B"), help="compare two runs' held-out accuracy over the last 20%% of steps")
     parser.add_argument("--log", action="store_true", help="append one row per run to benchmarks/results.jsonl")
     parser.add_argument("--machine", default=None, help="machine label of the rows (the runs' machine, not this one)")
+    parser.add_argument("--config", default="grpo_arith3_gpu", help="config name of the rows (--log)")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs of the rows (--log)")
     args = parser.parse_args(argv)
     runs = {}
     for item in args.runs:
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.machine:
             results_log.machine = lambda: args.machine
-        results_log.append(rows, bench="learning", config="grpo_arith3_gpu", gpus=1)
+        results_log.append(rows, bench="learning", config=args.config, gpus=args.gpus)
     print(f"wrote {args.out}")
     return 0
 

@@ -12,6 +12,10 @@
 
 Any recipe override can follow: ``python -m rlcore.demo policy.megatron_cfg.enabled=true``.
 
+``--lora``: the GRPO stage trains LoRA adapters (``policy.lora``, :data:`LORA_OVERRIDES`) on top of
+the same full-parameter SFT warm start, as a user adapts a pretrained model; refits send the merged
+weights and the probe checks each one. Its run goes to ``<out>/grpo-lora``.
+
 The same two stages serve the GPU learning recipe: ``--recipe recipes/grpo_arith3_gpu.yaml
 --shape llama150m`` builds the 141M-parameter shape, and the SFT warm start takes the recipe's
 data, precision and device (``cluster.gpus_per_node``); ``--sft-only`` stops after it, so that
@@ -36,6 +40,12 @@ MODEL_SHAPES = {
                       max_positions=256, init_std=0.02),
 }
 
+
+# --lora: adapters on every linear layer; LoRA moves the policy more slowly per step than full
+# fine-tuning at one learning rate, so it takes 10x the recipe's 5e-5 (on the CPU demo lr 5e-4 gained
+# +0.39 and +0.33 in two runs, 1e-3 +0.33 in one, full fine-tuning +0.40: benchmarks/RESULTS.md,
+# "LoRA GRPO on the CPU demo"). Overrides given after these replace them.
+LORA_OVERRIDES = ("policy.lora.enabled=true", "policy.lora.rank=16", "policy.lora.alpha=32", "policy.optimizer.lr=5e-4")
 
 # The demo's own SFT warm start (``make demo``): its data draws the 200 held-out problems it stops
 # on, so the warm start, and the GRPO run after it, are the ones README and RESULTS.md report.
@@ -136,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sft-only", action="store_true", help="stop after the SFT warm start (GRPO runs follow with rlcore run)")
     parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="tiny", help="model preset (random init)")
     parser.add_argument("--recipe", default=str(RECIPE))
+    parser.add_argument("--lora", action="store_true",
+                        help=f"GRPO trains LoRA adapters on the SFT warm start ({' '.join(LORA_OVERRIDES)}), in <out>/grpo-lora")
     parser.add_argument("--require-gain", type=float, default=None, metavar="G",
                         help="exit with an error unless held-out accuracy rose by at least G (CI)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, dotted.key=value")
@@ -149,9 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     out = Path(args.out)
     base, sft = out / "base", out / "sft"
+    grpo_dir = out / ("grpo-lora" if args.lora else "grpo")
+    overrides = [*LORA_OVERRIDES, *args.overrides] if args.lora else list(args.overrides)
     if not (base / "config.json").is_file():
         build_tiny_model(base, "llama", seed=0, **MODEL_SHAPES[args.shape])
-    recipe = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", *args.overrides])
+    recipe = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", *overrides])
     if not (sft / "config.json").is_file():
         print(f"SFT warm start of {base} (target held-out accuracy {args.sft_target:.0%})", flush=True)
         own = Path(args.recipe).resolve() == RECIPE  # the demo's recipe: the demo's own warm start
@@ -159,10 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
                        recipe=None if own else recipe, warmup=args.sft_warmup, eval_every=args.sft_eval_every)
     if args.sft_only:
         return {"sft": str(sft)}
-    # Each demo is a new GRPO run in <out>/grpo (a run directory holds one run); the SFT warm
-    # start above is what is cached between demos.
-    shutil.rmtree(out / "grpo", ignore_errors=True)
-    config = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", f"logger.log_dir={out / 'grpo'}", *args.overrides])
+    # Each demo is a new GRPO run in <out>/grpo (or grpo-lora; a run directory holds one run); the
+    # SFT warm start above is what is cached between demos.
+    shutil.rmtree(grpo_dir, ignore_errors=True)
+    config = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", f"logger.log_dir={grpo_dir}", *overrides])
     started = time.perf_counter()
     result = rlcore.run(config)
     summary = result["summary"]
