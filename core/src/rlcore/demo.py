@@ -47,6 +47,7 @@ MODEL_SHAPES = {
 # "LoRA GRPO on the CPU demo"). Overrides given after these replace them.
 LORA_OVERRIDES = ("policy.lora.enabled=true", "policy.lora.rank=16", "policy.lora.alpha=32", "policy.optimizer.lr=5e-4")
 
+
 # The demo's own SFT warm start (``make demo``): its data draws the 200 held-out problems it stops
 # on, so the warm start, and the GRPO run after it, are the ones README and RESULTS.md report.
 DEMO_SFT_DATA = {"name": "arithmetic", "digits": 2, "operations": ["+"], "num_validation": 200, "seed": 1}
