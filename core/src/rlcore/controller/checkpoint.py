@@ -18,6 +18,8 @@ import errno
 import random
 import re
 import shutil
+import signal
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +33,33 @@ from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensor
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LOOP_STATE = "loop_state.pt"
+
+
+def run_catching_sigterm(loop: Any, body: Callable[[], Any]) -> Any:
+    """``body()`` with SIGTERM recorded in ``loop.stop_signal`` instead of ending the process: the
+    loop ends its step, writes a checkpoint of it and stops (exit 143 in ``rlcore run``). Off the
+    main thread, where Python cannot catch signals, ``body()`` runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        return body()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(loop, "stop_signal", signum))
+    try:
+        return body()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_after_step(loop: Any, checkpoint_dir: Any) -> bool:
+    """After a step: whether SIGTERM arrived (``loop.stop_signal``); if so, checkpoint this step
+    through ``loop.save()`` unless that was just done, and say where it went."""
+    if loop.stop_signal is None:
+        return False
+    where = "no checkpoint (checkpointing.enabled is false)"
+    if loop.ckpt is not None:
+        if loop.saved_step != loop.step:
+            loop.save()
+        where = f"checkpoint of step {loop.step} in {checkpoint_dir}; the run resumes from it when started again"
+    print(f"{signal.Signals(loop.stop_signal).name} received: stopped after step {loop.step}, {where}", flush=True)
+    return True
 
 
 class CheckpointWriteError(CheckpointError):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import queue
-import signal
 import threading
 import time
 import warnings
@@ -24,7 +23,7 @@ import torch
 from rlcore.controller.batching import (
     DataCursor, Trajectory, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
 )
-from rlcore.controller.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catching_sigterm, set_rng_state, stop_after_step
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
@@ -294,15 +293,7 @@ class GRPOLoop:
 
     def stop_requested(self) -> bool:
         """After a step: whether SIGTERM arrived; if so, checkpoint this step (unless just done)."""
-        if self.stop_signal is None:
-            return False
-        where = "no checkpoint (checkpointing.enabled is false)"
-        if self.ckpt is not None:
-            if self.saved_step != self.step:
-                self.save()
-            where = f"checkpoint of step {self.step} in {checkpoint_root(self.c.config)}; the run resumes from it when started again"
-        print(f"{signal.Signals(self.stop_signal).name} received: stopped after step {self.step}, {where}", flush=True)
-        return True
+        return stop_after_step(self, checkpoint_root(self.c.config))
 
     # ---- driver -----------------------------------------------------------------------------
     def finish_step(self, record: dict, timer: StepTimer) -> None:
@@ -329,13 +320,7 @@ class GRPOLoop:
         return self.elapsed_before + time.perf_counter() - self.started
 
     def run(self) -> list[dict]:
-        if threading.current_thread() is not threading.main_thread():
-            return self._run()
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "stop_signal", signum))
-        try:
-            return self._run()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        return run_catching_sigterm(self, self._run)
 
     def _run(self) -> list[dict]:
         self.maybe_resume()

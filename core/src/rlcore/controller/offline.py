@@ -17,16 +17,17 @@ a checkpoint of that step (``rlcore run`` then exits 143).
 
 from __future__ import annotations
 
+import json
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from rlcore.controller.batching import DataCursor
-from rlcore.controller.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catching_sigterm, set_rng_state, stop_after_step
 from rlcore.controller.run_dir import check_owner, checkpoint_root
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import MetricLogger
@@ -81,13 +82,7 @@ class OfflineLoop:
         self.print_lines = print_lines
 
     def run(self) -> list[dict]:
-        if threading.current_thread() is not threading.main_thread():
-            return self._run()
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "stop_signal", signum))
-        try:
-            return self._run()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        return run_catching_sigterm(self, self._run)
 
     def _run(self) -> list[dict]:
         self.maybe_resume()
@@ -161,16 +156,7 @@ class OfflineLoop:
 
     def stop_requested(self) -> bool:
         """After a step: whether SIGTERM arrived; if so, checkpoint this step (unless just done)."""
-        if self.stop_signal is None:
-            return False
-        where = "no checkpoint (checkpointing.enabled is false)"
-        if self.ckpt is not None:
-            if self.saved_step != self.step:
-                self.save()
-            where = (f"checkpoint of step {self.step} in {checkpoint_root(self.config)}; "
-                     "the run resumes from it when started again")
-        print(f"{signal.Signals(self.stop_signal).name} received: stopped after step {self.step}, {where}", flush=True)
-        return True
+        return stop_after_step(self, checkpoint_root(self.config))
 
     def summary(self, run_id: str, seconds: float) -> dict:
         """The run's summary: steps, first and last held-out metrics, the signal that stopped it."""
@@ -183,3 +169,29 @@ class OfflineLoop:
         out.setdefault("val/accuracy_first", None)
         out.setdefault("val/accuracy_last", None)
         return out
+
+
+def run_offline(config: Any, owner: Any, run_dir: Any, given: dict, trainer: Any, steps: OfflineSteps,
+                train: Sequence[Any], validation: Sequence[Any], kind: str, summary_keys: Sequence[str]) -> dict:
+    """An offline run in ``run_dir`` (opened by ``rlcore.run``) with its loop, loggers, final model
+    (``run_dir/model``, unless a signal stopped it: its model is in its checkpoint) and
+    ``summary.json``; ``summary_keys`` are present in the summary even when never measured."""
+    run_dir = Path(run_dir)
+    loggers = given.get("loggers")
+    if loggers is None:
+        loggers = build_loggers(config, run_dir)
+    loop = OfflineLoop(config, owner.identity(), steps, train, validation, loggers, kind, print_lines=config.logger.print_table)
+    started = time.perf_counter()
+    try:
+        loop.run()
+        if loop.stop_signal is None:
+            trainer.save(str(run_dir / "model"))
+    finally:
+        for logger in loggers:
+            logger.close()
+        trainer.shutdown()
+    summary = loop.summary(owner.run_id, time.perf_counter() - started)
+    for key in summary_keys:
+        summary.setdefault(key, None)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return {"summary": summary, "records": loop.records, "run_dir": str(run_dir), "model_dir": str(run_dir / "model")}

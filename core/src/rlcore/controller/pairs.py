@@ -17,8 +17,6 @@ The steps, validation, checkpoints and resume (SIGTERM included) are the offline
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from typing import Any
 import torch
 
 from rlcore.config import ConfigError, RunConfig
-from rlcore.controller.offline import OfflineLoop, OfflineSteps, build_loggers, trains_on
+from rlcore.controller.offline import OfflineSteps, run_offline, trains_on
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name
 from rlcore.controller.run_dir import RunDir
@@ -117,25 +115,8 @@ def build_pair_run(config: RunConfig, given: dict) -> tuple[PairTrainer, Prefere
 def run_pairs(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dict:
     """The pairwise run in ``run_dir`` (opened by ``rlcore.run``); returns summary and records."""
     trainer, dataset = build_pair_run(config, given)
-    loggers = given.get("loggers")
-    if loggers is None:
-        loggers = build_loggers(config, run_dir)
     steps = OfflineSteps(train=trainer.train_pairs, evaluate=trainer.evaluate, save_checkpoint=trainer.save_checkpoint,
                          load_checkpoint=trainer.load_checkpoint,
                          shown=("train/loss", "train/accuracy", "val/accuracy", "val/reward_margin"))
-    loop = OfflineLoop(config, owner.identity(), steps, dataset.train, dataset.validation, loggers, "pairs",
-                       print_lines=config.logger.print_table)
-    started = time.perf_counter()
-    try:
-        loop.run()
-        if loop.stop_signal is None:  # a signalled run's model is in its checkpoint; it resumes from there
-            trainer.save(str(run_dir / "model"))
-    finally:
-        for logger in loggers:
-            logger.close()
-        trainer.shutdown()
-    summary = loop.summary(owner.run_id, time.perf_counter() - started)
-    summary.setdefault("val/reward_margin_first", None)
-    summary.setdefault("val/reward_margin_last", None)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return {"summary": summary, "records": loop.records, "run_dir": str(run_dir), "model_dir": str(run_dir / "model")}
+    return run_offline(config, owner, run_dir, given, trainer, steps, dataset.train, dataset.validation, "pairs",
+                       ("val/reward_margin_first", "val/reward_margin_last"))
