@@ -13,7 +13,8 @@ batch, then ``--repeats`` timed batches, median reported. Prints one JSON line p
 
 ``--variants`` compare per-request settings on one engine: ``engine-detok`` (vLLM decodes the
 text token by token in its output loop, its default) and ``batched-detok`` (rlcore's default:
-one batched decode per response). ``--engine-process`` runs vLLM's engine core in its own process
+one batched decode per response); ``batched-detok-unseeded`` also leaves out the per-request seed
+(``request_seeds: false``: vLLM draws seeded requests' noise one request at a time). ``--engine-process`` runs vLLM's engine core in its own process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), overlapping output handling with the next step.
 ``--quantization none,fp8,fp8-kv`` compares the bf16 engine with vLLM's online FP8 (per-tensor W8A8,
 the weights quantized as they load) and with an FP8 KV cache besides, each in its own process. Rows go to ``benchmarks/results.jsonl``.
@@ -36,7 +37,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_log  # noqa: E402
 
-VARIANTS = {"engine-detok": True, "batched-detok": False}  # name -> VllmConfig.engine_detokenize
+# name -> VllmConfig overrides applied per request on one engine
+VARIANTS = {"engine-detok": {"engine_detokenize": True}, "batched-detok": {"engine_detokenize": False},
+            "batched-detok-unseeded": {"engine_detokenize": False, "request_seeds": False}}
 # --quantization name -> (VllmConfig.quantization, VllmConfig.kv_cache_dtype)
 QUANTIZATIONS = {"none": ("none", "auto"), "fp8": ("fp8", "auto"), "fp8-kv": ("fp8", "fp8"), "kv8": ("none", "fp8")}
 
@@ -75,7 +78,7 @@ def run_mode(args) -> list[dict]:
     gen.generate(prompts[: max(1, args.num_prompts // 8)], SamplingParams(max_new_tokens=16, ignore_eos=True))  # warm-up
     base_config, rows = gen.config, []
     for variant in args.variants.split(","):
-        gen.config = attrs.evolve(base_config, engine_detokenize=VARIANTS[variant])
+        gen.config = attrs.evolve(base_config, **VARIANTS[variant])
         times, tokens = [], 0
         for _ in range(args.repeats):
             if cuda:
@@ -95,7 +98,7 @@ def run_mode(args) -> list[dict]:
                      "engine_start_s": round(startup_s, 1), "repeats": args.repeats})
         print(json.dumps(rows[-1]), flush=True)
     if args.profile:
-        gen.config = attrs.evolve(base_config, engine_detokenize=VARIANTS[args.variants.split(",")[0]])
+        gen.config = attrs.evolve(base_config, **VARIANTS[args.variants.split(",")[0]])
         profile(gen, prompts, params, Path(args.profile), f"gen-{args.mode}-{'mp' if args.engine_process else 'inproc'}", cuda)
     gen.shutdown()
     results_log.append(rows, bench="bench_generation", config=f"{args.shape}-{args.mode}", gpus=1 if cuda else 0)

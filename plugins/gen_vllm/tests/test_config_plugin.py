@@ -84,3 +84,15 @@ def test_codecs_round_trip_direct_and_shared_memory():
         encoded.release()
     with pytest.raises(ValueError, match="unknown weight encoding"):
         encode(chunk, "pigeon")
+
+
+def test_request_seeds_false_sends_requests_without_their_own_seed():
+    from types import SimpleNamespace
+
+    from rlcore.interfaces import SamplingParams
+    from rlcore_vllm.generator import VllmGenerator
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=7, n=4)
+    for request_seeds, expected in ((True, 7), (False, None)):
+        owner = SimpleNamespace(config=structure(VllmConfig, {"request_seeds": request_seeds}, "policy.generation"), max_model_len=64)
+        assert VllmGenerator._vllm_params(owner, params, prompt_len=10, n=4).seed == expected

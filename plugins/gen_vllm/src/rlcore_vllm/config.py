@@ -80,6 +80,10 @@ class VllmConfig(GenerationConfig):
     kv_cache_dtype: Literal["auto", "fp8"] = field(default="auto", metadata=doc(
         "KV cache storage: auto = the engine dtype; fp8 halves the cache's memory and the bytes each decode step reads "
         "(CUDA only; per-tensor scales of 1.0, as vLLM does without calibrated scales)"))
+    request_seeds: bool = field(default=True, metadata=doc(
+        "give each request its own seed (from the run's seed), so a sample repeats whatever batch it was scheduled in; "
+        "false = only the engine's seed. vLLM 0.26 draws a seeded request's noise one request at a time in every decode "
+        "step (a kernel launch per sequence, its sampler's own TODO), which costs host time at hundreds of sequences"))
     engine_detokenize: bool = field(default=False, metadata=doc("decode text token by token in vLLM's output loop; false = one batched decode per response (always on with stop strings)"))
 
     def __attrs_post_init__(self):

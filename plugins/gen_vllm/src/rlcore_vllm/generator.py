@@ -87,7 +87,8 @@ class VllmGenerator:
         return VSP(
             n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=max(1, min(params.max_new_tokens, room)), stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed, ignore_eos=params.ignore_eos,
+            stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed if self.config.request_seeds else None,
+            ignore_eos=params.ignore_eos,
             logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
             # Stop strings need vLLM's incremental detokenizer; otherwise the text is decoded once
             # per response in _results (the engine's per-token decoding is host time per step).
