@@ -30,7 +30,7 @@ from rlcore.controller.batching import DataCursor
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catching_sigterm, set_rng_state, stop_after_step
 from rlcore.controller.run_dir import check_owner, checkpoint_root
 from rlcore.controller.timing import StepTimer
-from rlcore.interfaces import MetricLogger
+from rlcore.interfaces import MetricLogger, TrainerHandle
 from rlcore.plugins import get_plugin_manager
 
 
@@ -51,6 +51,30 @@ def build_loggers(config: Any, run_dir: Any) -> list[MetricLogger]:
         if section is not None and section.enabled:
             loggers.append(reg.build(section, run_dir))
     return loggers
+
+
+class BackendPolicy:
+    """What an offline run's trainer does through a training backend (``self.trainer``, a
+    :class:`rlcore.interfaces.TrainerHandle`) for :class:`OfflineSteps` and :func:`run_offline`:
+    the final model in Hugging Face format, the backend's own checkpoints, shutdown."""
+
+    trainer: TrainerHandle
+
+    def save(self, path: str) -> None:
+        self.trainer.run_on_ranks("rlcore.controller.offline:export_hf_on_rank", path, what="export_hf")
+
+    def save_checkpoint(self, path: str) -> None:
+        self.trainer.save_checkpoint(path)  # the backend's own: model, optimizer, scheduler, RNG
+
+    def load_checkpoint(self, path: str) -> None:
+        self.trainer.load_checkpoint(path)
+
+    def shutdown(self) -> None:
+        self.trainer.shutdown()
+
+
+def export_hf_on_rank(backend: Any, rank: int, world_size: int, path: str) -> None:
+    backend.export_hf(path)  # a collective: every rank takes part, rank 0 writes
 
 
 @attrs.define

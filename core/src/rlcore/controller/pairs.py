@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from rlcore.config import ConfigError, RunConfig
-from rlcore.controller.offline import OfflineSteps, run_offline, trains_on
+from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline, trains_on
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name
 from rlcore.controller.run_dir import RunDir
@@ -37,7 +37,7 @@ def trains_on_pairs(config: RunConfig) -> bool:
     return trains_on(config) == "pairs"
 
 
-class PolicyPairTrainer:
+class PolicyPairTrainer(BackendPolicy):
     """DPO through a training backend: reference logprobs once per batch, then ``trainer.train``."""
 
     def __init__(self, trainer: TrainerHandle, algorithm: Any, max_length: int):
@@ -67,21 +67,6 @@ class PolicyPairTrainer:
         return {"val/reward_margin": float(margin_p.mean()), "val/accuracy": float((margin_p > 0).double().mean()),
                 "val/chosen_logprob": float(policy_n[0::2].mean()), "val/rejected_logprob": float(policy_n[1::2].mean())}
 
-    def save(self, path: str) -> None:
-        self.trainer.run_on_ranks("rlcore.controller.pairs:export_hf_on_rank", path, what="export_hf")
-
-    def save_checkpoint(self, path: str) -> None:
-        self.trainer.save_checkpoint(path)  # the backend's own: model, optimizer, scheduler, RNG
-
-    def load_checkpoint(self, path: str) -> None:
-        self.trainer.load_checkpoint(path)
-
-    def shutdown(self) -> None:
-        self.trainer.shutdown()
-
-
-def export_hf_on_rank(backend: Any, rank: int, world_size: int, path: str) -> None:
-    backend.export_hf(path)  # a collective: every rank takes part, rank 0 writes
 
 
 def policy_pair_trainer(config: RunConfig, algorithm: Any, tokenizer: Any) -> PolicyPairTrainer:

@@ -30,7 +30,7 @@ import torch
 
 from rlcore.config import ConfigError, RunConfig
 from rlcore.controller.batching import Trajectory, is_correct, sampling_params, score
-from rlcore.controller.offline import OfflineSteps, run_offline, trains_on
+from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline, trains_on
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
 from rlcore.controller.run_dir import RunDir
@@ -65,7 +65,7 @@ def greedy_accuracy(generator: Generator, environment: Environment, samples: Seq
     return float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajs]))
 
 
-class SFTTrainer:
+class SFTTrainer(BackendPolicy):
     """The policy trained on reference answers through a training backend; held-out loss and accuracy."""
 
     def __init__(self, config: RunConfig, trainer: TrainerHandle, algorithm: Any, tokenizer: Any,
@@ -99,17 +99,11 @@ class SFTTrainer:
         return metrics
 
     def save(self, path: str) -> None:
-        self.trainer.run_on_ranks("rlcore.controller.pairs:export_hf_on_rank", path, what="export_hf")
+        super().save(path)
         self.tokenizer.save_pretrained(path)
 
-    def save_checkpoint(self, path: str) -> None:
-        self.trainer.save_checkpoint(path)  # the backend's own: model, optimizer, scheduler, RNG
-
-    def load_checkpoint(self, path: str) -> None:
-        self.trainer.load_checkpoint(path)
-
     def shutdown(self) -> None:
-        self.trainer.shutdown()
+        super().shutdown()
         if self.generator is not None:
             self.generator.shutdown()
         if hasattr(self.environment, "close"):
