@@ -226,15 +226,9 @@ def selected_token_logprobs(logits_RV: torch.Tensor, input_ids_T: torch.Tensor, 
     Computing the LM head on these rows only (Hugging Face models' ``logits_to_keep``) skips the
     full-vocabulary logits of prompt tokens in the forward and the backward; each kept row's value
     is the same computation as :func:`token_logprobs`'s."""
-    if logits_RV.dim() != 2 or rows_R.shape != (logits_RV.shape[0],):
-        raise ValueError(f"selected_token_logprobs: logits {tuple(logits_RV.shape)} need one row per entry of rows "
-                         f"{tuple(rows_R.shape)}")
-    _check_args(logits_RV, rows_R, temperature, chunk_tokens, "selected_token_logprobs")
-    fused = logits_RV.is_cuda if fused is None else fused
-    targets_R = input_ids_T[rows_R + 1].long()
-    next_R = _ChunkedTargetLogprob.apply(logits_RV, targets_R, chunk_tokens, float(temperature), bool(fused))
-    out_T = torch.zeros(input_ids_T.shape[0], dtype=next_R.dtype, device=next_R.device)
-    return out_T.index_put((rows_R + 1,), next_R)
+    targets_R, fused = _selected_targets("selected_token_logprobs", logits_RV, input_ids_T, rows_R, temperature, chunk_tokens, fused)
+    next_R = _ChunkedTargetLogprob.apply(logits_RV, targets_R, chunk_tokens, float(temperature), fused)
+    return _at_next_tokens(next_R, input_ids_T, rows_R)
 
 
 def vocab_parallel_selected_token_logprobs(logits_RV: torch.Tensor, input_ids_T: torch.Tensor, rows_R: torch.Tensor, *,
@@ -244,13 +238,23 @@ def vocab_parallel_selected_token_logprobs(logits_RV: torch.Tensor, input_ids_T:
     (columns ``vocab_start ..``, split over ``group``), as :func:`vocab_parallel_token_logprobs`:
     every rank of ``group`` calls it with the same ``input_ids_T`` and ``rows_R`` and gets the same
     token-aligned [T] vector (0 off the selected tokens)."""
-    if logits_RV.dim() != 2 or rows_R.shape != (logits_RV.shape[0],):
-        raise ValueError(f"vocab_parallel_selected_token_logprobs: logits {tuple(logits_RV.shape)} need one row per "
-                         f"entry of rows {tuple(rows_R.shape)}")
-    _check_args(logits_RV, rows_R, temperature, chunk_tokens, "vocab_parallel_selected_token_logprobs")
-    fused = logits_RV.is_cuda if fused is None else fused
-    targets_R = input_ids_T[rows_R + 1].long()
+    targets_R, fused = _selected_targets("vocab_parallel_selected_token_logprobs", logits_RV, input_ids_T, rows_R,
+                                         temperature, chunk_tokens, fused)
     next_R = _ChunkedVocabParallelLogprob.apply(logits_RV, targets_R, int(vocab_start), group, chunk_tokens,
-                                                float(temperature), bool(fused))
+                                                float(temperature), fused)
+    return _at_next_tokens(next_R, input_ids_T, rows_R)
+
+
+def _selected_targets(name: str, logits_RV: torch.Tensor, input_ids_T: torch.Tensor, rows_R: torch.Tensor,
+                      temperature: float, chunk_tokens: int, fused: bool | None) -> tuple[torch.Tensor, bool]:
+    """The checked arguments of the ``*selected_token_logprobs`` ops: each row's target token, and ``fused`` decided."""
+    if logits_RV.dim() != 2 or rows_R.shape != (logits_RV.shape[0],):
+        raise ValueError(f"{name}: logits {tuple(logits_RV.shape)} need one row per entry of rows {tuple(rows_R.shape)}")
+    _check_args(logits_RV, rows_R, temperature, chunk_tokens, name)
+    return input_ids_T[rows_R + 1].long(), bool(logits_RV.is_cuda if fused is None else fused)
+
+
+def _at_next_tokens(next_R: torch.Tensor, input_ids_T: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
+    """The token-aligned [T] vector: row r's value at token ``rows_R[r] + 1``, 0 elsewhere."""
     out_T = torch.zeros(input_ids_T.shape[0], dtype=next_R.dtype, device=next_R.device)
     return out_T.index_put((rows_R + 1,), next_R)
