@@ -6,16 +6,13 @@ One launch of two processes (``_export_worker.py``) covers every layout: imports
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from rlcore.cli import main as rlcore_main
-from rlcore.testing.ranks import run_ranks
-from rlcore.utils import free_port
+from rlcore.testing.ranks import rank_results
 
 WORKER = Path(__file__).with_name("_export_worker.py")
 LAYOUTS = ("fsdp2_dp2", "megatron_tp2", "megatron_pp2")
@@ -25,12 +22,7 @@ LAYOUTS = ("fsdp2_dp2", "megatron_tp2", "megatron_pp2")
 def exported(tiny_model_factory, tmp_path_factory):
     model = str(tiny_model_factory("llama", hidden_size=256, num_heads=4, num_kv_heads=2))
     out = tmp_path_factory.mktemp("export")
-    port = str(free_port())
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    logs = run_ranks(WORKER, [port, model, out], what="export workers", timeout=400, env=env)
-    if not (out / "results.json").is_file():
-        pytest.fail("export workers wrote no results:\n" + "\n".join(log[-4000:] for log in logs))
-    return out, json.loads((out / "results.json").read_text())
+    return out, rank_results(WORKER, [model, out], out / "results.json", what="export workers", timeout=400)
 
 
 @pytest.mark.distributed

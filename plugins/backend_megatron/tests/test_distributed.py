@@ -7,12 +7,10 @@ One launch of two processes runs every scenario (dist_worker.py): imports domina
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-from rlcore.testing.ranks import run_ranks
-from rlcore.utils import free_port
+from rlcore.testing.ranks import rank_results
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -22,12 +20,7 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 def results(tiny_model_factory, tmp_path_factory):
     models = {a: str(tiny_model_factory(a, hidden_size=256, num_heads=4, num_kv_heads=2)) for a in ARCHS}
     out = tmp_path_factory.mktemp("megatron-dist")
-    port = str(free_port())
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    logs = run_ranks(WORKER, [port, json.dumps(models), out], what="megatron workers", timeout=420, env=env)
-    if not (out / "rank_0.json").is_file():
-        pytest.fail("megatron workers wrote no results:\n" + "\n".join(log[-4000:] for log in logs))
-    data = json.loads((out / "rank_0.json").read_text())
+    data = rank_results(WORKER, [json.dumps(models), out], out / "rank_0.json", what="megatron workers", timeout=420)
     errors = {k: v for k, v in data.items() if isinstance(v, str) and v.startswith("ERROR")}
     data["_errors"] = errors
     return data

@@ -8,13 +8,10 @@ call; the test compares them, token by token, with the logprob pass's.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
-from rlcore.testing.ranks import run_ranks
-from rlcore.utils import free_port
+from rlcore.testing.ranks import rank_results
 
 WORKER = Path(__file__).with_name("routing_replay_worker.py")
 REPLAYED = ("ep2_r2", "ep1_r2_full_recompute", "cp2_r2", "tp2_sp_ep2_r2")
@@ -24,12 +21,7 @@ REPLAYED = ("ep2_r2", "ep1_r2_full_recompute", "cp2_r2", "tp2_sp_ep2_r2")
 def results(tiny_model_factory, tmp_path_factory):
     model = str(tiny_model_factory("qwen3_moe", hidden_size=256, num_heads=4, num_kv_heads=2))
     out = tmp_path_factory.mktemp("megatron-replay")
-    port = str(free_port())
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    logs = run_ranks(WORKER, [port, model, out], what="routing replay workers", timeout=300, env=env)
-    if not (out / "rank_0.json").is_file():
-        pytest.fail("routing replay workers wrote no results:\n" + "\n".join(log[-4000:] for log in logs))
-    data = json.loads((out / "rank_0.json").read_text())
+    data = rank_results(WORKER, [model, out], out / "rank_0.json", what="routing replay workers", timeout=300)
     print({k: round(v, 1) for k, v in data.items() if k.endswith("_s")})
     return data
 

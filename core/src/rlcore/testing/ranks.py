@@ -4,10 +4,14 @@
 environment, waits for all of them within ``timeout`` seconds, kills any still running, and fails
 the test naming ``what`` with each rank's output tail when one exits non-zero. The workers
 rendezvous themselves (a port in ``args``); results come back through files the caller reads.
+``rank_results`` is the common case: a fresh port first, quiet single-threaded workers, and the
+JSON file they leave.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -32,3 +36,17 @@ def run_ranks(worker: Path, args: Sequence[str], *, what: str, timeout: float, w
     if any(p.returncode for p in procs):
         pytest.fail(f"{what} failed:\n" + "\n".join(log[-4000:] for log in logs))
     return logs
+
+
+def rank_results(worker: Path, args: Sequence[str], result: Path, *, what: str, timeout: float) -> dict:
+    """:func:`run_ranks` with ``free port, *args`` (warnings off, one OpenMP thread per rank), then the
+    JSON the workers wrote to ``result``; the test fails with their output when they wrote none."""
+    import pytest
+
+    from rlcore.utils import free_port
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    logs = run_ranks(worker, [str(free_port()), *args], what=what, timeout=timeout, env=env)
+    if not Path(result).is_file():
+        pytest.fail(f"{what} wrote no results:\n" + "\n".join(log[-4000:] for log in logs))
+    return json.loads(Path(result).read_text())
