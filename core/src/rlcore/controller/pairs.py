@@ -78,19 +78,14 @@ def policy_pair_trainer(config: RunConfig, algorithm: Any, tokenizer: Any) -> Po
 
 
 def build_pair_run(config: RunConfig, given: dict) -> tuple[PairTrainer, PreferenceDataset]:
+    from rlcore.controller.run import given_or_built_dataset, given_or_loaded_tokenizer
+
     manager = get_plugin_manager()
     check_model_name(config)  # the pair trainer is always built from policy.model_name
-    tokenizer = given.get("tokenizer")
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(config.policy.tokenizer_name or config.policy.model_name)
+    tokenizer = given_or_loaded_tokenizer(config, given)
     algorithm_reg = manager.get("algorithm", config.section("algorithm").name)
     algorithm = given.get("algorithm") or algorithm_reg.build(config.section("algorithm"))
-    dataset = given.get("dataset")
-    if dataset is None:
-        data_cfg = config.require_section("data")
-        dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
+    dataset = given_or_built_dataset(config, manager, given, tokenizer)
     if not dataset.train or not isinstance(dataset.train[0], PreferencePair):
         raise ConfigError("data.name", f"algorithm '{algorithm.name}' trains on preference pairs; dataset "
                           f"'{config.section('data').name}' does not provide them (use data.name: preference)")

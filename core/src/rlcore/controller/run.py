@@ -24,6 +24,7 @@ from rlcore.controller.deadlines import TimedEnvironment
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
 from rlcore.controller.loop import Components, GRPOLoop
+from rlcore.controller.offline import build_loggers
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
 from rlcore.controller.ray_local import start_local_ray
 from rlcore.controller.report import Reporter, plot_curves, summary_table
@@ -141,19 +142,33 @@ def build_algorithm(config: RunConfig, manager, registration=None):
     return resolve_old_logprobs(config, (registration or manager.get("algorithm", section.name)).build(section))
 
 
+def given_or_loaded_tokenizer(config: RunConfig, given: dict) -> Any:
+    """The tokenizer passed to ``rlcore.run``, else ``policy.tokenizer_name`` (or the model's) through transformers."""
+    tokenizer = given.get("tokenizer")
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.policy.tokenizer_name or config.policy.model_name)
+    return tokenizer
+
+
+def given_or_built_dataset(config: RunConfig, manager, given: dict, tokenizer: Any) -> Any:
+    """The dataset passed to ``rlcore.run``, else the ``data`` section's plugin built with ``tokenizer``."""
+    dataset = given.get("dataset")
+    if dataset is None:
+        data_cfg = config.require_section("data")
+        dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
+    return dataset
+
+
 def build_components(config: RunConfig, **given) -> Components:
     """Every part of the run: the objects in ``given`` as they are (checked against their
     protocols first, :mod:`rlcore.controller.given`), the others built from the recipe."""
     check_given(given)
     manager = get_plugin_manager()
-    policy = config.policy
     if not all(given.get(k) is not None for k in ("tokenizer", "backend", "generator")):
         check_model_name(config)
-    tokenizer = given.get("tokenizer")
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(policy.tokenizer_name or policy.model_name)
+    tokenizer = given_or_loaded_tokenizer(config, given)
     algorithm, algorithm_reg = given.get("algorithm"), None
     if algorithm is None:  # a given algorithm replaces the lookup, as every given object does
         algorithm_reg = manager.get("algorithm", config.require_section("algorithm").name)
@@ -170,10 +185,7 @@ def build_components(config: RunConfig, **given) -> Components:
         env_name, multi_turn_env = config.env.name, bool(env_reg.capabilities.get("multi_turn"))
     environment = TimedEnvironment(environment, env_name or type(environment).__name__, config.cluster.timeout_s,
                                    config.env.on_timeout)
-    dataset = given.get("dataset")
-    if dataset is None:
-        data_cfg = config.require_section("data")
-        dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
+    dataset = given_or_built_dataset(config, manager, given, tokenizer)
     check_prompt_lengths(dataset, config)
     placement = plan_placement(config)
     trainer = build_trainer(config, manager, placement, given.get("backend"))
@@ -193,11 +205,7 @@ def build_components(config: RunConfig, **given) -> Components:
     run_dir = Path(config.logger.log_dir)
     loggers = given.get("loggers")
     if loggers is None:
-        loggers = []
-        for reg in manager.registry["logger"].values():
-            section = config.section(reg.section)
-            if section is not None and section.enabled:  # checked at registration
-                loggers.append(reg.build(section, run_dir))
+        loggers = build_loggers(config, run_dir)
     reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
                       teacher=teacher)

@@ -113,23 +113,17 @@ class SFTTrainer(BackendPolicy):
 def build_sft_run(config: RunConfig, given: dict) -> tuple[SFTTrainer, Any]:
     """The trainer (and, with ``policy.generation``, generator and environment) and the dataset."""
     from rlcore.controller.deadlines import TimedEnvironment
-    from rlcore.controller.run import build_algorithm, build_trainer, pick_transport
+    from rlcore.controller.run import (build_algorithm, build_trainer, given_or_built_dataset, given_or_loaded_tokenizer,
+                                       pick_transport)
 
     manager = get_plugin_manager()
     if given.get("tokenizer") is None or given.get("backend") is None:
         check_model_name(config)
-    tokenizer = given.get("tokenizer")
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(config.policy.tokenizer_name or config.policy.model_name)
+    tokenizer = given_or_loaded_tokenizer(config, given)
     if tokenizer.eos_token_id is None:
         raise ConfigError("policy.tokenizer_name", "the tokenizer has no EOS token to end the reference responses with")
     algorithm = given.get("algorithm") or build_algorithm(config, manager)
-    dataset = given.get("dataset")
-    if dataset is None:
-        data_cfg = config.require_section("data")
-        dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
+    dataset = given_or_built_dataset(config, manager, given, tokenizer)
     if not dataset.train or not isinstance(dataset.train[0], Sample):
         raise ConfigError("data.name", f"algorithm '{algorithm.name}' trains on prompts with reference answers "
                           "(rlcore.interfaces.Sample); this dataset does not provide them")
