@@ -1,6 +1,7 @@
 # The GPU learning runs of recipes/grpo_arith3_gpu.yaml, in device calls of at most 10 minutes.
 # Source it in a call (after install.sh, or env.sh on a warm machine), then:
 #   learn DIR RUN...      RUN: fsdp2 | megatron | async (fsdp2, grpo.async_grpo.enabled=true)
+#                         | async-megatron (Megatron, one step off, vLLM resident)
 #                         | fp8 (megatron, FP8 rollouts, token-level truncated IS)
 # DIR is a work directory on the machine outside the checkout (e.g. /root/learn): the SFT warm
 # start, the runs and their checkpoints stay there between calls while the machine stays warm.
@@ -20,8 +21,9 @@ learn_overrides() {
     fsdp2) ;;
     megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true" ;;
     async) echo "grpo.async_grpo.enabled=true" ;;
+    async-megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true grpo.async_grpo.enabled=true" ;;
     fp8) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true policy.generation.quantization=fp8 algorithm.rollout_correction.preset=token_tis" ;;
-    *) echo "learn: unknown run '$1' (fsdp2, megatron, async, fp8)" >&2; return 1 ;;
+    *) echo "learn: unknown run '$1' (fsdp2, megatron, async, async-megatron, fp8)" >&2; return 1 ;;
   esac
 }
 
