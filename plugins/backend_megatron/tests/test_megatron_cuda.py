@@ -23,7 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_worker import SumNLL, make_batch  # noqa: E402
+from dist_worker import SumNLL, make_batch, on_mask  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -84,7 +84,8 @@ def test_te_spec_logprobs_equal_hugging_face_fp32(single_cuda_process_group, te_
     backend = cuda_backend(path, transformer_impl="transformer_engine")
     assert backend.kernels.transformer_engine and backend.kernels.wgrad_fusion and backend.kernels.rope_fusion
     batch = make_batch(1)
-    diff = max_diff(backend.logprobs(batch), hf_logprobs(path, batch))
+    # The backend computes logprobs only on loss-masked tokens (rlcore_megatron.output).
+    diff = max_diff(on_mask(backend.logprobs(batch), batch), on_mask(hf_logprobs(path, batch), batch))
     backend.shutdown()
     print(f"{arch}: TE spec vs HF, fp32 logprobs, max |diff| {diff:.2e}")
     # TE's fp32 GEMMs round like TF32 (1.3e-3 seen for Llama on an H200, 2026-12-01) whatever torch's
@@ -104,7 +105,7 @@ def test_te_spec_logprobs_bf16_and_te_attention(single_cuda_process_group, te_lo
     te_attn = cuda_backend(path, "bfloat16", transformer_impl="transformer_engine", core_attention="transformer_engine")
     theirs = te_attn.logprobs(batch)
     te_attn.shutdown()
-    hf = hf_logprobs(path, batch, torch.bfloat16)
+    ours, theirs, hf = (on_mask(lp, batch) for lp in (ours, theirs, hf_logprobs(path, batch, torch.bfloat16)))
     vs_hf, vs_attn = (max_diff(ours, hf), mean_diff(ours, hf)), (max_diff(ours, theirs), mean_diff(ours, theirs))
     print(f"llama bf16: TE spec vs HF |diff| max/mean {vs_hf}; flash vs TE attention {vs_attn}")
     assert vs_hf[0] < 0.15 and vs_hf[1] < 0.02 and vs_attn[0] < 0.15 and vs_attn[1] < 0.02, (vs_hf, vs_attn)
