@@ -69,6 +69,11 @@ CONFIGS = {
     "llama1b-megatron-no-opfuse": ("llama1b", "megatron", {"policy.megatron_cfg.use_te_op_fuser": False}),
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True}),
+    # The async engine core in this process (what engine_process: null chose before): the rollout thread and the
+    # trainer share one interpreter lock. And a sync step with the engine core in its own process.
+    "llama1b-megatron-async-inproc": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True,
+                                                              "policy.generation.engine_process": False}),
+    "llama1b-megatron-engine-process": ("llama1b", "megatron", {"policy.generation.engine_process": True}),
     # FP8 rollouts (issue 24): vLLM's online FP8 re-quantizes every refit's bf16 weights as they
     # load; token-level truncated IS corrects for the wider generator-trainer gap.
     "llama1b-megatron-fp8gen": ("llama1b", "megatron", {"policy.generation.quantization": "fp8",

@@ -54,11 +54,26 @@ def test_fp8_on_cpu_fails_before_an_engine_starts():
             VllmGenerator("/nonexistent-model", structure(VllmConfig, {key: value}, "policy.generation"), device="cpu")
 
 
+def test_engine_process_choice():
+    """None (auto): on CUDA, in this process only for colocated sync runs; on CPU, vLLM's own setting."""
+    from rlcore_vllm.generator import engine_in_own_process as own
+
+    assert own(None, device="cuda", colocated=True, async_grpo=False) is False
+    assert own(None, device="cuda", colocated=True, async_grpo=True) is True  # rollout thread off this interpreter
+    assert own(None, device="cuda", colocated=False, async_grpo=False) is True
+    assert own(None, device="cpu", colocated=True, async_grpo=True) is None
+    assert own(True, device="cuda", colocated=True, async_grpo=False) is True
+    assert own(False, device="cpu", colocated=True, async_grpo=True) is False
+    with pytest.raises(ConfigError, match=r"policy\.generation\.engine_process.*GPUs of its own"):
+        own(False, device="cuda", colocated=False, async_grpo=False)
+
+
 @pytest.mark.parametrize("data, key", [
     ({"quantization": "int4"}, "policy.generation.quantization"),
     ({"temprature": 0.5}, "policy.generation.temprature"),
     ({"refit": {"chunk_byte": 1}}, "policy.generation.refit.chunk_byte"),
     ({"prompt_overflow": "wrap"}, "policy.generation.prompt_overflow"),
+    ({"engine_process": "sometimes"}, "policy.generation.engine_process"),
     ({"top_p": 1.5}, "policy.generation.top_p"),
 ])
 def test_bad_keys_and_values_name_the_key(data, key):

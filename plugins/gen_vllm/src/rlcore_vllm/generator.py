@@ -285,15 +285,33 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
     seed = section_config.seed if section_config.seed is not None else config.grpo.seed
     if device == "cuda":
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        if not placement.colocated:
-            if placement.generator_gpus:
-                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(placement.generator_gpus)
-            # This process may have fixed its CUDA device list already (any torch.cuda.is_available()
-            # does): an in-process engine core would land on the trainer's GPU 0 (seen on
-            # nvidia-h200-x2). A freshly spawned engine process reads the narrowed list.
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        if not placement.colocated and placement.generator_gpus:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(placement.generator_gpus)
+    own_process = engine_in_own_process(section_config.engine_process, device=device, colocated=placement.colocated,
+                                        async_grpo=config.grpo.async_grpo.enabled)
+    if own_process is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"
+        if own_process and device == "cuda":  # CUDA may be initialised here already: a forked engine could not use it
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     return VllmGenerator(
         policy.model_name, section_config, max_model_len=policy.max_total_sequence_length, dtype=dtype, seed=seed,
         device=device, tokenizer_path=policy.tokenizer_name,
     )
+
+
+def engine_in_own_process(choice: bool | None, *, device: str, colocated: bool, async_grpo: bool) -> bool | None:
+    """Whether vLLM's engine core gets its own process (``policy.generation.engine_process``); None
+    leaves vLLM's setting (``VLLM_ENABLE_V1_MULTIPROCESSING``) as it is."""
+    from rlcore.config import ConfigError
+
+    needed = device == "cuda" and not colocated
+    if choice is False and needed:
+        # This process may have fixed its CUDA device list already (any torch.cuda.is_available()
+        # does): an in-process engine core would land on the trainer's GPU 0 (seen on nvidia-h200-x2).
+        raise ConfigError("policy.generation.engine_process", "false needs colocated generation on CUDA: an engine on "
+                          "GPUs of its own must start in a fresh process that sees only those GPUs")
+    if choice is not None:
+        return choice
+    if device != "cuda":
+        return None
+    return needed or async_grpo
