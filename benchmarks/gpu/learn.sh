@@ -3,6 +3,8 @@
 #   learn DIR RUN...      RUN: fsdp2 | megatron | async (fsdp2, grpo.async_grpo.enabled=true)
 #                         | async-megatron (Megatron, one step off, vLLM resident)
 #                         | fp8 (megatron, FP8 rollouts, token-level truncated IS)
+#   learn_eval_bf16 DIR RUN   greedy held-out accuracy of each checkpoint RUN kept, through a bf16
+#                         engine (`rlcore eval`), as $OUT/grpo-RUN-bf16.metrics.jsonl for plot_learning.py
 # DIR is a work directory on the machine outside the checkout (e.g. /root/learn): the SFT warm
 # start, the runs and their checkpoints stay there between calls while the machine stays warm.
 # - The SFT warm start runs first when DIR has none (SFT_ARGS, below).
@@ -22,7 +24,9 @@ learn_overrides() {
     megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true" ;;
     async) echo "grpo.async_grpo.enabled=true" ;;
     async-megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true grpo.async_grpo.enabled=true" ;;
-    fp8) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true policy.generation.quantization=fp8 algorithm.rollout_correction.preset=token_tis" ;;
+    # Checkpoints of the last 20% of steps stay, for learn_eval_bf16: the FP8 engine's own validation
+    # measures the FP8-quantized policy, not the bf16 weights the run trains.
+    fp8) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true policy.generation.quantization=fp8 algorithm.rollout_correction.preset=token_tis checkpointing.save_period=10 checkpointing.keep_last_k=5" ;;
     *) echo "learn: unknown run '$1' (fsdp2, megatron, async, async-megatron, fp8)" >&2; return 1 ;;
   esac
 }
@@ -60,4 +64,18 @@ learn() {
     [ -f "$dir/grpo-$run/metrics.jsonl" ] && cp "$dir/grpo-$run/metrics.jsonl" "$OUT/grpo-$run.metrics.jsonl"
   done
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$OUT/jobs.txt" 2>&1
+}
+
+learn_eval_bf16() {
+  local dir=$1 run=$2 ckpt step
+  export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+  for ckpt in "$dir/grpo-$run"/checkpoints/step_*; do
+    [ -d "$ckpt" ] || continue
+    step=$((10#${ckpt##*step_}))
+    python3 -m rlcore.cli eval "$ckpt" $RECIPE policy.generation.quantization=none policy.generation.enforce_eager=true \
+      --no-progress --out "$dir/eval-$run-$step.json" >> "$OUT/eval-$run.log" 2>&1
+    echo "eval $run step $step: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
+    python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(json.dumps({'step': int(sys.argv[2]), 'val/accuracy': s['greedy_accuracy']}))" \
+      "$dir/eval-$run-$step.json" "$step" >> "$OUT/grpo-$run-bf16.metrics.jsonl" 2>> "$OUT/eval-$run.log"
+  done
 }
