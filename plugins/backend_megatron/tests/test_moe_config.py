@@ -3,12 +3,19 @@ like the other fusions, and what Megatron (or rlcore) cannot do is a ConfigError
 
 from __future__ import annotations
 
+import math
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from rlcore.config import ConfigError, structure
 from rlcore.testing.tiny import tiny_config
 from rlcore_megatron.config import SECTION, MegatronConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dist_worker import SumNLL, backend_for, make_batch  # noqa: E402
 
 
 def make(**data) -> MegatronConfig:
@@ -70,3 +77,18 @@ def test_schema_errors_name_the_key(data, key, message):
 def test_combinations_megatron_would_refuse_name_the_key(data, arch, key, message):
     with pytest.raises(ConfigError, match=rf"policy\.megatron_cfg\.{key}.*{message}"):
         tconfig(make(**data), arch)
+
+
+def test_replay_without_the_steps_old_logprob_pass_is_an_error(single_process_group, tiny_model_factory):
+    """R2 (and the mismatch measure) read the routing of the step's old-logprob pass; a run that
+    skips it (use_old_logprobs: auto, one optimizer step per batch) gets an error, not a silent no-op."""
+    backend = backend_for(str(tiny_model_factory("qwen3_moe")), moe_router_replay="r2")
+    batch, other = make_batch(4, n=8), make_batch(5, n=4)
+    with pytest.raises(ConfigError, match=r"moe_router_replay.*old-logprob pass.*had none.*use_old_logprobs: true"):
+        backend.train(batch, SumNLL())
+    backend.logprobs(batch)
+    assert math.isfinite(backend.train(batch, SumNLL())["loss"])
+    backend.logprobs(other)  # a pass over other sequences, like the refit probe's
+    with pytest.raises(ConfigError, match="moe_router_replay"):
+        backend.train(batch, SumNLL())
+    backend.shutdown()

@@ -212,6 +212,8 @@ class MegatronBackend:
     @cpu_shims.shimmed
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
         """One optimizer step per ``policy.train_global_batch_size`` sequences (:mod:`rlcore.training`)."""
+        if self.routing is not None:
+            self.routing.require_records(batch)
         return train_in_optimizer_steps(batch, self.run.policy.train_global_batch_size,
                                         lambda part: self._train_step(part, algorithm), "rlcore-megatron")
 

@@ -146,6 +146,7 @@ class RoutingReplay:
         self.sequence_parallel = bool(tconfig.sequence_parallel)
         self.device = next(model.parameters()).device
         self.records: dict[bytes, torch.Tensor] = {}  # sequence ids -> int16 [L, layers, k] (-1: not recorded)
+        self.key = f"{SECTION}.moe_router_replay" if cfg.moe_router_replay != "none" else f"{SECTION}.moe_routing_metrics"
         self._mode: str | None = None
         self._pending: deque = deque()
         self._recorded: list[tuple[MicroBatch, torch.Tensor, torch.Tensor]] = []
@@ -162,6 +163,16 @@ class RoutingReplay:
             self.records = self._gather_records()
         finally:
             self._end()
+
+    def require_records(self, batch) -> None:
+        """Before training on ``batch``: replay and the mismatch measure read the routing its
+        sequences got in the step's old-logprob pass, so a batch that pass never saw is an error
+        rather than a silent no-op (the last pass may have been another one, e.g. the refit probe's)."""
+        if not any(ids.to(torch.int64).numpy().tobytes() in self.records for ids in batch.input_ids):
+            raise ConfigError(self.key, "reads the routing of the step's old-logprob pass, and this batch had none: the run "
+                              "skips that pass (algorithm.use_old_logprobs: auto with one optimizer step per batch, "
+                              "where training starts from the weights the pass would see); set "
+                              "algorithm.use_old_logprobs: true, or policy.train_global_batch_size below the batch")
 
     @contextlib.contextmanager
     def training(self):
