@@ -124,6 +124,8 @@ CONFIGS = {
     # moe/routing_mismatch_fraction measured without replay, then with R2.
     "qwen3moe-megatron": ("qwen3moe", "megatron", {"policy.megatron_cfg.moe_routing_metrics": True, **MOE_RUN}),
     "qwen3moe-megatron-r2": ("qwen3moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r2", **MOE_RUN}),
+    "qwen3moe-megatron-r3": ("qwen3moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r3",
+                                                      "policy.generation.return_routed_experts": True, **MOE_RUN}),
     "qwen3moe-fsdp2": ("qwen3moe", "fsdp2", MOE_RUN),
     "tiny-moe-megatron-r2": ("tiny-moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r2",
                                                       "policy.train_global_batch_size": 8}),

@@ -191,5 +191,8 @@ def build(config, section_config: HFGenerationConfig, placement: Placement) -> H
     if not placement.colocated and placement.device == "cuda":
         raise ConfigError("policy.generation.colocated.enabled", "the hf generator runs in the driver process "
                           "and cannot take GPUs of its own; use colocated generation or the vllm generator")
+    if section_config.return_routed_experts:
+        raise ConfigError("policy.generation.return_routed_experts", "the hf generator does not report MoE routing "
+                          "(the vllm generator on CUDA does)")
     policy = config.policy
     return HFGenerator(policy.model_name, section_config, policy.max_total_sequence_length)

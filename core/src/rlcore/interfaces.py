@@ -80,6 +80,10 @@ class GenerationResult:
     response_mask: list[int] | None = None
     policy_version: int = 0
     num_turns: int = 1
+    # Mixture-of-experts generators that report their routing (routing replay R3): an integer array
+    # [len(prompt_ids) + len(response_ids) - 1, MoE layers, top-k], the experts each MoE layer chose
+    # for every token fed to the model (the last sampled token never is). None: not reported.
+    routed_experts: Any = None
 
 
 @attrs.define
@@ -114,6 +118,9 @@ class SequenceBatch:
     loss_mask: list[torch.Tensor]
     token_fields: dict[str, list[torch.Tensor]] = attrs.field(factory=dict)
     seq_fields: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    # The generator's MoE routing per sequence (routing replay R3): int16 [len, MoE layers, top-k],
+    # -1 where it reported none; None when the generator reported no routing.
+    routed_experts: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -127,6 +134,7 @@ class SequenceBatch:
             loss_mask=[self.loss_mask[i] for i in indices],
             token_fields={k: [v[i] for i in indices] for k, v in self.token_fields.items()},
             seq_fields={k: v[list(indices)] for k, v in self.seq_fields.items()},
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in indices],
         )
 
 

@@ -52,6 +52,8 @@ def test_fp8_on_cpu_fails_before_an_engine_starts():
     for key, value in (("quantization", "fp8"), ("kv_cache_dtype", "fp8")):
         with pytest.raises(ValueError, match=rf"policy.generation.{key}='fp8' needs a CUDA device"):
             VllmGenerator("/nonexistent-model", structure(VllmConfig, {key: value}, "policy.generation"), device="cpu")
+    with pytest.raises(ValueError, match=r"policy.generation.return_routed_experts needs a CUDA device"):
+        VllmGenerator("/nonexistent-model", structure(VllmConfig, {"return_routed_experts": True}, "policy.generation"), device="cpu")
 
 
 def test_engine_process_choice():

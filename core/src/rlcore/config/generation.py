@@ -72,5 +72,8 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = field(default=(), metadata=doc("stop when any is generated (kept out of the response text)"))
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=doc("stop on these ids besides EOS"))
     ignore_eos: bool = field(default=False, metadata=doc("keep generating past EOS (benchmarks)"))
+    return_routed_experts: bool = field(default=False, metadata=doc(
+        "MoE models: the generator reports the experts every MoE layer chose for each token "
+        "(GenerationResult.routed_experts), for the trainer's routing replay R3; a generator that cannot refuses it"))
     colocated: ColocatedConfig = field(factory=ColocatedConfig, metadata=doc("placement"))
     refit: RefitConfig = field(factory=RefitConfig, metadata=doc("weight updates and their verification"))

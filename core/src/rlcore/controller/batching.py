@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from typing import Any
+
 import attrs
 import numpy as np
 import torch
@@ -103,6 +105,7 @@ def is_correct(reward: float, env_metrics: dict[str, float]) -> bool:
 def to_sequence_batch(trajectories: list[Trajectory], advantages_N: torch.Tensor, max_len: int) -> SequenceBatch:
     """Prompt + response ids with a token-aligned loss mask and per-token fields."""
     input_ids, loss_mask, gen_lp, adv_tok = [], [], [], []
+    routed = [] if any(t.result.routed_experts is not None for t in trajectories) else None
     for i, traj in enumerate(trajectories):
         prompt, response = traj.result.prompt_ids, traj.result.response_ids
         mask = traj.result.response_mask or [1] * len(response)
@@ -112,15 +115,33 @@ def to_sequence_batch(trajectories: list[Trajectory], advantages_N: torch.Tensor
         loss_mask.append(torch.tensor([0] * len(prompt) + list(mask[:keep]), dtype=torch.float32))
         gen_lp.append(torch.tensor([0.0] * len(prompt) + list(traj.result.response_logprobs[:keep]), dtype=torch.float32))
         adv_tok.append(torch.full((len(ids),), float(advantages_N[i]), dtype=torch.float32))
+        if routed is not None:
+            routed.append(routed_experts_for(traj.result.routed_experts, len(ids)))
     return SequenceBatch(
         input_ids=input_ids,
         loss_mask=loss_mask,
+        routed_experts=routed,
         token_fields={"gen_logprobs": gen_lp, "advantages": adv_tok},
         seq_fields={
             "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             "advantages": advantages_N.to(torch.float32),
         },
     )
+
+
+def routed_experts_for(reported: Any, length: int) -> torch.Tensor:
+    """int16 [length, MoE layers, top-k]: the generator's routing of a sequence of ``length`` tokens,
+    cut where the sequence was cut, -1 on rows it did not report (the last token, which the generator
+    never fed to the model). An empty [length, 0, 0] tensor when it reported none for this sequence."""
+    if reported is None:
+        return torch.full((length, 0, 0), -1, dtype=torch.int16)
+    experts = torch.as_tensor(np.asarray(reported), dtype=torch.int16)
+    if experts.ndim != 3:
+        raise ValueError(f"routed experts must be [tokens, MoE layers, top-k], got shape {tuple(experts.shape)}")
+    out = torch.full((length, *experts.shape[1:]), -1, dtype=torch.int16)
+    n = min(length, experts.shape[0])
+    out[:n] = experts[:n]
+    return out
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

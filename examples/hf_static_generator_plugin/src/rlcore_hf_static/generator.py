@@ -161,6 +161,9 @@ def build(config: RunConfig, section_config: HFStaticGenerationConfig, placement
     if placement.device == "cuda" and not placement.colocated:
         raise ConfigError("policy.generation.colocated.enabled", "the hf_static generator runs in the driver process "
                           "and cannot take GPUs of its own; use colocated generation")
+    if section_config.return_routed_experts:
+        raise ConfigError("policy.generation.return_routed_experts", "the hf_static generator does not report MoE routing "
+                          "(the vllm generator on CUDA does)")
     policy = config.policy
     return StaticCacheGenerator(policy.model_name, section_config, policy.max_total_sequence_length,
                                 device="cuda" if placement.device == "cuda" else "cpu")

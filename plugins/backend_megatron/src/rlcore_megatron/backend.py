@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from rlcore.config import RunConfig
+from rlcore.config import ConfigError, RunConfig
 from rlcore.algorithms.base import merge_metrics
 from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.weights import chunked, gather_sequences_to_rank0
 from rlcore_megatron import checkpoint, context_parallel, cpu_shims, kernels, output, parallel
-from rlcore_megatron.config import MegatronConfig
+from rlcore_megatron.config import SECTION, MegatronConfig
 from rlcore_megatron.convert import iter_hf_weights, load_hf_into_megatron
 from rlcore_megatron.model import packed_seq_params
 
@@ -79,6 +79,9 @@ class MegatronBackend:
             from rlcore_megatron.routing_replay import RoutingReplay
 
             self.routing = RoutingReplay(model, cfg, pad_multiple=self._pad_multiple())
+        if cfg.moe_router_replay == "r3" and not config.generation.return_routed_experts:
+            raise ConfigError(f"{SECTION}.moe_router_replay", "'r3' replays the experts the generator chose: set "
+                              "policy.generation.return_routed_experts: true (the vLLM generator on CUDA)")
         self.optimizer = parallel.build_optimizer(self.model, cfg, config)
         self.scheduler = parallel.build_scheduler(self.optimizer, cfg, config)
         # The reference policy is the initial one: a host copy of this rank's shard.
@@ -150,7 +153,7 @@ class MegatronBackend:
         if reference:
             with self._swapped(self._reference):
                 return self._logprobs(batch)
-        if self.routing is not None:  # the latest policy logprob pass is the one training replays
+        if self.routing is not None and not self.routing.from_generator:  # the latest policy logprob pass is the one R2 replays
             with self.routing.recording():
                 return self._logprobs(batch)
         return self._logprobs(batch)
@@ -213,6 +216,8 @@ class MegatronBackend:
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
         """One optimizer step per ``policy.train_global_batch_size`` sequences (:mod:`rlcore.training`)."""
         if self.routing is not None:
+            if self.routing.from_generator:
+                self.routing.use_generator_routing(batch)
             self.routing.require_records(batch)
         return train_in_optimizer_steps(batch, self.run.policy.train_global_batch_size,
                                         lambda part: self._train_step(part, algorithm), "rlcore-megatron")

