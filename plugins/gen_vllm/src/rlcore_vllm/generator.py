@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
 from rlcore_vllm.config import VllmConfig
 
@@ -308,8 +309,6 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
 def engine_in_own_process(choice: bool | None, *, device: str, colocated: bool, async_grpo: bool) -> bool | None:
     """Whether vLLM's engine core gets its own process (``policy.generation.engine_process``); None
     leaves vLLM's setting (``VLLM_ENABLE_V1_MULTIPROCESSING``) as it is."""
-    from rlcore.config import ConfigError
-
     needed = device == "cuda" and not colocated
     if choice is False and needed:
         # This process may have fixed its CUDA device list already (any torch.cuda.is_available()
