@@ -177,7 +177,7 @@ class PlainMegatronLoop:
             cpu_shims.install()
         with cpu_shims.active():
             parallel.initialize(self.cfg, hf_config, run, args.seed)
-            self.kernels = kernels.resolve(self.cfg, on_cuda=device == "cuda")
+            self.kernels = kernels.resolve(self.cfg, on_cuda=device == "cuda", bf16=parallel.params_dtype(self.cfg, run) == torch.bfloat16)
             model = parallel.build_model(self.cfg, hf_config, run, self.kernels, on_cpu=device != "cuda")
             self.model = parallel.wrap_ddp(model, self.cfg)
             self.optimizer = parallel.build_optimizer(self.model, self.cfg, run)

@@ -145,8 +145,13 @@ class MegatronConfig:
     moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = field(default="alltoall", metadata=doc(
         "how tokens reach their experts' ranks: 'alltoall' (the one that takes packed, variable-length micro-batches)"))
     moe_grouped_gemm: bool | None = field(default=None, metadata=doc(
-        "all local experts in one grouped GEMM (TE's grouped linear) instead of a loop over experts; None = on with "
-        "Transformer Engine's layers, off on the local spec"))
+        "all local experts in one grouped GEMM (TE's grouped linear) instead of a loop over experts; None = as "
+        "moe_experts_impl decides (the newer key, which also offers torch's grouped GEMM)"))
+    moe_experts_impl: Literal["auto", "grouped_mm", "te_grouped", "loop"] = field(default="auto", metadata=doc(
+        "MoE experts: 'grouped_mm' (each projection one torch grouped GEMM, rlcore_megatron.moe_grouped_mm; bf16 on "
+        "CUDA, expert_tensor_parallel_size 1), 'te_grouped' (TE's grouped linear), 'loop' (one expert after another); "
+        "'auto' = grouped_mm on CUDA in bf16 with one expert-tensor-parallel rank, else te_grouped with Transformer "
+        "Engine's layers, else loop. moe_grouped_gemm true/false, if set, stands for te_grouped/loop"))
     moe_permute_fusion: bool | None = field(default=None, metadata=doc(
         "fused token permute/unpermute around the experts (TE); None = on with Transformer Engine's layers"))
     moe_device_splits: bool | None = field(default=None, metadata=doc(

@@ -1,0 +1,154 @@
+"""MoE experts on torch's grouped GEMM: each expert projection of a layer is one ``F.grouped_mm`` call.
+
+Megatron-Core 0.16.1 has two grouped paths for its ``MoELayer``, and neither serves a bf16 run on
+these GPUs: ``TEGroupedMLP`` (Transformer Engine's ``GroupedLinear``) prepares and launches every
+expert's GEMM from the host (11-14 ms of host time per call with Qwen3-30B-A3B's 128 experts, which
+left an H200 idle most of a training step; TE's single-kernel grouped-tensor path needs cuBLASLt
+>= 13.4 on Hopper), and ``GroupedMLP`` needs the CUDA-only ``grouped_gemm`` package. torch's
+``F.grouped_mm`` (``torch._grouped_mm`` before it was public) does the whole projection in one kernel,
+forward and backward, and takes the split points as a device tensor, so nothing waits for the host.
+Hugging Face transformers 5 runs its own Qwen3-MoE experts on the same call.
+
+:class:`GroupedMMExperts` is built by ``MoELayer`` through ``build_module(spec, num_local_experts,
+config, pg_collection=...)`` and matches ``TEGroupedMLP.forward``: ``(permuted tokens sorted by local
+expert, tokens per local expert, router probabilities) -> (output, None)``, GLU ``[gate; up]`` in
+fc1, the probabilities applied after the activation in the activation's dtype.
+
+Weights, one stacked parameter per projection (Hugging Face's in-memory layout in transformers 5,
+under the names TE uses for its grouped weights):
+
+- ``linear_fc1.weight``: ``[E_local, 2 * moe_ffn_hidden_size, hidden]``, rows ``[gate; up]``;
+- ``linear_fc2.weight``: ``[E_local, hidden, moe_ffn_hidden_size]``.
+
+Expert tensor parallelism is not supported (each rank holds whole experts); any expert-parallel
+size and any tensor-parallel size of the attention part are. Checkpoints shard the expert axis over
+the expert-parallel ranks, under the keys and global shapes of Megatron's ``SequentialMLP``.
+
+Without a kernel for the dtype (CUDA outside bf16: torch's CUDA grouped GEMM is bf16 only) the
+experts run as a loop of matmuls over the same weights, which needs the counts on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from rlcore.config import ConfigError
+from rlcore_megatron.config import SECTION
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_available(on_cuda: bool) -> bool:
+    """Whether torch has a grouped GEMM here (on CUDA: a GPU of compute capability 8.0 or newer)."""
+    if _grouped_mm is None:
+        return False
+    return not on_cuda or torch.cuda.get_device_capability() >= (8, 0)
+
+
+def uses_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """The grouped kernel serves this device and dtype: CPU any float dtype, CUDA bf16 only."""
+    return _grouped_mm is not None and (device.type != "cuda" or dtype == torch.bfloat16)
+
+
+class _ExpertsWeight(torch.nn.Module):
+    """Holds one stacked projection weight, so that its name is ``linear_fc<n>.weight``."""
+
+    def __init__(self, weight_EOI: torch.nn.Parameter):
+        super().__init__()
+        self.weight = weight_EOI
+
+
+class GroupedMMExperts(MegatronModule):
+    """This rank's experts of one MoE layer, each projection one ``F.grouped_mm`` call."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules: Any = None, pg_collection: Any = None):
+        super().__init__(config=config)
+        self.num_local_experts = num_local_experts
+        self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
+        if self.tp_group.size() != 1:
+            raise ConfigError(f"{SECTION}.expert_tensor_parallel_size", f"is {self.tp_group.size()}, but the grouped_mm "
+                              "experts hold whole experts per rank; set it to 1 or choose moe_experts_impl te_grouped/loop")
+        if config.add_bias_linear or config.moe_latent_size is not None or config.fp8 or config.fp4:
+            raise ConfigError(f"{SECTION}.moe_experts_impl", "'grouped_mm' takes bias-free experts without latent "
+                              "projection or FP8/FP4; choose 'te_grouped' or 'loop'")
+        ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
+        fc1_rows = 2 * ffn if config.gated_linear_unit else ffn
+        self.linear_fc1 = _ExpertsWeight(self._weight((num_local_experts, fc1_rows, hidden), config.init_method))
+        self.linear_fc2 = _ExpertsWeight(self._weight((num_local_experts, hidden, ffn), config.output_layer_init_method))
+
+    def _weight(self, shape: tuple[int, int, int], init_method) -> torch.nn.Parameter:
+        cfg = self.config
+        device = "cpu" if cfg.use_cpu_initialization else torch.cuda.current_device()
+        weight = torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device))
+        if cfg.perform_initialization:
+            # Megatron's init methods fill any shape (normal with the configured std); the expert
+            # RNG stream makes each expert-parallel rank draw different experts, as its layers do.
+            with torch.no_grad():
+                if cfg.use_cpu_initialization:
+                    init_method(weight)
+                else:
+                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                        init_method(weight)
+        # Megatron's rule for expert weights: with expert parallelism their gradients are reduced
+        # over the expert-data-parallel group (DDP's expert buffers), else with the dense weights.
+        weight.allreduce = not (cfg.expert_model_parallel_size > 1)
+        return weight
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
+        hidden_TH = permuted_local_hidden_states
+        probs_T1 = permuted_probs.unsqueeze(-1)
+        if self.config.moe_apply_probs_on_input:
+            if self.config.moe_router_topk != 1:
+                raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
+            hidden_TH = (probs_T1 * hidden_TH).to(permuted_local_hidden_states.dtype)
+            probs_T1 = torch.ones_like(probs_T1)
+        w1_EOH, w2_EHF = self.linear_fc1.weight, self.linear_fc2.weight
+        if uses_kernel(hidden_TH.device, hidden_TH.dtype):
+            # Counts from the host are copied without waiting; counts on the device stay there.
+            counts_E = torch.as_tensor(tokens_per_expert).to(hidden_TH.device, torch.int32, non_blocking=True)
+            offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+            fc1_TO = _grouped_mm(hidden_TH, w1_EOH.transpose(-2, -1), offs=offsets_E)
+            act_TF = self._activation(fc1_TO, probs_T1)
+            return _grouped_mm(act_TF, w2_EHF.transpose(-2, -1), offs=offsets_E), None
+        counts = torch.as_tensor(tokens_per_expert).tolist()  # loop fallback: host split sizes
+        outs = [self._activation(x_TH @ w1.t(), p_T1) @ w2.t()
+                for x_TH, p_T1, w1, w2 in zip(hidden_TH.split(counts), probs_T1.split(counts), w1_EOH, w2_EHF)]
+        return torch.cat(outs) if outs else hidden_TH[:0], None
+
+    def _activation(self, fc1_TO: torch.Tensor, probs_T1: torch.Tensor) -> torch.Tensor:
+        """Megatron's experts: act(gate) * up, times the router probability, cast back to the input's dtype."""
+        cfg = self.config
+        if cfg.bias_activation_fusion and cfg.gated_linear_unit and cfg.activation_func is F.silu:
+            from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+            return weighted_bias_swiglu_impl(fc1_TO, None, probs_T1, cfg.activation_func_fp8_input_store)
+        if cfg.gated_linear_unit:
+            gate_TF, up_TF = torch.chunk(fc1_TO, 2, dim=-1)
+            act_TF = cfg.activation_func(gate_TF) * up_TF
+        else:
+            act_TF = cfg.activation_func(fc1_TO)
+        return (act_TF * probs_T1).to(fc1_TO.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """The stacked weights as ``dist_checkpointing`` tensors: the expert axis split over the
+        expert-parallel ranks, replicated over the expert-data-parallel ranks. Keys and global shapes
+        ``[E, rows, cols]`` are ``SequentialMLP``'s (``<prefix>experts.linear_fc1.weight``)."""
+        ep_rank, ep_size = self.ep_group.rank(), self.ep_group.size()
+        axis = len(sharded_offsets)
+        out = {}
+        for name in ("linear_fc1", "linear_fc2"):
+            key = f"{prefix}experts.{name}.weight"  # SequentialMLP's (and TEGroupedMLP's) key
+            out[f"{prefix}{name}.weight"] = ShardedTensor.from_rank_offsets(
+                key, getattr(self, name).weight, *sharded_offsets, (axis, ep_rank, ep_size),
+                replica_id=(0, 0, self.dp_group.rank()), prepend_axis_num=axis)
+        return out
+
+    def backward_dw(self):
+        """Weight gradients are computed in the backward pass itself (no delayed wgrad)."""
