@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -80,10 +81,12 @@ class GroupedMMExperts(MegatronModule):
                               "projection or FP8/FP4; choose 'te_grouped' or 'loop'")
         ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
         fc1_rows = 2 * ffn if config.gated_linear_unit else ffn
-        self.linear_fc1 = _ExpertsWeight(self._weight((num_local_experts, fc1_rows, hidden), config.init_method))
-        self.linear_fc2 = _ExpertsWeight(self._weight((num_local_experts, hidden, ffn), config.output_layer_init_method))
+        # partition_dim: the axis Megatron's column-/row-parallel expert linears would split (over one rank here)
+        self.linear_fc1 = _ExpertsWeight(self._weight((num_local_experts, fc1_rows, hidden), config.init_method, partition_dim=1))
+        self.linear_fc2 = _ExpertsWeight(self._weight((num_local_experts, hidden, ffn), config.output_layer_init_method,
+                                                      partition_dim=2))
 
-    def _weight(self, shape: tuple[int, int, int], init_method) -> torch.nn.Parameter:
+    def _weight(self, shape: tuple[int, int, int], init_method, partition_dim: int) -> torch.nn.Parameter:
         cfg = self.config
         device = "cpu" if cfg.use_cpu_initialization else torch.cuda.current_device()
         weight = torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device))
@@ -99,6 +102,9 @@ class GroupedMMExperts(MegatronModule):
         # Megatron's rule for expert weights: with expert parallelism their gradients are reduced
         # over the expert-data-parallel group (DDP's expert buffers), else with the dense weights.
         weight.allreduce = not (cfg.expert_model_parallel_size > 1)
+        # Tensor-parallel, as Megatron's expert linears are (over the expert-tensor-parallel group, one
+        # rank): otherwise the gradient norm counts them on tensor-parallel rank 0 only, as duplicates.
+        set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=1)
         return weight
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor):
