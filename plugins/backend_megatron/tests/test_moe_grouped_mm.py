@@ -101,7 +101,7 @@ def test_loop_fallback_equals_the_grouped_kernel_with_empty_experts(trained, mon
     hidden_TH = torch.randn(sum(counts), module.config.hidden_size, generator=g)
     probs_T = torch.rand(sum(counts), generator=g)
 
-    def run():
+    def run(hidden_TH=hidden_TH, counts=counts, probs_T=probs_T):
         out, bias = module(hidden_TH, torch.tensor(counts), probs_T)
         # autograd.grad: the DDP wrapper's gradient hooks (main_grad buffers) stay out of it
         grad_fc1, grad_fc2 = torch.autograd.grad(out.square().sum(), [module.linear_fc1.weight, module.linear_fc2.weight])
@@ -114,6 +114,9 @@ def test_loop_fallback_equals_the_grouped_kernel_with_empty_experts(trained, mon
     for a, b in zip(kernel[:3], loop[:3]):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
     assert float(kernel[1][1].abs().max()) == 0.0 and float(kernel[1][0].abs().max()) > 0  # expert 1 got no tokens
+    # no token on this rank at all (EP): an empty output, and zero gradients for every expert weight
+    out_TH, grad_fc1, grad_fc2, _ = run(hidden_TH[:0], [0, 0, 0, 0], probs_T[:0])
+    assert out_TH.shape == (0, module.config.hidden_size) and not grad_fc1.any() and not grad_fc2.any()
 
 
 def test_experts_impl_resolution(monkeypatch):

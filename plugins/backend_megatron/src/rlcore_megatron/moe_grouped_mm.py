@@ -58,6 +58,15 @@ def uses_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     return _grouped_mm is not None and (device.type != "cuda" or dtype == torch.bfloat16)
 
 
+def _device_counts(tokens_per_expert, device: torch.device) -> torch.Tensor:
+    """Tokens per local expert as an int32 tensor on ``device``, without waiting: counts already there
+    stay there; host counts go through pinned memory, whose copy does not synchronize the stream."""
+    counts_E = torch.as_tensor(tokens_per_expert)
+    if counts_E.device.type == "cpu" and device.type == "cuda":
+        counts_E = counts_E.to(torch.int32).pin_memory()
+    return counts_E.to(device, torch.int32, non_blocking=True)
+
+
 class _ExpertsWeight(torch.nn.Module):
     """Holds one stacked projection weight, so that its name is ``linear_fc<n>.weight``."""
 
@@ -116,10 +125,12 @@ class GroupedMMExperts(MegatronModule):
             hidden_TH = (probs_T1 * hidden_TH).to(permuted_local_hidden_states.dtype)
             probs_T1 = torch.ones_like(probs_T1)
         w1_EOH, w2_EHF = self.linear_fc1.weight, self.linear_fc2.weight
+        if hidden_TH.shape[0] == 0:
+            # No token reached this rank's experts (the kernel refuses empty operands). The weights
+            # stay in the graph with zero gradients, so DDP sees every expert gradient arrive.
+            return hidden_TH.new_zeros(0, w2_EHF.shape[1]) + 0 * (w1_EOH.sum() + w2_EHF.sum()).to(hidden_TH.dtype), None
         if uses_kernel(hidden_TH.device, hidden_TH.dtype):
-            # Counts from the host are copied without waiting; counts on the device stay there.
-            counts_E = torch.as_tensor(tokens_per_expert).to(hidden_TH.device, torch.int32, non_blocking=True)
-            offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+            offsets_E = torch.cumsum(_device_counts(tokens_per_expert, hidden_TH.device), 0, dtype=torch.int32)
             fc1_TO = _grouped_mm(hidden_TH, w1_EOH.transpose(-2, -1), offs=offsets_E)
             act_TF = self._activation(fc1_TO, probs_T1)
             return _grouped_mm(act_TF, w2_EHF.transpose(-2, -1), offs=offsets_E), None
