@@ -63,6 +63,26 @@ def test_grouped_mm_logprobs_and_training_step_equal_the_expert_loop(trained):
     assert max_diff(grouped["before"], grouped["after"]) > 1e-4  # the step moved the weights
 
 
+def test_grouped_mm_bf16_logprobs_equal_the_expert_loop(single_process_group, moe_path):
+    """bf16 as on the GPU (the kernel serves any dtype on CPU): the activation, the router
+    probability (fp32) and the casts between them round as in Megatron's expert MLP."""
+    from rlcore.config import RunConfig
+    from rlcore.config.schema import PolicyConfig, SequencePackingConfig
+    from rlcore.interfaces import WorldInfo
+    from rlcore_megatron.backend import build_backend
+    from rlcore_megatron.config import MegatronConfig
+
+    policy = PolicyConfig(model_name=moe_path, precision="bfloat16",
+                          sequence_packing=SequencePackingConfig(train_mb_tokens=40, logprob_mb_tokens=40))
+    logprobs = {}
+    for impl in ("loop", "grouped_mm"):
+        backend = build_backend(RunConfig(policy=policy), MegatronConfig(enabled=True, moe_experts_impl=impl), WorldInfo())
+        logprobs[impl] = backend.logprobs(make_batch(3, n=8))
+        backend.shutdown()
+    assert logprobs["loop"][0].dtype == torch.float32  # logprobs of bf16 logits
+    assert max_diff(logprobs["loop"], logprobs["grouped_mm"]) < 1e-3  # 0.0 seen on this CPU
+
+
 def test_grouped_mm_export_reloads_into_transformers(trained, tmp_path):
     from rlcore.ops import token_logprobs
     from transformers import AutoModelForCausalLM
