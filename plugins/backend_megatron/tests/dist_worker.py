@@ -289,7 +289,7 @@ def exported(backend) -> dict[str, torch.Tensor]:
 def check_grouped_mm_experts(path: str, tmp: Path, **mcfg) -> dict:
     """torch grouped GEMM experts vs the loop over experts in the same layout: logprobs, one training
     step (loss, grad norm, weights in HF names); then the grouped model's checkpoint resumes to the
-    same weights as training on uninterrupted."""
+    same weights as training on uninterrupted, and its model part reads into the loop at EP=1."""
     batch, batch2, probe = make_batch(5, n=8), make_batch(6, n=8), make_batch(3, n=8)
     runs = {}
     for impl in ("loop", "grouped_mm"):
@@ -303,6 +303,12 @@ def check_grouped_mm_experts(path: str, tmp: Path, **mcfg) -> dict:
     fresh.load_checkpoint(str(tmp / "ckpt-grouped-mm"))
     fresh.train(batch2, SumNLL())
     resumed = exported(fresh)
+    from rlcore_megatron import checkpoint, cpu_shims
+
+    resharded = backend_for(path, moe_experts_impl="loop")  # EP=1, DP=2: as `rlcore export` reshards
+    with cpu_shims.active():
+        checkpoint.load_model(resharded, str(tmp / "ckpt-grouped-mm"))
+    into_loop = exported(resharded)
     if dist.get_rank() != 0:
         return {}
     (lp_l, m_l, w_l, _), (lp_g, m_g, w_g, _) = runs["loop"], runs["grouped_mm"]
@@ -310,7 +316,8 @@ def check_grouped_mm_experts(path: str, tmp: Path, **mcfg) -> dict:
             "grad_norm": abs(m_l["grad_norm"] - m_g["grad_norm"]) / m_l["grad_norm"],
             "names_equal": float(set(w_l) == set(w_g)), "weights": max(float((w_l[k] - w_g[k]).abs().max()) for k in w_l),
             "change": max(float((w_g[k] - v).abs().max()) for k, v in checkpoint_tensors(path).items()),
-            "resume": max(float((uninterrupted[k] - resumed[k]).abs().max()) for k in uninterrupted)}
+            "resume": max(float((uninterrupted[k] - resumed[k]).abs().max()) for k in uninterrupted),
+            "into_loop_ep1": max(float((w_g[k] - into_loop[k]).abs().max()) for k in w_g)}
 
 
 def check_training(path: str, tmp: Path, out: dict) -> None:

@@ -106,7 +106,8 @@ def test_parallel_layouts_train_like_one_process(results, variant):
 
 def test_ep2_grouped_mm_experts_equal_the_expert_loop_and_resume(results):
     # EP=2: torch grouped GEMM experts (rlcore_megatron.moe_grouped_mm) vs the loop over experts from the
-    # same weights; the checkpoint (expert axis sharded over the EP ranks) resumes bit for bit.
+    # same weights; the checkpoint (expert axis sharded over the EP ranks) resumes bit for bit, and
+    # reads into the loop over experts at EP=1 (what `rlcore export` does).
     assert value(results, "grouped_mm_ep2_logprobs") < 1e-5
     assert value(results, "grouped_mm_ep2_loss") < 1e-5
     assert value(results, "grouped_mm_ep2_grad_norm") < 1e-5
@@ -114,6 +115,7 @@ def test_ep2_grouped_mm_experts_equal_the_expert_loop_and_resume(results):
     assert value(results, "grouped_mm_ep2_change") > 5e-4  # the step really moved the weights
     assert value(results, "grouped_mm_ep2_weights") < 1e-5
     assert value(results, "grouped_mm_ep2_resume") == 0.0
+    assert value(results, "grouped_mm_ep2_into_loop_ep1") == 0.0  # resharded from EP=2 into the loop at EP=1
 
 
 POSITION_LAYOUTS = ("tp2_sp_llama", "cp2_llama", "pp2_llama")

@@ -96,7 +96,7 @@ def test_grouped_mm_export_reloads_into_transformers(trained, tmp_path):
     assert max_diff(on_mask(grouped["after"], batch), on_mask(ref, batch)) < 1e-5
 
 
-def test_grouped_mm_checkpoint_resumes_to_the_same_weights(trained, moe_path, tmp_path):
+def test_grouped_mm_checkpoint_resumes_and_reads_into_the_loop(trained, moe_path, tmp_path):
     backend = trained["grouped_mm"]["backend"]
     backend.save_checkpoint(str(tmp_path / "ckpt"))
     backend.train(make_batch(5, n=8), SumNLL())
@@ -108,6 +108,14 @@ def test_grouped_mm_checkpoint_resumes_to_the_same_weights(trained, moe_path, tm
     resumed = exported(fresh)
     fresh.shutdown()
     assert max(float((uninterrupted[k] - resumed[k]).abs().max()) for k in uninterrupted) == 0.0
+    # the model part reads into the loop over experts too (what `rlcore export` builds on a CPU)
+    from rlcore_megatron import checkpoint, cpu_shims
+
+    loop = backend_for(moe_path, moe_experts_impl="loop")
+    with cpu_shims.active():
+        checkpoint.load_model(loop, str(tmp_path / "ckpt"))
+    assert max(float((trained["grouped_mm"]["weights"][k] - v).abs().max()) for k, v in exported(loop).items()) == 0.0
+    loop.shutdown()
 
 
 def test_loop_fallback_equals_the_grouped_kernel_with_empty_experts(trained, monkeypatch):
@@ -141,7 +149,7 @@ def test_loop_fallback_equals_the_grouped_kernel_with_empty_experts(trained, mon
 
 def test_experts_impl_resolution(monkeypatch):
     from rlcore.config import structure
-    from rlcore_megatron import kernels, moe_grouped_mm
+    from rlcore_megatron import kernels
     from rlcore_megatron.config import SECTION, MegatronConfig
 
     def make(**data):
@@ -154,7 +162,7 @@ def test_experts_impl_resolution(monkeypatch):
     with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.moe_experts_impl.*needs Transformer Engine"):
         kernels.resolve(make(moe_experts_impl="te_grouped"), on_cuda=False)
     monkeypatch.setattr(kernels, "transformer_engine", lambda: {"version": "2.20.2", "loads": True, "error": None})
-    monkeypatch.setattr(moe_grouped_mm, "grouped_mm_available", lambda on_cuda: True)
+    monkeypatch.setattr(kernels, "grouped_mm_available", lambda on_cuda: True)
     assert kernels.resolve(make(), on_cuda=True, bf16=True).moe_experts == "grouped_mm"
     assert kernels.resolve(make(), on_cuda=True, bf16=False).moe_experts == "te_grouped"  # fp32: TE's grouped linear
     assert kernels.resolve(make(expert_tensor_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
@@ -166,7 +174,7 @@ def test_experts_impl_resolution(monkeypatch):
         kernels.resolve(make(moe_experts_impl="grouped_mm", expert_tensor_parallel_size=2), on_cuda=True, bf16=True)
     with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.moe_grouped_gemm.*moe_experts_impl is 'grouped_mm'"):
         kernels.resolve(make(moe_experts_impl="grouped_mm", moe_grouped_gemm=True), on_cuda=True, bf16=True)
-    monkeypatch.setattr(moe_grouped_mm, "grouped_mm_available", lambda on_cuda: False)
+    monkeypatch.setattr(kernels, "grouped_mm_available", lambda on_cuda: False)
     assert kernels.resolve(make(), on_cuda=True, bf16=True).moe_experts == "te_grouped"
     with pytest.raises(ConfigError, match=r"moe_experts_impl.*needs torch\.nn\.functional\.grouped_mm"):
         kernels.resolve(make(moe_experts_impl="grouped_mm"), on_cuda=True, bf16=True)

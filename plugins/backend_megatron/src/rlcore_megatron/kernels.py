@@ -103,8 +103,6 @@ def resolve(cfg: MegatronConfig, *, on_cuda: bool, bf16: bool = False) -> Kernel
 def _moe_experts(cfg: MegatronConfig, *, te: bool, on_cuda: bool, bf16: bool) -> str:
     """``moe_experts_impl`` resolved, with the older ``moe_grouped_gemm`` switch (true: TE's grouped
     linear, false: the loop) standing for an explicit choice when the new key is ``auto``."""
-    from rlcore_megatron.moe_grouped_mm import grouped_mm_available
-
     impl, legacy = cfg.moe_experts_impl, cfg.moe_grouped_gemm
     if legacy is not None and impl != "auto" and legacy != (impl == "te_grouped"):
         raise ConfigError(f"{SECTION}.moe_grouped_gemm", f"is {legacy} but moe_experts_impl is {impl!r}; set only "
@@ -116,7 +114,7 @@ def _moe_experts(cfg: MegatronConfig, *, te: bool, on_cuda: bool, bf16: bool) ->
             raise ConfigError(f"{SECTION}.expert_tensor_parallel_size", f"is {cfg.etp}, but moe_experts_impl 'grouped_mm' "
                               "holds whole experts on each rank; set expert_tensor_parallel_size to 1")
         if cfg.fp8_cfg.enabled:
-            raise ConfigError(f"{SECTION}.moe_experts_impl", "'grouped_mm' experts run in bf16 only; FP8 experts need "
+            raise ConfigError(f"{SECTION}.moe_experts_impl", "'grouped_mm' experts have no FP8 path; FP8 experts need "
                               "'te_grouped' (or 'auto')")
         if not grouped_mm_available(on_cuda):
             raise ConfigError(f"{SECTION}.moe_experts_impl", "'grouped_mm' needs torch.nn.functional.grouped_mm (torch "
@@ -126,6 +124,14 @@ def _moe_experts(cfg: MegatronConfig, *, te: bool, on_cuda: bool, bf16: bool) ->
         fast = on_cuda and bf16 and cfg.etp == 1 and not cfg.fp8_cfg.enabled and grouped_mm_available(on_cuda)
         return "grouped_mm" if fast else ("te_grouped" if te else "loop")
     return impl
+
+
+def grouped_mm_available(on_cuda: bool) -> bool:
+    """Whether torch has a grouped GEMM here (``F.grouped_mm``, or ``torch._grouped_mm`` before it was
+    public; on CUDA a GPU of compute capability 8.0 or newer)."""
+    if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        return False
+    return not on_cuda or torch.cuda.get_device_capability() >= (8, 0)
 
 
 def _use_transformer_engine(impl: str, on_cuda: bool) -> bool:

@@ -22,7 +22,8 @@ under the names TE uses for its grouped weights):
 
 Expert tensor parallelism is not supported (each rank holds whole experts); any expert-parallel
 size and any tensor-parallel size of the attention part are. Checkpoints shard the expert axis over
-the expert-parallel ranks, under the keys and global shapes of Megatron's ``SequentialMLP``.
+the expert-parallel ranks, under the keys and global shapes of Megatron's ``SequentialMLP``, so the
+model part of a checkpoint reads into either layout, at any expert-parallel size.
 
 Without a kernel for the dtype (CUDA outside bf16: torch's CUDA grouped GEMM is bf16 only) the
 experts run as a loop of matmuls over the same weights, which needs the counts on the host.
@@ -39,18 +40,12 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
 from rlcore.config import ConfigError
 from rlcore_megatron.config import SECTION
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def grouped_mm_available(on_cuda: bool) -> bool:
-    """Whether torch has a grouped GEMM here (on CUDA: a GPU of compute capability 8.0 or newer)."""
-    if _grouped_mm is None:
-        return False
-    return not on_cuda or torch.cuda.get_device_capability() >= (8, 0)
 
 
 def uses_kernel(device: torch.device, dtype: torch.dtype) -> bool:
@@ -65,6 +60,11 @@ def _device_counts(tokens_per_expert, device: torch.device) -> torch.Tensor:
     if counts_E.device.type == "cpu" and device.type == "cuda":
         counts_E = counts_E.to(torch.int32).pin_memory()
     return counts_E.to(device, torch.int32, non_blocking=True)
+
+
+def _drop_extra_state(module, incompatible_keys) -> None:
+    """The loop-compatible extra states of :meth:`GroupedMMExperts.sharded_state_dict` hold nothing to load."""
+    incompatible_keys.unexpected_keys[:] = [k for k in incompatible_keys.unexpected_keys if not k.endswith("_extra_state")]
 
 
 class _ExpertsWeight(torch.nn.Module):
@@ -94,6 +94,7 @@ class GroupedMMExperts(MegatronModule):
         self.linear_fc1 = _ExpertsWeight(self._weight((num_local_experts, fc1_rows, hidden), config.init_method, partition_dim=1))
         self.linear_fc2 = _ExpertsWeight(self._weight((num_local_experts, hidden, ffn), config.output_layer_init_method,
                                                       partition_dim=2))
+        self.register_load_state_dict_post_hook(_drop_extra_state)
 
     def _weight(self, shape: tuple[int, int, int], init_method, partition_dim: int) -> torch.nn.Parameter:
         cfg = self.config
@@ -165,6 +166,14 @@ class GroupedMMExperts(MegatronModule):
             out[f"{prefix}{name}.weight"] = ShardedTensor.from_rank_offsets(
                 key, getattr(self, name).weight, *sharded_offsets, (axis, ep_rank, ep_size),
                 replica_id=(0, 0, self.dp_group.rank()), prepend_axis_num=axis)
+            # The loop's per-expert linears also save an (empty) extra state; writing one too lets a
+            # model with the loop read this checkpoint (``rlcore export`` builds one on the CPU), as
+            # Megatron's GroupedMLP does. Loading drops it again (_drop_extra_state).
+            for local in range(self.num_local_experts):
+                expert = ep_rank * self.num_local_experts + local
+                out[f"{prefix}expert{expert}.{name}._extra_state"] = make_sharded_object_for_checkpoint(
+                    None, f"{prefix}experts.{name}._extra_state",
+                    (*sharded_offsets, (axis, expert, ep_size * self.num_local_experts)), (0, 0, self.dp_group.rank()))
         return out
 
     def backward_dw(self):
