@@ -80,7 +80,8 @@ MEGATRON_VARIANTS = {
     "megatron-fp8-delayed-no-opfuse": {"fp8_cfg": {"enabled": True, "fp8_recipe": "delayed"}, "use_te_op_fuser": False},
     "megatron-plain": {},
     "megatron-moe-loop": {"moe_grouped_gemm": False, "moe_permute_fusion": False},
-    "megatron-moe-host-splits": {"moe_experts_impl": "te_grouped", "moe_device_splits": False},  # Megatron's TEGroupedMLP: host split sizes
+    # Megatron's TEGroupedMLP: host split sizes
+    "megatron-moe-host-splits": {"moe_experts_impl": "te_grouped", "moe_device_splits": False},
     "megatron-moe-grouped-mm": {"moe_experts_impl": "grouped_mm"},  # torch grouped GEMM experts (auto's choice in bf16 on CUDA)
     "megatron-moe-te-grouped": {"moe_experts_impl": "te_grouped"},  # TE's grouped linear, device split sizes
 }
@@ -183,7 +184,8 @@ class PlainMegatronLoop:
             cpu_shims.install()
         with cpu_shims.active():
             parallel.initialize(self.cfg, hf_config, run, args.seed)
-            self.kernels = kernels.resolve(self.cfg, on_cuda=device == "cuda", bf16=parallel.params_dtype(self.cfg, run) == torch.bfloat16)
+            self.kernels = kernels.resolve(self.cfg, on_cuda=device == "cuda",
+                                           bf16=parallel.params_dtype(self.cfg, run) == torch.bfloat16)
             model = parallel.build_model(self.cfg, hf_config, run, self.kernels, on_cpu=device != "cuda")
             self.model = parallel.wrap_ddp(model, self.cfg)
             self.optimizer = parallel.build_optimizer(self.model, self.cfg, run)

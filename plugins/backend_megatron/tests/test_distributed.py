@@ -92,7 +92,8 @@ def test_nonfinite_loss_skips_update(results):
 
 
 TRAIN_VARIANTS = ("tp2_sp_full_recompute_llama", "pp2_selective_recompute_llama", "tp2_qwen3", "tp2_sp_qwen2",
-                  "ep2_qwen3_moe", "tp2_sp_qwen3_moe", "cp2_llama", "tp2_sp_ep2_etp1_qwen3_moe", "tp2_sp_ep2_grouped_mm_qwen3_moe")
+                  "ep2_qwen3_moe", "tp2_sp_qwen3_moe", "cp2_llama", "tp2_sp_ep2_etp1_qwen3_moe",
+                  "tp2_sp_ep2_grouped_mm_qwen3_moe")
 
 
 @pytest.mark.parametrize("variant", TRAIN_VARIANTS)

@@ -248,7 +248,8 @@ def validate_parallelism(cfg: MegatronConfig, world_size: int, *, num_layers: in
         # (measured: the loop over experts' gradient norm and weights off the one-process step).
         raise ConfigError(_key("expert_tensor_parallel_size"), f"{cfg.etp} below tensor_model_parallel_size ({tp}) needs "
                           "expert_model_parallel_size > 1 (with one expert-parallel rank Megatron does not sum the "
-                          "experts' gradients over the tensor-parallel ranks); leave it unset or raise expert_model_parallel_size")
+                          "experts' gradients over the tensor-parallel ranks); leave it unset or raise "
+                          "expert_model_parallel_size")
     if num_experts and tp > 1 and not cfg.sequence_parallel:
         raise ConfigError(_key("sequence_parallel"), f"must be true for a mixture-of-experts model with "
                           f"tensor_model_parallel_size={tp} (Megatron-Core trains MoE under TP only with sequence parallelism)")

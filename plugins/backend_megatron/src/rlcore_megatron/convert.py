@@ -156,10 +156,10 @@ def megatron_value(local: str, get: Callable[[str], torch.Tensor], s: Shape, glo
     stacked = STACKED_EXPERTS.match(rest)
     if stacked:
         experts = range(expert_offset, expert_offset + s.num_experts // mpu.get_expert_model_parallel_world_size())
+        xp = f"{pre}mlp.experts."
         if stacked.group(1) == "linear_fc1":
-            return torch.stack([torch.cat([get(f"{pre}mlp.experts.{i}.gate_proj.weight"), get(f"{pre}mlp.experts.{i}.up_proj.weight")])
-                                for i in experts])
-        return torch.stack([get(f"{pre}mlp.experts.{i}.down_proj.weight") for i in experts])
+            return torch.stack([torch.cat([get(f"{xp}{i}.gate_proj.weight"), get(f"{xp}{i}.up_proj.weight")]) for i in experts])
+        return torch.stack([get(f"{xp}{i}.down_proj.weight") for i in experts])
     e = expert_match(rest)
     if e:
         etp, etpr = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank()
