@@ -287,13 +287,14 @@ def exported(backend) -> dict[str, torch.Tensor]:
 
 
 def check_grouped_mm_experts(path: str, tmp: Path, **mcfg) -> dict:
-    """torch grouped GEMM experts vs the loop over experts in the same layout: logprobs, one training
+    """torch grouped GEMM experts vs the loop over experts in the same layout: logits, logprobs, one training
     step (loss, grad norm, weights in HF names); then the grouped model's checkpoint resumes to the
     same weights as training on uninterrupted, and its model part reads into the loop at EP=1."""
     batch, batch2, probe = make_batch(5, n=8), make_batch(6, n=8), make_batch(3, n=8)
-    runs = {}
+    runs, logits = {}, {}
     for impl in ("loop", "grouped_mm"):
         backend = backend_for(path, moe_experts_impl=impl, **mcfg)
+        logits[impl] = megatron_logits(backend, probe)
         runs[impl] = backend.logprobs(probe), backend.train(batch, SumNLL()), exported(backend), backend
     grouped = runs["grouped_mm"][3]
     grouped.save_checkpoint(str(tmp / "ckpt-grouped-mm"))
@@ -312,7 +313,8 @@ def check_grouped_mm_experts(path: str, tmp: Path, **mcfg) -> dict:
     if dist.get_rank() != 0:
         return {}
     (lp_l, m_l, w_l, _), (lp_g, m_g, w_g, _) = runs["loop"], runs["grouped_mm"]
-    return {"logprobs": max_diff(on_mask(lp_l, probe), on_mask(lp_g, probe)), "loss": abs(m_l["loss"] - m_g["loss"]),
+    return {"logits": max_diff(logits["loop"], logits["grouped_mm"]),
+            "logprobs": max_diff(on_mask(lp_l, probe), on_mask(lp_g, probe)), "loss": abs(m_l["loss"] - m_g["loss"]),
             "grad_norm": abs(m_l["grad_norm"] - m_g["grad_norm"]) / m_l["grad_norm"],
             "names_equal": float(set(w_l) == set(w_g)), "weights": max(float((w_l[k] - w_g[k]).abs().max()) for k in w_l),
             "change": max(float((w_g[k] - v).abs().max()) for k, v in checkpoint_tensors(path).items()),

@@ -109,6 +109,7 @@ def test_ep2_grouped_mm_experts_equal_the_expert_loop_and_resume(results):
     # EP=2: torch grouped GEMM experts (rlcore_megatron.moe_grouped_mm) vs the loop over experts from the
     # same weights; the checkpoint (expert axis sharded over the EP ranks) resumes bit for bit, and
     # reads into the loop over experts at EP=1 (what `rlcore export` does).
+    assert value(results, "grouped_mm_ep2_logits") < 1e-5
     assert value(results, "grouped_mm_ep2_logprobs") < 1e-5
     assert value(results, "grouped_mm_ep2_loss") < 1e-5
     assert value(results, "grouped_mm_ep2_grad_norm") < 1e-5
