@@ -7,6 +7,7 @@
     python benchmarks/bench_train_megatron.py --shape 8b --gpus 2 --with-fsdp2           # Megatron DP=2, as fsdp2
     python benchmarks/bench_train_megatron.py --tiny --steps 3              # CPU smoke run (tiny shape, fp32)
     python benchmarks/bench_train_megatron.py --shape qwen3moe --variants megatron,megatron-moe-loop,fsdp2 --mb-tokens 8192
+    python benchmarks/bench_train_megatron.py --shape qwen3moe --variants megatron,megatron-moe-te-grouped,fsdp2 --mb-tokens 8192
     python benchmarks/bench_train_megatron.py --shape qwen3moe --tiny --variants megatron,fsdp2 --steps 2  # CPU smoke
 
 Models (random init from the config, built by the backend itself: ``MegatronBackend(...,
@@ -27,7 +28,10 @@ Variants (``--variants``, comma-separated; each a ``policy.megatron_cfg`` overri
 defaults): ``megatron`` (the defaults: Transformer Engine's layers when TE loads, flash
 attention, fused RoPE/SwiGLU/weight-gradient accumulation, MLPs through TE's op fuser),
 ``megatron-no-opfuse``, ``megatron-moe-loop`` (MoE experts as a loop of TE linears, unfused permute:
-the path before grouped GEMM), ``megatron-moe-host-splits`` (Megatron's own grouped experts:
+the path before grouped GEMM), ``megatron-moe-grouped-mm`` (each expert projection one torch
+``grouped_mm`` call, ``rlcore_megatron.moe_grouped_mm``: what ``megatron`` picks in bf16 on CUDA),
+``megatron-moe-te-grouped`` (TE's grouped linear with device split sizes: ``megatron`` before
+``grouped_mm``), ``megatron-moe-host-splits`` (Megatron's own grouped experts:
 split sizes on the host, one expert GEMM launched at a time), ``megatron-local`` (Megatron's local
 spec), ``megatron-te-attn`` (TE's cuDNN attention), ``megatron-unfused-wgrad``, ``megatron-fp8``
 (tensorwise), ``megatron-fp8-delayed``, ``megatron-fp8-blockwise``, ``megatron-fp8-delayed-no-opfuse``,
@@ -76,7 +80,10 @@ MEGATRON_VARIANTS = {
     "megatron-fp8-delayed-no-opfuse": {"fp8_cfg": {"enabled": True, "fp8_recipe": "delayed"}, "use_te_op_fuser": False},
     "megatron-plain": {},
     "megatron-moe-loop": {"moe_grouped_gemm": False, "moe_permute_fusion": False},
-    "megatron-moe-host-splits": {"moe_device_splits": False},  # Megatron's TEGroupedMLP: host split sizes
+    # Megatron's TEGroupedMLP: host split sizes
+    "megatron-moe-host-splits": {"moe_experts_impl": "te_grouped", "moe_device_splits": False},
+    "megatron-moe-grouped-mm": {"moe_experts_impl": "grouped_mm"},  # torch grouped GEMM experts (auto's choice in bf16 on CUDA)
+    "megatron-moe-te-grouped": {"moe_experts_impl": "te_grouped"},  # TE's grouped linear, device split sizes
 }
 FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True}
 
@@ -177,7 +184,8 @@ class PlainMegatronLoop:
             cpu_shims.install()
         with cpu_shims.active():
             parallel.initialize(self.cfg, hf_config, run, args.seed)
-            self.kernels = kernels.resolve(self.cfg, on_cuda=device == "cuda")
+            self.kernels = kernels.resolve(self.cfg, on_cuda=device == "cuda",
+                                           bf16=parallel.params_dtype(self.cfg, run) == torch.bfloat16)
             model = parallel.build_model(self.cfg, hf_config, run, self.kernels, on_cpu=device != "cuda")
             self.model = parallel.wrap_ddp(model, self.cfg)
             self.optimizer = parallel.build_optimizer(self.model, self.cfg, run)

@@ -286,6 +286,42 @@ def exported(backend) -> dict[str, torch.Tensor]:
     return {n: t.clone() for chunk in backend.export_weights(chunk_bytes=1 << 16) for n, t in chunk}
 
 
+def check_grouped_mm_experts(path: str, tmp: Path, **mcfg) -> dict:
+    """torch grouped GEMM experts vs the loop over experts in the same layout: logits, logprobs, one training
+    step (loss, grad norm, weights in HF names); then the grouped model's checkpoint resumes to the
+    same weights as training on uninterrupted, and its model part reads into the loop at EP=1."""
+    batch, batch2, probe = make_batch(5, n=8), make_batch(6, n=8), make_batch(3, n=8)
+    runs, logits = {}, {}
+    for impl in ("loop", "grouped_mm"):
+        backend = backend_for(path, moe_experts_impl=impl, **mcfg)
+        logits[impl] = megatron_logits(backend, probe)
+        runs[impl] = backend.logprobs(probe), backend.train(batch, SumNLL()), exported(backend), backend
+    grouped = runs["grouped_mm"][3]
+    grouped.save_checkpoint(str(tmp / "ckpt-grouped-mm"))
+    grouped.train(batch2, SumNLL())
+    uninterrupted = exported(grouped)
+    fresh = backend_for(path, moe_experts_impl="grouped_mm", **mcfg)
+    fresh.load_checkpoint(str(tmp / "ckpt-grouped-mm"))
+    fresh.train(batch2, SumNLL())
+    resumed = exported(fresh)
+    from rlcore_megatron import checkpoint, cpu_shims
+
+    resharded = backend_for(path, moe_experts_impl="loop")  # EP=1, DP=2: as `rlcore export` reshards
+    with cpu_shims.active():
+        checkpoint.load_model(resharded, str(tmp / "ckpt-grouped-mm"))
+    into_loop = exported(resharded)
+    if dist.get_rank() != 0:
+        return {}
+    (lp_l, m_l, w_l, _), (lp_g, m_g, w_g, _) = runs["loop"], runs["grouped_mm"]
+    return {"logits": max_diff(logits["loop"], logits["grouped_mm"]),
+            "logprobs": max_diff(on_mask(lp_l, probe), on_mask(lp_g, probe)), "loss": abs(m_l["loss"] - m_g["loss"]),
+            "grad_norm": abs(m_l["grad_norm"] - m_g["grad_norm"]) / m_l["grad_norm"],
+            "names_equal": float(set(w_l) == set(w_g)), "weights": max(float((w_l[k] - w_g[k]).abs().max()) for k in w_l),
+            "change": max(float((w_g[k] - v).abs().max()) for k, v in checkpoint_tensors(path).items()),
+            "resume": max(float((uninterrupted[k] - resumed[k]).abs().max()) for k in uninterrupted),
+            "into_loop_ep1": max(float((w_g[k] - into_loop[k]).abs().max()) for k in w_g)}
+
+
 def check_training(path: str, tmp: Path, out: dict) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -374,6 +410,9 @@ def main() -> None:
         "cp2_llama": ("llama", dict(context_parallel_size=2)),
         "tp2_sp_ep2_etp1_qwen3_moe": ("qwen3_moe", dict(tensor_model_parallel_size=2, sequence_parallel=True,
                                                         expert_model_parallel_size=2, expert_tensor_parallel_size=1)),
+        "tp2_sp_ep2_grouped_mm_qwen3_moe": ("qwen3_moe", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                              expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                                                              moe_experts_impl="grouped_mm")),
     }
     for name, (arch, mcfg) in variants.items():
         start = time.time()
@@ -383,6 +422,13 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             out[f"train_{name}"] = "ERROR " + traceback.format_exc()
         out[f"train_{name}_s"] = time.time() - start
+    start = time.time()
+    try:
+        for k, v in check_grouped_mm_experts(models["qwen3_moe"], tmp, expert_model_parallel_size=2).items():
+            out[f"grouped_mm_ep2_{k}"] = v
+    except Exception:  # noqa: BLE001
+        out["grouped_mm_ep2"] = "ERROR " + traceback.format_exc()
+    out["grouped_mm_ep2_s"] = time.time() - start
     positions = {"tp2_sp_llama": ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
                  "cp2_llama": ("llama", dict(context_parallel_size=2)),
                  "pp2_llama": ("llama", dict(pipeline_model_parallel_size=2))}

@@ -159,6 +159,7 @@ def main() -> None:
     scenarios = {
         "ep2_r2": dict(expert_model_parallel_size=2, moe_router_replay="r2"),
         "ep2_no_replay": dict(expert_model_parallel_size=2, moe_routing_metrics=True),
+        "ep2_r2_grouped_mm": dict(expert_model_parallel_size=2, moe_router_replay="r2", moe_experts_impl="grouped_mm"),
         "ep1_r2_full_recompute": dict(moe_router_replay="r2", recompute=True),
         "cp2_r2": dict(context_parallel_size=2, moe_router_replay="r2"),
         "tp2_sp_ep2_r2": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,

@@ -57,6 +57,9 @@ def test_context_parallel_needs_packing_and_uneven_stages_pass():
     cfg = make(pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1)
     assert validate_parallelism(cfg, 6, num_layers=4) == 2
     assert validate_parallelism(make(expert_model_parallel_size=2), 2, num_layers=2, num_experts=4) == 2
+    with pytest.raises(ConfigError, match=r"megatron_cfg\.expert_tensor_parallel_size.*needs expert_model_parallel_size > 1"):
+        validate_parallelism(make(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1), 2,
+                             num_layers=2, num_experts=4)
     with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.sequence_parallel.*mixture-of-experts"):
         validate_parallelism(make(tensor_model_parallel_size=2), 2, num_layers=2, num_experts=4)
 

@@ -92,7 +92,8 @@ def test_nonfinite_loss_skips_update(results):
 
 
 TRAIN_VARIANTS = ("tp2_sp_full_recompute_llama", "pp2_selective_recompute_llama", "tp2_qwen3", "tp2_sp_qwen2",
-                  "ep2_qwen3_moe", "tp2_sp_qwen3_moe", "cp2_llama", "tp2_sp_ep2_etp1_qwen3_moe")
+                  "ep2_qwen3_moe", "tp2_sp_qwen3_moe", "cp2_llama", "tp2_sp_ep2_etp1_qwen3_moe",
+                  "tp2_sp_ep2_grouped_mm_qwen3_moe")
 
 
 @pytest.mark.parametrize("variant", TRAIN_VARIANTS)
@@ -102,6 +103,21 @@ def test_parallel_layouts_train_like_one_process(results, variant):
     assert value(results, f"train_{variant}_loss") < 1e-5
     assert value(results, f"train_{variant}_grad_norm") < 1e-5
     assert value(results, f"train_{variant}_weights") < 1e-5
+
+
+def test_ep2_grouped_mm_experts_equal_the_expert_loop_and_resume(results):
+    # EP=2: torch grouped GEMM experts (rlcore_megatron.moe_grouped_mm) vs the loop over experts from the
+    # same weights; the checkpoint (expert axis sharded over the EP ranks) resumes bit for bit, and
+    # reads into the loop over experts at EP=1 (what `rlcore export` does).
+    assert value(results, "grouped_mm_ep2_logits") < 1e-5
+    assert value(results, "grouped_mm_ep2_logprobs") < 1e-5
+    assert value(results, "grouped_mm_ep2_loss") < 1e-5
+    assert value(results, "grouped_mm_ep2_grad_norm") < 1e-5
+    assert value(results, "grouped_mm_ep2_names_equal") == 1.0
+    assert value(results, "grouped_mm_ep2_change") > 5e-4  # the step really moved the weights
+    assert value(results, "grouped_mm_ep2_weights") < 1e-5
+    assert value(results, "grouped_mm_ep2_resume") == 0.0
+    assert value(results, "grouped_mm_ep2_into_loop_ep1") == 0.0  # resharded from EP=2 into the loop at EP=1
 
 
 POSITION_LAYOUTS = ("tp2_sp_llama", "cp2_llama", "pp2_llama")

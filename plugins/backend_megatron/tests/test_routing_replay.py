@@ -14,7 +14,7 @@ import pytest
 from rlcore.testing.ranks import rank_results
 
 WORKER = Path(__file__).with_name("routing_replay_worker.py")
-REPLAYED = ("ep2_r2", "ep1_r2_full_recompute", "cp2_r2", "tp2_sp_ep2_r2")
+REPLAYED = ("ep2_r2", "ep1_r2_full_recompute", "cp2_r2", "tp2_sp_ep2_r2", "ep2_r2_grouped_mm")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,8 @@ def scenario(results, name):
 
 @pytest.mark.parametrize("name", REPLAYED)
 def test_replay_trains_with_the_recorded_experts_of_every_token(results, name):
-    # EP=2, EP=1 with full recompute (the recomputed forward replays too), CP=2, TP=2+SP with EP=2;
+    # EP=2, EP=1 with full recompute (the recomputed forward replays too), CP=2, TP=2+SP with EP=2,
+    # EP=2 with torch grouped GEMM experts;
     # logprob and training micro-batches packed differently, two optimizer steps.
     r = scenario(results, name)
     assert r["optimizer_steps"] == 2.0

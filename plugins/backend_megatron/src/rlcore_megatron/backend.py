@@ -67,7 +67,7 @@ class MegatronBackend:
         self.hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(self.model_path)
         self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.grpo.seed if seed is None else seed)
         self.ranks = parallel.Ranks.current()
-        self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu)
+        self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu, bf16=parallel.params_dtype(cfg, config) == torch.bfloat16)
         if self.world.rank == 0:
             print(f"rlcore-megatron: {self.kernels.describe()}", flush=True)
         model = parallel.build_model(cfg, self.hf_config, config, self.kernels, on_cpu=self.on_cpu, return_hidden_states=True)

@@ -145,14 +145,19 @@ class MegatronConfig:
     moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = field(default="alltoall", metadata=doc(
         "how tokens reach their experts' ranks: 'alltoall' (the one that takes packed, variable-length micro-batches)"))
     moe_grouped_gemm: bool | None = field(default=None, metadata=doc(
-        "all local experts in one grouped GEMM (TE's grouped linear) instead of a loop over experts; None = on with "
-        "Transformer Engine's layers, off on the local spec"))
+        "all local experts in one grouped GEMM (TE's grouped linear) instead of a loop over experts; None = as "
+        "moe_experts_impl decides (the newer key, which also offers torch's grouped GEMM)"))
+    moe_experts_impl: Literal["auto", "grouped_mm", "te_grouped", "loop"] = field(default="auto", metadata=doc(
+        "MoE experts: 'grouped_mm' (each projection one torch grouped GEMM, rlcore_megatron.moe_grouped_mm; bf16 on "
+        "CUDA, expert_tensor_parallel_size 1), 'te_grouped' (TE's grouped linear), 'loop' (one expert after another); "
+        "'auto' = grouped_mm on CUDA in bf16 with one expert-tensor-parallel rank, else te_grouped with Transformer "
+        "Engine's layers, else loop. moe_grouped_gemm true/false, if set, stands for te_grouped/loop"))
     moe_permute_fusion: bool | None = field(default=None, metadata=doc(
         "fused token permute/unpermute around the experts (TE); None = on with Transformer Engine's layers"))
     moe_device_splits: bool | None = field(default=None, metadata=doc(
         "keep the experts' token counts on the GPU: TE's native grouped GEMM (one kernel per expert projection), and with "
         "one expert- and tensor-parallel rank no device-to-host sync per MoE layer (rlcore_megatron.moe_splits); None = on "
-        "with TE's grouped GEMM in bf16, off with FP8 (its padding needs host counts)"))
+        "with grouped experts (moe_experts_impl grouped_mm or te_grouped), off with FP8 (its padding needs host counts)"))
     moe_router_replay: Literal["none", "r2", "r3"] = field(default="none", metadata=doc(
         "routing replay: 'r2' trains with the experts each token got in the step's old-logprob pass; 'r3' with the "
         "experts the generator chose (needs policy.generation.return_routed_experts: true, vLLM on CUDA)"))
@@ -233,6 +238,14 @@ def validate_parallelism(cfg: MegatronConfig, world_size: int, *, num_layers: in
             raise ConfigError(_key("expert_model_parallel_size"), f"is {ep} but the model is dense (no experts)")
         if num_experts % ep:
             raise ConfigError(_key("expert_model_parallel_size"), f"{ep} does not divide the model's {num_experts} experts")
+    if num_experts and ep == 1 and cfg.etp < tp:
+        # Megatron marks expert weights for the dense data-parallel reduction when EP is 1, which
+        # leaves out the tensor-parallel ranks that each trained the same experts on other tokens
+        # (measured: the loop over experts' gradient norm and weights off the one-process step).
+        raise ConfigError(_key("expert_tensor_parallel_size"), f"{cfg.etp} below tensor_model_parallel_size ({tp}) needs "
+                          "expert_model_parallel_size > 1 (with one expert-parallel rank Megatron does not sum the "
+                          "experts' gradients over the tensor-parallel ranks); leave it unset or raise "
+                          "expert_model_parallel_size")
     if num_experts and tp > 1 and not cfg.sequence_parallel:
         raise ConfigError(_key("sequence_parallel"), f"must be true for a mixture-of-experts model with "
                           f"tensor_model_parallel_size={tp} (Megatron-Core trains MoE under TP only with sequence parallelism)")

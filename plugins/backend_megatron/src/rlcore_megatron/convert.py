@@ -11,6 +11,9 @@ Megatron's fused layouts (local spec):
   group g, so a TP shard is a contiguous block of groups.
 - ``linear_fc1`` is ``[gate; up]``, and a TP shard is ``[gate_r; up_r]``.
 - Row-parallel ``linear_proj``/``linear_fc2`` are split along the input dimension.
+- MoE experts come in three layouts: one module per expert (``local_experts.<i>``, the loop), one
+  weight per expert (``weight<i>``, TE's grouped linear), or one stacked tensor per projection
+  (``[local experts, rows, cols]``, torch's grouped GEMM); each expert's rows are its HF tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 # Grouped GEMM (TE's grouped linear, ``TEGroupedMLP``): one module per projection, one weight per local expert.
 GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
+# torch grouped GEMM (rlcore_megatron.moe_grouped_mm): one stacked weight [local experts, rows, cols] per projection.
+STACKED_EXPERTS = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight$")
 
 
 def expert_match(rest: str) -> tuple[int, str] | None:
@@ -148,6 +153,13 @@ def megatron_value(local: str, get: Callable[[str], torch.Tensor], s: Shape, glo
         return _fc1(get(pre + "mlp.gate_proj.weight"), get(pre + "mlp.up_proj.weight"), tp, tpr)
     if rest == "mlp.linear_fc2.weight":
         return _chunk(get(pre + "mlp.down_proj.weight"), tp, tpr, dim=1)
+    stacked = STACKED_EXPERTS.match(rest)
+    if stacked:
+        experts = range(expert_offset, expert_offset + s.num_experts // mpu.get_expert_model_parallel_world_size())
+        xp = f"{pre}mlp.experts."
+        if stacked.group(1) == "linear_fc1":
+            return torch.stack([torch.cat([get(f"{xp}{i}.gate_proj.weight"), get(f"{xp}{i}.up_proj.weight")]) for i in experts])
+        return torch.stack([get(f"{xp}{i}.down_proj.weight") for i in experts])
     e = expert_match(rest)
     if e:
         etp, etpr = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank()
@@ -244,6 +256,8 @@ def stage_hf_weights(model, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
             yield pre + "mlp.up_proj.weight", up
         elif rest == "mlp.linear_fc2.weight":
             yield pre + "mlp.down_proj.weight", _gather(t, tpg, 1)
+        elif STACKED_EXPERTS.match(rest):
+            yield from _stacked_expert_weights(t, STACKED_EXPERTS.match(rest).group(1), pre, epg)
         else:
             e = expert_match(rest)
             if not e:
@@ -265,6 +279,20 @@ def _expert_weights(t, local_idx, kind, pre, s: Shape, etpg, epg):
             yield xp + "up_proj.weight", up
         else:
             yield xp + "down_proj.weight", _gather(shard, etpg, 1)
+
+
+def _stacked_expert_weights(t_ERC, kind, pre, epg):
+    """Each expert's HF tensors from stacked ``[local experts, rows, cols]`` weights, gathered over EP
+    (expert tensor parallelism is 1 in this layout)."""
+    full_ERC = _gather(t_ERC, epg, 0)
+    for i, w in enumerate(full_ERC):
+        xp = f"{pre}mlp.experts.{i}."
+        if kind == "linear_fc1":
+            gate, up = torch.chunk(w, 2, dim=0)
+            yield xp + "gate_proj.weight", gate
+            yield xp + "up_proj.weight", up
+        else:
+            yield xp + "down_proj.weight", w
 
 
 def iter_hf_weights(model, hf_config) -> Iterator[tuple[str, torch.Tensor]]:

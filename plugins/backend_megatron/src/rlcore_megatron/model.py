@@ -137,10 +137,12 @@ def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None, k
                                                           moe_grouped_gemm=bool(num_experts) and kernels.moe_grouped_gemm)
         if kernels.core_attention == "flash":
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-        if num_experts and kernels.moe_device_splits:
+        if num_experts and kernels.moe_device_splits and kernels.moe_experts == "te_grouped":
             from rlcore_megatron.moe_splits import DeviceSplitsGroupedMLP
 
             spec.submodules.mlp.submodules.experts.module = DeviceSplitsGroupedMLP
+        if num_experts and kernels.moe_experts == "grouped_mm":
+            _use_grouped_mm_experts(spec)
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -151,7 +153,18 @@ def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None, k
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     if qk_norm:
         layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = QKRMSNorm
+    if num_experts and kernels.moe_experts == "grouped_mm":
+        _use_grouped_mm_experts(spec)
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig), layer_norm=RMSNorm)
+
+
+def _use_grouped_mm_experts(spec) -> None:
+    """Swap the MoE layer's experts for :class:`~rlcore_megatron.moe_grouped_mm.GroupedMMExperts`."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from rlcore_megatron.moe_grouped_mm import GroupedMMExperts
+
+    spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedMMExperts)
 
 
 def transformer_config(hf_config, cfg: MegatronConfig, kernels: Kernels, *, params_dtype: torch.dtype,

@@ -16,7 +16,8 @@ Megatron-Core 0.16.1 has no switch for it, hence this module:
 - :func:`keep_splits_on_device` makes each all-to-all dispatcher of a model with one expert-parallel
   and one tensor-parallel rank keep the counts on the GPU, and skip its second permutation, which
   with one rank is the identity. With more ranks the all-to-all needs host split sizes, so
-  Megatron's own path stays.
+  Megatron's own path stays. torch's grouped GEMM experts (:mod:`rlcore_megatron.moe_grouped_mm`)
+  take the device counts too, on either layer spec.
 
 Outside these cases (FP8 experts, whose padding needs host counts; the local spec) Megatron's
 code runs unchanged.

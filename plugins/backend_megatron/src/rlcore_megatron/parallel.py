@@ -61,7 +61,7 @@ def initialize(cfg: MegatronConfig, hf_config, run: RunConfig, seed: int) -> int
                    mpu.get_context_parallel_world_size(), mpu.get_expert_model_parallel_world_size())
         wanted = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size,
                   cfg.expert_model_parallel_size)
-        if current != wanted:
+        if current != wanted or not _groups_registered():
             mpu.destroy_model_parallel()
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(
@@ -73,6 +73,16 @@ def initialize(cfg: MegatronConfig, hf_config, run: RunConfig, seed: int) -> int
         )
     model_parallel_cuda_manual_seed(seed)
     return dp
+
+
+def _groups_registered() -> bool:
+    """Whether Megatron's groups belong to the current torch.distributed world: they outlive a world
+    that was destroyed and created again in the same process (one test module after another)."""
+    try:
+        dist.get_process_group_ranks(mpu.get_data_parallel_group())
+    except (KeyError, ValueError):  # torch 2.13 raises KeyError for a group of a destroyed world
+        return False
+    return True
 
 
 def params_dtype(cfg: MegatronConfig, run: RunConfig) -> torch.dtype:
