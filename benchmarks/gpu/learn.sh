@@ -2,7 +2,7 @@
 # Source it in a call (after install.sh, or env.sh on a warm machine), then:
 #   learn DIR RUN...      RUN: fsdp2 | megatron | async (fsdp2, grpo.async_grpo.enabled=true)
 #                         | async-megatron (Megatron, one step off, vLLM resident)
-#                         | fp8 (megatron, FP8 rollouts, token-level truncated IS)
+#                         | fp8 (fsdp2, FP8 rollouts, token-level truncated IS) | fp8-megatron
 #   learn_eval_bf16 DIR RUN   greedy held-out accuracy of each checkpoint RUN kept, through a bf16
 #                         engine (`rlcore eval`), as $OUT/grpo-RUN-bf16.metrics.jsonl for plot_learning.py
 # DIR is a work directory on the machine outside the checkout (e.g. /root/learn): the SFT warm
@@ -24,10 +24,12 @@ learn_overrides() {
     megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true" ;;
     async) echo "grpo.async_grpo.enabled=true" ;;
     async-megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true grpo.async_grpo.enabled=true" ;;
-    # Checkpoints of the last 20% of steps stay, for learn_eval_bf16: the FP8 engine's own validation
-    # measures the FP8-quantized policy, not the bf16 weights the run trains.
-    fp8) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true policy.generation.quantization=fp8 algorithm.rollout_correction.preset=token_tis checkpointing.save_period=10 checkpointing.keep_last_k=5" ;;
-    *) echo "learn: unknown run '$1' (fsdp2, megatron, async, async-megatron, fp8)" >&2; return 1 ;;
+    # fsdp2 with FP8 rollouts. Checkpoints of the last 20% of steps stay, for learn_eval_bf16: the FP8
+    # engine's own validation scores the FP8-quantized policy, not the bf16 weights the run trains
+    # (fsdp2's checkpoints export on the CPU; a Transformer Engine Megatron checkpoint needs TE there).
+    fp8) echo "policy.generation.quantization=fp8 algorithm.rollout_correction.preset=token_tis checkpointing.save_period=10 checkpointing.keep_last_k=5" ;;
+    fp8-megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true policy.generation.quantization=fp8 algorithm.rollout_correction.preset=token_tis" ;;
+    *) echo "learn: unknown run '$1' (fsdp2, megatron, async, async-megatron, fp8, fp8-megatron)" >&2; return 1 ;;
   esac
 }
 
