@@ -57,6 +57,8 @@ MOE_RUN = {"policy.train_global_batch_size": 128, "policy.megatron_cfg.empty_unu
 TWO_CPU_RANKS = {"cluster.cpu_workers": 2, "cluster.use_ray": True, "policy.train_global_batch_size": 8}
 TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "grpo.val_period": 0}
 
+ONE_STEP_OFF = {"algorithm.rollout_correction": {"preset": "token_tis"}}
+
 CONFIGS = {
     "tiny-fsdp2": ("tiny", "fsdp2", {}),
     "tiny-fsdp2-async": ("tiny", "fsdp2", {"grpo.async_grpo.enabled": True}),
@@ -67,11 +69,12 @@ CONFIGS = {
     "llama1b-megatron-fp8": ("llama1b", "megatron", {"policy.megatron_cfg.fp8_cfg.enabled": True,
                                                      "policy.megatron_cfg.fp8_cfg.fp8_recipe": "delayed"}),
     "llama1b-megatron-no-opfuse": ("llama1b", "megatron", {"policy.megatron_cfg.use_te_op_fuser": False}),
-    "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True}),
-    "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True}),
+    # One step off, with the correction for one step of staleness (token-level truncated IS).
+    "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
+    "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     # The async engine core in this process (what engine_process: null chose before): the rollout thread and the
     # trainer share one interpreter lock. And a sync step with the engine core in its own process.
-    "llama1b-megatron-async-inproc": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True,
+    "llama1b-megatron-async-inproc": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
                                                               "policy.generation.engine_process": False}),
     "llama1b-megatron-engine-process": ("llama1b", "megatron", {"policy.generation.engine_process": True}),
     # FP8 rollouts (issue 24): vLLM's online FP8 re-quantizes every refit's bf16 weights as they

@@ -1,6 +1,6 @@
 # The GPU learning runs of recipes/grpo_arith3_gpu.yaml, in device calls of at most 10 minutes.
 # Source it in a call (after install.sh, or env.sh on a warm machine), then:
-#   learn DIR RUN...      RUN: fsdp2 | megatron | async (fsdp2, grpo.async_grpo.enabled=true)
+#   learn DIR RUN...      RUN: fsdp2 | megatron | async (fsdp2, one step off, token_tis)
 #                         | async-megatron (Megatron, one step off, vLLM resident)
 #                         | fp8 (fsdp2, FP8 rollouts, token-level truncated IS) | fp8-megatron
 #   learn_eval_bf16 DIR RUN   greedy held-out accuracy of each checkpoint RUN kept, through a bf16
@@ -22,8 +22,9 @@ learn_overrides() {
   case $1 in
     fsdp2) ;;
     megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true" ;;
-    async) echo "grpo.async_grpo.enabled=true" ;;
-    async-megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true grpo.async_grpo.enabled=true" ;;
+    # One step off, corrected for the one-step-stale generator by token-level truncated IS.
+    async) echo "grpo.async_grpo.enabled=true algorithm.rollout_correction.preset=token_tis" ;;
+    async-megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true grpo.async_grpo.enabled=true algorithm.rollout_correction.preset=token_tis" ;;
     # fsdp2 with FP8 rollouts. Checkpoints of the last 20% of steps stay, for learn_eval_bf16: the FP8
     # engine's own validation scores the FP8-quantized policy, not the bf16 weights the run trains
     # (fsdp2's checkpoints export on the CPU; a Transformer Engine Megatron checkpoint needs TE there).
