@@ -53,13 +53,13 @@ def uses_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     return _grouped_mm is not None and (device.type != "cuda" or dtype == torch.bfloat16)
 
 
-def _device_counts(tokens_per_expert, device: torch.device) -> torch.Tensor:
-    """Tokens per local expert as an int32 tensor on ``device``, without waiting: counts already there
+def device_counts(tokens_per_expert, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Tokens per local expert as a ``dtype`` tensor on ``device``, without waiting: counts already there
     stay there; host counts go through pinned memory, whose copy does not synchronize the stream."""
     counts_E = torch.as_tensor(tokens_per_expert)
     if counts_E.device.type == "cpu" and device.type == "cuda":
-        counts_E = counts_E.to(torch.int32).pin_memory()
-    return counts_E.to(device, torch.int32, non_blocking=True)
+        counts_E = counts_E.to(dtype).pin_memory()
+    return counts_E.to(device, dtype, non_blocking=True)
 
 
 def _drop_extra_state(module, incompatible_keys) -> None:
@@ -131,7 +131,7 @@ class GroupedMMExperts(MegatronModule):
             # stay in the graph with zero gradients, so DDP sees every expert gradient arrive.
             return hidden_TH.new_zeros(0, w2_EHF.shape[1]) + 0 * (w1_EOH.sum() + w2_EHF.sum()).to(hidden_TH.dtype), None
         if uses_kernel(hidden_TH.device, hidden_TH.dtype):
-            offsets_E = torch.cumsum(_device_counts(tokens_per_expert, hidden_TH.device), 0, dtype=torch.int32)
+            offsets_E = torch.cumsum(device_counts(tokens_per_expert, hidden_TH.device), 0, dtype=torch.int32)
             fc1_TO = _grouped_mm(hidden_TH, w1_EOH.transpose(-2, -1), offs=offsets_E)
             act_TF = self._activation(fc1_TO, probs_T1)
             return _grouped_mm(act_TF, w2_EHF.transpose(-2, -1), offs=offsets_E), None

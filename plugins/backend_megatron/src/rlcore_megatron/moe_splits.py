@@ -29,6 +29,8 @@ import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from rlcore_megatron.moe_grouped_mm import device_counts
+
 
 class _DeviceCounts:
     """What ``TEGroupedMLP.forward`` gets as ``tokens_per_expert``: its one use, ``.tolist()``, returns
@@ -53,7 +55,7 @@ class DeviceSplitsGroupedMLP(TEGroupedMLP):
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if self.config.fp8 or self.config.fp4 or self.config.add_bias_linear:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        counts_E = torch.as_tensor(tokens_per_expert).to(permuted_local_hidden_states.device, torch.int64, non_blocking=True)
+        counts_E = device_counts(tokens_per_expert, permuted_local_hidden_states.device, torch.int64)
         return super().forward(permuted_local_hidden_states, _DeviceCounts(counts_E), permuted_probs)
 
 

@@ -71,6 +71,12 @@ def check_replay(cfg: MegatronConfig, num_experts: int | None) -> None:
                           "'none', 'aux_loss' or 'seq_aux_loss'")
 
 
+def sequence_key(ids_T: torch.Tensor) -> bytes:
+    """A sequence's record key: its token ids' bytes, so a record follows the sequence through
+    repacking, placement on another rank and the split into optimizer steps."""
+    return ids_T.to(torch.int64).numpy().tobytes()
+
+
 def _forget(instance: RouterReplay) -> None:
     """Drop ``instance`` from Megatron's process-wide list: this module drives one model's routers
     itself, and the list would keep every model built in the process alive (the tests build many)."""
@@ -177,13 +183,13 @@ class RoutingReplay:
             if experts.shape[1] <= max(columns, default=-1) or experts.shape[2] != self.topk:
                 raise ValueError(f"the generator reported routing for {experts.shape[1]} MoE layers and top-{experts.shape[2]}; "
                                  f"this model routes top-{self.topk} in MoE layers numbered up to {max(self.layer_numbers)}")
-            self.records[ids.to(torch.int64).numpy().tobytes()] = experts[:, columns].to(torch.int16)
+            self.records[sequence_key(ids)] = experts[:, columns].to(torch.int16)
 
     def require_records(self, batch) -> None:
         """Before training on ``batch``: replay and the mismatch measure read the routing its
         sequences got in the step's old-logprob pass, so a batch that pass never saw is an error
         rather than a silent no-op (the last pass may have been another one, e.g. the refit probe's)."""
-        if any(ids.to(torch.int64).numpy().tobytes() in self.records for ids in batch.input_ids):
+        if any(sequence_key(ids) in self.records for ids in batch.input_ids):
             return
         if self.from_generator:
             raise ConfigError(self.key, "'r3' replays the generator's routing, and this batch has none: set "
@@ -281,7 +287,7 @@ class RoutingReplay:
     @staticmethod
     def _keys(mb: MicroBatch) -> list[bytes]:
         cu = mb.cu_seqlens.tolist()
-        return [mb.input_ids_T[a:b].numpy().tobytes() for a, b in zip(cu[:-1], cu[1:])]
+        return [sequence_key(mb.input_ids_T[a:b]) for a, b in zip(cu[:-1], cu[1:])]
 
     def _targets(self, mb: MicroBatch, rows_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 [rows, layers, k] recorded indices, bool [rows] has a record) for this rank's rows."""
