@@ -3,6 +3,9 @@
 #   learn DIR RUN...      RUN: fsdp2 | megatron | async (fsdp2, one step off, token_tis)
 #                         | async-megatron (Megatron, one step off, vLLM resident)
 #                         | fp8 (fsdp2, FP8 rollouts, token-level truncated IS) | fp8-megatron
+#   learn_together DIR RUN...  the same runs started at once on the one GPU, engines resident
+#                         (colocated.sleep_level=0): at 141M parameters the GPU is mostly idle, and three
+#                         runs together took about 1.1 s a step each (ninth session)
 #   learn_eval_bf16 DIR RUN   greedy held-out accuracy of each checkpoint RUN kept, through a bf16
 #                         engine (`rlcore eval`), as $OUT/grpo-RUN-bf16.metrics.jsonl for plot_learning.py
 # DIR is a work directory on the machine outside the checkout (e.g. /root/learn): the SFT warm
@@ -11,7 +14,8 @@
 # - The runs go one after the other; each resumes from its newest checkpoint in DIR/grpo-RUN
 #   when an earlier call left one, and a run that finished is not started again. They cannot share
 #   the GPU: a colocated engine's sleep checks that the GPU's free memory grew, and fails
-#   ("Memory usage increased after sleeping") when another process allocated meanwhile.
+#   ("Memory usage increased after sleeping") when another process allocated meanwhile;
+#   learn_together keeps every engine awake instead.
 # - At LEARN_DEADLINE (seconds since the call began) a run still going gets SIGTERM: it finishes
 #   its step, writes a checkpoint of it and exits (status 143), and the next call's `learn` goes on
 #   from there. Logs, metrics.jsonl and the SFT history are copied to $OUT after every call.
@@ -34,9 +38,8 @@ learn_overrides() {
   esac
 }
 
-learn() {
-  local dir=$1; shift
-  local deadline=${LEARN_DEADLINE:-540} run pid
+learn_sft() {  # the SFT warm start in DIR, unless DIR has one
+  local dir=$1 deadline=${LEARN_DEADLINE:-540}
   export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
   mkdir -p "$dir"
   if [ ! -f "$dir/sft/config.json" ]; then
@@ -46,27 +49,66 @@ learn() {
     echo "sft: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
   fi
   [ -f "$dir/sft/sft_history.json" ] && cp "$dir/sft/sft_history.json" "$OUT/"
-  [ -f "$dir/sft/config.json" ] || return 1
-  for run in "$@"; do
-    if [ -f "$dir/grpo-$run/summary.json" ] && ! grep -q '"stopped_by_signal": "' "$dir/grpo-$run/summary.json"; then
-      continue  # finished in an earlier call
-    fi
-    [ "$SECONDS" -lt "$((deadline - 60))" ] || { echo "grpo-$run: not started, ${SECONDS}s of ${deadline}s gone" >> "$OUT/jobs.txt"; continue; }
-    # shellcheck disable=SC2046
-    python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
-      $(learn_overrides "$run") >> "$OUT/grpo-$run.log" 2>&1 &
-    pid=$!
-    while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 1; done
-    kill -TERM "$pid" 2>/dev/null  # past the deadline: end the step, checkpoint it, exit
-    local grace=$((SECONDS + ${LEARN_GRACE:-40}))
-    while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$grace" ]; do sleep 1; done
-    kill -KILL "$pid" 2>/dev/null
-    wait "$pid"; echo "grpo-$run: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
+  [ -f "$dir/sft/config.json" ]
+}
+
+learn_start() {  # DIR RUN [override...]: start RUN in the background (pid in LEARN_PID), unless it finished
+  local dir=$1 run=$2; shift 2
+  LEARN_PID=
+  if [ -f "$dir/grpo-$run/summary.json" ] && ! grep -q '"stopped_by_signal": "' "$dir/grpo-$run/summary.json"; then
+    return 0  # finished in an earlier call
+  fi
+  [ "$SECONDS" -lt "$((${LEARN_DEADLINE:-540} - 60))" ] || { echo "grpo-$run: not started, ${SECONDS}s gone" >> "$OUT/jobs.txt"; return 0; }
+  # shellcheck disable=SC2046
+  python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
+    $(learn_overrides "$run") "$@" >> "$OUT/grpo-$run.log" 2>&1 &
+  LEARN_PID=$!
+}
+
+learn_wait() {  # RUN:PID...: wait until they end or LEARN_DEADLINE; then SIGTERM (end the step, checkpoint, exit)
+  local deadline=${LEARN_DEADLINE:-540} item alive grace
+  while :; do
+    alive=0
+    for item in "$@"; do kill -0 "${item#*:}" 2>/dev/null && alive=1; done
+    [ "$alive" = 1 ] && [ "$SECONDS" -lt "$deadline" ] || break
+    sleep 1
   done
+  for item in "$@"; do kill -TERM "${item#*:}" 2>/dev/null; done
+  grace=$((SECONDS + ${LEARN_GRACE:-40}))
+  for item in "$@"; do
+    while kill -0 "${item#*:}" 2>/dev/null && [ "$SECONDS" -lt "$grace" ]; do sleep 1; done
+    kill -KILL "${item#*:}" 2>/dev/null
+    wait "${item#*:}"; echo "grpo-${item%%:*}: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
+  done
+}
+
+learn_collect() {  # DIR RUN...: metrics to $OUT
+  local dir=$1 run; shift
   for run in "$@"; do
     [ -f "$dir/grpo-$run/metrics.jsonl" ] && cp "$dir/grpo-$run/metrics.jsonl" "$OUT/grpo-$run.metrics.jsonl"
   done
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$OUT/jobs.txt" 2>&1
+}
+
+learn() {
+  local dir=$1 run; shift
+  learn_sft "$dir" || return 1
+  for run in "$@"; do
+    learn_start "$dir" "$run"
+    [ -n "$LEARN_PID" ] && learn_wait "$run:$LEARN_PID"
+  done
+  learn_collect "$dir" "$@"
+}
+
+learn_together() {
+  local dir=$1 run pids=(); shift
+  learn_sft "$dir" || return 1
+  for run in "$@"; do
+    learn_start "$dir" "$run" policy.generation.colocated.sleep_level=0
+    [ -n "$LEARN_PID" ] && pids+=("$run:$LEARN_PID")
+  done
+  [ "${#pids[@]}" -gt 0 ] && learn_wait "${pids[@]}"
+  learn_collect "$dir" "$@"
 }
 
 learn_eval_bf16() {

@@ -70,7 +70,24 @@ def test_engine_process_choice():
         own(False, device="cuda", colocated=False, async_grpo=False)
 
 
+@pytest.mark.parametrize("colocated, device, sleeps", [
+    ({}, "cuda", True), ({"sleep_level": 2}, "cuda", True), ({"sleep_level": 0}, "cuda", False),
+    ({"enabled": False}, "cuda", False), ({}, "cpu", False),
+])
+def test_sleep_level_0_keeps_a_colocated_engine_resident(colocated, device, sleeps):
+    """Level 0 starts the engine without vLLM's sleep mode and never sleeps it; the generator still
+    refuses to generate between sleep() and wake_up() (checked on the real engine in test_sync_engine)."""
+    from rlcore_vllm.generator import VllmGenerator
+
+    generator = VllmGenerator.__new__(VllmGenerator)  # engine kwargs only: no engine is started
+    generator.config = structure(VllmConfig, {"colocated": colocated}, "policy.generation")
+    generator.device, generator.model_path, generator.max_model_len = device, "/model", 64
+    assert generator._sleeps is sleeps
+    assert generator._engine_kwargs("bfloat16", 0, None).get("enable_sleep_mode", False) is sleeps
+
+
 @pytest.mark.parametrize("data, key", [
+    ({"colocated": {"sleep_level": 3}}, "policy.generation.colocated.sleep_level"),
     ({"quantization": "int4"}, "policy.generation.quantization"),
     ({"temprature": 0.5}, "policy.generation.temprature"),
     ({"refit": {"chunk_byte": 1}}, "policy.generation.refit.chunk_byte"),

@@ -25,8 +25,10 @@ FP8_PROBE_THRESHOLD = 0.3
 class ColocatedConfig(core.ColocatedConfig):
     """Whether the engines share devices with the trainer, and how they free them while it trains."""
 
-    sleep_level: Literal[1, 2] = field(default=1, metadata=doc(
-        "vLLM sleep level while the trainer works: 1 backs the weights up to host memory (any wake-up is safe; "
+    sleep_level: Literal[0, 1, 2] = field(default=1, metadata=doc(
+        "vLLM sleep level while the trainer works: 0 keeps the engine resident (no sleep mode: weights and KV cache "
+        "stay on the GPU beside the trainer, when both fit; several runs can then share one GPU), "
+        "1 backs the weights up to host memory (any wake-up is safe; "
         "an 8B model's first sleep took 7-15 s on an H200, later ones 0.4 s), 2 discards them (no copy; each wake-up must be followed by a "
         "full refit, which the GRPO loop does)"))
 

@@ -81,7 +81,7 @@ class VllmGenerator:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             if cfg.gpu_kv_cache_gib is not None:
                 kwargs["kv_cache_memory_bytes"] = int(cfg.gpu_kv_cache_gib * (1 << 30))
-            kwargs["enable_sleep_mode"] = cfg.colocated.enabled
+            kwargs["enable_sleep_mode"] = self._sleeps
         return kwargs
 
     # ---- sampling ------------------------------------------------------------------------------
@@ -239,14 +239,22 @@ class VllmGenerator:
         return self.config.tensor_parallel_size * self.config.num_replicas
 
     # ---- lifecycle -----------------------------------------------------------------------------
+    @property
+    def _sleeps(self) -> bool:
+        """Whether the engine gives its GPU memory back while the trainer works: colocated on a GPU,
+        unless ``colocated.sleep_level`` is 0 (resident). vLLM has no sleep mode on CPU."""
+        colocated = self.config.colocated
+        return self.device != "cpu" and colocated.enabled and colocated.sleep_level > 0
+
     def sleep(self) -> None:
-        """Release weights and KV cache (GPU, colocated); a no-op on CPU, where vLLM has no sleep mode."""
-        if self.device != "cpu" and self.config.colocated.enabled and not self.sleeping:
+        """Release weights and KV cache (see ``_sleeps``); otherwise only marks the engine asleep, so that
+        generating before ``wake_up`` fails the same way on every placement."""
+        if self._sleeps and not self.sleeping:
             self.engine.sleep(level=self.config.colocated.sleep_level)
         self.sleeping = True
 
     def wake_up(self) -> None:
-        if self.device != "cpu" and self.config.colocated.enabled and self.sleeping:
+        if self._sleeps and self.sleeping:
             self.engine.wake_up()
         self.sleeping = False
 
