@@ -98,7 +98,11 @@ class EnvStep:
 
 @attrs.define
 class StepTotals:
-    """Global counts of one optimizer step, over every micro-batch and data-parallel rank."""
+    """Global counts of one optimizer step, over every micro-batch and data-parallel rank.
+
+    A backend that replays a captured CUDA graph of the loss passes the same counts as 0-d device
+    tensors (float64), refilled before each replay: a Python number would be baked into the graph.
+    Losses that declare :class:`CapturableLoss` use them in arithmetic only."""
 
     num_valid_tokens: int
     num_valid_seqs: int
@@ -205,6 +209,22 @@ class OldLogprobsChoice(Protocol):
         """Settle ``uses_old_logprobs`` for this run and return it: ``one_update_per_batch`` says
         whether each generated batch trains exactly one optimizer step.
         An algorithm asked explicitly (a config key) keeps its setting."""
+
+
+@runtime_checkable
+class CapturableLoss(Protocol):
+    """An :class:`Algorithm` whose ``loss`` a backend may capture once in a CUDA graph and replay
+    for other micro-batches of the same shapes (``policy.megatron_cfg.cuda_graph: micro_batch``).
+    With ``capturable_loss`` true the loss promises: no host reads of tensor values (``.item()``,
+    ``float(t)``, ``bool(t)``, ``.tolist()``, ``nonzero``, boolean-mask indexing or other
+    data-dependent shapes) except in checks that :func:`torch.cuda.is_current_stream_capturing`
+    skips; :class:`StepTotals` used in arithmetic only (it may hold 0-d device tensors); the same
+    Python branches for every micro-batch with the same fields; metrics as 0-d tensors; and padding
+    ignored: tokens with ``loss_mask_T == 0`` and sequences with no tokens (``seq_index_T`` never
+    points at them) change neither the loss nor its gradient. The built-in policy-gradient
+    algorithms and ``sft`` declare it; DPO and the reward model (pairs found on the host) do not."""
+
+    capturable_loss: bool
 
 
 @runtime_checkable
