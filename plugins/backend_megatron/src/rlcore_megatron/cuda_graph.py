@@ -187,6 +187,7 @@ class MicroBatchGraphs:
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[Bucket, dict[str, torch.Tensor]] = {}
         self.lengths_seen: dict[Bucket, set[int]] = {}  # real token counts each bucket served (tests, logs)
+        self.replays = 0
         self.algorithm = None
         self.fingerprint = None
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -237,6 +238,7 @@ class MicroBatchGraphs:
         if graph is None:
             return self._warm_up_and_capture(bucket, static, algorithm)
         graph.replay()
+        self.replays += 1
         return {k: v.clone() for k, v in self.outputs[bucket].items()}
 
     def _forward_backward(self, static: StaticInputs, algorithm) -> dict[str, torch.Tensor]:
