@@ -218,8 +218,10 @@ class CapturableLoss(Protocol):
     With ``capturable_loss`` true the loss promises: no host reads of tensor values (``.item()``,
     ``float(t)``, ``bool(t)``, ``.tolist()``, ``nonzero``, boolean-mask indexing or other
     data-dependent shapes) except in checks that :func:`torch.cuda.is_current_stream_capturing`
-    skips; :class:`StepTotals` used in arithmetic only (it may hold 0-d device tensors); the same
-    Python branches for every micro-batch with the same fields; metrics as 0-d tensors; and padding
+    skips; :class:`StepTotals` used in arithmetic only (it may hold 0-d device tensors); no reads of
+    the micro-batch's host-side fields (``cu_seqlens``, ``seq_ids``, ``num_padding``, ``max_seqlen``:
+    a graph would keep the captured micro-batch's); the same Python branches for every micro-batch
+    with the same fields; metrics as 0-d tensors; and padding
     ignored: tokens with ``loss_mask_T == 0`` and sequences with no tokens (``seq_index_T`` never
     points at them) change neither the loss nor its gradient. The built-in policy-gradient
     algorithms and ``sft`` declare it; DPO and the reward model (pairs found on the host) do not."""

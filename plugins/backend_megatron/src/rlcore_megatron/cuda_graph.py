@@ -24,9 +24,13 @@ Inputs are copied into the static buffers before each replay; outputs (loss, met
 cloned from the graph's static outputs after it.
 
 Capture: the first micro-batch of a bucket runs eagerly on a side stream (torch's warm-up; it is
-that micro-batch's real computation, so its gradients and metrics count), then the same call is
+that micro-batch's real computation, so its gradients and metrics count, and lazily built state
+such as compiled kernels, workspaces and RoPE tables exists before capture), then the same call is
 captured (capture launches nothing); later micro-batches of the bucket replay it. All graphs share
-one memory pool and replay one at a time on one stream. Each capture is logged with the bucket,
+one memory pool and replay one at a time on one stream, in any order: a graph may reuse blocks
+another freed, which is safe because outputs are cloned right after their own replay. A loss
+must not read the static micro-batch's host-side fields (``cu_seqlens``, ``seq_ids``,
+``num_padding``): a replay would keep what they held at capture (:class:`rlcore.interfaces.CapturableLoss`). Each capture is logged with the bucket,
 its seconds and the memory the pool grew by. Graphs are dropped and captured again when a
 parameter or gradient buffer moved (offload, checkpoint load) or another algorithm trains.
 
@@ -188,6 +192,7 @@ class MicroBatchGraphs:
         self.outputs: dict[Bucket, dict[str, torch.Tensor]] = {}
         self.lengths_seen: dict[Bucket, set[int]] = {}  # real token counts each bucket served (tests, logs)
         self.replays = 0
+        self.pool_bytes = 0  # reserved-memory growth over this pool's captures
         self.algorithm = None
         self.fingerprint = None
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -271,6 +276,7 @@ class MicroBatchGraphs:
             eager = {k: v.clone() for k, v in eager.items()}
         torch.cuda.current_stream().wait_stream(self.stream)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # torch.cuda.graph empties the cache too: measure the pool's growth alone
         reserved, start = torch.cuda.memory_reserved(), time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         try:
@@ -284,9 +290,10 @@ class MicroBatchGraphs:
                 "backend with cuda_graph_capture=False to run the same fixed-shape path without capture") from err
         self.graphs[bucket] = graph
         torch.cuda.synchronize()
-        grown = (torch.cuda.memory_reserved() - reserved) / 2**30
+        grown = max(torch.cuda.memory_reserved() - reserved, 0)
+        self.pool_bytes += grown
         self.log(f"rlcore-megatron: captured a CUDA graph of the training micro-batch ({self.tokens} tokens, "
                  f"{bucket.segments} segments, {bucket.rows} logprob rows) in {time.perf_counter() - start:.2f} s; "
-                 f"reserved memory +{grown:.2f} GiB, {len(self.graphs)} graph(s): "
-                 + ", ".join(f"{b.segments}x{b.rows}" for b in self.graphs))
+                 f"the pool grew {grown / 2**30:.2f} GiB to {self.pool_bytes / 2**30:.2f} GiB for {len(self.graphs)} "
+                 "graph(s) (segments x rows): " + ", ".join(f"{b.segments}x{b.rows}" for b in self.graphs))
         return eager
