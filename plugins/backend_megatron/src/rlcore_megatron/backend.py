@@ -11,7 +11,9 @@ metrics stay on the device until the step ends: a blocking copy or a ``.tolist()
 micro-batch would make the host wait for the GPU before launching the next micro-batch. Losses are the algorithm's share of the step value
 (global normalization by :func:`rlcore.packing.step_totals`); Megatron's DDP runs in per-token
 mode so data-parallel gradients are summed. Schedules come from ``get_forward_backward_func``
-(pipeline-parallel when PP > 1).
+(pipeline-parallel when PP > 1); with ``cuda_graph: micro_batch`` the training micro-batches are
+replays of CUDA graphs instead (:mod:`rlcore_megatron.cuda_graph`), and the backend runs what the
+schedule would after them (``finalize_model_grads``).
 """
 
 from __future__ import annotations
