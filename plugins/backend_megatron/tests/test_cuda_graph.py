@@ -75,3 +75,35 @@ def test_config_refusals_name_both_keys(key, kwargs):
 def test_allowed_fp8_recipes():
     for recipe in ("tensorwise", "blockwise"):
         MegatronConfig(enabled=True, cuda_graph="micro_batch", fp8_cfg=MegatronFP8Config(enabled=True, fp8_recipe=recipe))
+
+
+def test_static_layout_pads_and_leaves_nothing_behind():
+    """A longer then a shorter micro-batch through one bucket's buffers: the second one's padding
+    overwrites everything the first left (tokens, mask, sequence indices and fields, rows, segments)."""
+    import torch
+    from rlcore.interfaces import SequenceBatch, StepTotals
+    from rlcore.packing import make_micro_batches
+
+    from rlcore_megatron.cuda_graph import StaticInputs, bucket_for
+
+    def micro_batch(lengths):
+        ids = [torch.arange(3, 3 + n) for n in lengths]
+        batch = SequenceBatch(input_ids=ids, loss_mask=[torch.ones(n) for n in lengths],
+                              token_fields={"old_logprobs": [-torch.ones(n) for n in lengths]},
+                              seq_fields={"advantages": torch.arange(1.0, 1.0 + len(lengths))})
+        return make_micro_batches(batch, 64)[0]
+
+    long, short = micro_batch([20, 30]), micro_batch([15, 14, 17])
+    tokens = 64
+    assert bucket_for(long, tokens) == bucket_for(short, tokens)  # 2 and 3 sequences, 48 and 43 rows: one bucket
+    static = StaticInputs(bucket_for(long, tokens), tokens, torch.device("cpu"))
+    static.load(long, StepTotals(50, 2))
+    static.load(short, StepTotals(43, 3))
+    used, rows = short.num_tokens, short.logprob_rows_R.numel()
+    assert torch.equal(static.ids_T1[:used], short.input_ids_T) and not static.ids_T1[used:].any()  # incl. the dropped slot
+    assert not static.mask_T[used:].any() and (static.seq_index_T[used:] == -1).all()
+    assert torch.equal(static.rows_R[:rows], short.logprob_rows_R) and (static.rows_R[rows:] == tokens - 1).all()
+    assert static.cu_host.tolist() == [0, 15, 29, 46] + [tokens] * (static.bucket.segments - 3)
+    assert static.seq_fields["advantages"].tolist() == [1.0, 2.0, 3.0] + [0.0] * (static.bucket.seqs - 3)
+    assert (static.token_fields["old_logprobs"][used:] == 0).all() and static.totals_2.tolist() == [43.0, 3.0]
+    assert static.params.max_seqlen_q == tokens + 1 and static.mb.num_seqs == static.bucket.seqs
