@@ -273,8 +273,8 @@ class MicroBatchGraphs:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             eager = self._forward_backward(static, algorithm)
-            eager = {k: v.clone() for k, v in eager.items()}
         torch.cuda.current_stream().wait_stream(self.stream)
+        eager = {k: v.clone() for k, v in eager.items()}  # on the current stream, where the step reads them
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # torch.cuda.graph empties the cache too: measure the pool's growth alone
         reserved, start = torch.cuda.memory_reserved(), time.perf_counter()
