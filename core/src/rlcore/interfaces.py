@@ -19,7 +19,8 @@ What a plugin may import (the public API; ``examples/ddp_backend_plugin`` and
 ``build_config``); :mod:`rlcore.config` (its ``__all__``, and the schema classes of :mod:`rlcore.config.schema` that ``RunConfig.policy`` holds); for training
 backends :mod:`rlcore.packing` (``make_micro_batches``, ``step_totals``, ``unpack``,
 ``MicroBatch``), :func:`rlcore.ops.token_logprobs`, :mod:`rlcore.training`, :mod:`rlcore.schedule`
-(``policy.scheduler`` as a ``LambdaLR`` factor) and :func:`rlcore.algorithms.base.merge_metrics`;
+(``policy.scheduler`` as a ``LambdaLR`` factor), :func:`rlcore.algorithms.base.merge_metrics` and
+:func:`rlcore.algorithms.base.check_finite_advantages` (a backend that captures the loss runs it on the host);
 :mod:`rlcore.weights` (chunks, the gather to rank 0, ``stream_into``, the Hugging Face writer);
 :mod:`rlcore.testing` in tests. Names starting with ``_`` and :mod:`rlcore.controller` are not.
 
