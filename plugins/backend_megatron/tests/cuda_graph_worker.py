@@ -1,6 +1,6 @@
 """One rank of the CUDA-graph path's CPU checks (launched by test_cuda_graph.py, 2 ranks, gloo).
 
-Usage: python cuda_graph_worker.py RANK WORLD PORT MODEL_DIR OUT_DIR. For DP=2 and TP=2, two
+Usage: python cuda_graph_worker.py RANK WORLD PORT MODEL_DIR MOE_MODEL_DIR OUT_DIR. For DP=2 and TP=2 + SP, two
 backends from the same checkpoint train the same batches: ``cuda_graph: none`` (the schedule) and
 ``cuda_graph: micro_batch`` without capture (the graphs' padded static buffers, called directly).
 Writes ``OUT_DIR/rank_<r>.json``: the largest differences (:func:`rel`) of logprobs, loss, metrics,
@@ -159,7 +159,7 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict = {}
-    for name, fn in (("dp2", lambda: compare(path)), ("tp2", lambda: compare(path, tensor_model_parallel_size=2)),
+    for name, fn in (("dp2", lambda: compare(path)), ("tp2_sp", lambda: compare(path, tensor_model_parallel_size=2, sequence_parallel=True)),
                      ("refusals", lambda: refusals(path, moe_path))):
         start = time.time()
         try:

@@ -3,8 +3,8 @@
 On CPU there is no graph to capture, so the backend runs the same padded static buffers and the
 same captured function directly (``cuda_graph_capture=False``). One 2-rank gloo launch
 (cuda_graph_worker.py) trains two GRPO steps (KL, dual clip, truncated IS: every StepTotals use)
-at DP=2 and at TP=2, once through Megatron's schedule and once through the graph path, and checks
-the refusals. The CUDA half (capture and replay) is in test_megatron_cuda.py.
+at DP=2 and at TP=2 with sequence parallelism (finalize_model_grads sums the norms' gradients),
+once through Megatron's schedule and once through the graph path, and checks the refusals. The CUDA half (capture and replay) is in test_megatron_cuda.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def scenario(results, name):
     return value
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2_sp"])
 def test_graph_path_equals_the_schedule(results, layout):
     r = scenario(results, layout)
     assert r["missing_metrics"] == [] and {"kl", "clip_fraction", "is_truncated_fraction", "rollout_ratio_max"} <= set(r["metric_keys"])
