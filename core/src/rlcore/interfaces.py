@@ -218,8 +218,8 @@ class CapturableLoss(Protocol):
     for other micro-batches of the same shapes (``policy.megatron_cfg.cuda_graph: micro_batch``).
     With ``capturable_loss`` true the loss promises: no host reads of tensor values (``.item()``,
     ``float(t)``, ``bool(t)``, ``.tolist()``, ``nonzero``, boolean-mask indexing or other
-    data-dependent shapes) except in checks that :func:`torch.cuda.is_current_stream_capturing`
-    skips; :class:`StepTotals` used in arithmetic only (it may hold 0-d device tensors); no reads of
+    data-dependent shapes) except in checks skipped while :func:`rlcore.algorithms.base.capturing`
+    (``core/tests/test_capturable_loss.py`` checks the built-in ones); :class:`StepTotals` used in arithmetic only (it may hold 0-d device tensors); no reads of
     the micro-batch's host-side fields (``cu_seqlens``, ``seq_ids``, ``num_padding``, ``max_seqlen``:
     a graph would keep the captured micro-batch's); the same Python branches for every micro-batch
     with the same fields; metrics as 0-d tensors; and padding
