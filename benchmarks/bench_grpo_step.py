@@ -69,6 +69,8 @@ CONFIGS = {
     "llama1b-megatron-fp8": ("llama1b", "megatron", {"policy.megatron_cfg.fp8_cfg.enabled": True,
                                                      "policy.megatron_cfg.fp8_cfg.fp8_recipe": "delayed"}),
     "llama1b-megatron-no-opfuse": ("llama1b", "megatron", {"policy.megatron_cfg.use_te_op_fuser": False}),
+    # training micro-batches as CUDA-graph replays (rlcore_megatron.cuda_graph): padded to the 8192-token budget
+    "llama1b-megatron-cuda-graph": ("llama1b", "megatron", {"policy.megatron_cfg.cuda_graph": "micro_batch"}),
     # One step off, with the correction for one step of staleness (token-level truncated IS).
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),

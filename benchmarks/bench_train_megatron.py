@@ -35,7 +35,10 @@ the path before grouped GEMM), ``megatron-moe-grouped-mm`` (each expert projecti
 split sizes on the host, one expert GEMM launched at a time), ``megatron-local`` (Megatron's local
 spec), ``megatron-te-attn`` (TE's cuDNN attention), ``megatron-unfused-wgrad``, ``megatron-fp8``
 (tensorwise), ``megatron-fp8-delayed``, ``megatron-fp8-blockwise``, ``megatron-fp8-delayed-no-opfuse``,
-``megatron-plain`` (a plain
+``megatron-cuda-graph`` (each training micro-batch padded to ``--mb-tokens`` and replayed as a CUDA
+graph, ``policy.megatron_cfg.cuda_graph: micro_batch``; on CPU it runs without capture),
+``megatron-cuda-graph-eager`` (the same padded static buffers without capture: the padding's cost
+alone), ``megatron-fp8-cuda-graph`` (tensorwise FP8 in graphs), ``megatron-plain`` (a plain
 Megatron-Core loop over the same model, optimizer and packed micro-batches, with none of the
 backend's wrapper: what the wrapper costs), ``fsdp2`` and ``fsdp2-compile``.
 
@@ -84,7 +87,12 @@ MEGATRON_VARIANTS = {
     "megatron-moe-host-splits": {"moe_experts_impl": "te_grouped", "moe_device_splits": False},
     "megatron-moe-grouped-mm": {"moe_experts_impl": "grouped_mm"},  # torch grouped GEMM experts (auto's choice in bf16 on CUDA)
     "megatron-moe-te-grouped": {"moe_experts_impl": "te_grouped"},  # TE's grouped linear, device split sizes
+    # each micro-batch a CUDA-graph replay (rlcore_megatron.cuda_graph); -eager: the same padded static buffers, no capture
+    "megatron-cuda-graph": {"cuda_graph": "micro_batch"},
+    "megatron-cuda-graph-eager": {"cuda_graph": "micro_batch"},
+    "megatron-fp8-cuda-graph": {"fp8_cfg": {"enabled": True, "fp8_recipe": "tensorwise"}, "cuda_graph": "micro_batch"},
 }
+NO_CAPTURE_VARIANTS = {"megatron-cuda-graph-eager"}  # on CPU every cuda-graph variant runs without capture
 FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True}
 
 
@@ -159,7 +167,8 @@ def build_megatron(args, hf_config, device, name: str):
     from rlcore_megatron.config import SECTION
 
     cfg = megatron_section(args, MEGATRON_VARIANTS[name])
-    return MegatronBackend(run_config(args, SECTION, cfg), cfg, world_info(device), hf_config=hf_config, seed=args.seed)
+    return MegatronBackend(run_config(args, SECTION, cfg), cfg, world_info(device), hf_config=hf_config, seed=args.seed,
+                           cuda_graph_capture=device == "cuda" and name not in NO_CAPTURE_VARIANTS)
 
 
 def build_fsdp2(args, hf_config, device, name: str):
@@ -302,6 +311,10 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
         "last_loss": metrics["loss"],
     }
+    graphs = getattr(backend, "graphs", None)
+    if graphs is not None:  # buckets captured (or, without capture, filled) over the run, incl. warm-up steps
+        result["cuda_graph_buckets"] = len(graphs.static)
+        result["cuda_graphs_captured"] = len(graphs.graphs)
     result["mfu"] = result["tflops"] / (args.peak_tflops * gpus)
     backend.shutdown()
     del backend
@@ -346,6 +359,9 @@ def worker(rank: int, world: int, port: int, args) -> int:
         for r in rows:
             if r["kernels"]:
                 print(f"{r['variant']}: {r['kernels']}")
+            if "cuda_graph_buckets" in r:
+                print(f"{r['variant']}: {r['cuda_graph_buckets']} micro-batch shape bucket(s), "
+                      f"{r['cuda_graphs_captured']} CUDA graph(s) captured (warm-up included)")
         shape = shape_label(args)
         path = results_log.append(rows, bench="bench_train_megatron", gpus=world,
                                   config=f"{shape}, {args.micro_batches} x {args.mb_tokens} tokens/step/DP rank, lengths "

@@ -19,7 +19,8 @@ What a plugin may import (the public API; ``examples/ddp_backend_plugin`` and
 ``build_config``); :mod:`rlcore.config` (its ``__all__``, and the schema classes of :mod:`rlcore.config.schema` that ``RunConfig.policy`` holds); for training
 backends :mod:`rlcore.packing` (``make_micro_batches``, ``step_totals``, ``unpack``,
 ``MicroBatch``), :func:`rlcore.ops.token_logprobs`, :mod:`rlcore.training`, :mod:`rlcore.schedule`
-(``policy.scheduler`` as a ``LambdaLR`` factor) and :func:`rlcore.algorithms.base.merge_metrics`;
+(``policy.scheduler`` as a ``LambdaLR`` factor), :func:`rlcore.algorithms.base.merge_metrics` and
+:func:`rlcore.algorithms.base.check_finite_advantages` (a backend that captures the loss runs it on the host);
 :mod:`rlcore.weights` (chunks, the gather to rank 0, ``stream_into``, the Hugging Face writer);
 :mod:`rlcore.testing` in tests. Names starting with ``_`` and :mod:`rlcore.controller` are not.
 
@@ -98,7 +99,11 @@ class EnvStep:
 
 @attrs.define
 class StepTotals:
-    """Global counts of one optimizer step, over every micro-batch and data-parallel rank."""
+    """Global counts of one optimizer step, over every micro-batch and data-parallel rank.
+
+    A backend that replays a captured CUDA graph of the loss passes the same counts as 0-d device
+    tensors (float64), refilled before each replay: a Python number would be baked into the graph.
+    Losses that declare :class:`CapturableLoss` use them in arithmetic only."""
 
     num_valid_tokens: int
     num_valid_seqs: int
@@ -205,6 +210,24 @@ class OldLogprobsChoice(Protocol):
         """Settle ``uses_old_logprobs`` for this run and return it: ``one_update_per_batch`` says
         whether each generated batch trains exactly one optimizer step.
         An algorithm asked explicitly (a config key) keeps its setting."""
+
+
+@runtime_checkable
+class CapturableLoss(Protocol):
+    """An :class:`Algorithm` whose ``loss`` a backend may capture once in a CUDA graph and replay
+    for other micro-batches of the same shapes (``policy.megatron_cfg.cuda_graph: micro_batch``).
+    With ``capturable_loss`` true the loss promises: no host reads of tensor values (``.item()``,
+    ``float(t)``, ``bool(t)``, ``.tolist()``, ``nonzero``, boolean-mask indexing or other
+    data-dependent shapes) except in checks skipped while :func:`rlcore.algorithms.base.capturing`
+    (``core/tests/test_capturable_loss.py`` checks the built-in ones); :class:`StepTotals` used in arithmetic only (it may hold 0-d device tensors); no reads of
+    the micro-batch's host-side fields (``cu_seqlens``, ``seq_ids``, ``num_padding``, ``max_seqlen``:
+    a graph would keep the captured micro-batch's); the same Python branches for every micro-batch
+    with the same fields; metrics as 0-d tensors; and padding
+    ignored: tokens with ``loss_mask_T == 0`` and sequences with no tokens (``seq_index_T`` never
+    points at them) change neither the loss nor its gradient. The built-in policy-gradient
+    algorithms and ``sft`` declare it; DPO and the reward model (pairs found on the host) do not."""
+
+    capturable_loss: bool
 
 
 @runtime_checkable

@@ -11,7 +11,10 @@ On the H200 machines, with the staged wheels and rlcore's own installed (benchma
 - FP8 (tensorwise and delayed) trains on packed micro-batches of any length (padded to the GEMM
   row multiple) and its logprobs stay near bf16's;
 - TE's own attention (cuDNN) gives the same logprobs as the flash path;
-- the MLP through TE's op fuser equals the module MLP.
+- the MLP through TE's op fuser equals the module MLP;
+- ``cuda_graph: micro_batch`` (bf16 and tensorwise FP8, ``sft`` and GRPO): graphed steps with replays
+  over micro-batches of different lengths equal the same padded path run eagerly and Megatron's
+  schedule within the stated tolerances, metrics included.
 """
 
 from __future__ import annotations
@@ -184,3 +187,64 @@ def test_te_op_fuser_mlp_equals_the_module_mlp(single_cuda_process_group, te_loa
     fused.shutdown()
     print(f"op fuser vs module MLP, fp32 logprobs max |diff| {max_diff(got, want):.2e}")
     assert max_diff(got, want) < 1e-4 and torch.isfinite(torch.tensor(metrics["loss"])) and max_diff(after, got) > 1e-4
+
+
+def graph_backend(path: str, capture: bool, **mcfg):
+    """The backend as ``benchmarks/bench_train_megatron.py`` builds its cuda-graph variants."""
+    from rlcore.config import RunConfig, structure
+    from rlcore.config.schema import PolicyConfig, SequencePackingConfig
+    from rlcore.interfaces import WorldInfo
+    from rlcore_megatron.backend import MegatronBackend
+    from rlcore_megatron.config import SECTION, MegatronConfig
+
+    policy = PolicyConfig(model_name=path, precision="bfloat16",
+                          sequence_packing=SequencePackingConfig(train_mb_tokens=64, logprob_mb_tokens=64))
+    cfg = structure(MegatronConfig, {"enabled": True, "transformer_impl": "transformer_engine",
+                                     "optimizer": {"optimizer": "sgd", "lr": 0.05, "sgd_momentum": 0.0, "clip_grad": 0.0,
+                                                   "use_distributed_optimizer": False}, **mcfg}, SECTION)
+    return MegatronBackend(RunConfig(policy=policy), cfg, WorldInfo(device="cuda"), cuda_graph_capture=capture)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-tensorwise"])
+@pytest.mark.parametrize("algo_name", ["sft", "grpo"])
+def test_cuda_graph_steps_equal_the_eager_path(single_cuda_process_group, te_loads, tiny_model_factory, algo_name, fp8):
+    """``cuda_graph: micro_batch``: three SGD steps on batches of other lengths (several micro-batches
+    of at most 64 tokens each), captured once per bucket and replayed, against the same padded path
+    run eagerly (``cuda_graph_capture=False``: the same kernels, so near-equal) and against Megatron's
+    schedule (other GEMM row counts: bf16 rounding; FP8: its own quantization noise on top). Compared:
+    every metric of every step (loss, grad_norm and the loss's own) and the last step's fp32 gradients
+    in the main-grad buffers (a gradient missing from a replay, or added twice, is off by 100%)."""
+    from cuda_graph_worker import algorithm, make_batch as grpo_batch, rel
+    from rlcore.algorithms.sft import SFT
+
+    path = str(tiny_model_factory("llama", hidden_size=256, num_heads=4, num_kv_heads=2))
+    extra = {"fp8_cfg": {"enabled": True, "fp8_recipe": "tensorwise"}} if fp8 else {}
+    runs = {}
+    for name, mode, capture in (("schedule", "none", True), ("eager", "micro_batch", False), ("graphs", "micro_batch", True)):
+        backend = graph_backend(path, capture, cuda_graph=mode, **extra)
+        algo = SFT() if algo_name == "sft" else algorithm()
+        metrics = [backend.train(grpo_batch(seed, n=10), algo) for seed in (11, 12, 13)]
+        # the last step's fp32 gradients stay in the main-grad buffers until the next step zeroes them
+        grads = {n: p.main_grad.detach().float().clone() for n, p in backend.module.named_parameters()}
+        graphs = backend.graphs
+        stats = None if graphs is None else (len(graphs.graphs), graphs.replays, max(len(v) for v in graphs.lengths_seen.values()))
+        runs[name] = metrics, grads, stats
+        backend.shutdown()
+
+    def diffs(a, b):
+        (m_a, d_a, _), (m_b, d_b, _) = runs[a], runs[b]
+        keys = sorted(set(m_a[0]) - {"train_seconds"})
+        assert keys == sorted(set(m_b[0]) - {"train_seconds"})
+        metric = max(float(rel(torch.tensor(x[k]), torch.tensor(y[k]))) for x, y in zip(m_a, m_b) for k in keys)
+        grad = max(float((d_a[k] - d_b[k]).norm() / d_a[k].norm().clamp(min=1e-12)) for k in d_a)
+        return metric, grad
+
+    captured, replays, lengths = runs["graphs"][2]
+    near, far = diffs("eager", "graphs"), diffs("schedule", "graphs")
+    print(f"cuda graphs ({algo_name}, {'fp8' if fp8 else 'bf16'}): {captured} captured, {replays} replays, up to {lengths} "
+          f"lengths in one bucket; vs eager padded path: metrics {near[0]:.2e}, last step's gradients {near[1]:.2e} rel; "
+          f"vs schedule: metrics {far[0]:.2e}, gradients {far[1]:.2e} rel")
+    assert captured >= 1 and replays >= 3 and lengths >= 2  # replays over micro-batches of different lengths
+    assert near[0] < 1e-3 and near[1] < 1e-2, near
+    tolerance = (0.05, 0.2) if fp8 else (0.02, 0.05)  # bf16: GEMMs over other row counts round differently
+    assert far[0] < tolerance[0] and far[1] < tolerance[1], far

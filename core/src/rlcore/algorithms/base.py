@@ -35,7 +35,9 @@ def check_loss_inputs(name: str, logprobs_T: torch.Tensor, mb: MicroBatch, total
                 f"{name}.loss: token field '{field}' has shape {tuple(mb.token_fields[field].shape)}, "
                 f"logprobs_T has {tuple(logprobs_T.shape)}"
             )
-    if totals.num_valid_tokens <= 0 or totals.num_valid_seqs <= 0:
+    # Device-tensor totals (a replayed CUDA graph, see StepTotals) were checked when they were counted.
+    counts = (totals.num_valid_tokens, totals.num_valid_seqs)
+    if not any(torch.is_tensor(c) for c in counts) and min(counts) <= 0:
         raise ValueError(f"{name}.loss: the step has no valid tokens ({totals}); every response is masked")
 
 
@@ -48,12 +50,23 @@ def token_advantages(name: str, mb: MicroBatch) -> torch.Tensor:
         adv_T = spread_per_seq(mb.seq_fields["advantages"], mb)
     else:
         raise ValueError(f"{name}.loss: the micro-batch has no 'advantages' (token or sequence field); compute advantages first")
-    bad = (~torch.isfinite(adv_T) & (mb.loss_mask_T > 0)).nonzero().flatten()
+    if not capturing():  # a graph-capturing backend runs the check on the host
+        check_finite_advantages(name, adv_T, mb)
+    return adv_T
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (host reads of device values would fail)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_finite_advantages(name: str, adv_T: torch.Tensor, mb: MicroBatch) -> None:
+    """Every loss-masked token's advantage is finite (a ValueError naming the token and sequence)."""
+    bad = (~torch.isfinite(adv_T) & (mb.loss_mask_T.to(adv_T.device) > 0)).nonzero().flatten()
     if bad.numel():
         t = int(bad[0])
         seq = mb.seq_ids[int(mb.seq_index_T[t])]
         raise ValueError(f"{name}.loss: advantage of token {t} (sequence {seq}) is {float(adv_T[t])}")
-    return adv_T
 
 
 def masked(x_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
@@ -143,6 +156,7 @@ class AlgorithmBase:
     uses_reference: bool = False
     uses_old_logprobs: bool = False
     loss_level: str = "token"
+    capturable_loss: bool = False  # rlcore.interfaces.CapturableLoss: audited losses say True
 
     def __init__(self, config: Any = None):
         if config is None:

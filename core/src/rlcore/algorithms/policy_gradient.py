@@ -45,6 +45,8 @@ from rlcore.packing import MicroBatch
 class PolicyGradient(AlgorithmBase):
     """Base of the GRPO family; subclasses implement :meth:`advantages`."""
 
+    capturable_loss = True  # audited with every subclass here (rlcore.interfaces.CapturableLoss)
+
     def __init__(self, config=None):
         super().__init__(config)
         self.uses_reference = self.config.kl_coef > 0

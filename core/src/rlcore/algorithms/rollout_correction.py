@@ -44,6 +44,11 @@ from rlcore.packing import MicroBatch
 _LOG_CLAMP = 30.0
 
 
+def _at_least_one(count):
+    """``max(count, 1)`` for a Python count or a 0-d device tensor (StepTotals in a CUDA graph)."""
+    return count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
+
+
 def _largest(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Largest valid value, 0 when there is none (an empty micro-batch of a data-parallel rank)."""
     if values.numel() == 0:
@@ -74,10 +79,10 @@ class Ratios:
         return per_seq_sum(self.mask_T, self.mb) > 0
 
     def token_share(self, flag_T: torch.Tensor) -> torch.Tensor:
-        return (flag_T.to(self.mask_T.dtype) * self.mask_T).sum() / max(self.totals.num_valid_tokens, 1)
+        return (flag_T.to(self.mask_T.dtype) * self.mask_T).sum() / _at_least_one(self.totals.num_valid_tokens)
 
     def seq_share(self, flag_n: torch.Tensor) -> torch.Tensor:
-        return (flag_n & self.seq_valid_n).to(self.mask_T.dtype).sum() / max(self.totals.num_valid_seqs, 1)
+        return (flag_n & self.seq_valid_n).to(self.mask_T.dtype).sum() / _at_least_one(self.totals.num_valid_seqs)
 
 
 def _token_tis(cfg, x: Ratios):

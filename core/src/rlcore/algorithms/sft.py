@@ -24,6 +24,7 @@ from rlcore.packing import MicroBatch
 class SFT(AlgorithmBase):
     name = "sft"
     config_cls = SFTConfig
+    capturable_loss = True  # rlcore.interfaces.CapturableLoss
 
     def advantages(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
         check_rewards(rewards_N, group_ids_N)

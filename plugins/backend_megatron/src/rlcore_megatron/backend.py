@@ -11,7 +11,9 @@ metrics stay on the device until the step ends: a blocking copy or a ``.tolist()
 micro-batch would make the host wait for the GPU before launching the next micro-batch. Losses are the algorithm's share of the step value
 (global normalization by :func:`rlcore.packing.step_totals`); Megatron's DDP runs in per-token
 mode so data-parallel gradients are summed. Schedules come from ``get_forward_backward_func``
-(pipeline-parallel when PP > 1).
+(pipeline-parallel when PP > 1); with ``cuda_graph: micro_batch`` the training micro-batches are
+replays of CUDA graphs instead (:mod:`rlcore_megatron.cuda_graph`), and the backend runs what the
+schedule would after them (``finalize_model_grads``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.weights import chunked, gather_sequences_to_rank0
-from rlcore_megatron import checkpoint, context_parallel, cpu_shims, kernels, output, parallel
+from rlcore_megatron import checkpoint, context_parallel, cpu_shims, cuda_graph, kernels, output, parallel
 from rlcore_megatron.config import SECTION, MegatronConfig
 from rlcore_megatron.convert import iter_hf_weights, load_hf_into_megatron
 from rlcore_megatron.model import packed_seq_params
@@ -46,10 +48,14 @@ def build_backend(config: RunConfig, section_config: MegatronConfig, world: Worl
 class MegatronBackend:
     """Trains the policy with Megatron-Core; see the module docstring."""
 
-    def __init__(self, config: RunConfig, cfg: MegatronConfig, world: WorldInfo, *, hf_config=None, seed: int | None = None):
+    def __init__(self, config: RunConfig, cfg: MegatronConfig, world: WorldInfo, *, hf_config=None, seed: int | None = None,
+                 cuda_graph_capture: bool = True):
         """``hf_config``: build a random-init model from this transformers config instead of
-        loading ``policy.model_name`` (benchmarks)."""
+        loading ``policy.model_name`` (benchmarks). ``cuda_graph_capture=False`` with
+        ``cuda_graph: micro_batch`` runs the graphs' fixed-shape static-buffer path without capturing
+        (CPU tests; on a GPU, to tell a capture problem from a padding one)."""
         self.run, self.cfg, self.world = config, cfg, world
+        self.cuda_graph_capture = cuda_graph_capture
         if dist.is_initialized():  # else Megatron's parallel.initialize starts it
             check_world(world, "rlcore-megatron")
         self.on_cpu = world.device == "cpu" or not torch.cuda.is_available()
@@ -70,6 +76,8 @@ class MegatronBackend:
         self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu, bf16=parallel.params_dtype(cfg, config) == torch.bfloat16)
         if self.world.rank == 0:
             print(f"rlcore-megatron: {self.kernels.describe()}", flush=True)
+        if cfg.cuda_graph == "micro_batch":
+            cuda_graph.check_supported(cfg, config, self.hf_config, self.kernels, on_cpu=self.on_cpu, capture=self.cuda_graph_capture)
         model = parallel.build_model(cfg, self.hf_config, config, self.kernels, on_cpu=self.on_cpu, return_hidden_states=True)
         if hf_config is None:
             load_hf_into_megatron(model, self.model_path, self.hf_config)
@@ -84,6 +92,12 @@ class MegatronBackend:
                               "policy.generation.return_routed_experts: true (the vLLM generator on CUDA)")
         self.optimizer = parallel.build_optimizer(self.model, cfg, config)
         self.scheduler = parallel.build_scheduler(self.optimizer, cfg, config)
+        self.graphs = None  # rlcore_megatron.cuda_graph: training micro-batches as CUDA-graph replays
+        if cfg.cuda_graph == "micro_batch":
+            capture = self.cuda_graph_capture and not self.on_cpu
+            tokens = -(-config.policy.sequence_packing.train_mb_tokens // self._pad_multiple()) * self._pad_multiple()
+            self.graphs = cuda_graph.MicroBatchGraphs(self.model, tokens=tokens, capture=capture,
+                                                      log=lambda line: print(line, flush=True) if self.world.rank == 0 else None)
         # The reference policy is the initial one: a host copy of this rank's shard.
         self._reference = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()}
         self.step = 0
@@ -229,8 +243,12 @@ class MegatronBackend:
         mbs = self.micro_batches(batch, policy.sequence_packing.train_mb_tokens, policy.train_micro_batch_size)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        with self.routing.training() if self.routing is not None else contextlib.nullcontext():
-            outputs = self._run_schedule(mbs, partial(self._loss_fn, algorithm, totals), forward_only=False)
+        if self.graphs is not None:  # no routing here: MoE models are refused with graphs
+            outputs = self.graphs.run(mbs, algorithm, totals)
+            self.module.config.finalize_model_grads_func([self.model])  # what the schedule does after its last micro-batch
+        else:
+            with self.routing.training() if self.routing is not None else contextlib.nullcontext():
+                outputs = self._run_schedule(mbs, partial(self._loss_fn, algorithm, totals), forward_only=False)
         self._maybe_empty_cache(2)
         metrics = self._reduce_metrics(outputs)
         if self.routing is not None:
@@ -319,6 +337,8 @@ class MegatronBackend:
         """Move parameters, gradient buffers and optimizer state to host memory (GPU only)."""
         if self.on_cpu or self._offloaded:
             return
+        if self.graphs is not None:  # their memory pool, and buffers that are about to move
+            self.graphs.reset()
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
             buffer.offload_to_cpu(move_params=True, move_grads=True)
         self._move_optimizer_state("cpu")
@@ -359,6 +379,9 @@ class MegatronBackend:
 
         self._reference.clear()
         self.routing = None
+        if self.graphs is not None:
+            self.graphs.reset()
+            self.graphs = None
         self.model = self.optimizer = self.scheduler = None  # type: ignore[assignment]
         gc.collect()
         if not self.on_cpu:

@@ -179,6 +179,11 @@ class MegatronConfig:
         "dense MLPs as one Transformer Engine op sequence (norm, fc1, SwiGLU, fc2 fused and launched together); "
         "None = on with Transformer Engine's layers"))
     fp8_cfg: MegatronFP8Config = field(factory=MegatronFP8Config, metadata=doc("FP8 training (Transformer Engine)"))
+    cuda_graph: Literal["none", "micro_batch"] = field(default="none", metadata=doc(
+        "'micro_batch': each training micro-batch replays a CUDA graph of its forward, output layer, loss and backward, "
+        "captured once per shape bucket (micro-batches padded to the token budget; rlcore_megatron.cuda_graph). CUDA "
+        "with Transformer Engine's fused RoPE, sequence packing, PP = CP = 1, dense models, no recompute, no fp16, "
+        "FP8 only with the tensorwise or blockwise recipe"))
     empty_unused_memory_level: Literal[0, 1, 2] = field(default=0, metadata=doc("torch.cuda.empty_cache: 0 never, 1 after each optimizer step, 2 also after each forward(-backward) pass over the micro-batches"))
     optimizer: MegatronOptimizerConfig = field(factory=MegatronOptimizerConfig, metadata=doc("optimizer"))
     scheduler: MegatronSchedulerConfig = field(factory=MegatronSchedulerConfig, metadata=doc("learning-rate/weight-decay schedule"))
@@ -194,6 +199,8 @@ class MegatronConfig:
         if self.pipeline_model_parallel_size == 1 and (self.num_layers_in_first_pipeline_stage or self.num_layers_in_last_pipeline_stage):
             key = "num_layers_in_first_pipeline_stage" if self.num_layers_in_first_pipeline_stage else "num_layers_in_last_pipeline_stage"
             raise ConfigError(f"{SECTION}.{key}", "needs pipeline_model_parallel_size > 1")
+        if self.cuda_graph != "none":
+            _check_cuda_graph(self)
 
     @property
     def recompute(self) -> str | None:
@@ -205,6 +212,36 @@ class MegatronConfig:
     @property
     def etp(self) -> int:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+
+def _check_cuda_graph(cfg: MegatronConfig) -> None:
+    """What a captured micro-batch cannot hold, named by key (rlcore_megatron.cuda_graph checks the
+    rest once the model and device are known)."""
+    ddp = cfg.distributed_data_parallel_config
+    refusals = [
+        ("pipeline_model_parallel_size", cfg.pipeline_model_parallel_size > 1,
+         "pipeline stages exchange activations through the 1F1B schedule's host-driven sends and receives; use 1"),
+        ("context_parallel_size", cfg.context_parallel_size > 1,
+         "the context-parallel layout is computed per micro-batch on the host; use 1"),
+        ("activation_checkpointing", cfg.recompute is not None,
+         "Megatron's recompute saves and restores the CUDA RNG state, which cannot be read while capturing; use false"),
+        ("optimizer.fp16", cfg.optimizer.fp16, "fp16 loss scaling has not been checked under capture; use bf16"),
+        ("fp8_cfg.fp8_recipe", cfg.fp8_cfg.enabled and cfg.fp8_cfg.fp8_recipe == "delayed",
+         "delayed scaling updates its amax history and scales from Python bookkeeping at each FP8 autocast exit "
+         "(Transformer Engine keeps that outside the graph in its own make_graphed_callables, the autocast here is "
+         "inside); use 'tensorwise' or 'blockwise', which compute their scales on the device from each tensor"),
+        ("fp8_cfg.fp8_param", cfg.fp8_cfg.enabled and cfg.fp8_cfg.fp8_param,
+         "FP8 weights refresh their transpose caches from host-side flags after each optimizer step; use false"),
+        ("core_attention", cfg.core_attention == "transformer_engine",
+         "Transformer Engine's attention plans cuDNN graphs per packing on the host; use 'flash' or 'auto'"),
+        ("distributed_data_parallel_config.overlap_grad_reduce", ddp.overlap_grad_reduce,
+         "the overlapped reduce is launched from per-parameter Python hooks, which a replay does not run; use false"),
+        ("distributed_data_parallel_config.overlap_param_gather", ddp.overlap_param_gather,
+         "the overlapped parameter gather waits in Python forward hooks, which a replay does not run; use false"),
+    ]
+    for key, refused, why in refusals:
+        if refused:
+            raise ConfigError(_key(key), f"cannot be used with {SECTION}.cuda_graph={cfg.cuda_graph!r}: {why}")
 
 
 def _key(name: str) -> str:

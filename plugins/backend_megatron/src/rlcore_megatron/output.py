@@ -74,14 +74,22 @@ def micro_batch_logprobs(model, mb: MicroBatch, hidden_S1H: torch.Tensor) -> tor
     states: ``out[t] = log_softmax(logits[t-1])[ids[t]]`` on the tokens ``mb.logprob_rows_R``
     selects (0 elsewhere), or on every token but each sequence's first when it selects nothing."""
     rows_R = mb.logprob_rows_R
-    select = rows_R is not None and rows_R.numel() > 0  # the same on every TP rank: one micro-batch
-    logits_RV = output_logits(model, hidden_S1H, rows_R if select else None)
-    tp = mpu.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        if select:
-            return selected_token_logprobs(logits_RV, mb.input_ids_T, rows_R)
-        return token_logprobs(logits_RV, mb.input_ids_T, mb.cu_seqlens)
+    if rows_R is not None and rows_R.numel() > 0:  # the same on every TP rank: one micro-batch
+        return selected_rows_logprobs(model, hidden_S1H, mb.input_ids_T, rows_R)
+    logits_TV = output_logits(model, hidden_S1H)
+    if mpu.get_tensor_model_parallel_world_size() == 1:
+        return token_logprobs(logits_TV, mb.input_ids_T, mb.cu_seqlens)
+    group, start = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_rank() * logits_TV.shape[-1]
+    return vocab_parallel_token_logprobs(logits_TV, mb.input_ids_T, mb.cu_seqlens, group=group, vocab_start=start)
+
+
+def selected_rows_logprobs(model, hidden_S1H: torch.Tensor, input_ids_T: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
+    """Token-aligned logprobs ``[len(input_ids_T)]``: row ``rows_R[r]``'s logprob of token
+    ``input_ids_T[rows_R[r] + 1]`` at that token, 0 elsewhere (the output layer on those rows only).
+    ``input_ids_T`` may be longer than the stream: the CUDA-graph path points padded rows at one
+    extra slot past its end (:mod:`rlcore_megatron.cuda_graph`)."""
+    logits_RV = output_logits(model, hidden_S1H, rows_R)
+    if mpu.get_tensor_model_parallel_world_size() == 1:
+        return selected_token_logprobs(logits_RV, input_ids_T, rows_R)
     group, start = mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_rank() * logits_RV.shape[-1]
-    if select:
-        return vocab_parallel_selected_token_logprobs(logits_RV, mb.input_ids_T, rows_R, group=group, vocab_start=start)
-    return vocab_parallel_token_logprobs(logits_RV, mb.input_ids_T, mb.cu_seqlens, group=group, vocab_start=start)
+    return vocab_parallel_selected_token_logprobs(logits_RV, input_ids_T, rows_R, group=group, vocab_start=start)
