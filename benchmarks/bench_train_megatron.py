@@ -118,8 +118,8 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true", help="with --tiny: bf16 as on GPU (checks that code path on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                   help="each variant in a fresh process (default: on for qwen3moe on GPU, where one variant's "
-                        "memory is not all returned before the next one builds)")
+                   help="each variant in a fresh process (default: on GPU for qwen3moe, where one variant's "
+                        "memory is not all returned before the next one builds, and with CUDA-graph variants)")
     p.add_argument("--profile", metavar="DIR", help="profile 2 more steps (rank 0): print tables, write DIR/<variant>.json.gz")
     p.add_argument("--profile-stack", action="store_true", help="record Python stacks too (host frames in trace_summary.py)")
     return p.parse_args(argv)
@@ -387,7 +387,10 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl" if not args.tiny else "gloo")
         return worker(dist.get_rank(), dist.get_world_size(), 0, args)
     variants = args.variants.split(",") + (["fsdp2-compile"] if args.with_fsdp2 and "fsdp2-compile" not in args.variants else [])
-    isolate = args.isolate if args.isolate is not None else (args.shape == "qwen3moe" and not args.tiny)
+    # A failed graph capture leaves the CUDA generator unusable in its process (the next variant's
+    # model init then fails): graphed variants get their own processes too.
+    graphed = any(MEGATRON_VARIANTS.get(v, {}).get("cuda_graph") == "micro_batch" for v in variants)
+    isolate = args.isolate if args.isolate is not None else ((args.shape == "qwen3moe" or graphed) and not args.tiny)
     if isolate and len(variants) > 1:
         return min(1, results_log.run_each(__file__, sys.argv[1:] if argv is None else argv,
                                            ("--variants", "--with-fsdp2", "--isolate", "--no-isolate"),

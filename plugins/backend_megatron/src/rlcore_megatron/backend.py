@@ -81,7 +81,13 @@ class MegatronBackend:
         model = parallel.build_model(cfg, self.hf_config, config, self.kernels, on_cpu=self.on_cpu, return_hidden_states=True)
         if hf_config is None:
             load_hf_into_megatron(model, self.model_path, self.hf_config)
-        self.model = parallel.wrap_ddp(model, cfg)
+        graph_stream = None
+        if cfg.cuda_graph == "micro_batch" and self.cuda_graph_capture and not self.on_cpu:
+            graph_stream = cuda_graph.capture_stream()
+        with torch.cuda.stream(graph_stream) if graph_stream is not None else contextlib.nullcontext():
+            # DDP keeps the parameters' AccumulateGrad nodes (its gradient hooks); each remembers the
+            # stream it was made on, and a backward captured on another stream would wait on it.
+            self.model = parallel.wrap_ddp(model, cfg)
         self.routing = None  # MoE routing replay / mismatch measurement (routing_replay.py)
         if cfg.moe_router_replay != "none" or cfg.moe_routing_metrics:
             from rlcore_megatron.routing_replay import RoutingReplay
@@ -96,7 +102,7 @@ class MegatronBackend:
         if cfg.cuda_graph == "micro_batch":
             capture = self.cuda_graph_capture and not self.on_cpu
             tokens = -(-config.policy.sequence_packing.train_mb_tokens // self._pad_multiple()) * self._pad_multiple()
-            self.graphs = cuda_graph.MicroBatchGraphs(self.model, tokens=tokens, capture=capture,
+            self.graphs = cuda_graph.MicroBatchGraphs(self.model, tokens=tokens, capture=capture, stream=graph_stream,
                                                       log=lambda line: print(line, flush=True) if self.world.rank == 0 else None)
         # The reference policy is the initial one: a host copy of this rank's shard.
         self._reference = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()}

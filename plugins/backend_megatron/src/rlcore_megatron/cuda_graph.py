@@ -178,11 +178,26 @@ class StaticInputs:
                             non_blocking=True)
 
 
+def capture_stream() -> torch.cuda.Stream:
+    """The side stream that warm-up and capture run on. The backend wraps the model in Megatron's DDP
+    under it: DDP holds the parameters' AccumulateGrad nodes, which remember the stream they were made
+    on, and a backward captured on a different stream then waits on that one, which capture forbids
+    ("operation would make the legacy stream depend on a capturing blocking stream", seen on an H200
+    with DDP built on the default stream; torch's CUDA-graph notes ask the same for its own DDP)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return stream
+
+
 class MicroBatchGraphs:
     """Runs a step's training micro-batches through one captured graph per :class:`Bucket`."""
 
-    def __init__(self, model, *, tokens: int, capture: bool, log):
-        self.model, self.tokens, self.capture, self.log = model, tokens, capture, log
+    def __init__(self, model, *, tokens: int, capture: bool, log, stream: torch.cuda.Stream | None = None):
+        """``stream``: the :func:`capture_stream` DDP was built under (required to capture); kept for
+        the backend's lifetime, across :meth:`reset`."""
+        if capture and stream is None:
+            raise ValueError("MicroBatchGraphs: capture needs the stream Megatron's DDP was built under (capture_stream())")
+        self.model, self.tokens, self.capture, self.log, self.stream = model, tokens, capture, log, stream
         self.device = next(model.module.parameters()).device
         self._reset_state()
 
@@ -196,7 +211,6 @@ class MicroBatchGraphs:
         self.algorithm = None
         self.fingerprint = None
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.stream = torch.cuda.Stream() if self.capture else None
 
     def reset(self) -> None:
         """Drop every graph and its memory (the next step captures again)."""
