@@ -71,6 +71,14 @@ CONFIGS = {
     "llama1b-megatron-no-opfuse": ("llama1b", "megatron", {"policy.megatron_cfg.use_te_op_fuser": False}),
     # training micro-batches as CUDA-graph replays (rlcore_megatron.cuda_graph): padded to the 8192-token budget
     "llama1b-megatron-cuda-graph": ("llama1b", "megatron", {"policy.megatron_cfg.cuda_graph": "micro_batch"}),
+    # One step off with the training micro-batches as graph replays: little host work left in the trainer to
+    # contend with the rollout thread for the interpreter lock (engine core in this process), or to leave
+    # GPU gaps that the engine's own process fills by time-slicing (its own process).
+    "llama1b-megatron-async-cuda-graph": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
+                                                                  "policy.megatron_cfg.cuda_graph": "micro_batch"}),
+    "llama1b-megatron-async-inproc-cuda-graph": ("llama1b", "megatron", {
+        "grpo.async_grpo.enabled": True, **ONE_STEP_OFF, "policy.generation.engine_process": False,
+        "policy.megatron_cfg.cuda_graph": "micro_batch"}),
     # One step off, with the correction for one step of staleness (token-level truncated IS).
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
