@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here (a machine that reaches PyPI), in the repository root: stage everything the H200 machines
 # lack as cp312 wheels in .gpu/chunk-N (<= 60 MiB each, shared/gpu/stage.py) and build rlcore's
-# own five wheels into .gpu/own. Then follow benchmarks/gpu/README.md.
+# own five wheels into .gpu/own; the chunks go to the device as the pieces in .gpu/t/NN. Then follow
+# benchmarks/gpu/README.md.
 #   bash benchmarks/gpu/prepare.sh          # everything: Transformer Engine, megatron-core, vLLM, Ray, math-verify
 #   bash benchmarks/gpu/prepare.sh train    # training benchmarks and CUDA tests only: Transformer Engine, megatron-core
 set -euo pipefail
@@ -21,4 +22,9 @@ esac
 rm -rf .gpu/own && mkdir -p .gpu/own
 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/own \
     ./core ./plugins/backend_fsdp2 ./plugins/backend_megatron ./plugins/gen_vllm ./plugins/env_math
-ls .gpu
+# A call carries at most 64 MiB with the checkout's tracked files (4.4 MB on 2026-12-01): one tar of
+# the chunks, cut into 57 MiB pieces, one per .gpu/t/NN, which the device calls carry one at a time.
+rm -rf .gpu/t && mkdir -p .gpu/t
+tar cf - -C .gpu $(cd .gpu && ls -d chunk-*) | split -b 57M -d -a 2 - .gpu/t/p.
+for piece in .gpu/t/p.*; do mkdir -p ".gpu/t/${piece##*.}" && mv "$piece" ".gpu/t/${piece##*.}/"; done
+ls .gpu .gpu/t
