@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist_worker import record  # noqa: E402
 
 
 def make_batch(seed: int, n: int, vocab: int = 100):
@@ -161,12 +162,7 @@ def main() -> None:
     out: dict = {}
     for name, fn in (("dp2", lambda: compare(path)), ("tp2_sp", lambda: compare(path, tensor_model_parallel_size=2, sequence_parallel=True)),
                      ("refusals", lambda: refusals(path, moe_path))):
-        start = time.time()
-        try:
-            out[name] = fn()
-        except Exception:  # noqa: BLE001 - reported to the test, which fails naming the scenario
-            out[name] = "ERROR " + traceback.format_exc()
-        out[name + "_s"] = time.time() - start
+        record(out, name, fn)
     (tmp / f"rank_{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()

@@ -380,6 +380,22 @@ def check_training(path: str, tmp: Path, out: dict) -> None:
         out["nonfinite_weight_change"] = max(float((before[k] - after[k]).abs().max()) for k in before)
 
 
+def record(out: dict, name: str, fn, *, spread: bool = False) -> None:
+    """``out[name] = fn()``, or with ``spread`` ``out[f"{name}_{k}"]`` for each item of the dict it
+    returns; a failure becomes ``out[name] = "ERROR <traceback>"``, which the test reports under the
+    scenario's name; ``out[name + "_s"]``: its seconds. The workers of this folder report through it."""
+    start = time.time()
+    try:
+        result = fn()
+        if spread:
+            out.update((f"{name}_{k}", v) for k, v in result.items())
+        else:
+            out[name] = result
+    except Exception:  # noqa: BLE001 - reported to the test, which fails naming the scenario
+        out[name] = "ERROR " + traceback.format_exc()
+    out[name + "_s"] = time.time() - start
+
+
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     models, tmp = json.loads(sys.argv[4]), Path(sys.argv[5])
@@ -393,12 +409,7 @@ def main() -> None:
                   ("ep2_qwen3_moe", lambda: check_parity(models["qwen3_moe"], expert_model_parallel_size=2)),
                   ("cp2_logprobs_qwen2", lambda: check_logprobs(models["qwen2"], context_parallel_size=2))]
     for name, fn in scenarios:
-        start = time.time()
-        try:
-            out[name] = fn()
-        except Exception:  # noqa: BLE001 - reported to the test, which fails naming the scenario
-            out[name] = "ERROR " + traceback.format_exc()
-        out[name + "_s"] = time.time() - start
+        record(out, name, fn)
     variants = {
         "tp2_sp_full_recompute_llama": ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True,
                                                      activation_checkpointing="full")),
@@ -415,49 +426,21 @@ def main() -> None:
                                                               moe_experts_impl="grouped_mm")),
     }
     for name, (arch, mcfg) in variants.items():
-        start = time.time()
-        try:
-            for k, v in train_vs_reference(models[arch], **mcfg).items():
-                out[f"train_{name}_{k}"] = v
-        except Exception:  # noqa: BLE001
-            out[f"train_{name}"] = "ERROR " + traceback.format_exc()
-        out[f"train_{name}_s"] = time.time() - start
-    start = time.time()
-    try:
-        for k, v in check_grouped_mm_experts(models["qwen3_moe"], tmp, expert_model_parallel_size=2).items():
-            out[f"grouped_mm_ep2_{k}"] = v
-    except Exception:  # noqa: BLE001
-        out["grouped_mm_ep2"] = "ERROR " + traceback.format_exc()
-    out["grouped_mm_ep2_s"] = time.time() - start
+        record(out, f"train_{name}", lambda a=arch, m=mcfg: train_vs_reference(models[a], **m), spread=True)
+    record(out, "grouped_mm_ep2", lambda: check_grouped_mm_experts(models["qwen3_moe"], tmp, expert_model_parallel_size=2),
+           spread=True)
     positions = {"tp2_sp_llama": ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
                  "cp2_llama": ("llama", dict(context_parallel_size=2)),
                  "pp2_llama": ("llama", dict(pipeline_model_parallel_size=2))}
     for name, (arch, mcfg) in positions.items():
-        start = time.time()
-        try:
-            for k, v in check_positions(models[arch], **mcfg).items():
-                out[f"positions_{name}_{k}"] = v
-        except Exception:  # noqa: BLE001
-            out[f"positions_{name}"] = "ERROR " + traceback.format_exc()
-        out[f"positions_{name}_s"] = time.time() - start
-    start = time.time()
+        record(out, f"positions_{name}", lambda a=arch, m=mcfg: check_positions(models[a], **m), spread=True)
     try:
         import rlcore_fsdp2  # noqa: F401 - the comparison needs the other backend installed
     except ImportError:
         out["fsdp2_compare"] = "SKIP rlcore-fsdp2 is not installed"
     else:
-        try:
-            for k, v in check_vs_fsdp2(models["llama"]).items():
-                out[f"fsdp2_compare_{k}"] = v
-        except Exception:  # noqa: BLE001
-            out["fsdp2_compare"] = "ERROR " + traceback.format_exc()
-    out["fsdp2_compare_s"] = time.time() - start
-    start = time.time()
-    try:
-        check_training(models["llama"], tmp, out)
-    except Exception:  # noqa: BLE001
-        out["training"] = "ERROR " + traceback.format_exc()
-    out["training_s"] = time.time() - start
+        record(out, "fsdp2_compare", lambda: check_vs_fsdp2(models["llama"]), spread=True)
+    record(out, "training", lambda: check_training(models["llama"], tmp, out) or {}, spread=True)  # it writes into out
     for key, value in out.items():
         if isinstance(value, str) and value.startswith("ERROR"):
             print(f"[rank {rank}] {key}: {value}", file=sys.stderr)

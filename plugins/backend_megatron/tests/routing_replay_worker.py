@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_worker import SumNLL, make_batch  # noqa: E402
+from dist_worker import SumNLL, make_batch, record  # noqa: E402
 
 
 def backend_for(path: str, *, device: str = "cpu", precision: str = "float32", **mcfg):
@@ -168,20 +166,11 @@ def main() -> None:
     }
     out: dict = {}
     for name, kwargs in scenarios.items():
-        start = time.time()
-        try:
-            out[name] = scenario(model, **kwargs)
-        except Exception:  # noqa: BLE001 - reported to the test, which fails naming the scenario
-            out[name] = "ERROR " + traceback.format_exc()
-            print(f"[rank {rank}] {name}: {out[name]}", file=sys.stderr)
-        out[name + "_s"] = time.time() - start
-    start = time.time()
-    try:
-        out["moe_keys"] = router_keys(model)
-    except Exception:  # noqa: BLE001
-        out["moe_keys"] = "ERROR " + traceback.format_exc()
-        print(f"[rank {rank}] moe_keys: {out['moe_keys']}", file=sys.stderr)
-    out["moe_keys_s"] = time.time() - start
+        record(out, name, lambda k=kwargs: scenario(model, **k))
+    record(out, "moe_keys", lambda: router_keys(model))
+    for key, value in out.items():
+        if isinstance(value, str) and value.startswith("ERROR"):
+            print(f"[rank {rank}] {key}: {value}", file=sys.stderr)
     (tmp / f"rank_{rank}.json").write_text(json.dumps(out, indent=1, default=str))
     dist.barrier()
     dist.destroy_process_group()
