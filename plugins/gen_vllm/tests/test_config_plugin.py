@@ -70,6 +70,25 @@ def test_engine_process_choice():
         own(False, device="cuda", colocated=False, async_grpo=False)
 
 
+def test_rollout_stream_priority_choice():
+    """auto: high only where a trainer shares the GPU from this process (async, engine core in process, CUDA)."""
+    from rlcore_vllm.generator import VllmGenerator, high_priority_rollouts as high
+
+    auto = VllmConfig()
+    assert high(auto, device="cuda", own_process=False, async_grpo=True) is True
+    assert high(auto, device="cuda", own_process=True, async_grpo=True) is False
+    assert high(auto, device="cuda", own_process=False, async_grpo=False) is False
+    assert high(auto, device="cpu", own_process=None, async_grpo=True) is False
+    assert high(structure(VllmConfig, {"async_engine": True}, "policy.generation"), device="cuda", own_process=False,
+                async_grpo=True) is False
+    assert high(structure(VllmConfig, {"rollout_stream_priority": "high"}, "policy.generation"), device="cuda",
+                own_process=False, async_grpo=False) is True
+    assert high(structure(VllmConfig, {"rollout_stream_priority": "default"}, "policy.generation"), device="cuda",
+                own_process=False, async_grpo=True) is False
+    with pytest.raises(ConfigError, match=r"policy\.generation\.rollout_stream_priority.*CUDA"):
+        VllmGenerator("/nonexistent-model", VllmConfig(), device="cpu", high_priority_stream=True)
+
+
 @pytest.mark.parametrize("colocated, device, sleeps", [
     ({}, "cuda", True), ({"sleep_level": 2}, "cuda", True), ({"sleep_level": 0}, "cuda", False),
     ({"enabled": False}, "cuda", False), ({}, "cpu", False),
@@ -88,6 +107,7 @@ def test_sleep_level_0_keeps_a_colocated_engine_resident(colocated, device, slee
 
 @pytest.mark.parametrize("data, key", [
     ({"colocated": {"sleep_level": 3}}, "policy.generation.colocated.sleep_level"),
+    ({"rollout_stream_priority": "low"}, "policy.generation.rollout_stream_priority"),
     ({"quantization": "int4"}, "policy.generation.quantization"),
     ({"temprature": 0.5}, "policy.generation.temprature"),
     ({"refit": {"chunk_byte": 1}}, "policy.generation.refit.chunk_byte"),

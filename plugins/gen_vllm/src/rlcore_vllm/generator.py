@@ -12,6 +12,7 @@ responses with ``finish_reason="truncated_prompt"``. Both are counted in :meth:`
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -28,8 +29,12 @@ class VllmGenerator:
 
     def __init__(self, model_path: str, config: VllmConfig | None = None, *, max_model_len: int = 1024,
                  dtype: str = "float32", seed: int = 0, device: str = "cpu", tokenizer_path: str | None = None,
-                 engine_kwargs: dict[str, Any] | None = None):
+                 engine_kwargs: dict[str, Any] | None = None, high_priority_stream: bool = False):
+        """``high_priority_stream``: run the engine's GPU work on a stream of the highest priority
+        (``rollout_stream_priority``; the factory decides): needs the sync engine's core in this process on CUDA."""
         self.config = config or VllmConfig()
+        if high_priority_stream and device != "cuda":
+            raise ConfigError("policy.generation.rollout_stream_priority", f"high needs CUDA (device: {device})")
         self.model_path = str(model_path)
         self.max_model_len = self.config.max_model_len or max_model_len
         self.device = device
@@ -51,6 +56,36 @@ class VllmGenerator:
 
             self.engine = SyncEngine(kwargs)
         self.tokenizer = _load_tokenizer(tokenizer_path or self.model_path)
+        self._stream = None  # torch.cuda.Stream of the engine's work (high_priority_stream), else vLLM's own
+        if high_priority_stream:
+            if not self.engine.in_process:
+                raise ConfigError("policy.generation.rollout_stream_priority", "high needs the sync engine's core in this "
+                                  "process on CUDA (engine_process: false, async_engine: false): an engine core in its own "
+                                  "process runs on streams this process cannot set")
+            import torch
+
+            self._stream = torch.cuda.Stream(priority=-(1 << 10))  # mapped to the device's highest priority
+
+    @contextlib.contextmanager
+    def _engine_stream(self, *, after_this_stream: bool = False):
+        """The engine's GPU work on ``self._stream`` when there is one. vLLM reads the stream to run on
+        from its own thread-local copy, which ``torch.cuda.stream`` sets (vLLM patches ``set_stream``).
+        Every call ends with the stream synchronized: tensors the caller frees afterwards (refit chunks)
+        and the engine's buffers the next call reuses from another thread are then no longer in use.
+        ``after_this_stream``: wait first for the work this thread queued (the trainer's refit chunks);
+        never from the rollout thread, where it would queue the decode behind the trainer's kernels."""
+        if self._stream is None:
+            yield
+            return
+        import torch
+
+        if after_this_stream:
+            self._stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(self._stream):
+                yield
+        finally:
+            self._stream.synchronize()
 
     def _engine_kwargs(self, dtype: str, seed: int, tokenizer_path: str | None) -> dict[str, Any]:
         cfg = self.config
@@ -139,7 +174,8 @@ class VllmGenerator:
         # vLLM refuses n > 1 with greedy sampling: send n identical requests instead.
         copies, n = (params.n, 1) if params.temperature == 0 and params.n > 1 else (1, params.n)
         requests = [(p, self._vllm_params(params, len(p), n)) for p in fitted if p is not None for _ in range(copies)]
-        outputs = iter(self.engine.run(requests))
+        with self._engine_stream():
+            outputs = iter(self.engine.run(requests))
         results = []
         for orig, p in zip(prompts, fitted):
             if p is None:
@@ -166,7 +202,8 @@ class VllmGenerator:
             if not 2 <= len(seq) <= self.max_model_len - 1:
                 raise ValueError(f"score: sequence {i} has {len(seq)} tokens; need 2..{self.max_model_len - 1}")
         params = VSP(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        outputs = self.engine.run([(list(seq), params) for seq in sequences])
+        with self._engine_stream():
+            outputs = self.engine.run([(list(seq), params) for seq in sequences])
         scored = []
         for seq, out in zip(sequences, outputs):
             row = [0.0] + [float(step[token].logprob) for step, token in zip(out.prompt_logprobs[1:], seq[1:])]
@@ -207,12 +244,13 @@ class VllmGenerator:
         the mixed state if the error were swallowed. Senders keep their chunks alive until this returns."""
         if self.sleeping:
             self.wake_up()
-        self.engine.rpc("rlcore_begin_update")
-        try:
-            for payload in payloads:
-                self.engine.rpc("rlcore_load", payload)
-        finally:
-            self.engine.rpc("rlcore_finish_update")
+        with self._engine_stream(after_this_stream=True):
+            self.engine.rpc("rlcore_begin_update")
+            try:
+                for payload in payloads:
+                    self.engine.rpc("rlcore_load", payload)
+            finally:
+                self.engine.rpc("rlcore_finish_update")
         self._after_update()
 
     def _after_update(self) -> None:
@@ -311,7 +349,17 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
     return VllmGenerator(
         policy.model_name, section_config, max_model_len=policy.max_total_sequence_length, dtype=dtype, seed=seed,
         device=device, tokenizer_path=policy.tokenizer_name,
+        high_priority_stream=high_priority_rollouts(section_config, device=device, own_process=own_process,
+                                                    async_grpo=config.grpo.async_grpo.enabled),
     )
+
+
+def high_priority_rollouts(cfg: VllmConfig, *, device: str, own_process: bool | None, async_grpo: bool) -> bool:
+    """``policy.generation.rollout_stream_priority`` resolved: auto = high for async runs whose sync
+    engine core is in this process on CUDA (the trainer then shares the GPU from the same process)."""
+    if cfg.rollout_stream_priority != "auto":
+        return cfg.rollout_stream_priority == "high"
+    return device == "cuda" and own_process is False and async_grpo and not cfg.async_engine
 
 
 def engine_in_own_process(choice: bool | None, *, device: str, colocated: bool, async_grpo: bool) -> bool | None:
