@@ -83,7 +83,8 @@ CONFIGS = {
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     # The async engine core in this process (what engine_process: null chose before): the rollout thread and the
-    # trainer share one interpreter lock. And a sync step with the engine core in its own process.
+    # trainer share one interpreter lock, and the engine's work goes on a high-priority stream of its own
+    # (rollout_stream_priority: auto) beside the trainer's kernels. And a sync step with the engine core in its own process.
     "llama1b-megatron-async-inproc": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
                                                               "policy.generation.engine_process": False}),
     "llama1b-megatron-engine-process": ("llama1b", "megatron", {"policy.generation.engine_process": True}),
