@@ -85,6 +85,9 @@ def test_rollout_stream_priority_choice():
                 own_process=False, async_grpo=False) is True
     assert high(structure(VllmConfig, {"rollout_stream_priority": "default"}, "policy.generation"), device="cuda",
                 own_process=False, async_grpo=True) is False
+    with pytest.raises(ConfigError, match=r"policy\.generation\.rollout_stream_priority.*own process"):
+        high(structure(VllmConfig, {"rollout_stream_priority": "high"}, "policy.generation"), device="cuda",
+             own_process=True, async_grpo=True)
     with pytest.raises(ConfigError, match=r"policy\.generation\.rollout_stream_priority.*CUDA"):
         VllmGenerator("/nonexistent-model", VllmConfig(), device="cpu", high_priority_stream=True)
 

@@ -357,9 +357,14 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
 def high_priority_rollouts(cfg: VllmConfig, *, device: str, own_process: bool | None, async_grpo: bool) -> bool:
     """``policy.generation.rollout_stream_priority`` resolved: auto = high for async runs whose sync
     engine core is in this process on CUDA (the trainer then shares the GPU from the same process)."""
+    in_process = device == "cuda" and own_process is False and not cfg.async_engine
+    if cfg.rollout_stream_priority == "high" and not in_process:
+        raise ConfigError("policy.generation.rollout_stream_priority", "high needs the sync engine's core in this process "
+                          "on CUDA (engine_process: false, async_engine: false): an engine core in its own process runs "
+                          "on streams this process cannot set")
     if cfg.rollout_stream_priority != "auto":
         return cfg.rollout_stream_priority == "high"
-    return device == "cuda" and own_process is False and async_grpo and not cfg.async_engine
+    return in_process and async_grpo
 
 
 def engine_in_own_process(choice: bool | None, *, device: str, colocated: bool, async_grpo: bool) -> bool | None:
