@@ -1,0 +1,68 @@
+# The next GPU sessions' calls (benchmarks/gpu/README.md, "What the next GPU sessions run"), one
+# function per call, so that each call's command is one short line and the next one can follow
+# within the 30 s a warm machine waits. On the device, after staging:
+#   first call:  (cd /root/stage && cat t/p.* | tar xf - && mv chunk-*/* . && rm -rf chunk-* t); export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_install; graphs
+#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; learning   (then async_step, moe_rows, fp8_gen)
+# (the device gets the working tree without .git: name the commit the rows come from)
+# Each function keeps its jobs inside the call's 600 s (jobs.sh) and packs its logs into one tar in
+# $OUT, because at most 8 files come back. Rows go to $OUT/results.jsonl.
+
+gpu_install() {  # the staged wheels and rlcore's own (first call only), then gpu_env
+  source benchmarks/gpu/install.sh > "$OUT/install.log" 2>&1
+  tail -5 "$OUT/install.log"
+  gpu_env
+}
+
+gpu_env() {  # environment of a machine where gpu_install ran
+  source benchmarks/gpu/env.sh
+  export RLCORE_RESULTS=$OUT/results.jsonl RLCORE_COMMIT=${RLCORE_COMMIT:-unknown}
+  source benchmarks/gpu/jobs.sh
+}
+
+pack() {  # NAME: every log in $OUT into $OUT/NAME.tgz (jobs.txt and results.jsonl stay outside)
+  (cd "$OUT" && ls | grep -v -e '^jobs.txt$' -e '^results.jsonl$' -e '\.tgz$' | tar czf "$1.tgz" --remove-files -T - 2>/dev/null)
+  cat "$OUT/jobs.txt"
+}
+
+graphs() {  # issue 19: the graphed micro-batches' CUDA test, then throughput at 4 and 16 micro-batches
+  job cgtest 150 60 python3 -m pytest -p no:cacheprovider plugins/backend_megatron/tests/test_megatron_cuda.py -q -k cuda_graph -s
+  tail -15 "$OUT/cgtest.log"
+  local variants=megatron,megatron-cuda-graph,megatron-cuda-graph-eager,megatron-fp8-cuda-graph,fsdp2-compile
+  job mb4 220 100 python3 benchmarks/bench_train_megatron.py --variants $variants --steps 6 --warmup 3
+  job mb16 200 120 python3 benchmarks/bench_train_megatron.py --variants $variants --micro-batches 16 --steps 4 --warmup 3
+  grep -h -e '^| megatron' -e '^| fsdp2' -e 'captured a CUDA graph' -e 'Error' "$OUT"/mb4.log "$OUT"/mb16.log | cut -c1-220
+  pack graphs
+}
+
+learning() {  # issue 24: fp8 and async-megatron learning side by side, then the fp8 checkpoints in bf16
+  source benchmarks/gpu/learn.sh
+  LEARN_DEADLINE=450 learn_together /root/learn fp8 async-megatron
+  local left=$((575 - SECONDS))  # a cut evaluation leaves the checkpoints for the next call
+  [ "$left" -gt 30 ] && OUT=$OUT timeout "$left" bash -c 'source benchmarks/gpu/learn.sh; learn_eval_bf16 /root/learn fp8'
+  pack learn
+}
+
+async_step() {  # issue 24: one step off against sync; the in-process engine on its high-priority stream
+  job stream 90 60 python3 -m pytest -p no:cacheprovider plugins/gen_vllm/tests/test_rollout_stream_cuda.py -q -s
+  job grpo 480 200 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron --config llama1b-megatron-async-inproc \
+    --config llama1b-megatron-async-inproc-cuda-graph --steps 4 --warmup 1 --workdir /root/bench
+  tail -3 "$OUT/stream.log"; grep -h '^| llama1b' "$OUT/grpo.log" | sort -u
+  pack async
+}
+
+moe_rows() {  # issue 23: the MoE GRPO rows (replay off, R2, R3), then a profile of the MoE training step
+  job moegrpo 470 300 python3 benchmarks/bench_grpo_step.py --config qwen3moe-megatron --config qwen3moe-megatron-r2 \
+    --config qwen3moe-megatron-r3 --steps 3 --warmup 1 --workdir /root/bench
+  job moeprof 100 80 python3 benchmarks/bench_train_megatron.py --shape qwen3moe --variants megatron --mb-tokens 8192 \
+    --micro-batches 4 --steps 3 --warmup 2 --profile /root/prof
+  grep -h '^| qwen3moe' "$OUT/moegrpo.log" | sort -u; grep -h -A25 'kernel' "$OUT/moeprof.log" | head -40
+  pack moe
+}
+
+fp8_gen() {  # issue 24: FP8 generation at 8B (engine core in this process), the 1.2B figure beside it
+  local common="--mode graphs --quantization none,fp8-kv --variants batched-detok --num-prompts 32 --samples-per-prompt 8 --prompt-len 64 --new-tokens 1024 --workdir /root/gen"
+  job gen8b 380 200 python3 benchmarks/bench_generation.py --shape 8b --repeats 3 $common
+  job gen1b 180 120 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 2 $common
+  grep -h '"tokens_per_s"' "$OUT"/gen8b.log "$OUT"/gen1b.log | cut -c1-300
+  pack gen
+}
