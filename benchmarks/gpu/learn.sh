@@ -7,7 +7,8 @@
 #                         (colocated.sleep_level=0): at 141M parameters the GPU is mostly idle, and three
 #                         runs together took about 1.1 s a step each (ninth session)
 #   learn_eval_bf16 DIR RUN   greedy held-out accuracy of each checkpoint RUN kept, through a bf16
-#                         engine (`rlcore eval`), as $OUT/grpo-RUN-bf16.metrics.jsonl for plot_learning.py
+#                         engine (`rlcore eval`, one process per checkpoint, side by side), as
+#                         $OUT/grpo-RUN-bf16.metrics.jsonl for plot_learning.py
 # DIR is a work directory on the machine outside the checkout (e.g. /root/learn): the SFT warm
 # start, the runs and their checkpoints stay there between calls while the machine stays warm.
 # - The SFT warm start runs first when DIR has none (SFT_ARGS, below).
@@ -111,16 +112,22 @@ learn_together() {
   learn_collect "$dir" "$@"
 }
 
-learn_eval_bf16() {
-  local dir=$1 run=$2 ckpt step
+learn_eval_bf16() {  # the checkpoints' evaluations run side by side: each starts its own engine (most of its time)
+  local dir=$1 run=$2 ckpt step pids=() steps=()
   export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
   for ckpt in "$dir/grpo-$run"/checkpoints/step_*; do
     [ -d "$ckpt" ] || continue
     step=$((10#${ckpt##*step_}))
     python3 -m rlcore.cli eval "$ckpt" $RECIPE policy.generation.quantization=none policy.generation.enforce_eager=true \
-      --no-progress --out "$dir/eval-$run-$step.json" >> "$OUT/eval-$run.log" 2>&1
-    echo "eval $run step $step: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
+      --no-progress --out "$dir/eval-$run-$step.json" > "$OUT/eval-$run-$step.log" 2>&1 &
+    pids+=($!); steps+=("$step")
+  done
+  local i
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"; echo "eval $run step ${steps[$i]}: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
+  done
+  for step in $(printf '%s\n' "${steps[@]}" | sort -n); do
     python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(json.dumps({'step': int(sys.argv[2]), 'val/accuracy': s['greedy_accuracy']}))" \
-      "$dir/eval-$run-$step.json" "$step" >> "$OUT/grpo-$run-bf16.metrics.jsonl" 2>> "$OUT/eval-$run.log"
+      "$dir/eval-$run-$step.json" "$step" >> "$OUT/grpo-$run-bf16.metrics.jsonl" 2>> "$OUT/eval-$run-$step.log"
   done
 }
