@@ -11,6 +11,7 @@ gpu_install() {  # the staged wheels and rlcore's own (first call only), then gp
   source benchmarks/gpu/install.sh > "$OUT/install.log" 2>&1
   tail -5 "$OUT/install.log"
   gpu_env
+  python3 -m rlcore.cli doctor 2>&1 | grep -e 'Transformer' -e 'cuBLASLt' >> "$OUT/jobs.txt"  # TE's grouped GEMM wants >= 13.4
 }
 
 gpu_env() {  # environment of a machine where gpu_install ran

@@ -169,9 +169,9 @@ def test_doctor_reports_versions(run_cli):
     assert set(report["cuda"]) >= {"available", "version", "devices"}
     assert report["stack"] in ("cpu", "cuda")
     te = report["transformer_engine"]
-    assert set(te) == {"version", "loads", "error"} and te["loads"] == (te["error"] is None)
+    assert set(te) == {"version", "loads", "error", "cublaslt"} and te["loads"] == (te["error"] is None)
     if report["versions"]["transformer-engine"] is None:
-        assert te == {"version": None, "loads": False, "error": "not installed"}
+        assert te == {"version": None, "loads": False, "error": "not installed", "cublaslt": None}
     # Exit status says whether the combination is supported, with a fix for each problem.
     assert result.returncode == (0 if report["supported"] else 1)
     assert all(p["fix"] for p in report["problems"])

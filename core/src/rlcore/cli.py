@@ -94,6 +94,8 @@ def cmd_doctor(args) -> int:
     table.add_row("CUDA", f"{cuda['version']} ({cuda['devices']} devices)" if cuda["available"] else "not available")
     te = report["transformer_engine"]
     table.add_row("Transformer Engine extension", "loads" if te["loads"] else f"[dim]does not load: {te['error']}[/dim]")
+    if te.get("cublaslt"):
+        table.add_row("cuBLASLt (Transformer Engine's)", str(te["cublaslt"]))
     console.print(table)
     if report["supported"]:
         console.print("[green]This combination is supported.[/green]")

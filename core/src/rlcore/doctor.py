@@ -31,7 +31,9 @@ def version(dist: str) -> str | None:
 
 
 def transformer_engine() -> dict:
-    """Whether Transformer Engine's torch extension loads: ``{"version", "loads", "error"}``.
+    """Whether Transformer Engine's torch extension loads: ``{"version", "loads", "error", "cublaslt"}``
+    (``cublaslt``: the cuBLASLt version the extension runs with, when it loads and tells; TE's native
+    grouped GEMM on Hopper needs 13.4 or newer and otherwise falls back without a word).
 
     The distribution can be installed while its extension cannot load (no CUDA driver, a build
     for another torch or CUDA): only an import of ``transformer_engine.pytorch`` tells. The
@@ -39,12 +41,24 @@ def transformer_engine() -> dict:
     """
     ver = version("transformer-engine") or version("transformer_engine") or version("transformer-engine-torch")
     if ver is None:
-        return {"version": None, "loads": False, "error": "not installed"}
+        return {"version": None, "loads": False, "error": "not installed", "cublaslt": None}
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any failure means "not usable"; doctor reports it
-        return {"version": ver, "loads": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
-    return {"version": ver, "loads": True, "error": None}
+        return {"version": ver, "loads": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300], "cublaslt": None}
+    return {"version": ver, "loads": True, "error": None, "cublaslt": _cublaslt_version()}
+
+
+def _cublaslt_version() -> int | None:
+    """cuBLASLt's version as TE reports it (e.g. 130200 = 13.2.0), or None. The extension module
+    is registered as ``transformer_engine_torch`` when ``transformer_engine.pytorch`` loads it."""
+    import sys
+
+    extension = sys.modules.get("transformer_engine_torch")
+    try:
+        return int(extension.get_cublasLt_version()) if extension is not None else None
+    except Exception:  # noqa: BLE001 - an extension without the call: unknown
+        return None
 
 
 def diagnose() -> dict:
