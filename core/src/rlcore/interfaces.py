@@ -20,7 +20,7 @@ What a plugin may import (the public API; ``examples/ddp_backend_plugin`` and
 backends :mod:`rlcore.packing` (``make_micro_batches``, ``step_totals``, ``unpack``,
 ``MicroBatch``), :func:`rlcore.ops.token_logprobs`, :mod:`rlcore.training`, :mod:`rlcore.schedule`
 (``policy.scheduler`` as a ``LambdaLR`` factor), :func:`rlcore.algorithms.base.merge_metrics` and
-:func:`rlcore.algorithms.base.check_finite_advantages` (a backend that captures the loss runs it on the host);
+:func:`rlcore.algorithms.base.token_advantages` (a backend that captures the loss runs its finiteness check on the host);
 :mod:`rlcore.weights` (chunks, the gather to rank 0, ``stream_into``, the Hugging Face writer);
 :mod:`rlcore.testing` in tests. Names starting with ``_`` and :mod:`rlcore.controller` are not.
 

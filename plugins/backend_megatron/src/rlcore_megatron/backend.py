@@ -100,9 +100,8 @@ class MegatronBackend:
         self.scheduler = parallel.build_scheduler(self.optimizer, cfg, config)
         self.graphs = None  # rlcore_megatron.cuda_graph: training micro-batches as CUDA-graph replays
         if cfg.cuda_graph == "micro_batch":
-            capture = self.cuda_graph_capture and not self.on_cpu
             tokens = -(-config.policy.sequence_packing.train_mb_tokens // self._pad_multiple()) * self._pad_multiple()
-            self.graphs = cuda_graph.MicroBatchGraphs(self.model, tokens=tokens, capture=capture, stream=graph_stream,
+            self.graphs = cuda_graph.MicroBatchGraphs(self.model, tokens=tokens, stream=graph_stream,
                                                       log=lambda line: print(line, flush=True) if self.world.rank == 0 else None)
         # The reference policy is the initial one: a host copy of this rank's shard.
         self._reference = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()}

@@ -57,7 +57,7 @@ import time
 import attrs
 import torch
 
-from rlcore.algorithms.base import check_finite_advantages
+from rlcore.algorithms.base import token_advantages
 from rlcore.config import ConfigError
 from rlcore.interfaces import CapturableLoss, StepTotals
 from rlcore.packing import MicroBatch
@@ -192,12 +192,11 @@ def capture_stream() -> torch.cuda.Stream:
 class MicroBatchGraphs:
     """Runs a step's training micro-batches through one captured graph per :class:`Bucket`."""
 
-    def __init__(self, model, *, tokens: int, capture: bool, log, stream: torch.cuda.Stream | None = None):
-        """``stream``: the :func:`capture_stream` DDP was built under (required to capture); kept for
-        the backend's lifetime, across :meth:`reset`."""
-        if capture and stream is None:
-            raise ValueError("MicroBatchGraphs: capture needs the stream Megatron's DDP was built under (capture_stream())")
-        self.model, self.tokens, self.capture, self.log, self.stream = model, tokens, capture, log, stream
+    def __init__(self, model, *, tokens: int, log, stream: torch.cuda.Stream | None = None):
+        """``stream``: the :func:`capture_stream` DDP was built under, kept for the backend's lifetime
+        (across :meth:`reset`); None runs the same fixed-shape path without capture (CPU, tests)."""
+        self.model, self.tokens, self.log, self.stream = model, tokens, log, stream
+        self.capture = stream is not None
         self.device = next(model.module.parameters()).device
         self._reset_state()
 
@@ -215,8 +214,6 @@ class MicroBatchGraphs:
     def reset(self) -> None:
         """Drop every graph and its memory (the next step captures again)."""
         had = bool(self.graphs)
-        self.graphs.clear()
-        self.outputs.clear()
         self._reset_state()
         if had:
             torch.cuda.empty_cache()
@@ -236,11 +233,8 @@ class MicroBatchGraphs:
             self.algorithm, self.fingerprint = key, fingerprint
         outputs = []
         for mb in mbs:
-            if "advantages" in mb.token_fields or "advantages" in mb.seq_fields:  # the loss skips it while capturing
-                adv = mb.token_fields.get("advantages")
-                if adv is None:
-                    adv = torch.cat([mb.seq_fields["advantages"], mb.seq_fields["advantages"].new_zeros(1)])[mb.seq_index_T]
-                check_finite_advantages(algorithm.name, adv, mb)
+            if "advantages" in mb.token_fields or "advantages" in mb.seq_fields:
+                token_advantages(algorithm.name, mb)  # its finiteness check, which the loss skips while capturing
             bucket = bucket_for(mb, self.tokens)
             static = self.static.get(bucket)
             if static is None:
