@@ -52,8 +52,11 @@ NEMO_8B_ROW = {
 }
 # name -> (shape, backend, overrides)
 MOE_SHAPES = {"qwen3moe": False, "tiny-moe": True}  # name -> tiny
+# The 8-layer MoE's training state (bf16 and fp32 weights, AdamW's moments, fp32 gradients: about
+# 101 GB) and the engine's 42 GiB do not fit one H200 together: the state goes to host memory
+# while the engine is awake (first tried without: vLLM's wake-up ran out of memory).
 MOE_RUN = {"policy.train_global_batch_size": 128, "policy.megatron_cfg.empty_unused_memory_level": 1,
-           "policy.generation.gpu_memory_utilization": 0.3}
+           "policy.generation.gpu_memory_utilization": 0.3, "policy.generation.colocated.offload_trainer_state": True}
 TWO_CPU_RANKS = {"cluster.cpu_workers": 2, "cluster.use_ray": True, "policy.train_global_batch_size": 8}
 TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "grpo.val_period": 0}
 
@@ -247,6 +250,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
     return {
         "config": name, "gpus": gpus, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
         "refit_s": s.get("timing/refit"), "generation_s": s.get("timing/generation"), "logprobs_s": s.get("timing/logprobs"),
+        "offload_s": s.get("timing/offload"),  # colocated.offload_trainer_state: both directions
         "tokens_per_sample": tokens_per_sample,
         "gen_tokens_per_gpu_s": gen_tokens / (s["timing/total"] * gpus),
         "train_mfu": train_flops / (s["timing/training"] * (train_gpus or gpus) * PEAK_FLOPS) if s.get("timing/training") else None,

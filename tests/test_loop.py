@@ -63,9 +63,16 @@ def load_records(run_dir: Path) -> dict[int, dict]:
     return records
 
 
-def test_resume_after_kill_matches_uninterrupted(tiny_model_dir, tmp_path):
-    straight = run_recipe(tiny_recipe(tiny_model_dir, tmp_path / "straight"), tmp_path)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+@pytest.fixture(scope="module")
+def straight_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny recipe's four steps, uninterrupted: the reference the variants below must equal."""
+    tmp = tmp_path_factory.mktemp("straight")
+    done = run_recipe(tiny_recipe(tiny_model_dir, tmp / "straight"), tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp / "straight"
+
+
+def test_resume_after_kill_matches_uninterrupted(tiny_model_dir, straight_run, tmp_path):
     killed_dir = tmp_path / "killed"
     killed = run_recipe(tiny_recipe(tiny_model_dir, killed_dir), tmp_path, env={"RLCORE_FAULT": "crash:train:3"})
     assert killed.returncode != 0
@@ -74,11 +81,11 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model_dir, tmp_path):
     resumed = run_recipe(tiny_recipe(tiny_model_dir, killed_dir), tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
-    a, b = load_records(tmp_path / "straight"), load_records(killed_dir)
+    a, b = load_records(straight_run), load_records(killed_dir)
     lines = [json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4], "each step once, the resumed run's records after the killed run's"
     assert len({r["run_id"] for r in lines}) == 1 and lines[0]["run_id"], "a resumed run keeps its run id"
-    straight_summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    straight_summary = json.loads((straight_run / "summary.json").read_text())
     resumed_summary = json.loads((killed_dir / "summary.json").read_text())
     assert resumed_summary["num_steps"] == straight_summary["num_steps"] == 3  # steps 2-4: the saved step 2 too
     for step in (3, 4):
@@ -86,6 +93,24 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model_dir, tmp_path):
         for key in a[step]:
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
     assert "val/accuracy" in a[4]
+
+
+def test_offloaded_trainer_state_changes_nothing(tiny_model_dir, straight_run, tmp_path):
+    """``colocated.offload_trainer_state``: the optimizer state and gradients leave the trainer
+    (on CPU the fsdp2 backend really copies each storage out and frees it) between training and
+    the next step, and come back for each checkpoint; every step's numbers equal the plain run's."""
+    run_dir = tmp_path / "offload"
+    done = run_recipe(tiny_recipe(tiny_model_dir, run_dir, **{"policy.generation.colocated.offload_trainer_state": True}), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["timing/offload"] > 0 for r in lines)
+    a, b = load_records(straight_run), load_records(run_dir)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert a[step].keys() == b[step].keys()
+        for key in a[step]:
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
+    assert sorted(p.name for p in (run_dir / "ckpt").iterdir())[-1] == "step_000004"
 
 
 def test_async_mode_respects_max_trajectory_age(tiny_model_dir, tmp_path):

@@ -12,4 +12,16 @@ job() {
   local limit=$(( cap < left ? cap : left )) start=$SECONDS rc
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
   echo "$name: rc=$rc, limit ${limit}s, took $((SECONDS - start))s" >> "$OUT/jobs.txt"
+  gpu_clear "$name"
+}
+# What a job cut by its limit leaves on the GPU (a child process of its own session, Ray's workers)
+# would hold memory the next job needs: stop every process still holding the GPU.
+gpu_clear() {
+  local pids
+  pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+  [ -z "$pids" ] && return
+  echo "$1: stopped processes it left on the GPU: $(echo $pids)" >> "$OUT/jobs.txt"
+  ray stop --force > /dev/null 2>&1
+  kill -9 $pids 2> /dev/null
+  sleep 3
 }

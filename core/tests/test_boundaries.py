@@ -124,7 +124,7 @@ def test_the_loop_calls_trainer_methods_not_names():
     calls = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call)]
     assert not [c for c in calls if re.search(r"\.call\(|getattr\(self\.c\.trainer|getattr\(trainer", c)], calls
     used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and ast.unparse(n.value) in ("trainer", "self.c.trainer")}
-    assert used <= {"logprobs", "train", "save_checkpoint", "load_checkpoint", "loop_step"}, used
+    assert used <= {"logprobs", "train", "save_checkpoint", "load_checkpoint", "offload", "onload", "loop_step"}, used
     assert {"logprobs", "train", "save_checkpoint", "load_checkpoint"} <= used
 
 
@@ -134,7 +134,8 @@ def test_trainer_handles_implement_the_whole_protocol(cls_path):
     from rlcore.utils import resolve
 
     cls = resolve(cls_path)
-    members = {"logprobs", "train", "save_checkpoint", "load_checkpoint", "export_chunks", "run_on_ranks", "in_process", "shutdown"}
+    members = {"logprobs", "train", "save_checkpoint", "load_checkpoint", "offload", "onload", "export_chunks", "run_on_ranks",
+               "in_process", "shutdown"}
     missing = [m for m in members if not hasattr(cls, m)]
     assert not missing, missing
     for name in ("logprobs", "train", "run_on_ranks", "export_chunks"):

@@ -93,3 +93,29 @@ def test_requests_the_nodes_cannot_hold_name_what_is_missing():
 def test_placement_strategy_is_a_checked_cluster_key():
     with pytest.raises(ConfigError, match="cluster.placement_strategy"):
         _config(gpus_per_node=2, placement_strategy="SPRAED")
+
+
+def test_offloading_the_trainer_state_needs_colocated_synchronous_generation():
+    def config(colocated: bool, asynchronous: bool):
+        return rlcore.build_config({
+            "policy": {"model_name": "/nonexistent", "generation": {"backend": "vllm", "colocated": {
+                "enabled": colocated, "offload_trainer_state": True}}},
+            "algorithm": {"name": "grpo"}, "data": {"name": "arithmetic"}, "env": {"name": "math"},
+            "grpo": {"async_grpo": {"enabled": asynchronous}}, "cluster": {"gpus_per_node": 2, "use_ray": True},
+        })
+
+    with pytest.raises(ConfigError, match="offload_trainer_state.*colocated.enabled is false"):
+        plan_placement(config(colocated=False, asynchronous=False))
+    with pytest.raises(ConfigError, match="offload_trainer_state.*async_grpo.enabled is true"):
+        plan_placement(config(colocated=True, asynchronous=True))
+    assert plan_placement(config(colocated=True, asynchronous=False)).colocated
+
+
+def test_a_backend_without_offload_names_the_key():
+    from rlcore.controller.workers import move_training_state
+
+    class NoOffload:  # a third-party backend written before offload()/onload() joined the protocol
+        pass
+
+    with pytest.raises(TypeError, match="offload_trainer_state.*NoOffload has no offload"):
+        move_training_state(NoOffload(), 0, 1, True)

@@ -256,6 +256,14 @@ class TrainingBackend(Protocol):
 
     def load_checkpoint(self, path: str) -> None: ...
 
+    def offload(self, *, keep_weights: bool = False) -> None:
+        """Move the optimizer state and gradients, and the weights unless ``keep_weights``, to host
+        memory, freeing their GPU memory (``policy.generation.colocated.offload_trainer_state``; may be
+        a no-op on CPU; a no-op when already offloaded). Gradients need not survive: the next step zeroes them."""
+
+    def onload(self) -> None:
+        """Undo :meth:`offload` before the next ``logprobs`` or ``train`` (a no-op if nothing moved)."""
+
     def export_hf(self, path: str) -> None:
         """Write the trained policy as a Hugging Face checkpoint (safetensors + config)."""
 
@@ -289,6 +297,12 @@ class TrainerHandle(Protocol):
     def save_checkpoint(self, path: str) -> None: ...
 
     def load_checkpoint(self, path: str) -> None: ...
+
+    def offload(self, *, keep_weights: bool = False) -> None:
+        """:meth:`TrainingBackend.offload` on every rank (a backend without it: an error naming the key)."""
+
+    def onload(self) -> None:
+        """:meth:`TrainingBackend.onload` on every rank."""
 
     def export_chunks(self, dtype: Any = None, chunk_bytes: int = 1 << 30) -> Iterator[NamedTensors]:
         """Rank 0's :meth:`TrainingBackend.export_weights` chunks, in this process."""

@@ -3,7 +3,7 @@ rank crash or hang as a chosen call starts.
 
 ``RLCORE_FAULT=<crash|hang>:<call>:<step>[:<rank>]`` (read by :func:`wrap_from_env` when the run
 builds its trainer) picks the call (``logprobs``, ``train``, ``save_checkpoint``,
-``load_checkpoint``, ``export_weights`` for both ``export_chunks`` and a ``run_on_ranks`` call
+``load_checkpoint``, ``offload``, ``onload``, ``export_weights`` for both ``export_chunks`` and a ``run_on_ranks`` call
 whose ``what`` starts with ``'export_weights'``), the run loop's step and the rank (default:
 the last). The fault runs inside that rank's process (through ``run_on_ranks``), so the
 trainer handle's own error reporting (a dead Ray actor named with the call and step, a hang
@@ -86,6 +86,14 @@ class FaultInjectingTrainer:
     def load_checkpoint(self, path: str) -> None:
         self._maybe_strike("load_checkpoint", "'load_checkpoint'")
         self.inner.load_checkpoint(path)
+
+    def offload(self, *, keep_weights: bool = False) -> None:
+        self._maybe_strike("offload", "'offload'")
+        self.inner.offload(keep_weights=keep_weights)
+
+    def onload(self) -> None:
+        self._maybe_strike("onload", "'onload'")
+        self.inner.onload()
 
     def export_chunks(self, dtype=None, chunk_bytes: int = 1 << 30):
         self._maybe_strike("export_weights", "'export_weights' (refit)")

@@ -9,6 +9,7 @@ generator's own logprobs. Refit waits for the generator to be between batches (a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -288,8 +289,26 @@ class GRPOLoop:
             "records": self.records, "nonfinite_in_a_row": self.nonfinite_in_a_row, "rng": rng_state(),
             "run": self.identity,
         }
-        self.ckpt.save(self.step, self.c.trainer.save_checkpoint, state)
+        with self._training_state_on_device():
+            self.ckpt.save(self.step, self.c.trainer.save_checkpoint, state)
         self.saved_step = self.step
+
+    @contextlib.contextmanager
+    def _training_state_on_device(self):
+        """A checkpoint reads the optimizer state where the backend keeps it while training: with
+        ``offload_trainer_state`` the engines sleep while it comes back for the save (saves come
+        after the refit, with the engines awake and the state on the host)."""
+        if not self.generation_cfg.colocated.offload_trainer_state:
+            yield
+            return
+        untimed = StepTimer()  # inside the step's "checkpoint" phase already
+        self.c.generator.sleep()
+        self._move_training_state(untimed, out=False)
+        try:
+            yield
+        finally:
+            self._move_training_state(untimed, out=True)
+            self.c.generator.wake_up()
 
     def stop_requested(self) -> bool:
         """After a step: whether SIGTERM arrived; if so, checkpoint this step (unless just done)."""
@@ -341,7 +360,9 @@ class GRPOLoop:
             # Colocated engines release their memory while the trainer works (a no-op on CPU).
             with timer.phase("generation"):
                 self.c.generator.sleep()
+            self._move_training_state(timer, out=False)
             metrics, batch = self.train_on(trajectories, timer)
+            self._move_training_state(timer, out=True)
             with timer.phase("refit"):
                 self.c.generator.wake_up()
             record.update(metrics)
@@ -350,6 +371,16 @@ class GRPOLoop:
             if self.stop_requested():
                 break
         return self.records
+
+    def _move_training_state(self, timer, out: bool) -> None:
+        """``policy.generation.colocated.offload_trainer_state``: the trainer's optimizer state and
+        gradients leave the GPU before the engines wake, and come back before the trainer works."""
+        if self.generation_cfg.colocated.offload_trainer_state:
+            with timer.phase("offload"):
+                if out:
+                    self.c.trainer.offload(keep_weights=True)  # the refit that follows reads them on the GPU
+                else:
+                    self.c.trainer.onload()
 
     def _set_trainer_step(self) -> None:
         self.c.trainer.loop_step = self.step

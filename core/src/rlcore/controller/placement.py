@@ -15,6 +15,7 @@ from rlcore.config import ConfigError, RunConfig
 from rlcore.interfaces import Placement
 
 _GEN_GPUS_KEY = "policy.generation.colocated.resources.gpus_per_node"
+_OFFLOAD_KEY = "policy.generation.colocated.offload_trainer_state"
 
 
 def plan_placement(config: RunConfig) -> Placement:
@@ -22,6 +23,13 @@ def plan_placement(config: RunConfig) -> Placement:
     device = "cuda" if cluster.gpus_per_node > 0 else "cpu"
     world = cluster.gpus_per_node * cluster.num_nodes if device == "cuda" else cluster.cpu_workers
     colocated = generation.colocated.enabled
+    if generation.colocated.offload_trainer_state:
+        if not colocated:
+            raise ConfigError(_OFFLOAD_KEY, "moves the trainer's state out of the engines' way, but "
+                                            "policy.generation.colocated.enabled is false: they have devices of their own")
+        if config.grpo.async_grpo.enabled:
+            raise ConfigError(_OFFLOAD_KEY, "needs the synchronous loop (training and generation take turns); "
+                                            "grpo.async_grpo.enabled is true")
     separate_gpus = device == "cuda" and not colocated
     if separate_gpus:
         resources = generation.colocated.resources

@@ -58,6 +58,18 @@ def init_distributed(rank: int, world_size: int, master_port: int, device: str, 
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
+def move_training_state(backend, rank: int, world_size: int, out: bool, keep_weights: bool = False) -> None:
+    """One rank's ``offload`` (``out``) or ``onload``, for ``policy.generation.colocated.offload_trainer_state``."""
+    if not callable(getattr(backend, "offload", None)) or not callable(getattr(backend, "onload", None)):
+        raise TypeError(f"policy.generation.colocated.offload_trainer_state: the training backend "
+                        f"{type(backend).__name__} has no offload()/onload() (rlcore.interfaces.TrainingBackend); "
+                        "set the key to false")
+    if out:
+        backend.offload(keep_weights=keep_weights)
+    else:
+        backend.onload()
+
+
 def interface_of(address: str) -> str | None:
     """The name of the network interface whose (primary IPv4) address is ``address``; None when
     none is (then gloo and NCCL pick their own)."""
@@ -105,6 +117,12 @@ class LocalTrainer:
 
     def load_checkpoint(self, path: str) -> None:
         self.backend.load_checkpoint(path)
+
+    def offload(self, *, keep_weights: bool = False) -> None:
+        move_training_state(self.backend, 0, 1, True, keep_weights)
+
+    def onload(self) -> None:
+        move_training_state(self.backend, 0, 1, False)
 
     def run_on_ranks(self, fn: str, *args, what: str = "") -> list:
         """``[fn(backend, 0, 1, *args)]``: this process is rank 0 of 1 (see :meth:`RayTrainerGroup.run_on_ranks`)."""
@@ -265,6 +283,12 @@ class RayTrainerGroup:
 
     def load_checkpoint(self, path: str) -> None:
         self._on_all("'load_checkpoint'", lambda a: a.load_checkpoint.remote(path))
+
+    def offload(self, *, keep_weights: bool = False) -> None:
+        self.run_on_ranks(f"{__name__}:move_training_state", True, keep_weights, what="'offload' (trainer state to host)")
+
+    def onload(self) -> None:
+        self.run_on_ranks(f"{__name__}:move_training_state", False, what="'onload' (trainer state back)")
 
     def run_on_ranks(self, fn: str, *args, what: str = "") -> list:
         """Run ``fn(backend, rank, world_size, *args)`` in every rank's process; all ranks' results.

@@ -351,9 +351,9 @@ class FSDP2Backend:
         for group in self.optimizer.param_groups:
             group["fused"], group["foreach"] = self.optimizer.defaults["fused"], self.optimizer.defaults["foreach"]
 
-    def offload(self) -> None:
+    def offload(self, *, keep_weights: bool = False) -> None:
         self._reshard()
-        self.offloader.offload(Offloader.tensors(self.model, self.optimizer), self.device)
+        self.offloader.offload(Offloader.tensors(self.model, self.optimizer, weights=not keep_weights), self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -92,9 +92,10 @@ class Offloader:
         self.saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
 
     @staticmethod
-    def tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    def tensors(model: nn.Module, optimizer: torch.optim.Optimizer, weights: bool = True) -> Iterator[torch.Tensor]:
         for p in model.parameters():
-            yield local(p)
+            if weights:
+                yield local(p)
             if p.grad is not None:
                 yield local(p.grad)
         for state in optimizer.state.values():

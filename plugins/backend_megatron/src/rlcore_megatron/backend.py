@@ -338,14 +338,15 @@ class MegatronBackend:
 
     # ---- memory ------------------------------------------------------------------------------
     @cpu_shims.shimmed
-    def offload(self) -> None:
-        """Move parameters, gradient buffers and optimizer state to host memory (GPU only)."""
+    def offload(self, *, keep_weights: bool = False) -> None:
+        """Move optimizer state, the gradient buffers (dropped: the next step zeroes them) and, unless
+        ``keep_weights``, the parameter buffers to host memory (GPU only)."""
         if self.on_cpu or self._offloaded:
             return
         if self.graphs is not None:  # their memory pool, and buffers that are about to move
             self.graphs.reset()
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-            buffer.offload_to_cpu(move_params=True, move_grads=True)
+            buffer.offload_to_cpu(move_params=not keep_weights, move_grads=True)
         self._move_optimizer_state("cpu")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
