@@ -38,7 +38,7 @@ spec), ``megatron-te-attn`` (TE's cuDNN attention), ``megatron-unfused-wgrad``, 
 ``megatron-cuda-graph`` (each training micro-batch padded to ``--mb-tokens`` and replayed as a CUDA
 graph, ``policy.megatron_cfg.cuda_graph: micro_batch``; on CPU it runs without capture),
 ``megatron-cuda-graph-eager`` (the same padded static buffers without capture: the padding's cost
-alone), ``megatron-fp8-cuda-graph`` (tensorwise FP8 in graphs), ``megatron-plain`` (a plain
+alone), ``megatron-plain`` (a plain
 Megatron-Core loop over the same model, optimizer and packed micro-batches, with none of the
 backend's wrapper: what the wrapper costs), ``fsdp2`` and ``fsdp2-compile``.
 
@@ -90,7 +90,6 @@ MEGATRON_VARIANTS = {
     # each micro-batch a CUDA-graph replay (rlcore_megatron.cuda_graph); -eager: the same padded static buffers, no capture
     "megatron-cuda-graph": {"cuda_graph": "micro_batch"},
     "megatron-cuda-graph-eager": {"cuda_graph": "micro_batch"},
-    "megatron-fp8-cuda-graph": {"fp8_cfg": {"enabled": True, "fp8_recipe": "tensorwise"}, "cuda_graph": "micro_batch"},
 }
 NO_CAPTURE_VARIANTS = {"megatron-cuda-graph-eager"}  # on CPU every cuda-graph variant runs without capture
 FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True}

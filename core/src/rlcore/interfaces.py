@@ -232,7 +232,14 @@ class CapturableLoss(Protocol):
 
 @runtime_checkable
 class TrainingBackend(Protocol):
-    """Trains the policy. Built once per trainer rank; every rank gets the same calls."""
+    """Trains the policy. Built once per trainer rank; every rank gets the same calls.
+
+    Optional, for ``policy.generation.colocated.offload_trainer_state`` (a run with the key on and a
+    backend without them fails naming the key): ``offload(*, keep_weights: bool = False)`` moves the
+    optimizer state and gradients, and the weights unless ``keep_weights``, to host memory, freeing
+    their GPU memory (may be a no-op on CPU; a no-op when already offloaded; gradients need not
+    survive, the next step zeroes them); ``onload()`` undoes it before the next ``logprobs`` or ``train``.
+    """
 
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
         """Token-aligned float32 logprobs [L_i] of each sequence (CPU). Rank 0 returns all N;
@@ -255,14 +262,6 @@ class TrainingBackend(Protocol):
     def save_checkpoint(self, path: str) -> None: ...
 
     def load_checkpoint(self, path: str) -> None: ...
-
-    def offload(self, *, keep_weights: bool = False) -> None:
-        """Move the optimizer state and gradients, and the weights unless ``keep_weights``, to host
-        memory, freeing their GPU memory (``policy.generation.colocated.offload_trainer_state``; may be
-        a no-op on CPU; a no-op when already offloaded). Gradients need not survive: the next step zeroes them."""
-
-    def onload(self) -> None:
-        """Undo :meth:`offload` before the next ``logprobs`` or ``train`` (a no-op if nothing moved)."""
 
     def export_hf(self, path: str) -> None:
         """Write the trained policy as a Hugging Face checkpoint (safetensors + config)."""
@@ -299,10 +298,11 @@ class TrainerHandle(Protocol):
     def load_checkpoint(self, path: str) -> None: ...
 
     def offload(self, *, keep_weights: bool = False) -> None:
-        """:meth:`TrainingBackend.offload` on every rank (a backend without it: an error naming the key)."""
+        """The backend's optional ``offload`` (see :class:`TrainingBackend`) on every rank; a backend
+        without it: an error naming the key."""
 
     def onload(self) -> None:
-        """:meth:`TrainingBackend.onload` on every rank."""
+        """The backend's optional ``onload`` on every rank."""
 
     def export_chunks(self, dtype: Any = None, chunk_bytes: int = 1 << 30) -> Iterator[NamedTensors]:
         """Rank 0's :meth:`TrainingBackend.export_weights` chunks, in this process."""

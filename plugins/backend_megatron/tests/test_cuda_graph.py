@@ -60,8 +60,7 @@ def test_refusals_name_the_key(results):
     ("context_parallel_size", dict(context_parallel_size=2)),
     ("activation_checkpointing", dict(activation_checkpointing="selective")),
     ("optimizer.fp16", dict(optimizer=MegatronOptimizerConfig(fp16=True))),
-    ("fp8_cfg.fp8_recipe", dict(fp8_cfg=MegatronFP8Config(enabled=True, fp8_recipe="delayed"))),
-    ("fp8_cfg.fp8_param", dict(fp8_cfg=MegatronFP8Config(enabled=True, fp8_param=True, fp8_logprobs=True))),
+    ("fp8_cfg.enabled", dict(fp8_cfg=MegatronFP8Config(enabled=True, fp8_recipe="tensorwise"))),
     ("core_attention", dict(core_attention="transformer_engine")),
     ("distributed_data_parallel_config.overlap_grad_reduce", dict(distributed_data_parallel_config=MegatronDDPConfig(overlap_grad_reduce=True))),
 ])
@@ -69,12 +68,7 @@ def test_config_refusals_name_both_keys(key, kwargs):
     with pytest.raises(ConfigError) as err:
         MegatronConfig(enabled=True, cuda_graph="micro_batch", **kwargs)
     assert err.value.key == f"policy.megatron_cfg.{key}" and KEY in str(err.value)
-    MegatronConfig(enabled=True, **kwargs) if key != "fp8_cfg.fp8_param" else None  # allowed without graphs
-
-
-def test_allowed_fp8_recipes():
-    for recipe in ("tensorwise", "blockwise"):
-        MegatronConfig(enabled=True, cuda_graph="micro_batch", fp8_cfg=MegatronFP8Config(enabled=True, fp8_recipe=recipe))
+    MegatronConfig(enabled=True, **kwargs)  # allowed without graphs
 
 
 def test_static_layout_pads_and_leaves_nothing_behind():

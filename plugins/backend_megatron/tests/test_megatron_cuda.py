@@ -12,7 +12,7 @@ On the H200 machines, with the staged wheels and rlcore's own installed (benchma
   row multiple) and its logprobs stay near bf16's;
 - TE's own attention (cuDNN) gives the same logprobs as the flash path;
 - the MLP through TE's op fuser equals the module MLP;
-- ``cuda_graph: micro_batch`` (bf16 and tensorwise FP8, ``sft`` and GRPO): graphed steps with replays
+- ``cuda_graph: micro_batch`` (bf16, ``sft`` and GRPO; FP8 is refused): graphed steps with replays
   over micro-batches of different lengths equal the same padded path run eagerly and Megatron's
   schedule within the stated tolerances, metrics included.
 """
@@ -205,30 +205,21 @@ def graph_backend(path: str, capture: bool, **mcfg):
     return MegatronBackend(RunConfig(policy=policy), cfg, WorldInfo(device="cuda"), cuda_graph_capture=capture)
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-tensorwise"])
 @pytest.mark.parametrize("algo_name", ["sft", "grpo"])
-def test_cuda_graph_steps_equal_the_eager_path(single_cuda_process_group, te_loads, tiny_model_factory, algo_name, fp8):
+def test_cuda_graph_steps_equal_the_eager_path(single_cuda_process_group, te_loads, tiny_model_factory, algo_name):
     """``cuda_graph: micro_batch``: three SGD steps on batches of other lengths (several micro-batches
     of at most 64 tokens each), captured once per bucket and replayed, against the same padded path
     run eagerly (``cuda_graph_capture=False``: the same kernels, so near-equal) and against Megatron's
     schedule (other GEMM row counts: bf16 rounding). Compared: every metric of every step (loss,
     grad_norm and the loss's own) and the last step's fp32 gradients in the main-grad buffers (a
-    gradient missing from a replay, or added twice, is off by 100%). FP8 quantizes each tensor with a
-    scale from its own amax, and the fixed-shape path's tensors hold other padding rows than the
-    schedule's: the two FP8 runs round differently (on the GPU, 0.24-0.49 apart on the metrics and 0.9
-    on the gradients after three steps), so each is measured against the bf16 schedule instead and
-    the graphed one must be about as close to it as the schedule's."""
+    gradient missing from a replay, or added twice, is off by 100%)."""
     from cuda_graph_worker import algorithm, make_batch as grpo_batch, rel
     from rlcore.algorithms.sft import SFT
 
     path = str(tiny_model_factory("llama", hidden_size=256, num_heads=4, num_kv_heads=2))
-    extra = {"fp8_cfg": {"enabled": True, "fp8_recipe": "tensorwise"}} if fp8 else {}
     runs = {}
-    variants = [("schedule", "none", True, extra), ("eager", "micro_batch", False, extra), ("graphs", "micro_batch", True, extra)]
-    if fp8:
-        variants.append(("bf16", "none", True, {}))
-    for name, mode, capture, precision in variants:
-        backend = graph_backend(path, capture, cuda_graph=mode, **precision)
+    for name, mode, capture in (("schedule", "none", True), ("eager", "micro_batch", False), ("graphs", "micro_batch", True)):
+        backend = graph_backend(path, capture, cuda_graph=mode)
         algo = SFT() if algo_name == "sft" else algorithm()
         metrics = [backend.train(grpo_batch(seed, n=10), algo) for seed in (11, 12, 13)]
         # the last step's fp32 gradients stay in the main-grad buffers until the next step zeroes them
@@ -248,15 +239,10 @@ def test_cuda_graph_steps_equal_the_eager_path(single_cuda_process_group, te_loa
 
     captured, replays, lengths = runs["graphs"][2]
     near, far = diffs("eager", "graphs"), diffs("schedule", "graphs")
-    print(f"cuda graphs ({algo_name}, {'fp8' if fp8 else 'bf16'}): {captured} captured, {replays} replays, up to {lengths} "
-          f"lengths in one bucket; vs eager padded path: metrics {near[0]:.2e}, last step's gradients {near[1]:.2e} rel; "
+    print(f"cuda graphs ({algo_name}): {captured} captured, {replays} replays, up to {lengths} lengths in one bucket; "
+          f"vs eager padded path: metrics {near[0]:.2e}, last step's gradients {near[1]:.2e} rel; "
           f"vs schedule: metrics {far[0]:.2e}, gradients {far[1]:.2e} rel")
     assert captured >= 1 and replays >= 3 and lengths >= 2  # replays over micro-batches of different lengths
     assert near[0] < 1e-3 and near[1] < 1e-2, near
-    if not fp8:
-        assert far[0] < 0.02 and far[1] < 0.05, far  # GEMMs over other row counts round differently
-        return
-    graphed, scheduled = diffs("bf16", "graphs"), diffs("bf16", "schedule")
-    print(f"  fp8 vs bf16's schedule: graphed metrics {graphed[0]:.2e}, gradients {graphed[1]:.2e}; "
-          f"Megatron's schedule metrics {scheduled[0]:.2e}, gradients {scheduled[1]:.2e}")
-    assert graphed[0] < 2 * scheduled[0] + 0.02 and graphed[1] < 2 * scheduled[1] + 0.05, (graphed, scheduled)
+    assert far[0] < 0.02 and far[1] < 0.05, far  # GEMMs over other row counts round differently
+

@@ -44,8 +44,7 @@ Megatron's DDP hooks, which accumulate into ``main_grad`` under a torch capture 
 only under Megatron's own capture flag, which is not set here). The graph-safe RNG trackers
 (``te_rng_tracker``, ``use_cudagraphable_rng``) are not needed: the models here have no dropout
 (checked before capture), so nothing in a graph draws random numbers, and the default trackers
-keep the checkpointed RNG state format. TE's capture flag is not set either: it only moves delayed
-FP8 scaling's bookkeeping out of the graph, and delayed scaling is refused.
+keep the checkpointed RNG state format. FP8 is refused (config.py says what was measured).
 
 CPU (tests): ``capture=False`` runs the same static buffers through the same function directly.
 """
