@@ -50,8 +50,8 @@ class ColocatedConfig:
     offload_trainer_state: bool = field(default=False, metadata=doc(
         "move the trainer's optimizer state and gradients to host memory while the engines are awake (after each "
         "training phase, back before the next), for models whose training state and engine do not fit one GPU "
-        "together; costs two host copies of that state a step (about 4 s each way for a 5.6B model's 90 GB on an "
-        "H200); synchronous GRPO with colocated engines only"))
+        "together; costs two host copies of that state a step (timed as timing/offload; not yet measured on a GPU); "
+        "synchronous GRPO with colocated engines only"))
 
 
 @frozen
