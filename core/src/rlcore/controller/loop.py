@@ -301,13 +301,12 @@ class GRPOLoop:
         if not self.generation_cfg.colocated.offload_trainer_state:
             yield
             return
-        untimed = StepTimer()  # inside the step's "checkpoint" phase already
         self.c.generator.sleep()
-        self._move_training_state(untimed, out=False)
+        self._move_training_state(out=False)  # timed within the step's "checkpoint" phase
         try:
             yield
         finally:
-            self._move_training_state(untimed, out=True)
+            self._move_training_state(out=True)
             self.c.generator.wake_up()
 
     def stop_requested(self) -> bool:
@@ -360,9 +359,9 @@ class GRPOLoop:
             # Colocated engines release their memory while the trainer works (a no-op on CPU).
             with timer.phase("generation"):
                 self.c.generator.sleep()
-            self._move_training_state(timer, out=False)
+            self._move_training_state(out=False, timer=timer)
             metrics, batch = self.train_on(trajectories, timer)
-            self._move_training_state(timer, out=True)
+            self._move_training_state(out=True, timer=timer)
             with timer.phase("refit"):
                 self.c.generator.wake_up()
             record.update(metrics)
@@ -372,11 +371,12 @@ class GRPOLoop:
                 break
         return self.records
 
-    def _move_training_state(self, timer, out: bool) -> None:
+    def _move_training_state(self, out: bool, timer: StepTimer | None = None) -> None:
         """``policy.generation.colocated.offload_trainer_state``: the trainer's optimizer state and
-        gradients leave the GPU before the engines wake, and come back before the trainer works."""
+        gradients leave the GPU before the engines wake, and come back before the trainer works;
+        ``timer`` counts it as the step's "offload" phase."""
         if self.generation_cfg.colocated.offload_trainer_state:
-            with timer.phase("offload"):
+            with timer.phase("offload") if timer is not None else contextlib.nullcontext():
                 if out:
                     self.c.trainer.offload(keep_weights=True)  # the refit that follows reads them on the GPU
                 else:

@@ -255,7 +255,6 @@ class MicroBatchGraphs:
 
     def _forward_backward(self, static: StaticInputs, algorithm) -> dict[str, torch.Tensor]:
         """The captured function: reads only ``static``'s buffers and the model's weights."""
-        self.model.module.set_is_first_microbatch()  # FP8: cast the weights in every graph (see _warm_up_and_capture)
         hidden = self.model(static.ids_T1[None, : self.tokens], static.pos_T[None], None, packed_seq_params=static.params)
         logprobs_T = output.selected_rows_logprobs(self.model.module, hidden, static.ids_T1, static.rows_R)[: self.tokens]
         loss, metrics = algorithm.loss(logprobs_T, static.mb, static.totals)
@@ -269,10 +268,7 @@ class MicroBatchGraphs:
         return out
 
     def _warm_up_and_capture(self, bucket: Bucket, static: StaticInputs, algorithm) -> dict[str, torch.Tensor]:
-        """Torch's recipe: run once on a side stream (this micro-batch's real work), then capture.
-        With FP8, TE modules are told this is a first micro-batch before every call, so each graph
-        casts the weights itself: a graph captured on a later micro-batch would reuse the cast of
-        the step it was captured in after the optimizer changed the weights."""
+        """Torch's recipe: run once on a side stream (this micro-batch's real work), then capture."""
         tconfig = self.model.module.config
         if tconfig.hidden_dropout or tconfig.attention_dropout:
             raise RuntimeError(f"rlcore-megatron: {KEY} assumes no dropout (nothing in a graph draws random numbers); "
