@@ -2,7 +2,7 @@
 # function per call, so that each call's command is one short line and the next one can follow
 # within the 30 s a warm machine waits. On the device, after staging:
 #   first call:  (cd /root/stage && cat t/p.* | tar xf - && mv chunk-*/* . && rm -rf chunk-* t); export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_install; graphs
-#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; learning   (then async_step, moe_rows, fp8_gen)
+#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; moe_rows   (then step_rows, learning, async_step, fp8_gen)
 # (the device gets the working tree without .git: name the commit the rows come from)
 # Each function keeps its jobs inside the call's 600 s (jobs.sh) and packs its logs into one tar in
 # $OUT, because at most 8 files come back. Rows go to $OUT/results.jsonl.
@@ -25,15 +25,22 @@ pack() {  # NAME: every log in $OUT into $OUT/NAME.tgz (jobs.txt and results.jso
   cat "$OUT/jobs.txt"
 }
 
-graphs() {  # issue 19: the graphed micro-batches' CUDA test, then throughput at 4 and 16 micro-batches
-  job cgtest 150 60 python3 -m pytest -p no:cacheprovider plugins/backend_megatron/tests/test_megatron_cuda.py -q -k cuda_graph -s
-  tail -15 "$OUT/cgtest.log"
-  # fsdp2-compile first: the thirteenth session's jobs ended in it, after about 45 s per Megatron variant
-  local variants=fsdp2-compile,megatron-cuda-graph,megatron,megatron-fp8
-  job mb4 250 150 python3 benchmarks/bench_train_megatron.py --variants $variants --steps 6 --warmup 3
-  job mb16 250 150 python3 benchmarks/bench_train_megatron.py --variants $variants --micro-batches 16 --steps 4 --warmup 3
+graphs() {  # issue 19: throughput at 4 and 16 micro-batches against fsdp2 compiled, then the graphed micro-batches' CUDA test
+  # fsdp2-compile first: the thirteenth session's jobs ended in it, after about 45 s per Megatron variant.
+  # The graphed bf16 path is the fastest bf16 Megatron, so the FP8 ratio is read against it at 16.
+  job mb4 270 150 python3 benchmarks/bench_train_megatron.py --variants fsdp2-compile,megatron-cuda-graph,megatron,megatron-fp8 --steps 6 --warmup 3
+  job mb16 240 150 python3 benchmarks/bench_train_megatron.py --variants fsdp2-compile,megatron-cuda-graph,megatron-fp8 --micro-batches 16 --steps 4 --warmup 3
+  job cgtest 100 60 python3 -m pytest -p no:cacheprovider plugins/backend_megatron/tests/test_megatron_cuda.py -q -k cuda_graph -s
   grep -h -e '^| megatron' -e '^| fsdp2' -e 'captured a CUDA graph' -e 'Error' "$OUT"/mb4.log "$OUT"/mb16.log | cut -c1-220
+  tail -3 "$OUT/cgtest.log" 2>/dev/null
   pack graphs
+}
+
+step_rows() {  # issues 19 and 24: the GRPO step's training phase, graphed Megatron against fsdp2 compiled; one step off graphed
+  job grpo 470 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph --config llama1b-fsdp2-compile \
+    --config llama1b-megatron-async-cuda-graph --steps 4 --warmup 1 --workdir /root/bench
+  grep -h '^| llama1b' "$OUT/grpo.log" | sort -u
+  pack steps
 }
 
 learning() {  # issue 24: fp8 and async-megatron learning side by side, then the fp8 checkpoints in bf16
