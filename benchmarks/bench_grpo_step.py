@@ -15,7 +15,9 @@ model scores about 0, which changes nothing in the work a step does (responses r
     python benchmarks/bench_grpo_step.py --config llama1b-megatron-cp2 --max-new-tokens 16384 --mb-tokens 16448 --prompts 8
 
 Several ``--config`` run one after the other, each in its own process (GPU memory of a finished
-run is not reliably returned inside one process). The ``*-tool-*`` configurations use the
+run is not reliably returned inside one process). Each row is printed and appended to
+``results.jsonl`` as soon as the loop's last step ends (``bench_row_logger.py``), before the trainer
+and the engine shut down, so a call's time limit that ends during a shutdown keeps the row. The ``*-tool-*`` configurations use the
 ``bench_tool`` environment of ``bench_multiturn_env.py`` (3 turns, simulated tool latency).
 
 MFU counts 6 * N_params * trained tokens + causal attention (6 * layers * hidden * tokens * mean
@@ -308,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     import rlcore
     import yaml
 
+    import bench_row_logger
     from rlcore.config.loader import set_dotted
+    from rlcore.plugins import get_plugin_manager
+
+    get_plugin_manager().register_module(bench_row_logger)
 
     gpu = gpu_available()
     root = Path(args.workdir)
@@ -326,27 +332,43 @@ def main(argv: list[str] | None = None) -> int:
             set_dotted(tree, key, yaml.safe_load(value))
         if tree["env"]["name"] == "bench_tool":
             import bench_multiturn_env
-            from rlcore.plugins import get_plugin_manager
 
             get_plugin_manager().register_module(bench_multiturn_env)
             turns = tree["env"]["bench_tool"]["max_turns"]
             tree["policy"]["max_total_sequence_length"] = turns * (args.max_new_tokens + 64) + 64
         # A run directory holds one run (rlcore refuses to mix a second one in): each call is new.
         shutil.rmtree(tree["logger"]["log_dir"], ignore_errors=True)
-        started = time.perf_counter()
-        result = rlcore.run(rlcore.build_config(tree))
         gpus = tree["cluster"]["gpus_per_node"] or 1
         placement = tree["policy"]["generation"].get("colocated", {})
         train_gpus = gpus - (placement.get("resources", {}).get("gpus_per_node", 0) if not placement.get("enabled", True) else 0)
-        rows.append(row(name + "".join(f" [{item}]" for item in args.set), shape, result, gpus, args, train_gpus))
-        print(json.dumps(rows[-1]), f"(wall {time.perf_counter() - started:.0f}s)", flush=True)
+        label = name + "".join(f" [{item}]" for item in args.set)
+        started = time.perf_counter()
+
+        def emit(result, label=label, shape=shape, gpus=gpus, train_gpus=train_gpus, started=started):
+            """The row, printed and kept (results.jsonl, --json-out) before the run's shutdown begins."""
+            rows.append(row(label, shape, result, gpus, args, train_gpus))
+            print(json.dumps(rows[-1]), f"(wall {time.perf_counter() - started:.0f}s, before shutdown)", flush=True)
+            keep_rows(rows[-1:], args)
+
+        bench_row_logger.on_loop_end = emit
+        tree["logger"]["bench_row"] = {"enabled": True, "steps": args.steps, "window_first": args.warmup + 1,
+                                       "window_last": args.steps}
+        rlcore.run(rlcore.build_config(tree))
+        print(f"{label}: wall {time.perf_counter() - started:.0f}s with the shutdown", flush=True)
     print_table(rows)
-    results_log.append([{**{k: v for k, v in r.items() if k != "config"}, "variant": r["config"]} for r in rows], bench="bench_grpo_step", gpus=rows[0]["gpus"] if rows else 0,
+    return 0
+
+
+def keep_rows(rows: list[dict], args) -> None:
+    """Append ``rows`` to results.jsonl, and to ``--json-out`` (what the parent of a per-config process reads)."""
+    results_log.append([{**{k: v for k, v in r.items() if k != "config"}, "variant": r["config"]} for r in rows],
+                       bench="bench_grpo_step", gpus=rows[0]["gpus"],
                        config=f"{args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} new tokens, "
                               f"{args.mb_tokens}-token micro-batches, steps {args.steps} (summary after {args.warmup})")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows, indent=2))
-    return 0
+        out = Path(args.json_out)
+        kept = json.loads(out.read_text()) if out.is_file() else []
+        out.write_text(json.dumps(kept + rows, indent=2))
 
 
 def print_table(rows: list[dict]) -> None:
