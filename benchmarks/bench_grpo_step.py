@@ -17,8 +17,9 @@ model scores about 0, which changes nothing in the work a step does (responses r
 Several ``--config`` run one after the other, each in its own process (GPU memory of a finished
 run is not reliably returned inside one process). Each row is printed and appended to
 ``results.jsonl`` as soon as the loop's last step ends (``bench_row_logger.py``), before the trainer
-and the engine shut down, so a call's time limit that ends during a shutdown keeps the row. The ``*-tool-*`` configurations use the
-``bench_tool`` environment of ``bench_multiturn_env.py`` (3 turns, simulated tool latency).
+and the engine shut down, so a call's time limit that ends during a shutdown keeps the row. The
+``*-tool-*`` configurations use the ``bench_tool`` environment of ``bench_multiturn_env.py`` (3 turns,
+simulated tool latency).
 
 MFU counts 6 * N_params * trained tokens + causal attention (6 * layers * hidden * tokens * mean
 seq len) against 989 TFLOP/s per GPU (H200 bf16 dense datasheet).
