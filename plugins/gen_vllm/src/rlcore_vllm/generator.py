@@ -24,6 +24,11 @@ from rlcore_vllm.config import VllmConfig
 EXTENSION = "rlcore_vllm.worker_ext.RlcoreWorkerExtension"
 
 
+# Checked by the factory (from the config) and again by the constructor (a generator built directly).
+HIGH_PRIORITY_NEEDS = ("high needs the sync engine's core in this process on CUDA (engine_process: false, async_engine: "
+                       "false): an engine core in its own process runs on streams this process cannot set")
+
+
 class VllmGenerator:
     """A :class:`rlcore.interfaces.Generator` backed by one vLLM engine (``num_replicas`` via vLLM DP)."""
 
@@ -59,9 +64,7 @@ class VllmGenerator:
         self._stream = None  # torch.cuda.Stream of the engine's work (high_priority_stream), else vLLM's own
         if high_priority_stream:
             if not self.engine.in_process:
-                raise ConfigError("policy.generation.rollout_stream_priority", "high needs the sync engine's core in this "
-                                  "process on CUDA (engine_process: false, async_engine: false): an engine core in its own "
-                                  "process runs on streams this process cannot set")
+                raise ConfigError("policy.generation.rollout_stream_priority", HIGH_PRIORITY_NEEDS)
             import torch
 
             self._stream = torch.cuda.Stream(priority=-(1 << 10))  # mapped to the device's highest priority
@@ -359,9 +362,7 @@ def high_priority_rollouts(cfg: VllmConfig, *, device: str, own_process: bool | 
     engine core is in this process on CUDA (the trainer then shares the GPU from the same process)."""
     in_process = device == "cuda" and own_process is False and not cfg.async_engine
     if cfg.rollout_stream_priority == "high" and not in_process:
-        raise ConfigError("policy.generation.rollout_stream_priority", "high needs the sync engine's core in this process "
-                          "on CUDA (engine_process: false, async_engine: false): an engine core in its own process runs "
-                          "on streams this process cannot set")
+        raise ConfigError("policy.generation.rollout_stream_priority", HIGH_PRIORITY_NEEDS)
     if cfg.rollout_stream_priority != "auto":
         return cfg.rollout_stream_priority == "high"
     return in_process and async_grpo
