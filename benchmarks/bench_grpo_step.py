@@ -352,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             keep_rows(rows[-1:], args)
 
         bench_row_logger.on_loop_end = emit
-        tree["logger"]["bench_row"] = {"enabled": True, "steps": args.steps, "window_first": args.warmup + 1,
-                                       "window_last": args.steps}
+        # the run's own step count and summary window, --set overrides included
+        first, last = tree["grpo"]["summary_window"]
+        tree["logger"]["bench_row"] = {"enabled": True, "steps": tree["grpo"]["max_num_steps"], "window_first": first,
+                                       "window_last": last}
         rlcore.run(rlcore.build_config(tree))
         print(f"{label}: wall {time.perf_counter() - started:.0f}s with the shutdown", flush=True)
     print_table(rows)
