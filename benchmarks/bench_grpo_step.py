@@ -77,14 +77,11 @@ CONFIGS = {
     "llama1b-megatron-no-opfuse": ("llama1b", "megatron", {"policy.megatron_cfg.use_te_op_fuser": False}),
     # training micro-batches as CUDA-graph replays (rlcore_megatron.cuda_graph): padded to the 8192-token budget
     "llama1b-megatron-cuda-graph": ("llama1b", "megatron", {"policy.megatron_cfg.cuda_graph": "micro_batch"}),
-    # One step off with the training micro-batches as graph replays: little host work left in the trainer to
-    # contend with the rollout thread for the interpreter lock (engine core in this process), or to leave
-    # GPU gaps that the engine's own process fills by time-slicing (its own process).
+    # One step off with the training micro-batches as graph replays and the engine core in its own process:
+    # little host work left in the trainer, whose GPU gaps the engine's process fills by time-slicing. (Its
+    # engine core in this process crashed on an H200 and is refused: rlcore_megatron.cuda_graph.)
     "llama1b-megatron-async-cuda-graph": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
                                                                   "policy.megatron_cfg.cuda_graph": "micro_batch"}),
-    "llama1b-megatron-async-inproc-cuda-graph": ("llama1b", "megatron", {
-        "grpo.async_grpo.enabled": True, **ONE_STEP_OFF, "policy.generation.engine_process": False,
-        "policy.megatron_cfg.cuda_graph": "micro_batch"}),
     # One step off, with the correction for one step of staleness (token-level truncated IS).
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
@@ -261,11 +258,13 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         "probe_mean_abs_logprob_gap": _mean([r["refit/probe_mean_abs_logprob_diff"] for r in records
                                               if "refit/probe_mean_abs_logprob_diff" in r]),
         "steps_averaged": s.get("num_steps"),
-        **{key: _mean([r[key] for r in records if key in r]) for key in MOE_KEYS if any(key in r for r in records)},
+        **{key: _mean([r[key] for r in records if key in r]) for key in MEAN_KEYS if any(key in r for r in records)},
     }
 
 
-MOE_KEYS = ("train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction")
+# Means over the summary window when the run logs them: the train-generator logprob gap (mean |log p_gen -
+# log p_old| per token, and its k3 KL), and the MoE routing mismatch (routing_replay.py).
+MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction")
 
 
 def _mean(values: list[float]) -> float | None:

@@ -1,8 +1,8 @@
 # The next GPU sessions' calls (benchmarks/gpu/README.md, "What the next GPU sessions run"), one
 # function per call, so that each call's command is one short line and the next one can follow
 # within the 30 s a warm machine waits. On the device, after staging:
-#   first call:  (cd /root/stage && cat t/p.* | tar xf - && mv chunk-*/* . && rm -rf chunk-* t); export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_install; async_step
-#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; moe_rows   (then fp8_gen, learning)
+#   first call:  (cd /root/stage && cat t/p.* | tar xf - && mv chunk-*/* . && rm -rf chunk-* t); export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_install; learning
+#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; learning   (again, then fp8_gen, moe_rows, async_step)
 # (the device gets the working tree without .git: name the commit the rows come from)
 # Each function keeps its jobs inside the call's 600 s (jobs.sh) and packs its logs into one tar in
 # $OUT, because at most 8 files come back. Rows go to $OUT/results.jsonl.
@@ -43,27 +43,30 @@ step_rows() {  # issues 19 and 24: the GRPO step's training phase, graphed Megat
   pack steps
 }
 
-learning() {  # issue 24: fp8 and async-megatron learning side by side, then the fp8 checkpoints in bf16
+learning() {  # issue 24: fp8 and async-megatron beside their bf16 sync controls, from one warm start; the fp8 checkpoints in bf16
+  # The fifteenth session ran fp8 and async-megatron alone: both ended near 0.56, below the ninth session's bf16
+  # runs (0.645-0.662) from another warm start (its sampled reward at step 1: 0.148 against 0.110), so the
+  # comparison needs its controls in the same call. Four runs may not end in one call: call it again (they resume).
   source benchmarks/gpu/learn.sh
-  LEARN_DEADLINE=450 learn_together /root/learn fp8 async-megatron
+  LEARN_DEADLINE=${LEARN_DEADLINE:-480} learn_together /root/learn fsdp2 megatron fp8 async-megatron
   local left=$((575 - SECONDS))  # a cut evaluation leaves the checkpoints for the next call
-  [ "$left" -gt 30 ] && OUT=$OUT timeout "$left" bash -c 'source benchmarks/gpu/learn.sh; learn_eval_bf16 /root/learn fp8'
+  local fp8=/root/learn/grpo-fp8/summary.json  # finished: a summary not written at a SIGTERM
+  [ "$left" -gt 90 ] && [ -f $fp8 ] && ! grep -q '"stopped_by_signal": "' $fp8 && \
+    OUT=$OUT timeout "$left" bash -c 'source benchmarks/gpu/learn.sh; learn_eval_bf16 /root/learn fp8'
   pack learn
 }
 
-async_step() {  # issue 24: one step off against sync, graphed; the in-process engine on its high-priority stream beside it
-  # The fourteenth session's async-cuda-graph reached 1.21x; its row was cut by the job's limit during vLLM's
-  # shutdown (rows are now kept before the shutdown, bench_row_logger.py).
-  job grpo 500 200 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph --config llama1b-megatron-async-cuda-graph \
-    --config llama1b-megatron-async-inproc-cuda-graph --steps 4 --warmup 1 --workdir /root/bench
+async_step() {  # issue 24: one step off against sync, both graphed, again (1.21x in the fourteenth session, 1.44x in the fifteenth)
+  job grpo 400 200 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph --config llama1b-megatron-async-cuda-graph \
+    --steps 5 --warmup 1 --workdir /root/bench
   job stream 60 50 python3 -m pytest -p no:cacheprovider plugins/gen_vllm/tests/test_rollout_stream_cuda.py -q -s
   grep -h '^| llama1b' "$OUT/grpo.log" | sort -u; tail -3 "$OUT/stream.log" 2>/dev/null
   pack async
 }
 
-moe_rows() {  # issue 23: the MoE GRPO rows with routing replay (R3, then R2); replay off and the profile ran in the fourteenth session
-  job moegrpo3 330 250 python3 benchmarks/bench_grpo_step.py --config qwen3moe-megatron-r3 --steps 3 --warmup 1 --workdir /root/bench
-  job moegrpo2 240 200 python3 benchmarks/bench_grpo_step.py --config qwen3moe-megatron-r2 --steps 3 --warmup 1 --workdir /root/bench
+moe_rows() {  # issue 23: the train-generator logprob gap without replay and with R3 (its old-logprob pass now replays too)
+  job moegrpo 320 250 python3 benchmarks/bench_grpo_step.py --config qwen3moe-megatron --steps 3 --warmup 1 --workdir /root/bench
+  job moegrpo3 250 200 python3 benchmarks/bench_grpo_step.py --config qwen3moe-megatron-r3 --steps 3 --warmup 1 --workdir /root/bench
   grep -h '^| qwen3moe\|routing_mismatch' "$OUT"/moegrpo*.log | cut -c1-400 | sort -u
   pack moe
 }

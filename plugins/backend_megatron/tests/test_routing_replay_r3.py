@@ -1,6 +1,6 @@
 """Routing replay R3 (``moe_router_replay: r3``) on CPU, one process: the trainer routes every token
-to the experts the generator reported for it (``SequenceBatch.routed_experts``), in both optimizer
-steps of a training call, and the mismatch fraction counts how often its own routing differs. The
+to the experts the generator reported for it (``SequenceBatch.routed_experts``), in the step's
+old-logprob pass and in both optimizer steps of a training call, and the mismatch fraction counts how often its own routing differs. The
 routing here is drawn at random, far from what the router would choose, so replay that silently
 fell back to the router's own choice fails. vLLM's half (``return_routed_experts``) needs CUDA."""
 
@@ -58,16 +58,26 @@ def test_r3_trains_every_token_with_the_generators_experts(single_process_group,
     watch = RouterWatch(backend)
     batch = make_batch(11, n=8)
     batch.routed_experts = random_routing(batch, hf.num_hidden_layers, hf.num_experts, hf.num_experts_per_tok)
-    backend.logprobs(batch)  # an old-logprob pass: with r3 it records nothing, the generator's routing stays
-    watch.calls = []
-    metrics = backend.train(batch, SumNLL())
     policy = backend.run.policy
-    train_mbs = [mb for start in (0, 4) for mb in backend.micro_batches(batch.select(range(start, start + 4)),
-                                                                          policy.sequence_packing.train_mb_tokens, 4)]
-    used = watch.sets(train_mbs, 1)
     given = {(ids.numpy().tobytes(), pos, layer): tuple(sorted(experts[pos, layer].tolist()))
              for ids, experts in zip(batch.input_ids, batch.routed_experts)
              for pos in range(ids.numel() - 1) for layer in range(hf.num_hidden_layers)}
+    # The old-logprob pass replays the generator's routing too, so the PPO ratio compares one network.
+    old_lp = backend.logprobs(batch)
+    lp_mbs = backend.micro_batches(batch, policy.sequence_packing.logprob_mb_tokens, policy.logprob_batch_size)
+    used_by_old = watch.sets(lp_mbs, 1)
+    assert all(s == given[key] for key, sets in used_by_old.items() if key in given for s in sets)
+    assert sum(key in given for key in used_by_old) == len(given)
+    unrouted = batch.select(range(len(batch)))
+    unrouted.routed_experts = None  # as the refit probe's sequences: the router's own choice
+    watch.calls = []
+    own_lp = backend.logprobs(unrouted)
+    assert max((a - b).abs().max().item() for a, b in zip(old_lp, own_lp)) > 1e-3
+    watch.calls = []
+    metrics = backend.train(batch, SumNLL())
+    train_mbs = [mb for start in (0, 4) for mb in backend.micro_batches(batch.select(range(start, start + 4)),
+                                                                          policy.sequence_packing.train_mb_tokens, 4)]
+    used = watch.sets(train_mbs, 1)
     checked = [(key, sets) for key, sets in used.items() if key in given]
     backend.shutdown()
     assert len(checked) == len(given)  # every reported (token, layer) was trained on

