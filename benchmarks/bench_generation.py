@@ -99,7 +99,8 @@ def run_mode(args) -> list[dict]:
         print(json.dumps(rows[-1]), flush=True)
     if args.profile:
         gen.config = attrs.evolve(base_config, **VARIANTS[args.variants.split(",")[0]])
-        profile(gen, prompts, params, Path(args.profile), f"gen-{args.mode}-{'mp' if args.engine_process else 'inproc'}", cuda)
+        placement = "mp" if args.engine_process else "inproc"
+        profile(gen, prompts, params, Path(args.profile), f"gen-{args.mode}-{args.quantization}-{placement}", cuda)
     gen.shutdown()
     results_log.append(rows, bench="bench_generation", config=f"{args.shape}-{args.mode}", gpus=1 if cuda else 0)
     return rows
