@@ -64,7 +64,8 @@ def test_graphs_refuse_one_step_off_beside_an_in_process_engine_on_cuda():
         engine_process = False
 
     def run(async_on: bool, generation):
-        return RunConfig(policy=PolicyConfig(model_name="tiny"), grpo=LoopConfig(async_grpo=AsyncConfig(enabled=async_on)), sections={"policy.generation": generation})
+        return RunConfig(policy=PolicyConfig(model_name="tiny"), grpo=LoopConfig(async_grpo=AsyncConfig(enabled=async_on)),
+                         sections={"policy.generation": generation})
 
     with pytest.raises(ConfigError) as err:
         check_engine_placement(run(True, InProcessEngine()), on_cpu=False)

@@ -1,8 +1,9 @@
 """Routing replay R3 (``moe_router_replay: r3``) on CPU, one process: the trainer routes every token
 to the experts the generator reported for it (``SequenceBatch.routed_experts``), in the step's
-old-logprob pass and in both optimizer steps of a training call, and the mismatch fraction counts how often its own routing differs. The
-routing here is drawn at random, far from what the router would choose, so replay that silently
-fell back to the router's own choice fails. vLLM's half (``return_routed_experts``) needs CUDA."""
+old-logprob pass and in both optimizer steps of a training call, and the mismatch fraction counts
+how often its own routing differs. The routing here is drawn at random, far from what the router
+would choose, so replay that silently fell back to the router's own choice fails. vLLM's half
+(``return_routed_experts``) needs CUDA."""
 
 from __future__ import annotations
 
