@@ -78,16 +78,15 @@ CONFIGS = {
     # training micro-batches as CUDA-graph replays (rlcore_megatron.cuda_graph): padded to the 8192-token budget
     "llama1b-megatron-cuda-graph": ("llama1b", "megatron", {"policy.megatron_cfg.cuda_graph": "micro_batch"}),
     # One step off with the training micro-batches as graph replays and the engine core in its own process:
-    # little host work left in the trainer, whose GPU gaps the engine's process fills by time-slicing. (Its
-    # engine core in this process crashed on an H200 and is refused: rlcore_megatron.cuda_graph.)
+    # little host work left in the trainer, whose GPU gaps the engine's process fills by time-slicing. (With
+    # the engine core in this process on a high-priority stream it crashed on an H200: RESULTS.md, fifteenth session.)
     "llama1b-megatron-async-cuda-graph": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
                                                                   "policy.megatron_cfg.cuda_graph": "micro_batch"}),
     # One step off, with the correction for one step of staleness (token-level truncated IS).
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     # The async engine core in this process (what engine_process: null chose before): the rollout thread and the
-    # trainer share one interpreter lock, and the engine's work goes on a high-priority stream of its own
-    # (rollout_stream_priority: auto) beside the trainer's kernels. And a sync step with the engine core in its own process.
+    # trainer share one interpreter lock. And a sync step with the engine core in its own process.
     "llama1b-megatron-async-inproc": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
                                                               "policy.generation.engine_process": False}),
     "llama1b-megatron-engine-process": ("llama1b", "megatron", {"policy.generation.engine_process": True}),

@@ -55,26 +55,6 @@ def test_refusals_name_the_key(results):
     assert "needs CUDA" in r["cpu_capture"] and "mixture-of-experts" in r["moe"] and "'dpo'" in r["dpo"]
 
 
-def test_graphs_refuse_one_step_off_beside_an_in_process_engine_on_cuda():
-    from rlcore.config import GenerationConfig, RunConfig
-    from rlcore.config.schema import AsyncConfig, LoopConfig, PolicyConfig
-    from rlcore_megatron.cuda_graph import check_engine_placement
-
-    class InProcessEngine(GenerationConfig):  # the one key of vLLM's section this check reads
-        engine_process = False
-
-    def run(async_on: bool, generation):
-        return RunConfig(policy=PolicyConfig(model_name="tiny"), grpo=LoopConfig(async_grpo=AsyncConfig(enabled=async_on)),
-                         sections={"policy.generation": generation})
-
-    with pytest.raises(ConfigError) as err:
-        check_engine_placement(run(True, InProcessEngine()), on_cpu=False)
-    assert err.value.key == KEY and "policy.generation.engine_process" in str(err.value)
-    check_engine_placement(run(True, InProcessEngine()), on_cpu=True)  # the CPU's fixed-shape path captures nothing
-    check_engine_placement(run(False, InProcessEngine()), on_cpu=False)  # sync colocated: the engine core in this process
-    check_engine_placement(run(True, GenerationConfig()), on_cpu=False)  # a generator section without the key
-
-
 @pytest.mark.parametrize("key, kwargs", [
     ("pipeline_model_parallel_size", dict(pipeline_model_parallel_size=2)),
     ("context_parallel_size", dict(context_parallel_size=2)),

@@ -71,23 +71,17 @@ def test_engine_process_choice():
 
 
 def test_rollout_stream_priority_choice():
-    """auto: high only where a trainer shares the GPU from this process (async, engine core in process, CUDA)."""
+    """high only when asked for, and only where the sync engine's core is in this process on CUDA."""
     from rlcore_vllm.generator import VllmGenerator, high_priority_rollouts as high
 
-    auto = VllmConfig()
-    assert high(auto, device="cuda", own_process=False, async_grpo=True) is True
-    assert high(auto, device="cuda", own_process=True, async_grpo=True) is False
-    assert high(auto, device="cuda", own_process=False, async_grpo=False) is False
-    assert high(auto, device="cpu", own_process=None, async_grpo=True) is False
-    assert high(structure(VllmConfig, {"async_engine": True}, "policy.generation"), device="cuda", own_process=False,
-                async_grpo=True) is False
-    assert high(structure(VllmConfig, {"rollout_stream_priority": "high"}, "policy.generation"), device="cuda",
-                own_process=False, async_grpo=False) is True
-    assert high(structure(VllmConfig, {"rollout_stream_priority": "default"}, "policy.generation"), device="cuda",
-                own_process=False, async_grpo=True) is False
+    default, asked = VllmConfig(), structure(VllmConfig, {"rollout_stream_priority": "high"}, "policy.generation")
+    assert high(default, device="cuda", own_process=False) is False  # never chosen for the user
+    assert high(asked, device="cuda", own_process=False) is True
     with pytest.raises(ConfigError, match=r"policy\.generation\.rollout_stream_priority.*own process"):
-        high(structure(VllmConfig, {"rollout_stream_priority": "high"}, "policy.generation"), device="cuda",
-             own_process=True, async_grpo=True)
+        high(asked, device="cuda", own_process=True)
+    with pytest.raises(ConfigError, match=r"policy\.generation\.rollout_stream_priority"):
+        high(structure(VllmConfig, {"rollout_stream_priority": "high", "async_engine": True}, "policy.generation"),
+             device="cuda", own_process=False)
     with pytest.raises(ConfigError, match=r"policy\.generation\.rollout_stream_priority.*CUDA"):
         VllmGenerator("/nonexistent-model", VllmConfig(), device="cpu", high_priority_stream=True)
 

@@ -83,18 +83,6 @@ def check_supported(cfg: MegatronConfig, run, hf_config, kernels, *, on_cpu: boo
     if not on_cpu and not kernels.rope_fusion:
         raise ConfigError(KEY, "needs the fused RoPE of Transformer Engine's layers (apply_rope_fusion): Megatron's "
                           "unfused RoPE on packed sequences reads the sequence lengths on the host")
-    check_engine_placement(run, on_cpu=on_cpu)
-
-
-def check_engine_placement(run, *, on_cpu: bool) -> None:
-    """One step off with vLLM's engine core in the trainer's process, beside graphed training
-    micro-batches, ended in an illegal memory access at the second step's refit probe on an H200
-    (benchmarks/RESULTS.md, fifteenth session; not diagnosed): refused until it is understood."""
-    if on_cpu or not run.grpo.async_grpo.enabled or getattr(run.generation, "engine_process", None) is not False:
-        return
-    raise ConfigError(KEY, "with one-step-off async (grpo.async_grpo.enabled) and vLLM's engine core in this process "
-                      "(policy.generation.engine_process: false) crashed with an illegal memory access on an H200; "
-                      "leave policy.generation.engine_process unset (async runs then get the engine core its own process)")
 
 
 def check_algorithm(algorithm) -> None:

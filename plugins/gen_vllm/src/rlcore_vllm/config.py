@@ -81,11 +81,12 @@ class VllmConfig(GenerationConfig):
         "thread would share this process's interpreter lock with the trainer, and both launch kernels from Python) and "
         "for engines on their own GPUs (which must pick their devices before CUDA starts here); on CPU, vLLM's default "
         "(its own process)"))
-    rollout_stream_priority: Literal["auto", "default", "high"] = field(default="auto", metadata=doc(
+    rollout_stream_priority: Literal["default", "high"] = field(default="default", metadata=doc(
         "CUDA stream priority of the engine's work when its engine core runs in this process (sync engine): high lets "
         "the decode's kernels go first when a trainer in this process shares the GPU (one-step-off async on one GPU; "
-        "two processes would take turns on the GPU instead of sharing it), and the trainer's kernels fill the rest; "
-        "auto = high for async runs whose engine core is in this process on CUDA, else default (vLLM's own stream)"))
+        "two processes would take turns on the GPU instead of sharing it), and the trainer's kernels fill the rest. "
+        "Experimental: its one GPU run (one step off beside graphed Megatron training on an H200) ended in an illegal "
+        "memory access; default = vLLM's own stream"))
     quantization: Literal["none", "fp8"] = field(default="none", metadata=doc(
         "fp8: vLLM's online FP8 quantization (per-tensor W8A8, CUDA only): the engine quantizes the bf16 weights as they load, "
         "at start and at every refit; pair it with algorithm.rollout_correction {preset: token_tis} (the probe threshold "

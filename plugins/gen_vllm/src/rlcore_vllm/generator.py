@@ -352,20 +352,17 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
     return VllmGenerator(
         policy.model_name, section_config, max_model_len=policy.max_total_sequence_length, dtype=dtype, seed=seed,
         device=device, tokenizer_path=policy.tokenizer_name,
-        high_priority_stream=high_priority_rollouts(section_config, device=device, own_process=own_process,
-                                                    async_grpo=config.grpo.async_grpo.enabled),
+        high_priority_stream=high_priority_rollouts(section_config, device=device, own_process=own_process),
     )
 
 
-def high_priority_rollouts(cfg: VllmConfig, *, device: str, own_process: bool | None, async_grpo: bool) -> bool:
-    """``policy.generation.rollout_stream_priority`` resolved: auto = high for async runs whose sync
-    engine core is in this process on CUDA (the trainer then shares the GPU from the same process)."""
+def high_priority_rollouts(cfg: VllmConfig, *, device: str, own_process: bool | None) -> bool:
+    """``policy.generation.rollout_stream_priority: high``, checked: it needs the sync engine's core in
+    this process on CUDA. Never chosen by default: its one GPU run ended in an illegal memory access."""
     in_process = device == "cuda" and own_process is False and not cfg.async_engine
     if cfg.rollout_stream_priority == "high" and not in_process:
         raise ConfigError("policy.generation.rollout_stream_priority", HIGH_PRIORITY_NEEDS)
-    if cfg.rollout_stream_priority != "auto":
-        return cfg.rollout_stream_priority == "high"
-    return in_process and async_grpo
+    return cfg.rollout_stream_priority == "high"
 
 
 def engine_in_own_process(choice: bool | None, *, device: str, colocated: bool, async_grpo: bool) -> bool | None:
