@@ -37,8 +37,8 @@ instance is replaced by :class:`LayerReplay`, a subclass that keeps Megatron's a
   ``enable_return_routed_experts``: ``CompletionOutput.routed_experts``, [tokens, MoE layers, top-k],
   every token fed to the model, so not the last sampled one) instead of an old-logprob pass; each
   rank keeps its own MoE layers' columns. The step's old-logprob pass replays them too
-  (:meth:`RoutingReplay.replaying`), as the R3 paper does (Ma et al. 2025, "Stabilizing MoE
-  reinforcement learning by aligning training and inference routers"): otherwise the PPO ratio's
+  (:meth:`RoutingReplay.replaying`), as NeMo-RL's Router Replay keeps each token's experts "across
+  rollout, logprob, and training stages" (its router-replay guide): otherwise the PPO ratio's
   denominator would come from the trainer's own routing and its numerator from the generator's,
   two networks again. A policy logprob pass over sequences the generator did not route (the
   refit probe's) and the reference pass keep the router's own choice. The mismatch fraction
