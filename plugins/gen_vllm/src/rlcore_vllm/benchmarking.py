@@ -17,9 +17,10 @@ SHAPES = {
 
 
 def gpu_env_defaults() -> None:
-    """Settings that were needed for vLLM 0.26.0 on the H200 (no flashinfer staged)."""
-    for key, value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_ATTENTION_BACKEND", "FLASH_ATTN"),
-                       ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_HOST_IP", "127.0.0.1")):
+    """Settings that were needed for vLLM 0.26.0 on the H200 (no flashinfer staged). It picks
+    FlashAttention 3 by itself there and no longer reads ``VLLM_ATTENTION_BACKEND`` (it warns of it)."""
+    for key, value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+                       ("VLLM_HOST_IP", "127.0.0.1")):
         os.environ.setdefault(key, value)
 
 
