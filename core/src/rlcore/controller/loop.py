@@ -82,7 +82,8 @@ class GRPOLoop:
         self.records: list[dict] = []
         self.gen_lock = threading.Lock()
         # Async: the producer thread, and how many of its generations have taken gen_lock (each
-        # refit but the last waits for one begun after its batch was handed over).
+        # refit but the last waits for one begun after its batch was made; the producer hands the
+        # count over with the batch, so a generation begun before the trainer looks is not missed).
         self._producer: threading.Thread | None = None
         self._producer_generations = 0
         self._producer_began = threading.Condition()
@@ -412,7 +413,8 @@ class GRPOLoop:
                 while not stop.is_set():
                     step += 1
                     timer = StepTimer()
-                    item = self.collect(step, timer) + (timer,)
+                    # with the count of generations so far: what "begun after this batch" counts from
+                    item = self.collect(step, timer) + (timer, self._producer_generations)
                     while not stop.is_set():
                         try:
                             batches.put(item, timeout=0.5)
@@ -428,9 +430,7 @@ class GRPOLoop:
         dropped = 0
         try:
             while self.step < self.grpo.max_num_steps:
-                trajectories, record, version, gen_timer = self._next_batch(batches, failure)
-                with self._producer_began:
-                    handed_over = self._producer_generations
+                trajectories, record, version, gen_timer, handed_over = self._next_batch(batches, failure)
                 age = self.policy_version - version
                 if age > max_age:
                     dropped += 1
