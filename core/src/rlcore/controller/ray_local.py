@@ -8,6 +8,12 @@ unless Ray's "local only" mode is on: on macOS and Windows it is, on Linux only 
 After a ``kill -9`` of the driver, the raylet and GCS die with it but Ray's agents spend up to a
 minute trying to tell the dead GCS; :func:`start_reaper` starts a small process that ends the
 driver's remaining Ray processes as soon as the driver is gone.
+
+``address="local"``: without it ``ray.init`` joins the latest cluster started on the machine
+(``/tmp/ray/ray_current_cluster``) when one is still up, and then refuses the CPU and GPU counts
+given here ("When connecting to an existing cluster, num_cpus and num_gpus must not be
+provided"; seen when another run's Ray instance outlived its killed driver). A run that means
+to join a cluster names it (``cluster.ray_address`` or ``RAY_ADDRESS``) and never comes here.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ def start_local_ray(**init_kwargs) -> None:
     cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
+        ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
     start_reaper(os.getpid())
