@@ -461,8 +461,7 @@ class GRPOLoop:
         deadline = time.monotonic() + limit
         with self._producer_began:
             while self._producer_generations <= handed_over:
-                if failure:
-                    raise RuntimeError(f"the rollout thread failed: {failure[0]!r}") from failure[0]
+                _raise_if_failed(failure)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"timeout: the trainer waited {limit:g}s (cluster.timeout_s) for the rollout "
                                        f"thread to begin its next generation at step {self.step}")
@@ -471,8 +470,7 @@ class GRPOLoop:
     def _next_batch(self, batches: queue.Queue, failure: list):
         waited = 0.0
         while True:
-            if failure:
-                raise RuntimeError(f"the rollout thread failed: {failure[0]!r}") from failure[0]
+            _raise_if_failed(failure)
             try:
                 return batches.get(timeout=1.0)
             except queue.Empty:
@@ -481,3 +479,9 @@ class GRPOLoop:
                     raise TimeoutError(
                         f"timeout: the trainer waited {waited:.0f}s (cluster.timeout_s) for the rollout thread's next batch"
                     ) from None
+
+
+def _raise_if_failed(failure: list) -> None:
+    """The rollout thread's exception, if it died, raised in the trainer's thread."""
+    if failure:
+        raise RuntimeError(f"the rollout thread failed: {failure[0]!r}") from failure[0]

@@ -178,8 +178,7 @@ class MegatronBackend:
             with self.routing.recording():
                 return self._logprobs(batch)
         if batch.routed_experts:  # R3: old logprobs under the generator's routing, as training will use
-            self.routing.use_generator_routing(batch)
-            with self.routing.replaying():
+            with self.routing.replaying(batch):
                 return self._logprobs(batch)
         return self._logprobs(batch)  # sequences the generator did not route (the refit probe's)
 

@@ -140,6 +140,9 @@ class LayerReplay(RouterReplay):
         self.router_replay_action = None
 
 
+REPLAYED_MODES = ("train", "replay")  # the passes that read the records (recording writes them)
+
+
 class RoutingReplay:
     """The replay of one model's MoE layers on this rank (built when ``moe_router_replay`` is r2
     or ``moe_routing_metrics`` is on). The backend calls :meth:`recording` around the old-logprob
@@ -210,20 +213,21 @@ class RoutingReplay:
     @contextlib.contextmanager
     def training(self):
         """A training pass: replay the records (r2, r3) and measure how often the router differs."""
-        self._begin("train")
-        for layer in self.layers:
-            layer.training_pass = layer.measuring = True
-        try:
+        with self._replayed_pass("train", measuring=True):
             yield
-        finally:
-            self._end()
 
     @contextlib.contextmanager
-    def replaying(self):
-        """R3's old-logprob pass: a forward-only pass under the generator's routing, not measured."""
-        self._begin("replay")
+    def replaying(self, batch):
+        """R3's old-logprob pass over ``batch``: forward only, under the generator's routing, not measured."""
+        self.use_generator_routing(batch)
+        with self._replayed_pass("replay", measuring=False):
+            yield
+
+    @contextlib.contextmanager
+    def _replayed_pass(self, mode: str, *, measuring: bool):
+        self._begin(mode)
         for layer in self.layers:
-            layer.training_pass = True
+            layer.training_pass, layer.measuring = True, measuring
         try:
             yield
         finally:
@@ -259,7 +263,7 @@ class RoutingReplay:
             return
         for mb in mbs:
             rows_L = self._local_rows(mb)
-            targets = self._targets(mb, rows_L) if self._mode in ("train", "replay") else None
+            targets = self._targets(mb, rows_L) if self._mode in REPLAYED_MODES else None
             self._pending.append((mb, rows_L, targets))
 
     def next_micro_batch(self) -> None:
@@ -267,7 +271,7 @@ class RoutingReplay:
         if self._mode is None:
             return
         mb, rows_L, targets = self._pending.popleft()
-        if self._mode in ("train", "replay"):
+        if self._mode in REPLAYED_MODES:
             recorded_LNK, has_L = targets
             for i, layer in enumerate(self.layers):
                 layer.set_micro_batch(recorded_LNK[:, i], has_L)
