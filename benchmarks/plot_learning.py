@@ -46,6 +46,9 @@ def series(records: list[dict], key: str, x: str = "step") -> tuple[list[float],
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+BAND = 0.05  # the largest mean |accuracy gap| over the last 20% of steps that counts as "within the band"
+
+
 def band(a: list[dict], b: list[dict], share: float = 0.2) -> dict:
     """Held-out accuracy of two runs at the steps both validated, over the last ``share`` of steps."""
     xa, ya = series(a, "val/accuracy")
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="NAME=path/to/metrics.jsonl")
     parser.add_argument("--out", default="benchmarks/learning_gpu.png")
     parser.add_argument("--title", default="GRPO on 3-digit +/- (recipes/grpo_arith3_gpu.yaml), one H200")
-    parser.add_argument("--band", nargs=2, metavar=("A", "B"), help="compare two runs' held-out accuracy over the last 20%% of steps")
+    parser.add_argument("--band", nargs=2, metavar=("A", "B"), action="append", default=[],
+                        help="compare two runs' held-out accuracy over the last 20%% of steps (repeatable)")
     parser.add_argument("--log", action="store_true", help="append one row per run to benchmarks/results.jsonl")
     parser.add_argument("--machine", default=None, help="machine label of the rows (the runs' machine, not this one)")
     parser.add_argument("--config", default="grpo_arith3_gpu", help="config name of the rows (--log)")
@@ -123,14 +127,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summary(name, records) for name, records in runs.items()]
     for row in rows:
         print(json.dumps(row))
-    if args.band:
-        print(json.dumps({"band": args.band, **band(runs[args.band[0]], runs[args.band[1]])}))
+    bands = []
+    for a, b in args.band:
+        missing = [name for name in (a, b) if name not in runs]
+        if missing:
+            parser.error(f"--band {a} {b}: no run named {', '.join(missing)} (runs: {', '.join(runs)})")
+        bands.append({"variant": f"band {a} vs {b}", **band(runs[a], runs[b]), "band": BAND})
+        print(json.dumps(bands[-1]))
     if args.log:
         import results_log
 
         if args.machine:
             results_log.machine = lambda: args.machine
         results_log.append(rows, bench="learning", config=args.config, gpus=args.gpus)
+        if bands:
+            results_log.append(bands, bench="learning-band", config=args.config, gpus=args.gpus)
     print(f"wrote {args.out}")
     return 0
 
