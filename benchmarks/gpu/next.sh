@@ -64,10 +64,16 @@ async_step() {  # issue 24: one step off against sync, both graphed, again (1.21
   pack async
 }
 
-moe_rows() {  # issue 23: the train-generator logprob gap without replay and with R3 (its old-logprob pass now replays too)
-  job moegrpo 320 250 python3 benchmarks/bench_grpo_step.py --config qwen3moe-megatron --steps 3 --warmup 1 --workdir /root/bench
-  job moegrpo3 250 200 python3 benchmarks/bench_grpo_step.py --config qwen3moe-megatron-r3 --steps 3 --warmup 1 --workdir /root/bench
-  grep -h '^| qwen3moe\|routing_mismatch' "$OUT"/moegrpo*.log | cut -c1-400 | sort -u
+moe_rows() {  # issue 23: the train-generator logprob gap without replay and with R3 (its old-logprob pass replays too)
+  # CONFIG...: the configurations to run, one job each (default both). On a fresh machine the first one
+  # also builds the model (about 100 s) and its first step compiles vLLM's MoE kernels (96-138 s, sixteenth
+  # session), so after gpu_install only one fits: `moe_rows qwen3moe-megatron`, then `moe_rows qwen3moe-megatron-r3`.
+  local config configs=("$@")
+  [ ${#configs[@]} -eq 0 ] && configs=(qwen3moe-megatron qwen3moe-megatron-r3)
+  for config in "${configs[@]}"; do
+    job "$config" 560 200 python3 benchmarks/bench_grpo_step.py --config "$config" --steps 3 --warmup 1 --workdir /root/bench
+  done
+  grep -h '^| qwen3moe\|routing_mismatch\|environment failed' "$OUT"/qwen3moe*.log | cut -c1-400 | sort -u
   pack moe
 }
 

@@ -91,6 +91,35 @@ def test_dead_worker_scores_error_and_is_replaced():
         pool.close()
 
 
+def test_worker_killed_while_idle_is_replaced():
+    # The sixteenth GPU session lost a batch's rewards to this: a grader killed between batches (the host
+    # out of memory) got the next chunk through a broken pipe, and the whole batch scored 0.
+    import os
+    import signal
+
+    pool = ProcessGradingPool(GradingConfig(num_workers=2, timeout_s=2.0, chunk_size=2))
+    try:
+        pool.grade(["#### 1", "#### 2"], ["1", "2"])  # both workers up
+        for worker in pool._workers:
+            os.kill(worker.process.pid, signal.SIGKILL)
+            worker.process.join(timeout=5)
+            assert not worker.process.is_alive()
+        verdicts = pool.grade(["#### 3", "#### 4", "#### 5", "#### 9"], ["3", "4", "5", "6"])
+        assert [(v.correct, v.status) for v in verdicts] == [(True, "ok")] * 3 + [(False, "ok")]
+        assert pool.restarts == 2
+    finally:
+        pool.close()
+
+
+def test_workers_that_cannot_start_raise_a_clear_error():
+    pool = ProcessGradingPool(GradingConfig(num_workers=1, timeout_s=1.0), grade_fn="no_such_module:grade")
+    try:
+        with pytest.raises(RuntimeError, match=r"grader workers were replaced.*no_such_module:grade"):
+            pool.grade(["#### 3"], ["3"])
+    finally:
+        pool.close()
+
+
 def test_deadline_restores_an_outer_timer():
     import signal
 

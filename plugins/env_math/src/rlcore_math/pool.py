@@ -123,7 +123,9 @@ class ProcessGradingPool:
 
     A worker whose progress counter has not moved for ``timeout_s + kill_grace_s`` is killed
     and replaced; the response it was on scores ``timeout`` (``error`` if the worker died on its
-    own), and its other unanswered responses go back in the queue.
+    own), and its other unanswered responses go back in the queue. A worker found dead when it is
+    handed a chunk (killed while idle, by the OS for memory say) is replaced and the chunk goes to
+    the next free worker, unscored by it.
 
     ``grade_fn`` ("module:attr", signature of :func:`~rlcore_math.grading.grade_text`) is what
     workers call per response; tests swap it to exercise the kill-and-replace path.
@@ -143,11 +145,18 @@ class ProcessGradingPool:
         pending = collections.deque(tasks[i : i + size] for i in range(0, len(tasks), size))
         hard_limit = self.options.timeout_s + self.options.kill_grace_s
         busy: dict[int, _Worker] = {}
+        restarts_before = self.restarts
         while pending or busy:
             for slot, worker in enumerate(self._workers):
                 if slot not in busy and pending:
-                    worker.assign(pending.popleft())
                     busy[slot] = worker
+                    try:
+                        worker.assign(pending.popleft())
+                    except (BrokenPipeError, ConnectionResetError, EOFError):  # it died while idle (OOM killer, say)
+                        self._replace(slot, verdicts, busy, pending, "error")
+                    self._check_restarts(restarts_before, len(tasks))
+            if not busy:  # every free worker was found dead and replaced: hand the chunks to the new ones
+                continue
             conns = {worker.conn: slot for slot, worker in busy.items()}
             deadline = min(w.stalled_since() for w in busy.values()) + hard_limit
             for conn in wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
@@ -156,7 +165,18 @@ class ProcessGradingPool:
             for slot, worker in list(busy.items()):
                 if now - worker.stalled_since() > hard_limit:
                     self._replace(slot, verdicts, busy, pending, "timeout")
+            self._check_restarts(restarts_before, len(tasks))
         return verdicts
+
+    def _check_restarts(self, restarts_before: int, num_tasks: int) -> None:
+        """Every replacement either scores one response (the one its worker was on) or none (the worker
+        died before starting one); more replacements than that allows mean workers die on their own."""
+        allowed = num_tasks + 2 * len(self._workers)
+        if self.restarts - restarts_before > allowed:
+            raise RuntimeError(
+                f"rlcore_math grading pool: {self.restarts - restarts_before} grader workers were replaced while grading "
+                f"{num_tasks} responses; workers die before grading anything (see their stderr: an import error of "
+                f"grade_fn {self._grade_fn!r}, or the host out of memory)")
 
     def _receive(self, slot: int, verdicts: list, busy: dict, pending: collections.deque) -> None:
         worker = busy[slot]
