@@ -82,6 +82,12 @@ CONFIGS = {
     # the engine core in this process on a high-priority stream it crashed on an H200: RESULTS.md, fifteenth session.)
     "llama1b-megatron-async-cuda-graph": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
                                                                   "policy.megatron_cfg.cuda_graph": "micro_batch"}),
+    # The same with the engine core in this process: one CUDA context, so generation and training kernels can
+    # run at once on their streams (two processes are time-sliced unless MPS runs). It crashed with the engine
+    # on a high-priority stream (fifteenth session); the stream now has the default priority.
+    "llama1b-megatron-async-inproc-cuda-graph": ("llama1b", "megatron", {
+        "grpo.async_grpo.enabled": True, **ONE_STEP_OFF, "policy.megatron_cfg.cuda_graph": "micro_batch",
+        "policy.generation.engine_process": False}),
     # One step off, with the correction for one step of staleness (token-level truncated IS).
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),

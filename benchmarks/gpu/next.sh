@@ -47,8 +47,11 @@ learning() {  # issue 24: fp8 and async-megatron beside their bf16 sync controls
   # The fifteenth session ran fp8 and async-megatron alone: both ended near 0.56, below the ninth session's bf16
   # runs (0.645-0.662) from another warm start (its sampled reward at step 1: 0.148 against 0.110), so the
   # comparison needs its controls in the same call. Four runs may not end in one call: call it again (they resume).
+  # RUN...: the runs (default all four); `learning megatron async-megatron` reruns one pair from a fresh start.
+  local runs=("$@")
+  [ ${#runs[@]} -eq 0 ] && runs=(fsdp2 megatron fp8 async-megatron)
   source benchmarks/gpu/learn.sh
-  LEARN_DEADLINE=${LEARN_DEADLINE:-480} learn_together /root/learn fsdp2 megatron fp8 async-megatron
+  LEARN_DEADLINE=${LEARN_DEADLINE:-480} learn_together /root/learn "${runs[@]}"
   local left=$((575 - SECONDS))  # a cut evaluation leaves the checkpoints for the next call
   local fp8=/root/learn/grpo-fp8/summary.json  # finished: a summary not written at a SIGTERM
   [ "$left" -gt 90 ] && [ -f $fp8 ] && ! grep -q '"stopped_by_signal": "' $fp8 && \
@@ -62,6 +65,24 @@ async_step() {  # issue 24: one step off against sync, both graphed, again (1.21
   job stream 60 50 python3 -m pytest -p no:cacheprovider plugins/gen_vllm/tests/test_rollout_stream_cuda.py -q -s
   grep -h '^| llama1b' "$OUT/grpo.log" | sort -u; tail -3 "$OUT/stream.log" 2>/dev/null
   pack async
+}
+
+async_overlap() {  # issue 24: one step off where generation and training kernels can run together, against sync
+  # Two processes on one GPU are time-sliced (seventeenth session: overlapped, training stretched from 3.95 to
+  # 8.85 s and generation from 7.9 to 9.5 s; 1.25x). Tried here: the engine core in the trainer's process (one
+  # context), and the engine in its own process under MPS. MPS is a user-space daemon, not a setting of the
+  # card (no compute-mode change); it is stopped before the call ends.
+  job sync 200 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph --steps 5 --warmup 1 --workdir /root/bench
+  job inproc 200 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-inproc-cuda-graph --steps 5 --warmup 1 --workdir /root/bench
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  if nvidia-cuda-mps-control -d; then
+    job mps 200 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps 5 --warmup 1 --workdir /root/bench
+    echo quit | nvidia-cuda-mps-control; cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"
+  else echo "mps: the control daemon did not start" >> "$OUT/jobs.txt"; fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  grep -h '^| llama1b' "$OUT"/sync.log "$OUT"/inproc.log "$OUT"/mps.log 2>/dev/null | sort -u
+  pack overlap
 }
 
 moe_rows() {  # issue 23: the train-generator logprob gap without replay and with R3 (its old-logprob pass replays too)
