@@ -148,10 +148,6 @@ CONFIGS = {
     "qwen3moe-megatron-r2": ("qwen3moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r2", **MOE_RUN}),
     "qwen3moe-megatron-r3": ("qwen3moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r3",
                                                       "policy.generation.return_routed_experts": True, **MOE_RUN}),
-    # vLLM's routing capture without replay: R3's generator side alone, to tell what capture does to the
-    # generator's logprobs (the probe's gap fell from 9.6e-3 to 5.2e-3 with R3, and the probe never replays).
-    "qwen3moe-megatron-capture": ("qwen3moe", "megatron", {"policy.megatron_cfg.moe_routing_metrics": True,
-                                                           "policy.generation.return_routed_experts": True, **MOE_RUN}),
     "qwen3moe-fsdp2": ("qwen3moe", "fsdp2", MOE_RUN),
     "tiny-moe-megatron-r2": ("tiny-moe", "megatron", {"policy.megatron_cfg.moe_router_replay": "r2",
                                                       "policy.train_global_batch_size": 8}),

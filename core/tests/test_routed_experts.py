@@ -1,7 +1,8 @@
 """The generator's MoE routing on its way to the trainer (routing replay R3): a GenerationResult's
 ``routed_experts`` ([prompt + response - 1, MoE layers, top-k], the last token never fed) becomes
 ``SequenceBatch.routed_experts`` aligned with each sequence (cut where the sequence is cut, -1 where
-nothing was reported), survives ``select``, and a generator that cannot report routing refuses the key."""
+nothing was reported), survives ``select`` but not the refit probe's selection, and a generator that
+cannot report routing refuses the key."""
 
 from __future__ import annotations
 
@@ -39,6 +40,23 @@ def test_routing_is_aligned_with_each_sequence_and_survives_select():
     picked = batch.select([1])
     assert len(picked.routed_experts) == 1 and torch.equal(picked.routed_experts[0], second)
     assert to_sequence_batch(trajs[2:], torch.zeros(1), max_len=6).routed_experts is None
+
+
+def test_the_refit_probe_leaves_the_routing_behind():
+    # The generator scores the probe after the refit with its own router at the new weights; routing recorded at
+    # the old ones would make the trainer replay another network's choice (seventeenth GPU session: the probe's
+    # gap with R3 fell with the training pass's, 9.6e-3 to 5.2e-3, because it replayed too).
+    from rlcore.controller.loop import refit_probe_sequences
+
+    batch = to_sequence_batch([trajectory([1, 2, 3], [4, 5, 6, 7], np.zeros((3 + 4 - 1, 2, 2))),
+                               trajectory([1, 2], [3, 4], np.ones((2 + 2 - 1, 2, 2)))],
+                              torch.tensor([1.0, 0.0]), max_len=64)
+    assert batch.routed_experts is not None
+    probe = refit_probe_sequences(batch, 1)
+    assert probe.routed_experts is None
+    assert len(probe) == 1 and torch.equal(probe.input_ids[0], batch.input_ids[0])
+    assert torch.equal(probe.loss_mask[0], batch.loss_mask[0])
+    assert len(refit_probe_sequences(batch, 8)) == 2
 
 
 def test_malformed_routing_names_its_shape():

@@ -225,7 +225,7 @@ class GRPOLoop:
         count = self.refit_cfg.probe_num_sequences
         if count <= 0:
             return {}
-        probe = batch.select(range(min(count, len(batch))))
+        probe = refit_probe_sequences(batch, count)
         with self.gen_lock:
             gen_lp = self.c.generator.score([ids.tolist() for ids in probe.input_ids])
         train_lp = self.c.trainer.logprobs(probe, what="'logprobs' (refit probe)")
@@ -485,3 +485,13 @@ def _raise_if_failed(failure: list) -> None:
     """The rollout thread's exception, if it died, raised in the trainer's thread."""
     if failure:
         raise RuntimeError(f"the rollout thread failed: {failure[0]!r}") from failure[0]
+
+
+def refit_probe_sequences(batch: SequenceBatch, count: int) -> SequenceBatch:
+    """The refit probe's sequences: the step's first ``count``, without the generator's MoE routing.
+
+    That routing (R3) was chosen at the weights before this refit, while the generator scores the
+    probe with the new ones and its own router; the trainer keeps its own router's choice too, so the
+    probe compares the two networks' weights, not one network's routing with another's.
+    """
+    return attrs.evolve(batch.select(range(min(count, len(batch)))), routed_experts=None)
