@@ -18,7 +18,8 @@ job() {
 # would hold memory the next job needs: stop every process still holding the GPU.
 gpu_clear() {
   local pids
-  pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+  # (an MPS server, which next.sh's async_overlap starts and stops itself, is not a job's leftover)
+  pids=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null | grep -v mps-server | cut -d, -f1 | tr -d ' ')
   [ -z "$pids" ] && return
   echo "$1: stopped processes it left on the GPU: $(echo $pids)" >> "$OUT/jobs.txt"
   ray stop --force > /dev/null 2>&1
