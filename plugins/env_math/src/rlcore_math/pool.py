@@ -147,6 +147,7 @@ class ProcessGradingPool:
         busy: dict[int, _Worker] = {}
         restarts_before = self.restarts
         while pending or busy:
+            self._check_restarts(restarts_before, len(tasks))
             for slot, worker in enumerate(self._workers):
                 if slot not in busy and pending:
                     busy[slot] = worker
@@ -154,7 +155,6 @@ class ProcessGradingPool:
                         worker.assign(pending.popleft())
                     except (BrokenPipeError, ConnectionResetError, EOFError):  # it died while idle (OOM killer, say)
                         self._replace(slot, verdicts, busy, pending, "error")
-                    self._check_restarts(restarts_before, len(tasks))
             if not busy:  # every free worker was found dead and replaced: hand the chunks to the new ones
                 continue
             conns = {worker.conn: slot for slot, worker in busy.items()}
@@ -165,7 +165,6 @@ class ProcessGradingPool:
             for slot, worker in list(busy.items()):
                 if now - worker.stalled_since() > hard_limit:
                     self._replace(slot, verdicts, busy, pending, "timeout")
-            self._check_restarts(restarts_before, len(tasks))
         return verdicts
 
     def _check_restarts(self, restarts_before: int, num_tasks: int) -> None:
