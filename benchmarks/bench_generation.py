@@ -17,7 +17,9 @@ one batched decode per response); ``batched-detok-unseeded`` also leaves out the
 (``request_seeds: false``: vLLM draws seeded requests' noise one request at a time). ``--engine-process`` runs vLLM's engine core in its own process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), overlapping output handling with the next step.
 ``--quantization none,fp8,fp8-kv`` compares the bf16 engine with vLLM's online FP8 (per-tensor W8A8,
-the weights quantized as they load) and with an FP8 KV cache besides, each in its own process. Rows go to ``benchmarks/results.jsonl``.
+the weights quantized as they load) and with an FP8 KV cache besides, each in its own process;
+``fp8-kv-torchmm`` is ``fp8-kv`` with vLLM's CUTLASS FP8 GEMM turned off (``VLLM_DISABLED_KERNELS``), so
+that ``torch._scaled_mm`` (cuBLASLt) runs the GEMMs. Rows go to ``benchmarks/results.jsonl``.
 ``--profile DIR``: one more batch of the first variant under cProfile (host time by function,
 top rows printed, ``.pstats`` written), and a short batch under torch.profiler (Chrome trace
 for ``trace_summary.py``: how busy the GPU is between decode steps).
@@ -40,8 +42,12 @@ import results_log  # noqa: E402
 # name -> VllmConfig overrides applied per request on one engine
 VARIANTS = {"engine-detok": {"engine_detokenize": True}, "batched-detok": {"engine_detokenize": False},
             "batched-detok-unseeded": {"engine_detokenize": False, "request_seeds": False}}
-# --quantization name -> (VllmConfig.quantization, VllmConfig.kv_cache_dtype)
-QUANTIZATIONS = {"none": ("none", "auto"), "fp8": ("fp8", "auto"), "fp8-kv": ("fp8", "fp8"), "kv8": ("none", "fp8")}
+# --quantization name -> (VllmConfig.quantization, VllmConfig.kv_cache_dtype, vLLM kernels turned off)
+# fp8-kv-torchmm: vLLM's CUTLASS FP8 GEMM off, so its next choice runs them: torch._scaled_mm (cuBLASLt), with
+# the per-token scales applied after it. At 256 sequences the CUTLASS FP8 GEMMs of the 8B shape took as long as
+# cuBLAS's bf16 ones (eighteenth session's profile): a 128x128 tile gives the 4096-wide GEMMs 64 tiles for 132 SMs.
+QUANTIZATIONS = {"none": ("none", "auto", ""), "fp8": ("fp8", "auto", ""), "fp8-kv": ("fp8", "fp8", ""),
+                 "kv8": ("none", "fp8", ""), "fp8-kv-torchmm": ("fp8", "fp8", "CutlassFP8ScaledMMLinearKernel")}
 
 
 def run_mode(args) -> list[dict]:
@@ -52,6 +58,9 @@ def run_mode(args) -> list[dict]:
 
     from rlcore_vllm.benchmarking import config_only_model, gpu_env_defaults, has_cuda
 
+    quantization, kv_cache_dtype, disabled_kernels = QUANTIZATIONS[args.quantization]
+    if disabled_kernels:  # read by vLLM when it picks a kernel; this process (and its engine) runs one quantization
+        os.environ["VLLM_DISABLED_KERNELS"] = disabled_kernels
     cuda = has_cuda()
     if args.engine_process:  # spawn: has_cuda() below initialises CUDA, which a forked engine cannot reuse
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -66,7 +75,7 @@ def run_mode(args) -> list[dict]:
     model_dir = config_only_model(Path(args.workdir) / args.shape, args.shape, dtype)
     cfg = VllmConfig(enforce_eager=args.mode == "eager", gpu_memory_utilization=args.gpu_memory_utilization,
                      max_num_seqs=args.max_num_seqs, kv_cache_space_gib=args.kv_cache_space_gib, enable_prefix_caching=False,
-                     quantization=QUANTIZATIONS[args.quantization][0], kv_cache_dtype=QUANTIZATIONS[args.quantization][1])
+                     quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     start = time.perf_counter()
     gen = VllmGenerator(str(model_dir), cfg, max_model_len=args.prompt_len + args.new_tokens + 8, dtype=dtype, seed=0,
                         device="cuda" if cuda else "cpu", engine_kwargs={"load_format": "dummy"})
