@@ -1,8 +1,8 @@
 # The next GPU sessions' calls (benchmarks/gpu/README.md, "What the next GPU sessions run"), one
 # function per call, so that each call's command is one short line and the next one can follow
 # within the 30 s a warm machine waits. On the device, after staging:
-#   first call:  (cd /root/stage && cat t/p.* | tar xf - && mv chunk-*/* . && rm -rf chunk-* t); export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_install; learning
-#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; learning   (again, then fp8_gen, moe_rows, async_step)
+#   first call:  (cd /root/stage && cat t/p.* | tar xf - && mv chunk-*/* . && rm -rf chunk-* t); export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_install; fp8_gen
+#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; fp8_gen_mp   (then async_overlap, learning, ...)
 # (the device gets the working tree without .git: name the commit the rows come from)
 # Each function keeps its jobs inside the call's 600 s (jobs.sh) and packs its logs into one tar in
 # $OUT, because at most 8 files come back. Rows go to $OUT/results.jsonl.
@@ -105,13 +105,25 @@ moe_rows() {  # issue 23: the train-generator logprob gap without replay and wit
   pack moe
 }
 
-fp8_gen() {  # issue 24: FP8 generation at 8B (engine core in this process): CUTLASS's FP8 GEMMs and cuBLASLt's
-  # The eighteenth session's profile (64-token batch): the CUTLASS FP8 GEMMs took as long as cuBLAS's bf16 ones
-  # (370 against 372 ms), FP8 attention 152 against 136 ms, activation quantization 71 ms more; kernels 752
-  # against 952 ms in all. fp8-kv-torchmm turns CUTLASS's kernel off (bench_generation.py).
+fp8_gen() {  # issue 24: FP8 generation at 8B (engine core in this process): the decode GEMMs alone, then CUTLASS's FP8 GEMMs and cuBLASLt's
+  # The eighteenth session's profile (64-token batch, prefill included): decode GEMMs 5.1 ms a step in bf16 against
+  # 3.8 ms through CUTLASS FP8 plus 0.85 ms of activation quantization. bench_fp8_gemm.py times each FP8 kernel
+  # vLLM can dispatch to on the decode shapes; fp8-kv-torchmm turns CUTLASS's kernel off (bench_generation.py).
+  job gemm 120 60 python3 benchmarks/bench_fp8_gemm.py --shape 8b --tokens 128,256
   job gen8b 420 200 python3 benchmarks/bench_generation.py --shape 8b --repeats 2 --quantization none,fp8-kv,fp8-kv-torchmm $FP8_GEN_COMMON
+  grep -h '^| 8b\|Error' "$OUT"/gemm.log | cut -c1-200
   grep -h '"tokens_per_s"' "$OUT"/gen8b.log | cut -c1-300
   pack gen
+}
+
+fp8_gen_mp() {  # issue 24: the 8B pair with vLLM's engine core in its own process, then the 1.2B pair in this process
+  # In this process the engine's one thread does the scheduling, the step's output handling and the front end's
+  # output processing (17% of the host time under cProfile, eighteenth session); the 1.2B bf16 step (10-11.4 ms,
+  # host-bound) is close to the 8B FP8 step (11.6-12.4 ms). In its own process the front end runs beside the core.
+  job gen8bmp 330 200 python3 benchmarks/bench_generation.py --shape 8b --repeats 2 --engine-process --quantization none,fp8-kv $FP8_GEN_COMMON
+  job gen1b 240 150 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 2 --quantization none,fp8-kv $FP8_GEN_COMMON
+  grep -h '"tokens_per_s"' "$OUT"/gen8bmp.log "$OUT"/gen1b.log | cut -c1-300
+  pack genmp
 }
 
 fp8_gen_1b() {  # issue 24: the 1.2B figure beside the 8B one (cut by the job limit behind the 8B job twice)
