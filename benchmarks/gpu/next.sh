@@ -1,8 +1,8 @@
 # The next GPU sessions' calls (benchmarks/gpu/README.md, "What the next GPU sessions run"), one
 # function per call, so that each call's command is one short line and the next one can follow
 # within the 30 s a warm machine waits. On the device, after staging:
-#   first call:  (cd /root/stage && cat t/p.* | tar xf - && mv chunk-*/* . && rm -rf chunk-* t); export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_install; fp8_gen
-#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; fp8_gen_mp   (then async_overlap, learning, ...)
+#   first call:  (cd /root/stage && cat t/p.* | tar xf - && mv chunk-*/* . && rm -rf chunk-* t); export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_install  (alone: it takes about 70 s)
+#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; gen_engines   (then gen_engines_mps, fp8_gen, async_overlap, ...)
 # (the device gets the working tree without .git: name the commit the rows come from)
 # Each function keeps its jobs inside the call's 600 s (jobs.sh) and packs its logs into one tar in
 # $OUT, because at most 8 files come back. Rows go to $OUT/results.jsonl.
@@ -124,6 +124,33 @@ fp8_gen_mp() {  # issue 24: the 8B pair with vLLM's engine core in its own proce
   job gen1b 240 150 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 2 --quantization none,fp8-kv $FP8_GEN_COMMON
   grep -h '"tokens_per_s"' "$OUT"/gen8bmp.log "$OUT"/gen1b.log | cut -c1-300
   pack genmp
+}
+
+gen_engines() {  # issue 24: two engines sharing the GPU (a host thread each) against one, bf16 and FP8, 8B
+  # At 256 sequences one engine's host work (scheduling, the step's output handling: 8-11.4 ms a step on these
+  # hosts, the 1.2B bf16 step) bounds the 8B FP8 step (11.6-12.4 ms), whose kernels need about 8.5 ms.
+  # Two engines of 128 sequences each halve each host's work and interleave their kernels on the GPU.
+  job one 280 200 python3 benchmarks/bench_generation.py --shape 8b --repeats 2 --quantization none,fp8-kv $FP8_GEN_COMMON
+  job two 300 200 python3 benchmarks/bench_generation.py --shape 8b --repeats 2 --quantization none,fp8-kv --engines-per-gpu 2 \
+    --gpu-memory-utilization 0.4 --gpu-kv-cache-gib 24 $FP8_GEN_COMMON
+  grep -h '^{"bench"' "$OUT"/one.log "$OUT"/two.log | cut -c1-330
+  pack engines
+}
+
+gen_engines_mps() {  # issue 24: the two-engine pair under MPS (their kernels run side by side, not time-sliced), then 1.2B one against two
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  if nvidia-cuda-mps-control -d; then
+    job twomps 300 200 python3 benchmarks/bench_generation.py --shape 8b --repeats 2 --quantization none,fp8-kv --engines-per-gpu 2 \
+      --gpu-memory-utilization 0.4 --gpu-kv-cache-gib 24 $FP8_GEN_COMMON
+    echo quit | nvidia-cuda-mps-control
+  else echo "mps: the control daemon did not start" >> "$OUT/jobs.txt"; fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  job small 120 90 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 2 $FP8_GEN_COMMON
+  job smalltwo 140 100 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 2 --engines-per-gpu 2 \
+    --gpu-memory-utilization 0.4 --gpu-kv-cache-gib 16 $FP8_GEN_COMMON
+  grep -h '^{"bench"' "$OUT"/twomps.log "$OUT"/small.log "$OUT"/smalltwo.log | cut -c1-330
+  pack enginesmps
 }
 
 fp8_gen_1b() {  # issue 24: the 1.2B figure beside the 8B one (cut by the job limit behind the 8B job twice)

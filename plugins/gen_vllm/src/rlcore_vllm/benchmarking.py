@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def config_only_model(directory: Path, shape: str, dtype: str = "bfloat16", max_
                          num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"], intermediate_size=s["intermediate_size"],
                          max_positions=max_positions)
     config.dtype = dtype
+    written = directory / "config.json"
+    same = written.exists() and json.loads(written.read_text()) == json.loads(config.to_json_string())
+    if same and (directory / "tokenizer.json").exists():
+        return directory  # already there: engines started together on one directory must not read it half-rewritten
     config.save_pretrained(directory)
     build_tokenizer(vocab_size=s["vocab_size"]).save_pretrained(directory)
     return directory
