@@ -216,23 +216,33 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-def cap_trainer_mps_share(percent: int) -> None:
-    """Cap this process's CUDA context (the trainer's) at ``percent`` of the SMs under MPS.
+MPS_CLIENT_PRIORITIES = {"normal": "0", "below-normal": "1"}
 
-    MPS reads ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` when a process creates its context, so the context
-    is created here and the variable removed again: the processes started later (the model builder,
-    vLLM's engine core) keep the whole GPU. Under MPS without a cap, one step off at 1.2B kept the
-    trainer near its own speed while generation stretched from about 7 to 13 s (eighteenth session).
+
+def make_trainer_mps_context(percent: int | None, priority: str | None) -> None:
+    """Create this process's CUDA context (the trainer's) under MPS with an SM cap and a client priority.
+
+    MPS reads ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (the share of the SMs) and ``CUDA_MPS_CLIENT_PRIORITY``
+    (0 normal, 1 below normal: a coarse priority between clients, which NVIDIA's MPS guide describes as
+    the default priority of the client's streams) when a process creates its context, so the context is created here and the variables removed again: the
+    processes started later (the model builder, vLLM's engine core) keep the whole GPU at normal
+    priority. Under MPS without either, one step off at 1.2B kept the trainer near its own speed while
+    generation stretched from about 7 to 13 s (eighteenth session); a cap of 50% slowed the trainer
+    as much as time-slicing did (nineteenth).
     """
     import torch
 
-    if not 1 <= percent <= 100:
+    if percent is not None and not 1 <= percent <= 100:
         raise SystemExit(f"--trainer-mps-percentage: {percent} is not a percentage in 1..100")
-    os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percent)
+    names = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": None if percent is None else str(percent),
+             "CUDA_MPS_CLIENT_PRIORITY": None if priority is None else MPS_CLIENT_PRIORITIES[priority]}
+    names = {name: value for name, value in names.items() if value is not None}
+    os.environ.update(names)
     try:
         torch.zeros(1, device="cuda")
     finally:
-        del os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
+        for name in names:
+            del os.environ[name]
 
 
 def recipe(model: Path, backend: str, run_dir: Path, args, gpu: bool) -> dict:
@@ -323,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-mps-percentage", type=int, default=None, metavar="P",
                         help="under MPS (nvidia-cuda-mps-control -d), cap the trainer's CUDA context at P%% of the "
                              "SMs; vLLM's engine process keeps all of them; the row's name shows it")
+    parser.add_argument("--trainer-mps-priority", choices=sorted(MPS_CLIENT_PRIORITIES), default=None,
+                        help="under MPS, the trainer's client priority (CUDA_MPS_CLIENT_PRIORITY): below-normal lets "
+                             "vLLM's engine process, at normal, have its kernels scheduled first; the row's name shows it")
     args = parser.parse_args(argv)
     if args.build_model:  # child process of build_model
         _build_model_here(args.build_model, Path(args.workdir) / f"model-{args.build_model}", device="cuda")
@@ -344,10 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     get_plugin_manager().register_module(bench_row_logger)
 
     gpu = gpu_available()
-    if args.trainer_mps_percentage is not None:
+    if args.trainer_mps_percentage is not None or args.trainer_mps_priority is not None:
         if not gpu:
-            parser.error("--trainer-mps-percentage needs a GPU (and an MPS control daemon)")
-        cap_trainer_mps_share(args.trainer_mps_percentage)
+            parser.error("--trainer-mps-percentage and --trainer-mps-priority need a GPU (and an MPS control daemon)")
+        make_trainer_mps_context(args.trainer_mps_percentage, args.trainer_mps_priority)
     root = Path(args.workdir)
     rows = []
     for name in configs:
@@ -375,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         label = name + "".join(f" [{item}]" for item in args.set)
         if args.trainer_mps_percentage is not None:
             label += f" [mps trainer {args.trainer_mps_percentage}%]"
+        if args.trainer_mps_priority is not None:
+            label += f" [mps trainer {args.trainer_mps_priority}]"
         started = time.perf_counter()
 
         def emit(result, label=label, shape=shape, gpus=gpus, train_gpus=train_gpus, started=started):

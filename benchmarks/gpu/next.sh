@@ -2,7 +2,7 @@
 # function per call, so that each call's command is one short line and the next one can follow
 # within the 30 s a warm machine waits. On the device, after staging:
 #   first call:  (cd /root/stage && cat t/p.* | tar xf - && mv chunk-*/* . && rm -rf chunk-* t); export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_install  (alone: it takes about 70 s)
-#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; gen_engines   (then gen_engines_mps, fp8_gen, async_overlap, ...)
+#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; async_overlap low low70   (then fp8_gen_both, ...)
 # (the device gets the working tree without .git: name the commit the rows come from)
 # Each function keeps its jobs inside the call's 600 s (jobs.sh) and packs its logs into one tar in
 # $OUT, because at most 8 files come back. Rows go to $OUT/results.jsonl.
@@ -69,21 +69,29 @@ async_step() {  # issue 24: one step off against sync, both graphed, again (1.21
   pack async
 }
 
-async_overlap() {  # issue 24: one step off under MPS with the trainer's SMs capped, against sync graphed
+async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at a lower client priority, against sync graphed
   # Two processes on one GPU are time-sliced (seventeenth session: overlapped, training stretched from 3.95 to
-  # 8.85 s; 1.25x). The eighteenth session measured the engine core in the trainer's process at 1.17x, and
-  # under MPS without a cap the trainer kept its speed (4.5-5.3 s) while generation stretched to 12.5-14.3 s:
-  # the trainer's GEMMs held the SMs. PERCENT...: caps for the trainer's context (default 50), one job each.
+  # 8.85 s; 1.25x). Under MPS without a cap the trainer kept its speed (4.5-5.3 s) while generation stretched
+  # to 12.5-14.3 s: the trainer's GEMMs held the SMs (eighteenth). Capped at 50% the trainer stretched to 8.8 s
+  # and generation still took 10.4 s (1.17x, nineteenth). Below-normal priority lets the engine's kernels go
+  # first while the trainer fills the gaps of the host-bound engine. VARIANT...: one job each (default 50):
+  # P caps the trainer at P% of the SMs, `low` gives it below-normal priority, `lowP` both.
   # MPS is a user-space daemon, not a setting of the card (no compute-mode change); it is stopped in the call.
-  local percent percents=("$@")
-  [ ${#percents[@]} -eq 0 ] && percents=(50)
+  local variant flags variants=("$@")
+  [ ${#variants[@]} -eq 0 ] && variants=(50)
   job sync 250 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph --steps 4 --warmup 1 --workdir /root/bench
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   if nvidia-cuda-mps-control -d; then
-    for percent in "${percents[@]}"; do
-      job "mps$percent" 170 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps 4 \
-        --warmup 1 --workdir /root/bench --trainer-mps-percentage "$percent"
+    for variant in "${variants[@]}"; do
+      case $variant in
+        low) flags="--trainer-mps-priority below-normal" ;;
+        low*) flags="--trainer-mps-priority below-normal --trainer-mps-percentage ${variant#low}" ;;
+        *) flags="--trainer-mps-percentage $variant" ;;
+      esac
+      # shellcheck disable=SC2086  # flags: two or four words
+      job "mps$variant" 170 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps 4 \
+        --warmup 1 --workdir /root/bench $flags
     done
     echo quit | nvidia-cuda-mps-control; cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"
   else echo "mps: the control daemon did not start" >> "$OUT/jobs.txt"; fi
@@ -153,8 +161,10 @@ gen_engines_mps() {  # issue 24: the two-engine pair under MPS (their kernels ru
   pack enginesmps
 }
 
-fp8_gen_1b() {  # issue 24: the 1.2B figure beside the 8B one (cut by the job limit behind the 8B job twice)
-  job gen1b 300 120 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 2 --quantization none,fp8-kv $FP8_GEN_COMMON
-  grep -h '"tokens_per_s"' "$OUT"/gen1b.log | cut -c1-300
-  pack gen1b
+fp8_gen_both() {  # issue 24: the 8B pair and the 1.2B figure beside it, one call (the 1.2B pair was cut behind the 8B job twice)
+  # The 8B pair took 167 s in the twentieth session (1.287x); each pair's engine starts in 30-72 s.
+  job gen8b 260 120 python3 benchmarks/bench_generation.py --shape 8b --repeats 2 --quantization none,fp8-kv $FP8_GEN_COMMON
+  job gen1b 260 120 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 2 --quantization none,fp8-kv $FP8_GEN_COMMON
+  grep -h '^{"bench"' "$OUT"/gen8b.log "$OUT"/gen1b.log | cut -c1-330
+  pack genboth
 }
