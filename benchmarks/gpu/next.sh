@@ -75,11 +75,12 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   # to 12.5-14.3 s: the trainer's GEMMs held the SMs (eighteenth). Capped at 50% the trainer stretched to 8.8 s
   # and generation still took 10.4 s (1.17x, nineteenth). Below-normal priority lets the engine's kernels go
   # first while the trainer fills the gaps of the host-bound engine. VARIANT...: one job each (default 50):
-  # P caps the trainer at P% of the SMs, `low` gives it below-normal priority, `lowP` both.
+  # P caps the trainer at P% of the SMs, `low` gives it below-normal priority, `lowP` both. ASYNC_SYNC=0: no sync job.
   # MPS is a user-space daemon, not a setting of the card (no compute-mode change); it is stopped in the call.
   local variant flags variants=("$@")
   [ ${#variants[@]} -eq 0 ] && variants=(50)
-  job sync 250 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph --steps 4 --warmup 1 --workdir /root/bench
+  [ "${ASYNC_SYNC:-1}" = 1 ] && job sync 250 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph \
+    --steps 4 --warmup 1 --workdir /root/bench
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   if nvidia-cuda-mps-control -d; then
@@ -90,13 +91,13 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
         *) flags="--trainer-mps-percentage $variant" ;;
       esac
       # shellcheck disable=SC2086  # flags: two or four words
-      job "mps$variant" 170 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps 4 \
+      job "mps$variant" 200 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps 4 \
         --warmup 1 --workdir /root/bench $flags
     done
     echo quit | nvidia-cuda-mps-control; cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"
   else echo "mps: the control daemon did not start" >> "$OUT/jobs.txt"; fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  grep -h '^| llama1b' "$OUT"/sync.log "$OUT"/mps*.log 2>/dev/null | sort -u
+  grep -h '^| llama1b\|RefitError' "$OUT"/sync.log "$OUT"/mps*.log 2>/dev/null | cut -c1-600 | sort -u
   pack overlap
 }
 

@@ -229,20 +229,31 @@ class GRPOLoop:
         with self.gen_lock:
             gen_lp = self.c.generator.score([ids.tolist() for ids in probe.input_ids])
         train_lp = self.c.trainer.logprobs(probe, what="'logprobs' (refit probe)")
-        diffs = []
-        for g, t, m in zip(gen_lp, train_lp, probe.loss_mask):
-            d = (torch.as_tensor(g, dtype=torch.float32) - t.float()).abs()
-            diffs.append(d[m > 0])
-        diff_T = torch.cat(diffs) if sum(d.numel() for d in diffs) else torch.zeros(1)
+        rollout_lp = probe.token_fields.get("gen_logprobs")  # the sampling pass's, at the weights before
+        gen_T, train_T, rollout_T = [], [], []
+        for i, (g, t, m) in enumerate(zip(gen_lp, train_lp, probe.loss_mask)):
+            mask = m > 0
+            gen_T.append(torch.as_tensor(g, dtype=torch.float32)[mask])
+            train_T.append(t.float()[mask])
+            if rollout_lp is not None:
+                rollout_T.append(rollout_lp[i].float()[mask])
+        gen_T, train_T = (torch.cat(x) if x else torch.zeros(1) for x in (gen_T, train_T))
+        diff_T = (gen_T - train_T).abs() if gen_T.numel() else torch.zeros(1)
         worst, mean = float(diff_T.max()), float(diff_T.mean())
         # The mean is what a corrupt refit moves (every token of a stale layer); the max of a few
         # thousand bf16 tokens can reach ~1 on a peaked distribution with correct weights.
         threshold = self.refit_cfg.probe_threshold
         if not (math.isfinite(worst) and math.isfinite(mean)) or mean > threshold:
+            # Which side is off: the weights moved by one update since the tokens were sampled, so
+            # the correct side's mean logprob stays near the sampling pass's.
+            means = f"mean logprob: generator {float(gen_T.mean()):.3g}, trainer {float(train_T.mean()):.3g}"
+            if rollout_T:
+                means += f", the rollout's own at the weights before {float(torch.cat(rollout_T).mean()):.3g}"
             raise RefitError(
                 f"refit verification failed at step {self.step}: generator and trainer logprobs differ by "
                 f"{mean:.3g} on average (max {worst:.3g}) over {diff_T.numel()} probe tokens "
-                f"(policy.generation.refit.probe_threshold={threshold}); the weights the generator holds are not the trainer's"
+                f"(policy.generation.refit.probe_threshold={threshold}); the weights the generator holds are not the "
+                f"trainer's ({means})"
             )
         return {"refit/probe_max_abs_logprob_diff": worst, "refit/probe_mean_abs_logprob_diff": mean}
 
