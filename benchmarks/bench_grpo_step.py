@@ -228,7 +228,8 @@ def make_trainer_mps_context(percent: int | None, priority: str | None) -> None:
     processes started later (the model builder, vLLM's engine core) keep the whole GPU at normal
     priority. Under MPS without either, one step off at 1.2B kept the trainer near its own speed while
     generation stretched from about 7 to 13 s (eighteenth session); a cap of 50% slowed the trainer
-    as much as time-slicing did (nineteenth).
+    as much as time-slicing did (nineteenth); at 70% the trainer's logprobs came out wrong and the refit
+    probe stopped the run at step 1 (twenty-first, RESULTS.md).
     """
     import torch
 
