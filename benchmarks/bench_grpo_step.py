@@ -223,13 +223,13 @@ def make_trainer_mps_context(percent: int | None, priority: str | None) -> None:
     """Create this process's CUDA context (the trainer's) under MPS with an SM cap and a client priority.
 
     MPS reads ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (the share of the SMs) and ``CUDA_MPS_CLIENT_PRIORITY``
-    (0 normal, 1 below normal: a coarse priority between clients, which NVIDIA's MPS guide describes as
-    the default priority of the client's streams) when a process creates its context, so the context is created here and the variables removed again: the
-    processes started later (the model builder, vLLM's engine core) keep the whole GPU at normal
-    priority. Under MPS without either, one step off at 1.2B kept the trainer near its own speed while
-    generation stretched from about 7 to 13 s (eighteenth session); a cap of 50% slowed the trainer
-    as much as time-slicing did (nineteenth); at 70% the trainer's logprobs came out wrong and the refit
-    probe stopped the run at step 1 (twenty-first, RESULTS.md).
+    (0 normal, 1 below normal: a coarse priority between MPS clients) when a process creates its context,
+    so the context is created here and the variables removed again: the processes started later (the
+    model builder, vLLM's engine core) keep the whole GPU at normal priority. Under MPS without either,
+    one step off at 1.2B kept the trainer near its own speed while generation stretched from about 7 to
+    13 s (eighteenth session); a cap of 50% slowed the trainer as much as time-slicing did (nineteenth);
+    at 70% the trainer's logprobs came out wrong and the refit probe stopped the run at step 1
+    (twenty-first, RESULTS.md).
     """
     import torch
 
@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="under MPS (nvidia-cuda-mps-control -d), cap the trainer's CUDA context at P%% of the "
                              "SMs; vLLM's engine process keeps all of them; the row's name shows it")
     parser.add_argument("--trainer-mps-priority", choices=sorted(MPS_CLIENT_PRIORITIES), default=None,
-                        help="under MPS, the trainer's client priority (CUDA_MPS_CLIENT_PRIORITY): below-normal lets "
-                             "vLLM's engine process, at normal, have its kernels scheduled first; the row's name shows it")
+                        help="under MPS, the trainer's client priority (CUDA_MPS_CLIENT_PRIORITY): below-normal asks "
+                             "MPS to schedule vLLM's engine process (normal) ahead of the trainer; the row's name shows it")
     args = parser.parse_args(argv)
     if args.build_model:  # child process of build_model
         _build_model_here(args.build_model, Path(args.workdir) / f"model-{args.build_model}", device="cuda")

@@ -252,8 +252,8 @@ class GRPOLoop:
             raise RefitError(
                 f"refit verification failed at step {self.step}: generator and trainer logprobs differ by "
                 f"{mean:.3g} on average (max {worst:.3g}) over {diff_T.numel()} probe tokens "
-                f"(policy.generation.refit.probe_threshold={threshold}); the weights the generator holds are not the "
-                f"trainer's ({means})"
+                f"(policy.generation.refit.probe_threshold={threshold}): the generator does not hold the trainer's "
+                f"weights, or one side's logprob pass is wrong ({means})"
             )
         return {"refit/probe_max_abs_logprob_diff": worst, "refit/probe_mean_abs_logprob_diff": mean}
 
