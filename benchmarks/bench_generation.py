@@ -146,6 +146,7 @@ def run_engines(args, argv: list[str]) -> list[dict]:
     """``--engines-per-gpu N``: N processes of this script, each an engine with its share of the prompts, timed
     together; one row per variant with all engines' tokens over the span of each batch (median over repeats)."""
     import os
+    import shutil
 
     n = args.engines_per_gpu
     if _cuda_visible() and args.gpu_kv_cache_gib is None:
@@ -183,6 +184,7 @@ def run_engines(args, argv: list[str]) -> list[dict]:
         time.sleep(1.0)
     for thread in relays:
         thread.join()
+    shutil.rmtree(barrier, ignore_errors=True)
     if failed := [i for i, proc in enumerate(procs) if proc.returncode != 0]:
         raise SystemExit(f"engine {failed[0]} of {n} exited with status {procs[failed[0]].returncode}")
     rows = []
