@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-mps-percentage", type=int, default=None, metavar="P",
                         help="under MPS (nvidia-cuda-mps-control -d), cap the trainer's CUDA context at P%% of the "
                              "SMs; vLLM's engine process keeps all of them; the row's name shows it")
+    parser.add_argument("--trainer-sm-margin", type=int, default=None, metavar="N",
+                        help="SMs Transformer Engine's GEMMs in the trainer leave free (NVTE_EXT_MARGIN_SM: cuBLASLt's "
+                             "SM count target), so that vLLM's kernels beside them under MPS start at once; the row's name shows it")
     parser.add_argument("--trainer-mps-priority", choices=sorted(MPS_CLIENT_PRIORITIES), default=None,
                         help="under MPS, the trainer's client priority (CUDA_MPS_CLIENT_PRIORITY): below-normal asks "
                              "MPS to schedule vLLM's engine process (normal) ahead of the trainer; the row's name shows it")
@@ -358,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     get_plugin_manager().register_module(bench_row_logger)
 
     gpu = gpu_available()
+    if args.trainer_sm_margin is not None:
+        if not 0 <= args.trainer_sm_margin < 132:
+            parser.error(f"--trainer-sm-margin: {args.trainer_sm_margin} is not a count of SMs in 0..131")
+        # Read by TE at each GEMM; vLLM's engine process inherits it but has no TE GEMMs.
+        os.environ["NVTE_EXT_MARGIN_SM"] = str(args.trainer_sm_margin)
     if args.trainer_mps_percentage is not None or args.trainer_mps_priority is not None:
         if not gpu:
             parser.error("--trainer-mps-percentage and --trainer-mps-priority need a GPU (and an MPS control daemon)")
@@ -391,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             label += f" [mps trainer {args.trainer_mps_percentage}%]"
         if args.trainer_mps_priority is not None:
             label += f" [mps trainer {args.trainer_mps_priority}]"
+        if args.trainer_sm_margin is not None:
+            label += f" [trainer GEMMs leave {args.trainer_sm_margin} SMs]"
         started = time.perf_counter()
 
         def emit(result, label=label, shape=shape, gpus=gpus, train_gpus=train_gpus, started=started):

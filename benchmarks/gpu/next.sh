@@ -75,7 +75,9 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   # to 12.5-14.3 s: the trainer's GEMMs held the SMs (eighteenth). Capped at 50% the trainer stretched to 8.8 s
   # and generation still took 10.4 s (1.17x, nineteenth). Below-normal priority lets the engine's kernels go
   # first while the trainer fills the gaps of the host-bound engine. VARIANT...: one job each (default 50):
-  # P caps the trainer at P% of the SMs, `low` gives it below-normal priority, `lowP` both. ASYNC_SYNC=0: no sync job.
+  # P caps the trainer at P% of the SMs, `low` gives it below-normal priority, `lowP` both; `mN` makes TE's GEMMs
+  # in the trainer leave N SMs free (NVTE_EXT_MARGIN_SM, no MPS cap: 70% gave wrong logprobs), `lowmN` with the
+  # priority. ASYNC_SYNC=0: no sync job.
   # MPS is a user-space daemon, not a setting of the card (no compute-mode change); it is stopped in the call.
   local variant flags variants=("$@")
   [ ${#variants[@]} -eq 0 ] && variants=(50)
@@ -87,6 +89,8 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
     for variant in "${variants[@]}"; do
       case $variant in
         low) flags="--trainer-mps-priority below-normal" ;;
+        lowm*) flags="--trainer-mps-priority below-normal --trainer-sm-margin ${variant#lowm}" ;;
+        m*) flags="--trainer-sm-margin ${variant#m}" ;;
         low*) flags="--trainer-mps-priority below-normal --trainer-mps-percentage ${variant#low}" ;;
         *) flags="--trainer-mps-percentage $variant" ;;
       esac
