@@ -183,6 +183,8 @@ mps_cap_tests() {  # issue 24: the CUDA tests of the trainer's paths in a contex
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   if nvidia-cuda-mps-control -d; then
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$percent python3 -c "import torch; print('cap $percent%: the context sees',
+      torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')" >> "$OUT/jobs.txt" 2>&1
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$percent job "cap$percent" 400 120 python3 -m pytest -p no:cacheprovider -q \
       plugins/backend_megatron/tests/test_megatron_cuda.py
     echo quit | nvidia-cuda-mps-control
