@@ -235,9 +235,11 @@ def make_trainer_mps_context(percent: int | None, priority: str | None) -> None:
 
     if percent is not None and not 1 <= percent <= 100:
         raise SystemExit(f"--trainer-mps-percentage: {percent} is not a percentage in 1..100")
-    names = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": None if percent is None else str(percent),
-             "CUDA_MPS_CLIENT_PRIORITY": None if priority is None else MPS_CLIENT_PRIORITIES[priority]}
-    names = {name: value for name, value in names.items() if value is not None}
+    names = {}
+    if percent is not None:
+        names["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percent)
+    if priority is not None:
+        names["CUDA_MPS_CLIENT_PRIORITY"] = MPS_CLIENT_PRIORITIES[priority]
     os.environ.update(names)
     try:
         torch.zeros(1, device="cuda")

@@ -27,6 +27,20 @@ pack() {  # NAME: every log in $OUT into $OUT/NAME.tgz (jobs.txt and results.jso
   cat "$OUT/jobs.txt"
 }
 
+mps_start() {  # an MPS control daemon for the jobs that follow: a user-space daemon, not a setting of the card (no compute-mode change)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && return 0
+  echo "mps: the control daemon did not start" >> "$OUT/jobs.txt"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  return 1
+}
+
+mps_stop() {  # the daemon of mps_start, stopped within the call
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
 graphs() {  # issue 19: throughput at 4 and 16 micro-batches against fsdp2 compiled, then the graphed micro-batches' CUDA test
   # fsdp2-compile first: the thirteenth session's jobs ended in it, after about 45 s per Megatron variant.
   # The graphed bf16 path is the fastest bf16 Megatron, so the FP8 ratio is read against it at 16.
@@ -79,14 +93,11 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   # P caps the trainer at P% of the SMs, `low` gives it below-normal priority, `lowP` both; `mN` makes TE's GEMMs
   # in the trainer leave N SMs free (NVTE_EXT_MARGIN_SM, no MPS cap: 70% gave wrong logprobs), `lowmN` with the
   # priority. ASYNC_SYNC=0: no sync job.
-  # MPS is a user-space daemon, not a setting of the card (no compute-mode change); it is stopped in the call.
   local variant flags variants=("$@")
   [ ${#variants[@]} -eq 0 ] && variants=(50)
   [ "${ASYNC_SYNC:-1}" = 1 ] && job sync 250 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph \
     --steps 4 --warmup 1 --workdir /root/bench
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  if nvidia-cuda-mps-control -d; then
+  if mps_start; then
     for variant in "${variants[@]}"; do
       case $variant in
         low) flags="--trainer-mps-priority below-normal" ;;
@@ -99,9 +110,8 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
       job "mps$variant" 200 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps 4 \
         --warmup 1 --workdir /root/bench $flags
     done
-    echo quit | nvidia-cuda-mps-control; cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"
-  else echo "mps: the control daemon did not start" >> "$OUT/jobs.txt"; fi
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"; mps_stop
+  fi
   grep -h '^| llama1b\|RefitError' "$OUT"/sync.log "$OUT"/mps*.log 2>/dev/null | cut -c1-600 | sort -u
   pack overlap
 }
@@ -152,14 +162,11 @@ gen_engines() {  # issue 24: two engines sharing the GPU (a host thread each) ag
 }
 
 gen_engines_mps() {  # issue 24: the two-engine pair under MPS (their kernels run side by side, not time-sliced), then 1.2B one against two
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  if nvidia-cuda-mps-control -d; then
+  if mps_start; then
     job twomps 300 200 python3 benchmarks/bench_generation.py --shape 8b --repeats 2 --quantization none,fp8-kv --engines-per-gpu 2 \
       --gpu-memory-utilization 0.4 --gpu-kv-cache-gib 24 $FP8_GEN_COMMON
-    echo quit | nvidia-cuda-mps-control
-  else echo "mps: the control daemon did not start" >> "$OUT/jobs.txt"; fi
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    mps_stop
+  fi
   job small 120 90 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 2 $FP8_GEN_COMMON
   job smalltwo 140 100 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 2 --engines-per-gpu 2 \
     --gpu-memory-utilization 0.4 --gpu-kv-cache-gib 16 $FP8_GEN_COMMON
@@ -180,16 +187,13 @@ mps_cap_tests() {  # issue 24: the CUDA tests of the trainer's paths in a contex
   # session); the run at 50% passed. The tests compare TE's paths with Hugging Face's and with each other in one
   # process, so a kernel that is wrong in a capped context shows as the test that fails. PERCENT (default 70).
   local percent=${1:-70}
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  if nvidia-cuda-mps-control -d; then
+  if mps_start; then
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$percent python3 -c "import torch; print('cap $percent%: the context sees',
       torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')" >> "$OUT/jobs.txt" 2>&1
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$percent job "cap$percent" 400 120 python3 -m pytest -p no:cacheprovider -q \
       plugins/backend_megatron/tests/test_megatron_cuda.py
-    echo quit | nvidia-cuda-mps-control
-  else echo "mps: the control daemon did not start" >> "$OUT/jobs.txt"; fi
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    mps_stop
+  fi
   grep -h -e 'passed' -e 'failed' -e '^FAILED' -e 'Error' "$OUT/cap$percent.log" | cut -c1-300 | tail -8
   pack mpscap
 }

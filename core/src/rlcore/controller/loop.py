@@ -229,15 +229,9 @@ class GRPOLoop:
         with self.gen_lock:
             gen_lp = self.c.generator.score([ids.tolist() for ids in probe.input_ids])
         train_lp = self.c.trainer.logprobs(probe, what="'logprobs' (refit probe)")
-        rollout_lp = probe.token_fields.get("gen_logprobs")  # the sampling pass's, at the weights before
-        gen_T, train_T, rollout_T = [], [], []
-        for i, (g, t, m) in enumerate(zip(gen_lp, train_lp, probe.loss_mask)):
-            mask = m > 0
-            gen_T.append(torch.as_tensor(g, dtype=torch.float32)[mask])
-            train_T.append(t.float()[mask])
-            if rollout_lp is not None:
-                rollout_T.append(rollout_lp[i].float()[mask])
-        gen_T, train_T = (torch.cat(x) if x else torch.zeros(1) for x in (gen_T, train_T))
+        masks = [m > 0 for m in probe.loss_mask]
+        gen_T = torch.cat([torch.as_tensor(g, dtype=torch.float32)[k] for g, k in zip(gen_lp, masks)] or [torch.zeros(0)])
+        train_T = torch.cat([t.float()[k] for t, k in zip(train_lp, masks)] or [torch.zeros(0)])
         diff_T = (gen_T - train_T).abs() if gen_T.numel() else torch.zeros(1)
         worst, mean = float(diff_T.max()), float(diff_T.mean())
         # The mean is what a corrupt refit moves (every token of a stale layer); the max of a few
@@ -247,8 +241,10 @@ class GRPOLoop:
             # Which side is off: the weights moved by one update since the tokens were sampled, so
             # the correct side's mean logprob stays near the sampling pass's.
             means = f"mean logprob: generator {float(gen_T.mean()):.3g}, trainer {float(train_T.mean()):.3g}"
-            if rollout_T:
-                means += f", the rollout's own at the weights before {float(torch.cat(rollout_T).mean()):.3g}"
+            rollout_lp = probe.token_fields.get("gen_logprobs")  # the sampling pass's, at the weights before
+            if rollout_lp is not None:
+                rollout_T = torch.cat([lp.float()[k] for lp, k in zip(rollout_lp, masks)])
+                means += f", the rollout's own at the weights before {float(rollout_T.mean()):.3g}"
             raise RefitError(
                 f"refit verification failed at step {self.step}: generator and trainer logprobs differ by "
                 f"{mean:.3g} on average (max {worst:.3g}) over {diff_T.numel()} probe tokens "
