@@ -9,10 +9,16 @@ job() {
   local name=$1 cap=$2 min=$3; shift 3
   local left=$((DEADLINE - SECONDS))
   if [ "$left" -lt "$min" ]; then echo "$name: skipped ($left s left)" >> "$OUT/jobs.txt"; return; fi
-  local limit=$(( cap < left ? cap : left )) start=$SECONDS rc
+  local limit=$(( cap < left ? cap : left )) start=$SECONDS rc load
+  load=$(host_load)
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
-  echo "$name: rc=$rc, limit ${limit}s, took $((SECONDS - start))s" >> "$OUT/jobs.txt"
+  echo "$name: rc=$rc, limit ${limit}s, took $((SECONDS - start))s; before it: $load" >> "$OUT/jobs.txt"
   gpu_clear "$name"
+}
+# The host's load and its busiest processes: the 1.2B engine is host-bound, so a process left busy by an
+# earlier job slows the next one's generation (twenty-second session: a sync step's generation grew from 11 to 16 s).
+host_load() {
+  echo "load $(cut -d' ' -f1 /proc/loadavg), busiest $(ps -eo pcpu=,comm= --sort=-pcpu | head -3 | tr -s ' ' | paste -sd, -)"
 }
 # What a job cut by its limit leaves on the GPU (a child process of its own session, Ray's workers)
 # would hold memory the next job needs: stop every process still holding the GPU.

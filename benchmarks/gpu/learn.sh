@@ -61,7 +61,8 @@ learn_start() {  # DIR RUN [override...]: start RUN in the background (pid in LE
   fi
   [ "$SECONDS" -lt "$((${LEARN_DEADLINE:-540} - 60))" ] || { echo "grpo-$run: not started, ${SECONDS}s gone" >> "$OUT/jobs.txt"; return 0; }
   # shellcheck disable=SC2046
-  python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
+  # setsid: the run leads its own process group, so what it leaves behind (its grader pool) goes with it (learn_wait)
+  setsid python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
     $(learn_overrides "$run") "$@" >> "$OUT/grpo-$run.log" 2>&1 &
   LEARN_PID=$!
 }
@@ -80,6 +81,7 @@ learn_wait() {  # RUN:PID...: wait until they end or LEARN_DEADLINE; then SIGTER
     while kill -0 "${item#*:}" 2>/dev/null && [ "$SECONDS" -lt "$grace" ]; do sleep 1; done
     kill -KILL "${item#*:}" 2>/dev/null
     wait "${item#*:}"; echo "grpo-${item%%:*}: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
+    kill -KILL -- "-${item#*:}" 2>/dev/null  # its children, after the run itself ended (SIGTERM to them first would cut its last step)
   done
 }
 

@@ -92,7 +92,9 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   # VARIANT...: one job each (default 50):
   # P caps the trainer at P% of the SMs, `low` gives it below-normal priority, `lowP` both; `mN` makes TE's GEMMs
   # in the trainer leave N SMs free (NVTE_EXT_MARGIN_SM, no MPS cap: 70% gave wrong logprobs), `lowmN` with the
-  # priority. ASYNC_SYNC=0: no sync job.
+  # priority. ASYNC_SYNC=0: no sync job; 2: a second sync job after the variants, when the call's time allows, so
+  # that a host that slows or speeds up during the call shows (twenty-second session: the sync step's generation
+  # grew from 11.1 to 16.2 s over its four steps, one step off's after it ran at 12.3-12.6 s).
   local variant flags variants=("$@")
   [ ${#variants[@]} -eq 0 ] && variants=(50)
   [ "${ASYNC_SYNC:-1}" = 1 ] && job sync 250 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph \
@@ -112,7 +114,9 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
     done
     cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"; mps_stop
   fi
-  grep -h '^| llama1b\|RefitError' "$OUT"/sync.log "$OUT"/mps*.log 2>/dev/null | cut -c1-600 | sort -u
+  [ "${ASYNC_SYNC:-1}" = 2 ] && job syncafter 250 180 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph \
+    --steps 4 --warmup 1 --workdir /root/bench
+  grep -h '^| llama1b\|RefitError' "$OUT"/sync*.log "$OUT"/mps*.log 2>/dev/null | cut -c1-600 | sort -u
   pack overlap
 }
 
