@@ -2,7 +2,7 @@
 # function per call, so that each call's command is one short line and the next one can follow
 # within the 30 s a warm machine waits. On the device, after staging:
 #   first call:  (cd /root/stage && cat t/p.* | tar xf - && mv chunk-*/* . && rm -rf chunk-* t); export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_install  (alone: it takes about 70 s)
-#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; async_overlap lowm40 lowm20   (then mps_cap_tests 70, ...)
+#   later calls: export RLCORE_COMMIT=<sha>; source benchmarks/gpu/next.sh; gpu_env; ASYNC_SYNC=2 DEADLINE=585 async_overlap lowm20   (...)
 # (the device gets the working tree without .git: name the commit the rows come from)
 # Each function keeps its jobs inside the call's 600 s (jobs.sh) and packs its logs into one tar in
 # $OUT, because at most 8 files come back. Rows go to $OUT/results.jsonl.
