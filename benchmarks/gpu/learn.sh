@@ -75,6 +75,12 @@ learn_wait() {  # RUN:PID...: wait until they end or LEARN_DEADLINE; then SIGTER
     [ "$alive" = 1 ] && [ "$SECONDS" -lt "$deadline" ] || break
     sleep 1
   done
+  # A run still going at the deadline first prints every thread's stack to its log (rlcore's SIGUSR1): the
+  # twenty-second session's sync run had ended its 200 steps and still had not exited.
+  for item in "$@"; do
+    kill -0 "${item#*:}" 2>/dev/null || continue
+    kill -USR1 "${item#*:}" && echo "grpo-${item%%:*}: stacks at ${SECONDS}s in its log" >> "$OUT/jobs.txt" && sleep 2
+  done
   for item in "$@"; do kill -TERM "${item#*:}" 2>/dev/null; done
   grace=$((SECONDS + ${LEARN_GRACE:-40}))
   for item in "$@"; do

@@ -63,6 +63,30 @@ def test_plugins_listing_is_fast_and_imports_nothing_heavy(run_python):
     assert report["heavy"] == [], f"listing plugins imported {report['heavy'][:10]}"
 
 
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(run_python):
+    """What ``rlcore`` installs before it runs a command: a run that seems hung shows where it waits."""
+    code = """
+        import os, signal, threading
+        from rlcore.cli import install_stack_dump
+        install_stack_dump()
+        started, parked = threading.Event(), threading.Event()
+        def waiting_in_a_helper_thread():
+            started.set()
+            parked.wait(30)
+        helper = threading.Thread(target=waiting_in_a_helper_thread)
+        helper.start()
+        started.wait(30)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        parked.set(); helper.join()
+        print("still running")
+    """
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "still running"
+    assert "most recent call first" in result.stderr
+    assert "waiting_in_a_helper_thread" in result.stderr  # the other thread's stack too
+
+
 def test_plugins_command_under_two_seconds(run_cli):
     # Wall time of the whole command, interpreter start included. The machine is shared, so the
     # best of three runs is what is compared.

@@ -2,12 +2,14 @@
 
 Rich tables for people, ``--json`` for machines. Errors in recipes, plugins and data (a dataset's
 :class:`~rlcore.errors.DataError`, naming the file and row) exit with code 2 and one clear message,
-not a traceback.
+not a traceback. ``kill -USR1 <pid>`` makes a running command print every thread's stack to stderr
+and go on (:func:`install_stack_dump`): how to see where a run that seems hung is waiting.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import signal
 import sys
@@ -181,7 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def install_stack_dump() -> None:
+    """SIGUSR1 prints every thread's Python stack to stderr; the process goes on (the standard
+    library's ``faulthandler``, so it works while the main thread waits in C code). It writes to the
+    process's own stderr, ``sys.__stderr__``: a caller of :func:`main` in-process may have replaced
+    ``sys.stderr`` with a stream that has no file descriptor."""
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    install_stack_dump()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
