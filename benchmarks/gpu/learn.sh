@@ -61,7 +61,8 @@ learn_start() {  # DIR RUN [override...]: start RUN in the background (pid in LE
   fi
   [ "$SECONDS" -lt "$((${LEARN_DEADLINE:-540} - 60))" ] || { echo "grpo-$run: not started, ${SECONDS}s gone" >> "$OUT/jobs.txt"; return 0; }
   # shellcheck disable=SC2046
-  # setsid: the run leads its own process group, so what it leaves behind (its grader pool) goes with it (learn_wait)
+  # setsid: the run leads its own process group, so what it leaves behind (its grader pool) goes with it (learn_wait).
+  # A call's own time limit does not reach that group: LEARN_DEADLINE must stay under it, as it does (480-540 of 600 s).
   setsid python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
     $(learn_overrides "$run") "$@" >> "$OUT/grpo-$run.log" 2>&1 &
   LEARN_PID=$!

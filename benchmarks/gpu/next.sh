@@ -97,7 +97,7 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   # grew from 11.1 to 16.2 s over its four steps, one step off's after it ran at 12.3-12.6 s).
   local variant flags variants=("$@")
   [ ${#variants[@]} -eq 0 ] && variants=(50)
-  [ "${ASYNC_SYNC:-1}" = 1 ] && job sync 250 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph \
+  [ "${ASYNC_SYNC:-1}" != 0 ] && job sync 250 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph \
     --steps 4 --warmup 1 --workdir /root/bench
   if mps_start; then
     for variant in "${variants[@]}"; do
