@@ -96,9 +96,9 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   # that a host that slows or speeds up during the call shows (twenty-second session: the sync step's generation
   # grew from 11.1 to 16.2 s over its four steps, one step off's after it ran at 12.3-12.6 s).
   local variant flags variants=("$@")
+  local sync=(python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph --steps 4 --warmup 1 --workdir /root/bench)
   [ ${#variants[@]} -eq 0 ] && variants=(50)
-  [ "${ASYNC_SYNC:-1}" != 0 ] && job sync 250 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph \
-    --steps 4 --warmup 1 --workdir /root/bench
+  [ "${ASYNC_SYNC:-1}" != 0 ] && job sync 250 150 "${sync[@]}"
   if mps_start; then
     for variant in "${variants[@]}"; do
       case $variant in
@@ -114,8 +114,7 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
     done
     cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"; mps_stop
   fi
-  [ "${ASYNC_SYNC:-1}" = 2 ] && job syncafter 250 180 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph \
-    --steps 4 --warmup 1 --workdir /root/bench
+  [ "${ASYNC_SYNC:-1}" = 2 ] && job syncafter 250 180 "${sync[@]}"
   grep -h '^| llama1b\|RefitError' "$OUT"/sync*.log "$OUT"/mps*.log 2>/dev/null | cut -c1-600 | sort -u
   pack overlap
 }
