@@ -295,6 +295,10 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         "probe_mean_abs_logprob_gap": _mean([r["refit/probe_mean_abs_logprob_diff"] for r in records
                                               if "refit/probe_mean_abs_logprob_diff" in r]),
         "steps_averaged": s.get("num_steps"),
+        # each averaged step's total and generation: one slow generation moves a three-step mean by 1-2 s
+        # (twenty-third session), which the means alone do not show
+        "step_s_each": [round(r["timing/total"], 3) for r in records if "timing/total" in r],
+        "generation_s_each": [round(r["timing/generation"], 3) for r in records if "timing/generation" in r],
         **{key: _mean([r[key] for r in records if key in r]) for key in MEAN_KEYS if any(key in r for r in records)},
     }
 

@@ -9,16 +9,35 @@ job() {
   local name=$1 cap=$2 min=$3; shift 3
   local left=$((DEADLINE - SECONDS))
   if [ "$left" -lt "$min" ]; then echo "$name: skipped ($left s left)" >> "$OUT/jobs.txt"; return; fi
-  local limit=$(( cap < left ? cap : left )) start=$SECONDS rc load
+  local limit=$(( cap < left ? cap : left )) start=$SECONDS rc load cpu_before
   load=$(host_load)
+  cpu_before=$(cpu_times)
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
-  echo "$name: rc=$rc, limit ${limit}s, took $((SECONDS - start))s; before it: $load" >> "$OUT/jobs.txt"
+  echo "$name: rc=$rc, limit ${limit}s, took $((SECONDS - start))s; before it: $load; during it: $(cpu_use "$cpu_before")" >> "$OUT/jobs.txt"
   gpu_clear "$name"
 }
 # The host's load and its busiest processes: the 1.2B engine is host-bound, so a process left busy by an
 # earlier job slows the next one's generation (twenty-second session: a sync step's generation grew from 11 to 16 s).
 host_load() {
   echo "load $(cut -d' ' -f1 /proc/loadavg), busiest $(ps -eo pcpu=,comm= --sort=-pcpu | head -3 | tr -s ' ' | paste -sd, -)"
+}
+# The CPUs' time counters (/proc/stat: user nice system idle iowait irq softirq steal), and what they say about
+# the interval since a sample: the share of all CPUs busy, the share a VM's host took for others (steal), and
+# the mean clock now. The sync step's generation ranged from 6.9 to 11.1 s for the same work with the load at
+# 1.0-1.7 (twenty-third session): a host slowed from outside the VM shows as steal or a lower clock.
+cpu_times() {
+  head -1 /proc/stat | cut -d' ' -f3-10
+}
+cpu_use() {
+  local after mhz
+  after=$(cpu_times)
+  mhz=$(awk -F: '/^cpu MHz/ {sum += $2; n++} END {if (n) printf "%.0f", sum / n; else printf "unknown"}' /proc/cpuinfo)
+  echo "$1 $after" | awk -v mhz="$mhz" '{
+    for (i = 1; i <= 8; i++) d[i] = $(i + 8) - $i
+    total = 0; for (i = 1; i <= 8; i++) total += d[i]
+    if (total <= 0) { printf "no CPU time counted, clock %s MHz", mhz; exit }
+    printf "CPUs busy %.1f%%, steal %.2f%%, clock %s MHz", 100 * (total - d[4] - d[5]) / total, 100 * d[8] / total, mhz
+  }'
 }
 # What a job cut by its limit leaves on the GPU (a child process of its own session, Ray's workers)
 # would hold memory the next job needs: stop every process still holding the GPU.

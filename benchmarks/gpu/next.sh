@@ -95,8 +95,10 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   # priority. ASYNC_SYNC=0: no sync job; 2: a second sync job after the variants, when the call's time allows, so
   # that a host that slows or speeds up during the call shows (twenty-second session: the sync step's generation
   # grew from 11.1 to 16.2 s over its four steps, one step off's after it ran at 12.3-12.6 s).
-  local variant flags variants=("$@")
-  local sync=(python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph --steps 4 --warmup 1 --workdir /root/bench)
+  # ASYNC_STEPS (default 7: six averaged steps): with three, one slow generation moved a run's mean by 1-2 s
+  # (twenty-third session: sync generation 6.9-11.1 s for the same work; its rows give each step's time).
+  local variant flags variants=("$@") steps=${ASYNC_STEPS:-7}
+  local sync=(python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph --steps "$steps" --warmup 1 --workdir /root/bench)
   [ ${#variants[@]} -eq 0 ] && variants=(50)
   [ "${ASYNC_SYNC:-1}" != 0 ] && job sync 250 150 "${sync[@]}"
   if mps_start; then
@@ -109,12 +111,12 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
         *) flags="--trainer-mps-percentage $variant" ;;
       esac
       # shellcheck disable=SC2086  # flags: two or four words
-      job "mps$variant" 200 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps 4 \
+      job "mps$variant" 240 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps "$steps" \
         --warmup 1 --workdir /root/bench $flags
     done
     cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"; mps_stop
   fi
-  [ "${ASYNC_SYNC:-1}" = 2 ] && job syncafter 250 180 "${sync[@]}"
+  [ "${ASYNC_SYNC:-1}" = 2 ] && job syncafter 250 160 "${sync[@]}"
   grep -h '^| llama1b\|RefitError' "$OUT"/sync*.log "$OUT"/mps*.log 2>/dev/null | cut -c1-600 | sort -u
   pack overlap
 }

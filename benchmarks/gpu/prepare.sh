@@ -22,9 +22,10 @@ esac
 rm -rf .gpu/own && mkdir -p .gpu/own
 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/own \
     ./core ./plugins/backend_fsdp2 ./plugins/backend_megatron ./plugins/gen_vllm ./plugins/env_math
-# A call carries at most 64 MiB with the checkout's tracked files (4.4 MB on 2026-12-01): one tar of
-# the chunks, cut into 57 MiB pieces, one per .gpu/t/NN, which the device calls carry one at a time.
+# A call carries at most 64 MiB with the checkout's tracked files (7.7 MB on 2026-12-03; 57 MiB pieces
+# stopped fitting then): one tar of the chunks, cut into 50 MiB pieces, one per .gpu/t/NN, which the
+# device calls carry one at a time.
 rm -rf .gpu/t && mkdir -p .gpu/t
-tar cf - -C .gpu $(cd .gpu && ls -d chunk-*) | split -b 57M -d -a 2 - .gpu/t/p.
+tar cf - -C .gpu $(cd .gpu && ls -d chunk-*) | split -b 50M -d -a 2 - .gpu/t/p.
 for piece in .gpu/t/p.*; do mkdir -p ".gpu/t/${piece##*.}" && mv "$piece" ".gpu/t/${piece##*.}/"; done
 ls .gpu .gpu/t
