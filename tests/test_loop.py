@@ -186,3 +186,27 @@ def test_multi_turn_environment_runs_through_the_loop(tiny_model_dir, tmp_path):
     records = load_records(run_dir)
     assert records[2]["rollout/num_trajectories"] == 16
     assert "env/correct" in records[2] and "train/loss" in records[2]
+
+
+def test_rlcore_run_whose_process_would_not_exit_ends_with_the_runs_status(tiny_model_dir, tmp_path):
+    """`rlcore run` with a thread that never returns (what kept a finished GPU run alive): once the
+    summary is written, the process prints that thread's stack and exits 0 after cluster.exit_timeout_s."""
+    run_dir = tmp_path / "stuck"
+    recipe = tiny_recipe(tiny_model_dir, run_dir, **{"checkpointing.enabled": False, "grpo.max_num_steps": 1,
+                                                      "grpo.val_period": 0})
+    path = tmp_path / "stuck.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code = textwrap.dedent(f"""
+        import sys, threading
+        def a_thread_that_never_returns():
+            threading.Event().wait()
+        threading.Thread(target=a_thread_that_never_returns).start()
+        sys.argv = ["rlcore", "run", {str(path)!r}, "cluster.exit_timeout_s=2"]
+        from rlcore.cli import main
+        sys.exit(main())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "did not exit within 2s (cluster.exit_timeout_s)" in done.stderr
+    assert "a_thread_that_never_returns" in done.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1

@@ -87,6 +87,37 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(run_python):
     assert "waiting_in_a_helper_thread" in result.stderr  # the other thread's stack too
 
 
+def test_a_finished_run_whose_process_does_not_exit_is_ended_with_its_status(run_python):
+    """A non-daemon thread that never returns would keep the interpreter from exiting; the watchdog
+    that ``rlcore run`` starts after the summary prints that thread's stack and exits with the status."""
+    code = """
+        import threading, time
+        from rlcore.cli import start_exit_watchdog
+        def a_thread_that_never_returns():
+            threading.Event().wait()
+        threading.Thread(target=a_thread_that_never_returns).start()
+        start_exit_watchdog(0.5, 143)
+        print("main returned", flush=True)
+    """
+    start = time.perf_counter()
+    result = run_python(code)
+    assert result.returncode == 143, result.stderr
+    assert time.perf_counter() - start < 60
+    assert result.stdout.strip() == "main returned"
+    assert "did not exit within 0.5s (cluster.exit_timeout_s)" in result.stderr
+    assert "a_thread_that_never_returns" in result.stderr
+
+
+def test_the_exit_watchdog_leaves_a_process_that_exits_alone(run_python):
+    result = run_python("""
+        from rlcore.cli import start_exit_watchdog
+        start_exit_watchdog(30.0, 7)
+        print("done")
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "did not exit" not in result.stderr
+
+
 def test_plugins_command_under_two_seconds(run_cli):
     # Wall time of the whole command, interpreter start included. The machine is shared, so the
     # best of three runs is what is compared.

@@ -3,7 +3,10 @@
 Rich tables for people, ``--json`` for machines. Errors in recipes, plugins and data (a dataset's
 :class:`~rlcore.errors.DataError`, naming the file and row) exit with code 2 and one clear message,
 not a traceback. ``kill -USR1 <pid>`` makes a running command print every thread's stack to stderr
-and go on (:func:`install_stack_dump`): how to see where a run that seems hung is waiting.
+and go on (:func:`install_stack_dump`): how to see where a run that seems hung is waiting. A run
+whose process does not exit after its summary is written (a thread or an atexit handler that never
+returns) is ended after ``cluster.exit_timeout_s`` with its own status (:func:`start_exit_watchdog`;
+only when ``main`` reads the command line itself, not for in-process callers that pass ``argv``).
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import signal
 import sys
+import threading
+import time
 
 from rich.console import Console
 from rich.table import Table
@@ -119,7 +125,36 @@ def cmd_run(args) -> int:
     config = load_config(args.recipe, run_overrides(args))
     result = rlcore.run(config)
     stopped = result["summary"].get("stopped_by_signal")
-    return 128 + signal.Signals[stopped].value if stopped else 0  # a shell's status for a run a signal ended
+    status = 128 + signal.Signals[stopped].value if stopped else 0  # a shell's status for a run a signal ended
+    if args.arm_exit_watchdog:
+        start_exit_watchdog(config.cluster.exit_timeout_s, status)
+    return status
+
+
+def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:
+    """Exit with ``status`` if this process is still alive ``timeout_s`` from now.
+
+    Called once the run's results are on disk: what follows is only the interpreter's exit, which
+    waits for every non-daemon thread and runs every atexit handler, and one that never returns
+    would keep a finished run's process (and its GPU memory) forever. A 200-step GPU run printed its
+    summary and then did not exit until it was killed (RESULTS.md, twenty-second session). The
+    stacks printed first show what it waited for; ``os._exit`` then skips the handlers that hang.
+    """
+
+    def end_the_process() -> None:
+        time.sleep(timeout_s)
+        stream = sys.__stderr__
+        if stream is not None:
+            stream.write(f"rlcore: the run has ended (status {status}), but its process did not exit within "
+                         f"{timeout_s:g}s (cluster.exit_timeout_s); every thread's stack follows, then it exits\n")
+            stream.flush()
+            faulthandler.dump_traceback(file=stream, all_threads=True)
+            stream.flush()
+        os._exit(status)
+
+    watchdog = threading.Thread(target=end_the_process, name="rlcore-exit-watchdog", daemon=True)
+    watchdog.start()
+    return watchdog
 
 
 def cmd_export(args) -> int:
@@ -195,6 +230,9 @@ def install_stack_dump() -> None:
 def main(argv: list[str] | None = None) -> int:
     install_stack_dump()
     args = build_parser().parse_args(argv)
+    # Only the program's own command line (the `rlcore` script, `python -m rlcore.cli`) ends its
+    # process after a run: a caller that passes argv in-process (a test, a notebook) goes on.
+    args.arm_exit_watchdog = argv is None
     try:
         return args.func(args)
     except (ConfigError, PluginError, CheckpointError, DataError) as exc:
