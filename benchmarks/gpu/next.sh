@@ -187,6 +187,24 @@ fp8_gen_both() {  # issue 24: the 8B pair and the 1.2B figure beside it, one cal
   pack genboth
 }
 
+gen_engines_1b() {  # issue 24: the host-bound 1.2B engine as two engines of 128 samples each, under MPS, against one
+  # The 1.2B decode step is 7-11 ms of host work for about 3.4 ms of kernels (one engine core's Python loop over
+  # 256 requests), so two engine processes of half the batch each could halve the host's part if their kernels
+  # interleave: under MPS they do, time-sliced they do not (8B, twentieth session: 0.75x without MPS). A faster
+  # generation helps one step off more than sync: sync is generation + 4.6 s, one step off about 1.1 x generation
+  # + 0.5 s (twenty-third session). One engine under MPS too, so that MPS's own cost on one engine shows.
+  local two=(--engines-per-gpu 2 --gpu-memory-utilization 0.4 --gpu-kv-cache-gib 16)
+  job one 130 90 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 $FP8_GEN_COMMON
+  if mps_start; then
+    job twomps 170 110 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 "${two[@]}" $FP8_GEN_COMMON
+    job onemps 130 90 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 $FP8_GEN_COMMON
+    mps_stop
+  fi
+  job two 170 110 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 "${two[@]}" $FP8_GEN_COMMON
+  grep -h '^{"bench"' "$OUT"/one.log "$OUT"/twomps.log "$OUT"/onemps.log "$OUT"/two.log 2>/dev/null | cut -c1-330
+  pack engines1b
+}
+
 mps_cap_tests() {  # issue 24: the CUDA tests of the trainer's paths in a context capped at PERCENT of the SMs under MPS
   # At 70% the trainer's logprobs in one step off failed the refit probe at step 1, twice (0.503; twenty-first
   # session); the run at 50% passed. The tests compare TE's paths with Hugging Face's and with each other in one
