@@ -154,7 +154,9 @@ def test_ray_trainer_crash_names_worker_and_keeps_checkpoint(tiny_model_dir, tmp
 
 def test_ray_trainer_hang_times_out_with_report(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "hang"
-    recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "cluster.timeout_s": 15,
+    # The limit also bounds the generation and the trainer calls before the hung 'train' (generation
+    # took over 2 s on two busy cores); the driver waits all of it for the hung rank.
+    recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "cluster.timeout_s": 8,
                                                       "checkpointing.enabled": False, "grpo.max_num_steps": 2})
     done = run_recipe(recipe, tmp_path, env={"RLCORE_FAULT": "hang:train:1"})
     assert done.returncode != 0
