@@ -108,6 +108,23 @@ def test_a_finished_run_whose_process_does_not_exit_is_ended_with_its_status(run
     assert "a_thread_that_never_returns" in result.stderr
 
 
+def test_a_failed_run_whose_process_does_not_exit_is_ended_too(run_python, recipe):
+    """The recipe's model does not exist, so the run fails once it has begun; a thread that never
+    returns would then keep the process: `rlcore run` ends it with the failure's status."""
+    result = run_python(f"""
+        import sys, threading
+        def a_thread_that_never_returns():
+            threading.Event().wait()
+        threading.Thread(target=a_thread_that_never_returns).start()
+        sys.argv = ["rlcore", "run", {str(recipe)!r}, "cluster.exit_timeout_s=1"]
+        from rlcore.cli import main
+        sys.exit(main())
+    """)
+    assert result.returncode in (1, 2), result.stderr[-3000:]
+    assert "did not exit within 1s (cluster.exit_timeout_s)" in result.stderr
+    assert f"the run has ended (status {result.returncode})" in result.stderr
+
+
 def test_the_exit_watchdog_leaves_a_process_that_exits_alone(run_python):
     result = run_python("""
         from rlcore.cli import start_exit_watchdog

@@ -5,8 +5,9 @@ Rich tables for people, ``--json`` for machines. Errors in recipes, plugins and 
 not a traceback. ``kill -USR1 <pid>`` makes a running command print every thread's stack to stderr
 and go on (:func:`install_stack_dump`): how to see where a run that seems hung is waiting. A run
 whose process does not exit after its summary is written (a thread or an atexit handler that never
-returns) is ended after ``cluster.exit_timeout_s`` with its own status (:func:`start_exit_watchdog`;
-only when ``main`` reads the command line itself, not for in-process callers that pass ``argv``).
+returns) is ended after ``cluster.exit_timeout_s`` with its own status, also when the run failed
+(:func:`start_exit_watchdog`; only when ``main`` reads the command line itself, not for in-process
+callers that pass ``argv``).
 """
 
 from __future__ import annotations
@@ -123,20 +124,18 @@ def cmd_run(args) -> int:
     import rlcore
 
     config = load_config(args.recipe, run_overrides(args))
+    args.exit_timeout_s = config.cluster.exit_timeout_s  # from here on the run may leave threads behind (main)
     result = rlcore.run(config)
     stopped = result["summary"].get("stopped_by_signal")
-    status = 128 + signal.Signals[stopped].value if stopped else 0  # a shell's status for a run a signal ended
-    if args.arm_exit_watchdog:
-        start_exit_watchdog(config.cluster.exit_timeout_s, status)
-    return status
+    return 128 + signal.Signals[stopped].value if stopped else 0  # a shell's status for a run a signal ended
 
 
 def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:
     """Exit with ``status`` if this process is still alive ``timeout_s`` from now.
 
-    Called once the run's results are on disk: what follows is only the interpreter's exit, which
-    waits for every non-daemon thread and runs every atexit handler, and one that never returns
-    would keep a finished run's process (and its GPU memory) forever. A 200-step GPU run printed its
+    Called once the run has ended, finished or failed: what follows is only the interpreter's exit,
+    which waits for every non-daemon thread and runs every atexit handler, and one that never returns
+    would keep an ended run's process (and its GPU memory) forever. A 200-step GPU run printed its
     summary and then did not exit until it was killed (RESULTS.md, twenty-second session). The
     stacks printed first show what it waited for; ``os._exit`` then skips the handlers that hang.
     """
@@ -230,15 +229,21 @@ def install_stack_dump() -> None:
 def main(argv: list[str] | None = None) -> int:
     install_stack_dump()
     args = build_parser().parse_args(argv)
-    # Only the program's own command line (the `rlcore` script, `python -m rlcore.cli`) ends its
-    # process after a run: a caller that passes argv in-process (a test, a notebook) goes on.
-    args.arm_exit_watchdog = argv is None
+    status = 1  # an exception this does not catch
     try:
-        return args.func(args)
+        status = args.func(args)
+        return status
     except (ConfigError, PluginError, CheckpointError, DataError) as exc:
         # soft_wrap: never break the message (key paths, file paths) at the terminal width.
         err_console.print(f"error: {exc}", highlight=False, markup=False, style="bold red", soft_wrap=True)
-        return 2
+        status = 2
+        return status
+    finally:
+        # Once a run has begun (cmd_run sets the limit), its process is ended if it does not exit, but
+        # only when this is the program's own command line (the `rlcore` script, `python -m rlcore.cli`):
+        # a caller that passes argv in-process (a test, a notebook) goes on.
+        if argv is None and getattr(args, "exit_timeout_s", None) is not None:
+            start_exit_watchdog(args.exit_timeout_s, status)
 
 
 if __name__ == "__main__":
