@@ -6,6 +6,7 @@ pass is off). The fault is injected: the generator scores with logprobs the trai
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from rlcore.config.generation import RefitConfig
 from rlcore.controller.batching import Trajectory, to_sequence_batch
 from rlcore.controller.loop import GRPOLoop, RefitError
+from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import GenerationResult, Sample
 
 RESPONSE_LOGPROBS = [[-0.5, -1.0, -1.5], [-0.25, -0.75]]
@@ -63,3 +65,53 @@ def test_probe_failure_names_the_gap_and_which_side_moved_from_the_rollout():
     assert "at step 3" in message and "differ by 2 on average" in message and "over 5 probe tokens" in message
     assert "probe_threshold=0.15" in message
     assert "generator -2.8, trainer -0.8, the rollout's own at the weights before -0.8" in message
+
+
+class LockThatLetsWaitersIn:
+    """``gen_lock`` with a fair hand-over forced: each release pauses, so a thread waiting for the lock
+    takes it before the releasing thread can take it again (a schedule CPython allows, rarely)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        self._lock.acquire()
+
+    def __exit__(self, *exc):
+        self._lock.release()
+        time.sleep(0.2)
+
+    def locked(self):
+        return self._lock.locked()
+
+
+def test_the_probe_scores_before_a_waiting_rollout_thread_generates():
+    """One step off: the rollout thread waits for the lock during the refit to start the next batch.
+    The probe's generator pass must come before that generation, or the step waits for all of it."""
+    loop, batch = probe_loop(generator_shift=0.01)
+    loop.gen_lock = LockThatLetsWaitersIn()
+    order: list[str] = []
+    waiting = threading.Event()
+
+    def rollout_thread():
+        waiting.set()
+        with loop.gen_lock:
+            order.append("generate")
+
+    producer = threading.Thread(target=rollout_thread)
+
+    class Transport:
+        def transfer(self, trainer, generator):
+            producer.start()
+            waiting.wait(5)
+            time.sleep(0.05)  # the producer is now blocked on the lock the refit holds
+            order.append("transfer")
+            return {"seconds": 0.1, "bytes": 1e8}
+
+    scorer = loop.c.generator
+    loop.c.transport = Transport()
+    loop.c.generator = SimpleNamespace(score=lambda sequences: (order.append("score"), scorer.score(sequences))[1])
+    metrics = loop.refit(batch, StepTimer())
+    producer.join(5)
+    assert order == ["transfer", "score", "generate"]
+    assert metrics["refit/probe_mean_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)

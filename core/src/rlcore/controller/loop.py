@@ -210,24 +210,35 @@ class GRPOLoop:
         return metrics, batch
 
     def refit(self, probe_batch: SequenceBatch | None, timer: StepTimer) -> dict:
+        # The probe's generator pass shares the transfer's hold of the lock. Released in between, the
+        # rollout thread waiting for it (async) could take it first and generate a whole batch, and the
+        # probe, and with it the trainer's next step, would wait for all of it.
         with timer.phase("refit"), self.gen_lock:
             moved = self.c.transport.transfer(self.c.trainer, self.c.generator)
+            probed = self._probe_generator(probe_batch) if probe_batch is not None else None
         metrics = {"refit/seconds": float(moved.get("seconds", 0.0)), "refit/bytes": float(moved.get("bytes", 0.0))}
         if metrics["refit/seconds"] > 0:
             metrics["refit/gb_per_s"] = metrics["refit/bytes"] / metrics["refit/seconds"] / 1e9
-        if probe_batch is not None:
+        if probed is not None:
             with timer.phase("refit"):
-                metrics.update(self.verify_refit(probe_batch))
+                metrics.update(self._compare_probe(*probed))
         return metrics
 
     def verify_refit(self, batch: SequenceBatch) -> dict:
         """Compare generator and trainer logprobs of a few sequences on the model's tokens."""
+        with self.gen_lock:
+            probed = self._probe_generator(batch)
+        return {} if probed is None else self._compare_probe(*probed)
+
+    def _probe_generator(self, batch: SequenceBatch) -> tuple[SequenceBatch, list] | None:
+        """The probe's sequences and the generator's logprobs of them (the caller holds ``gen_lock``)."""
         count = self.refit_cfg.probe_num_sequences
         if count <= 0:
-            return {}
+            return None
         probe = refit_probe_sequences(batch, count)
-        with self.gen_lock:
-            gen_lp = self.c.generator.score([ids.tolist() for ids in probe.input_ids])
+        return probe, self.c.generator.score([ids.tolist() for ids in probe.input_ids])
+
+    def _compare_probe(self, probe: SequenceBatch, gen_lp: list) -> dict:
         train_lp = self.c.trainer.logprobs(probe, what="'logprobs' (refit probe)")
         masks = [m > 0 for m in probe.loss_mask]
         gen_T = torch.cat([torch.as_tensor(g, dtype=torch.float32)[k] for g, k in zip(gen_lp, masks)] or [torch.zeros(0)])
