@@ -91,7 +91,7 @@ def test_a_finished_run_whose_process_does_not_exit_is_ended_with_its_status(run
     """A non-daemon thread that never returns would keep the interpreter from exiting; the watchdog
     that ``rlcore run`` starts after the summary prints that thread's stack and exits with the status."""
     code = """
-        import threading, time
+        import threading
         from rlcore.cli import start_exit_watchdog
         def a_thread_that_never_returns():
             threading.Event().wait()

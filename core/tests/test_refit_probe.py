@@ -81,9 +81,6 @@ class LockThatLetsWaitersIn:
         self._lock.release()
         time.sleep(0.2)
 
-    def locked(self):
-        return self._lock.locked()
-
 
 def test_the_probe_scores_before_a_waiting_rollout_thread_generates():
     """One step off: the rollout thread waits for the lock during the refit to start the next batch.
