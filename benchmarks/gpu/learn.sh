@@ -63,8 +63,10 @@ learn_start() {  # DIR RUN [override...]: start RUN in the background (pid in LE
   # shellcheck disable=SC2046
   # setsid: the run leads its own process group, so what it leaves behind (its grader pool) goes with it (learn_wait).
   # A call's own time limit does not reach that group: LEARN_DEADLINE must stay under it, as it does (480-540 of 600 s).
+  # cluster.exit_timeout_s=30: a run that has ended but does not exit prints its threads' stacks and exits
+  # within the call, not after the default 300 s (the twenty-second session's sync run did not exit).
   setsid python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
-    $(learn_overrides "$run") "$@" >> "$OUT/grpo-$run.log" 2>&1 &
+    cluster.exit_timeout_s=30 $(learn_overrides "$run") "$@" >> "$OUT/grpo-$run.log" 2>&1 &
   LEARN_PID=$!
 }
 
