@@ -1,4 +1,4 @@
-"""The refit probe (``GRPOLoop.verify_refit``): generator and trainer score the step's first sequences
+"""The refit probe (in ``GRPOLoop.refit``): generator and trainer score the step's first sequences
 after a refit; a mean gap over the threshold stops the run with an error that says which side moved
 away from the rollout's own logprobs (a stale or corrupt generator, or a trainer whose logprob
 pass is off). The fault is injected: the generator scores with logprobs the trainer does not."""
@@ -42,16 +42,17 @@ def probe_loop(generator_shift: float, threshold: float = 0.15) -> tuple[GRPOLoo
                                                                  response_logprobs=lps, finish_reason="stop"))
              for prompt, response, lps in [([1, 2], [3, 4, 5], RESPONSE_LOGPROBS[0]), ([1], [6, 7], RESPONSE_LOGPROBS[1])]]
     batch = to_sequence_batch(trajs, torch.zeros(2), max_len=16)
-    loop = GRPOLoop.__new__(GRPOLoop)  # only what verify_refit reads: no model, no engine
+    loop = GRPOLoop.__new__(GRPOLoop)  # only what refit reads: no model, no engine
     loop.refit_cfg = RefitConfig(probe_threshold=threshold, probe_num_sequences=4)
     loop.gen_lock, loop.step = threading.Lock(), 3
-    loop.c = SimpleNamespace(generator=Scorer([2, 1], generator_shift), trainer=Scorer([2, 1], 0.0))
+    loop.c = SimpleNamespace(generator=Scorer([2, 1], generator_shift), trainer=Scorer([2, 1], 0.0),
+                             transport=SimpleNamespace(transfer=lambda trainer, generator: {}))
     return loop, batch
 
 
 def test_probe_passes_with_matching_weights_and_reports_the_gap():
     loop, batch = probe_loop(generator_shift=0.01)
-    metrics = loop.verify_refit(batch)
+    metrics = loop.refit(batch, StepTimer())
     assert metrics["refit/probe_mean_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
     assert metrics["refit/probe_max_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
 
@@ -59,7 +60,7 @@ def test_probe_passes_with_matching_weights_and_reports_the_gap():
 def test_probe_failure_names_the_gap_and_which_side_moved_from_the_rollout():
     loop, batch = probe_loop(generator_shift=-2.0)
     with pytest.raises(RefitError) as info:
-        loop.verify_refit(batch)
+        loop.refit(batch, StepTimer())
     message = str(info.value)
     # five response tokens, mean rollout logprob (-0.5 - 1 - 1.5 - 0.25 - 0.75) / 5 = -0.8
     assert "at step 3" in message and "differ by 2 on average" in message and "over 5 probe tokens" in message

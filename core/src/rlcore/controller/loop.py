@@ -224,12 +224,6 @@ class GRPOLoop:
                 metrics.update(self._compare_probe(*probed))
         return metrics
 
-    def verify_refit(self, batch: SequenceBatch) -> dict:
-        """Compare generator and trainer logprobs of a few sequences on the model's tokens."""
-        with self.gen_lock:
-            probed = self._probe_generator(batch)
-        return {} if probed is None else self._compare_probe(*probed)
-
     def _probe_generator(self, batch: SequenceBatch) -> tuple[SequenceBatch, list] | None:
         """The probe's sequences and the generator's logprobs of them (the caller holds ``gen_lock``)."""
         count = self.refit_cfg.probe_num_sequences
@@ -239,6 +233,7 @@ class GRPOLoop:
         return probe, self.c.generator.score([ids.tolist() for ids in probe.input_ids])
 
     def _compare_probe(self, probe: SequenceBatch, gen_lp: list) -> dict:
+        """The trainer's logprobs of the probe's sequences against the generator's, on the model's tokens."""
         train_lp = self.c.trainer.logprobs(probe, what="'logprobs' (refit probe)")
         masks = [m > 0 for m in probe.loss_mask]
         gen_T = torch.cat([torch.as_tensor(g, dtype=torch.float32)[k] for g, k in zip(gen_lp, masks)] or [torch.zeros(0)])
