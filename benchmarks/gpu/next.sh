@@ -193,14 +193,16 @@ gen_engines_1b() {  # issue 24: the host-bound 1.2B engine as two engines of 128
   # interleave: under MPS they do, time-sliced they do not (8B, twentieth session: 0.75x without MPS). A faster
   # generation helps one step off more than sync: sync is generation + 4.6 s, one step off about 1.1 x generation
   # + 0.5 s (twenty-third session). One engine under MPS too, so that MPS's own cost on one engine shows.
-  local two=(--engines-per-gpu 2 --gpu-memory-utilization 0.4 --gpu-kv-cache-gib 16)
-  job one 130 90 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 $FP8_GEN_COMMON
+  # shellcheck disable=SC2206  # FP8_GEN_COMMON: its words
+  local one=(python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 $FP8_GEN_COMMON)
+  local two=("${one[@]}" --engines-per-gpu 2 --gpu-memory-utilization 0.4 --gpu-kv-cache-gib 16)
+  job one 130 90 "${one[@]}"
   if mps_start; then
-    job twomps 170 110 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 "${two[@]}" $FP8_GEN_COMMON
-    job onemps 130 90 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 $FP8_GEN_COMMON
+    job twomps 170 110 "${two[@]}"
+    job onemps 130 90 "${one[@]}"
     mps_stop
   fi
-  job two 170 110 python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 "${two[@]}" $FP8_GEN_COMMON
+  job two 170 110 "${two[@]}"
   grep -h '^{"bench"' "$OUT"/one.log "$OUT"/twomps.log "$OUT"/onemps.log "$OUT"/two.log 2>/dev/null | cut -c1-330
   pack engines1b
 }
