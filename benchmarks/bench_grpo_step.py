@@ -283,6 +283,10 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         cfg = SHAPES[shape]
         train_flops = samples * seq_len * (6 * sum_params(cfg) + 6 * cfg["num_layers"] * cfg["hidden_size"] * seq_len)
     records = [r for r in result["records"] if s["window_first"] <= r.get("step", -1) <= s["window_last"]]
+    # Wall seconds from the end of the step before to the end of this one: the rate a run makes steps at,
+    # whatever a step's timer covers (one step off's batches come from another thread).
+    ended = {r["step"]: r["time/elapsed_s"] for r in result["records"] if "time/elapsed_s" in r and "step" in r}
+    periods = [ended[r["step"]] - ended[r["step"] - 1] for r in records if r["step"] - 1 in ended and r["step"] in ended]
     refit_gbps = [r["refit/gb_per_s"] for r in records if "refit/gb_per_s" in r]
     return {
         "config": name, "gpus": gpus, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
@@ -298,14 +302,17 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         # each averaged step's total and generation: one slow generation moves a three-step mean by 1-2 s
         # (twenty-third session), which the means alone do not show
         "step_s_each": [round(r["timing/total"], 3) for r in records if "timing/total" in r],
+        "period_s": _mean(periods), "period_s_each": [round(x, 3) for x in periods],
         "generation_s_each": [round(r["timing/generation"], 3) for r in records if "timing/generation" in r],
         **{key: _mean([r[key] for r in records if key in r]) for key in MEAN_KEYS if any(key in r for r in records)},
     }
 
 
 # Means over the summary window when the run logs them: the train-generator logprob gap (mean |log p_gen -
-# log p_old| per token, and its k3 KL), and the MoE routing mismatch (routing_replay.py).
-MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction")
+# log p_old| per token, and its k3 KL), the MoE routing mismatch (routing_replay.py), one step off's
+# generator idle time between batches and the trainer's wait for a batch, and the scoring time.
+MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction",
+             "async/generator_idle_s", "async/batch_wait_s", "timing/reward")
 
 
 def _mean(values: list[float]) -> float | None:

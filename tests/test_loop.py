@@ -20,7 +20,8 @@ from rlcore.config.loader import set_dotted
 
 pytestmark = pytest.mark.slow
 
-TIMING_PREFIXES = ("timing/", "time/", "refit/seconds", "refit/gb_per_s", "train/seconds", "run_id")
+TIMING_PREFIXES = ("timing/", "time/", "refit/seconds", "refit/gb_per_s", "train/seconds", "run_id", "async/generator_idle_s",
+                   "async/batch_wait_s")
 
 
 def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
@@ -115,32 +116,56 @@ def test_offloaded_trainer_state_changes_nothing(tiny_model_dir, straight_run, t
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir())[-1] == "step_000004"
 
 
-# The injected fault: the rollout thread takes 1.5 s to reach the generator before each batch (as one
-# that waits for the interpreter lock while the trainer's thread launches kernels), longer than a step.
+# The injected faults: the rollout thread takes 1.5 s to reach the generator before each batch (as one
+# that waits for the interpreter lock while the trainer's thread launches kernels), longer than a step;
+# scoring the first batch off the trainer's thread takes 2.5 s. Each generation's start and end and each
+# scoring's end go to the file RLCORE_TEST_EVENTS names.
 SLOW_PRODUCER = """
-    import threading, time
+    import json, os, threading, time
     from rlcore.controller import loop as _loop
-    _rollout_group = _loop.GRPOLoop._rollout_group
+    def _event(name, batch, at):
+        with open(os.environ["RLCORE_TEST_EVENTS"], "a") as f:
+            f.write(json.dumps([name, batch, at]) + "\\n")
+    _rollout_group, _score = _loop.GRPOLoop._rollout_group, _loop.score
     def _late(self, step, round_):
         if threading.current_thread().name == "rlcore-rollouts":
             time.sleep(1.5)
-        return _rollout_group(self, step, round_)
-    _loop.GRPOLoop._rollout_group = _late
+        generated = _rollout_group(self, step, round_)
+        _event("generated", step, [generated.began, time.perf_counter()])
+        return generated
+    _slowed = []
+    def _slow_score(environment, trajectories):
+        if threading.current_thread() is not threading.main_thread() and not _slowed:
+            _slowed.append(time.sleep(2.5))
+        out = _score(environment, trajectories)
+        _event("scored", threading.current_thread().name, time.perf_counter())
+        return out
+    _loop.GRPOLoop._rollout_group, _loop.score = _late, _slow_score
 """
 
 
 def test_async_mode_respects_max_trajectory_age(tiny_model_dir, tmp_path):
     """One step off exactly, even with a rollout thread slow to reach the generator: each refit but
     the last waits until the next batch's generation has begun, so every batch after the first
-    comes from the weights one step old (without that wait these batches were all fresh)."""
+    comes from the weights one step old (without that wait these batches were all fresh). And a
+    batch's scoring does not hold up the next generation: the second batch's generation begins while
+    the first is being scored, yet no batch is sampled before the refit it must follow (a rollout
+    thread back at the generator at once would otherwise sample batches two steps old)."""
     recipe = tiny_recipe(tiny_model_dir, tmp_path / "async", **{
         "grpo.async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}, "grpo.deterministic": False,
         "algorithm.gen_is_cap": 2.0, "checkpointing.enabled": False,
     })
-    done = run_recipe(recipe, tmp_path, prelude=SLOW_PRODUCER)
+    events_path = tmp_path / "events.jsonl"
+    done = run_recipe(recipe, tmp_path, prelude=SLOW_PRODUCER, env={"RLCORE_TEST_EVENTS": str(events_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     records = [r for r in load_records(tmp_path / "async").values() if "async/trajectory_age" in r]
     assert [r["async/trajectory_age"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    events = [json.loads(line) for line in events_path.read_text().splitlines()]
+    generated = {batch: span for name, batch, span in events if name == "generated"}
+    first_scored = min(at for name, thread, at in events if name == "scored" and thread == "rlcore-scoring")
+    assert generated[1][1] < generated[2][0] < first_scored, events
+    lines = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["async/generator_idle_s"] >= 0 and r["async/batch_wait_s"] >= 0 for r in lines if r["step"] > 1)
 
 
 def test_ray_trainer_crash_names_worker_and_keeps_checkpoint(tiny_model_dir, tmp_path):

@@ -1,11 +1,12 @@
 """One GRPO step after another: the data path of DESIGN.md, sync or async.
 
 Sync (on-policy): generate with policy version k, score, compute advantages, logprobs, train,
-refit. Async: a producer thread keeps generating the next batch with whatever weights the
-generator holds while the trainer trains; a batch older than ``max_trajectory_age_steps``
+refit. Async: a rollout thread keeps generating the next batch with whatever weights the
+generator holds while the trainer trains, and another thread scores each batch
+(:mod:`rlcore.controller.rollout_producer`); a batch older than ``max_trajectory_age_steps``
 policy versions is dropped (counted), and the algorithm's off-policy correction uses the
 generator's own logprobs. Refit waits for the generator to be between batches (a lock), and,
-until the last step, for the producer to have begun the next batch's generation: otherwise a
+until the last step, for the rollout thread to have begun the next batch's generation: otherwise a
 producer slow to reach the lock (one that waits for the interpreter lock while the trainer's
 thread launches kernels) generates after every refit, and "one step off" trains on fresh
 batches with no overlap at all (seen on an H200: 82% of a 200-step run's batches).
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import queue
 import threading
 import time
 import warnings
@@ -30,6 +30,7 @@ from rlcore.controller.batching import (
 )
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catching_sigterm, set_rng_state, stop_after_step
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
+from rlcore.controller.rollout_producer import RolloutProducer
 from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import (
@@ -48,6 +49,17 @@ class RefitError(RuntimeError):
 
 class NonFiniteLossError(RuntimeError):
     """Too many non-finite losses in a row."""
+
+
+@attrs.define
+class GeneratedRound:
+    """One round of rollouts, generated and not yet scored."""
+
+    trajectories: list[Trajectory]
+    version: int  # the generator's weights version they were sampled with
+    final_steps: list | None  # multi-turn: the EnvSteps each rollout ended with (scored already)
+    began: float  # time.perf_counter() when the generation took the generator
+    env_metrics: dict = attrs.field(factory=dict)  # the environment's, once scored
 
 
 @attrs.define
@@ -81,12 +93,9 @@ class GRPOLoop:
         self.nonfinite_in_a_row = 0
         self.records: list[dict] = []
         self.gen_lock = threading.Lock()
-        # Async: the producer thread, and how many of its generations have taken gen_lock (each
-        # refit but the last waits for one begun after its batch was made; the producer hands the
-        # count over with the batch, so a generation begun before the trainer looks is not missed).
-        self._producer: threading.Thread | None = None
-        self._producer_generations = 0
-        self._producer_began = threading.Condition()
+        # The environment is not assumed thread-safe: async scoring and the trainer's validation share it.
+        self.score_lock = threading.Lock()
+        self._producer: RolloutProducer | None = None  # async: the rollout and scoring threads
         self.ckpt = CheckpointManager(checkpoint_root(cfg), cfg.checkpointing.keep_last_k) if cfg.checkpointing.enabled else None
         self.identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
         # ``time/elapsed_s`` of each record: wall seconds since the run began, counted across resumes
@@ -103,19 +112,21 @@ class GRPOLoop:
         """Results per sample; for multi-turn environments also the EnvSteps the rollout ended with."""
         params = sampling_params(self.generation_cfg, n, seed, greedy)
         final_steps = None
+        producer = self._producer if self._producer is not None and threading.current_thread() is self._producer.thread else None
         with self.gen_lock:
+            began = time.perf_counter()
             version = self.c.generator.weights_version
-            if threading.current_thread() is self._producer:
-                with self._producer_began:
-                    self._producer_generations += 1
-                    self._producer_began.notify_all()
+            if producer is not None:
+                producer.generation_began()
             if self.c.multi_turn is not None:
                 results = self._bounded(lambda: self.c.multi_turn(samples, params), "multi-turn rollouts")
                 final_steps = [[EnvStep(reward=t.reward, metrics=t.env_metrics) for t in group]
                                for group in self.c.multi_turn.last_trajectories]
             else:
                 results = self._bounded(lambda: self.c.generator.generate([s.prompt_ids for s in samples], params), "generate")
-        return results, version, final_steps
+            if producer is not None:
+                producer.generation_ended()
+        return results, version, final_steps, began
 
     def _bounded(self, fn, what: str):
         limit = self.c.config.cluster.timeout_s
@@ -125,48 +136,65 @@ class GRPOLoop:
     def _score(self, trajs: list[Trajectory], final_steps) -> dict[str, float]:
         """Multi-turn rollouts were scored turn by turn already; single-turn ones are scored now."""
         if final_steps is None:
-            return score(self.c.environment, trajs)
+            with self.score_lock:
+                return score(self.c.environment, trajs)
         return apply_env_steps(trajs, [step for group in final_steps for step in group])
 
-    def _rollout_group(self, step: int, round_: int):
+    def _rollout_group(self, step: int, round_: int) -> GeneratedRound:
         G = self.grpo.num_generations_per_prompt
         samples = [self.c.dataset.train[i] for i in self.cursor.take(self.grpo.num_prompts_per_step)]
         seed = (self.grpo.seed * 1_000_003 + step * 101 + round_) if self.grpo.deterministic else None
-        results, version, final_steps = self._generate(samples, G, seed)
+        results, version, final_steps, began = self._generate(samples, G, seed)
         first_group = round_ * len(samples)  # unique group ids across refill rounds
         trajectories = [Trajectory(s, first_group + g, r) for g, (s, rs) in enumerate(zip(samples, results)) for r in rs]
-        return trajectories, version, final_steps
+        return GeneratedRound(trajectories, version, final_steps, began)
+
+    def refill_rounds(self) -> int:
+        """DAPO-style refill rounds the algorithm may ask for after dropping groups (0: none)."""
+        return int(getattr(self.c.algorithm, "max_refill_rounds", 0) or 0)
+
+    def generate_round(self, step: int, round_: int, timer: StepTimer) -> GeneratedRound:
+        with timer.phase("generation"):
+            return self._rollout_group(step, round_)
+
+    def generator_metrics(self) -> dict[str, float]:
+        generator_metrics = getattr(self.c.generator, "metrics", None)
+        return {k: float(v) for k, v in generator_metrics().items()} if callable(generator_metrics) else {}
 
     def collect(self, step: int, timer: StepTimer) -> tuple[list[Trajectory], dict, int]:
         """Trajectories for one step, with DAPO-style refill when the algorithm drops groups."""
-        P = self.grpo.num_prompts_per_step
-        rounds = int(getattr(self.c.algorithm, "max_refill_rounds", 0) or 0)
-        kept: list[Trajectory] = []
-        metrics: dict[str, float] = {}
-        version = self.c.generator.weights_version
+        rounds = self.refill_rounds()
+        target = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        generated: list[GeneratedRound] = []
         for round_ in range(rounds + 1):
-            with timer.phase("generation"):
-                trajs, version, final_steps = self._rollout_group(step, round_)
+            generated.append(self.generate_round(step, round_, timer))
+            kept, metrics, version = self.finish_collect(generated, timer, score_last_only=True)
+            if len(kept) >= target or rounds == 0:
+                break
+        metrics.update(self.generator_metrics())
+        return kept, metrics, version
+
+    def finish_collect(self, rounds: list[GeneratedRound], timer: StepTimer,
+                       score_last_only: bool = False) -> tuple[list[Trajectory], dict, int]:
+        """Score ``rounds`` (only the last when the earlier ones were scored already) and keep whole
+        groups: the step's trajectories, its rollout metrics (from the first round) and weights version."""
+        for generated in rounds[-1:] if score_last_only else rounds:
             with timer.phase("reward"):
-                env_metrics = self._score(trajs, final_steps)
-            if round_ == 0:
-                metrics.update(env_metrics)
-                metrics.update(rollout_metrics(trajs))
+                generated.env_metrics = self._score(generated.trajectories, generated.final_steps)
+        metrics: dict[str, float] = {**rounds[0].env_metrics, **rollout_metrics(rounds[0].trajectories)}
+        kept: list[Trajectory] = []
+        for generated in rounds:
+            trajs = generated.trajectories
             rewards_N, groups_N, truncated_N = self._reward_tensors(trajs)
             # Whole groups are kept or dropped here (dynamic sampling); single trajectories the
             # algorithm filters (overlong) stay in their group's baseline and are masked in train_on.
             keep_N = self.c.algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
             kept_groups = set(groups_N[keep_N].tolist())
             kept.extend(t for t in trajs if t.group in kept_groups)
-            metrics["rollout/refill_rounds"] = float(round_)
-            if len(kept) >= P * self.grpo.num_generations_per_prompt or rounds == 0:
-                break
-        kept = kept[: P * self.grpo.num_generations_per_prompt]
+        metrics["rollout/refill_rounds"] = float(len(rounds) - 1)
+        kept = kept[: self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt]
         metrics["rollout/kept_trajectories"] = float(len(kept))
-        generator_metrics = getattr(self.c.generator, "metrics", None)
-        if callable(generator_metrics):
-            metrics.update({k: float(v) for k, v in generator_metrics().items()})
-        return kept, metrics, version
+        return kept, metrics, rounds[-1].version
 
     def _reward_tensors(self, trajs: list[Trajectory]):
         rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
@@ -209,13 +237,17 @@ class GRPOLoop:
             self.policy_version += 1
         return metrics, batch
 
-    def refit(self, probe_batch: SequenceBatch | None, timer: StepTimer) -> dict:
+    def refit(self, probe_batch: SequenceBatch | None, timer: StepTimer, generator_free=None) -> dict:
+        """Weights to the generator, then the probe; ``generator_free()`` is called once the generator
+        is no longer needed (async: the rollout thread may start the next batch while the trainer compares)."""
         # The probe's generator pass shares the transfer's hold of the lock. Released in between, the
         # rollout thread waiting for it (async) could take it first and generate a whole batch, and the
         # probe, and with it the trainer's next step, would wait for all of it.
         with timer.phase("refit"), self.gen_lock:
             moved = self.c.transport.transfer(self.c.trainer, self.c.generator)
             probed = self._probe_generator(probe_batch) if probe_batch is not None else None
+        if generator_free is not None:
+            generator_free()
         metrics = {"refit/seconds": float(moved.get("seconds", 0.0)), "refit/bytes": float(moved.get("bytes", 0.0))}
         if metrics["refit/seconds"] > 0:
             metrics["refit/gb_per_s"] = metrics["refit/bytes"] / metrics["refit/seconds"] / 1e9
@@ -264,7 +296,7 @@ class GRPOLoop:
         if not val:
             return {}
         samples = list(val[: self.grpo.max_val_samples])
-        results, _, final_steps = self._generate(samples, 1, self.grpo.seed, greedy=True)
+        results, _, final_steps, _ = self._generate(samples, 1, self.grpo.seed, greedy=True)
         trajs = [Trajectory(s, i, rs[0]) for i, (s, rs) in enumerate(zip(samples, results))]
         self._score(trajs, final_steps)
         metrics = {
@@ -278,7 +310,7 @@ class GRPOLoop:
     def held_out_reverse_kl(self, samples) -> float:
         """Mean over response tokens of log p_policy - log p_teacher on one seeded sample per prompt
         (y ~ p: the k1 estimate of the per-token reverse KL, the quantity distillation lowers)."""
-        results, _, _ = self._generate(samples, 1, self.grpo.seed)
+        results, _, _, _ = self._generate(samples, 1, self.grpo.seed)
         trajs = [Trajectory(s, i, rs[0]) for i, (s, rs) in enumerate(zip(samples, results))]
         batch = to_sequence_batch(trajs, torch.zeros(len(trajs)), self.c.config.policy.max_total_sequence_length)
         policy = self.c.trainer.logprobs(batch, what="'logprobs' (validation)")
@@ -416,88 +448,45 @@ class GRPOLoop:
 
     def _run_async(self) -> list[dict]:
         max_age = self.grpo.async_grpo.max_trajectory_age_steps
-        batches: queue.Queue = queue.Queue(maxsize=1)
-        stop = threading.Event()
-        failure: list[BaseException] = []
-
-        def produce():
-            step = self.step
-            try:
-                while not stop.is_set():
-                    step += 1
-                    timer = StepTimer()
-                    # with the count of generations so far: what "begun after this batch" counts from
-                    item = self.collect(step, timer) + (timer, self._producer_generations)
-                    while not stop.is_set():
-                        try:
-                            batches.put(item, timeout=0.5)
-                            break
-                        except queue.Full:
-                            continue
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                failure.append(exc)
-
-        producer = threading.Thread(target=produce, name="rlcore-rollouts", daemon=True)
+        producer = RolloutProducer(self, self.step, self.c.config.cluster.timeout_s, max_age)
         self._producer = producer
         producer.start()
         dropped = 0
         try:
             while self.step < self.grpo.max_num_steps:
-                trajectories, record, version, gen_timer, handed_over = self._next_batch(batches, failure)
-                age = self.policy_version - version
+                # The step's time counts from here: a step that waits for its batch takes that long too.
+                waiting_since = time.perf_counter()
+                produced = producer.next_batch()
+                age = self.policy_version - produced.version
                 if age > max_age:
                     dropped += 1
+                    producer.batch_done()
                     continue
                 self.step += 1
                 self._set_trainer_step()
                 timer = StepTimer()
-                timer.phases.update(gen_timer.phases)
-                record.update({"async/trajectory_age": float(age), "async/dropped_stale_batches": float(dropped)})
-                metrics, batch = self.train_on(trajectories, timer)
+                timer.start = waiting_since
+                timer.phases.update(produced.timer.phases)
+                record = produced.metrics
+                record.update({"async/trajectory_age": float(age), "async/dropped_stale_batches": float(dropped),
+                               "async/batch_wait_s": time.perf_counter() - waiting_since})
+                metrics, batch = self.train_on(produced.trajectories, timer)
                 record.update(metrics)
                 if self.step < self.grpo.max_num_steps:
                     with timer.phase("refit"):
-                        self._await_next_generation(handed_over, failure)
-                record.update(self.refit(batch, timer))
+                        producer.await_generation_after(produced.generations_before, self.step)
+                # A validation step's held-out pass takes the generator before the next batch does.
+                validates = bool(self.grpo.val_period) and self.step % self.grpo.val_period == 0
+                record.update(self.refit(batch, timer, generator_free=None if validates else producer.batch_done))
                 self.finish_step(record, timer)
+                if validates:
+                    producer.batch_done()
                 if self.stop_requested():
                     break
         finally:
-            stop.set()
-            producer.join(timeout=self.c.config.cluster.timeout_s)
+            producer.close()
             self._producer = None
         return self.records
-
-    def _await_next_generation(self, handed_over: int, failure: list) -> None:
-        """Until the producer has begun a generation after ``handed_over`` of them (module docstring)."""
-        limit = self.c.config.cluster.timeout_s
-        deadline = time.monotonic() + limit
-        with self._producer_began:
-            while self._producer_generations <= handed_over:
-                _raise_if_failed(failure)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"timeout: the trainer waited {limit:g}s (cluster.timeout_s) for the rollout "
-                                       f"thread to begin its next generation at step {self.step}")
-                self._producer_began.wait(timeout=1.0)
-
-    def _next_batch(self, batches: queue.Queue, failure: list):
-        waited = 0.0
-        while True:
-            _raise_if_failed(failure)
-            try:
-                return batches.get(timeout=1.0)
-            except queue.Empty:
-                waited += 1.0
-                if waited > self.c.config.cluster.timeout_s:
-                    raise TimeoutError(
-                        f"timeout: the trainer waited {waited:.0f}s (cluster.timeout_s) for the rollout thread's next batch"
-                    ) from None
-
-
-def _raise_if_failed(failure: list) -> None:
-    """The rollout thread's exception, if it died, raised in the trainer's thread."""
-    if failure:
-        raise RuntimeError(f"the rollout thread failed: {failure[0]!r}") from failure[0]
 
 
 def refit_probe_sequences(batch: SequenceBatch, count: int) -> SequenceBatch:

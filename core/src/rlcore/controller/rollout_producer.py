@@ -1,0 +1,206 @@
+"""The rollout side of async GRPO: one thread generates batch after batch, another scores them.
+
+In one step off the generator is the step's critical path: batch k+1 is generated beside step k's
+training, the refit waits for that generation, and the next one starts after the refit. Whatever
+the rollout thread does between two generations leaves the engine idle. Scoring a batch is most of
+that (the environment's verdicts on 256 responses; on an H200 host the step's time beyond its
+generation was 0.3-0.9 s), so a batch's scoring runs in a thread of its own while the rollout
+thread goes back to the generator. DAPO's refill rounds need a batch's scores before the next
+round, so with refill the rollout thread scores its batches itself, as before.
+
+How far the producer may run ahead: generation ``j`` begins only after the trainer is done with
+batch ``j - 1 - max_trajectory_age_steps`` (trained on it and refitted the generator, or dropped
+it), so every batch is sampled with weights young enough to be trained on; and only after the
+trainer took batch ``j - 2`` off the queue (``credits``: what a queue of one batch and a producer
+blocked on putting batch ``j - 1`` allowed before the split). With one step off the first rule
+orders each refit before the next generation. That order used to come from the generator's lock
+alone, which the rollout thread, busy scoring for a while after each generation, rarely won;
+returning to the lock at once it would win it (a released ``threading.Lock`` goes to whichever
+thread asks first) and sample a batch two steps old.
+
+Each batch carries ``async/generator_idle_s``: how long the generator sat between the end of the
+previous generation and the start of this one (the refit's hold of the generator plus the rollout
+thread's own work), the number one step off is meant to keep near zero.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import attrs
+
+from rlcore.controller.timing import StepTimer
+
+if TYPE_CHECKING:
+    from rlcore.controller.batching import Trajectory
+    from rlcore.controller.loop import GRPOLoop
+
+# Generations begun before the trainer takes the batch two before them (module docstring).
+BATCHES_AHEAD = 2
+
+
+@attrs.define
+class Produced:
+    """One batch for the trainer."""
+
+    trajectories: list[Trajectory]
+    metrics: dict
+    version: int  # the generator's weights version the batch was sampled with
+    timer: StepTimer  # its generation and reward phases
+    generations_before: int  # generations begun when this one ended: "begun after this batch" counts from it
+
+
+class RolloutProducer:
+    """The rollout and scoring threads of :meth:`GRPOLoop._run_async`, and what the trainer asks of them."""
+
+    def __init__(self, loop: GRPOLoop, first_step: int, timeout_s: float, max_age: int):
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self.max_age = max_age
+        self._next_step = first_step
+        self._begun = 0  # batches the rollout thread began in this run
+        self._done = 0  # batches the trainer is done with (trained and refitted, or dropped)
+        self._done_changed = threading.Condition()
+        self._batches: queue.Queue[Produced] = queue.Queue()
+        self._credits = threading.Semaphore(BATCHES_AHEAD)
+        self._stop = threading.Event()
+        self._failure: list[BaseException] = []
+        self._generations = 0
+        self._began = threading.Condition()
+        self._last_generation_end: float | None = None
+        self._scoring = _ScoringThread(self._failure)
+        self.thread = threading.Thread(target=self._produce, name="rlcore-rollouts", daemon=True)
+
+    # ---- the rollout thread ------------------------------------------------------------------
+    def start(self) -> None:
+        self._scoring.start()
+        self.thread.start()
+
+    def generation_began(self) -> None:
+        """Called by the loop with the generator's lock held, as the rollout thread's generation begins."""
+        with self._began:
+            self._generations += 1
+            self._began.notify_all()
+
+    def generation_ended(self) -> None:
+        self._last_generation_end = time.perf_counter()
+
+    def _produce(self) -> None:
+        loop = self.loop
+        try:
+            while not self._stop.is_set():
+                if not (self._take_credit() and self._wait_for_done(self._begun - self.max_age)):
+                    return
+                self._begun += 1
+                self._next_step += 1
+                timer = StepTimer()
+                if loop.refill_rounds():
+                    kept, metrics, version = loop.collect(self._next_step, timer)
+                    self._put(Produced(kept, metrics, version, timer, self._generations))
+                    continue
+                idle_since = self._last_generation_end
+                generated = loop.generate_round(self._next_step, 0, timer)
+                began = generated.began
+                metrics = {} if idle_since is None else {"async/generator_idle_s": max(0.0, began - idle_since)}
+                metrics.update(loop.generator_metrics())
+                count = self._generations
+                self._scoring.submit(lambda g=generated, t=timer, m=metrics, n=count: self._score_and_put(g, t, m, n))
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread
+            self._failure.append(exc)
+
+    def _take_credit(self) -> bool:
+        while not self._stop.is_set():
+            if self._credits.acquire(timeout=0.5):
+                return True
+        return False
+
+    def _wait_for_done(self, count: int) -> bool:
+        """Until the trainer is done with ``count`` batches (False: the run is ending)."""
+        with self._done_changed:
+            while self._done < count:
+                if self._stop.is_set():
+                    return False
+                self._done_changed.wait(timeout=0.5)
+        return True
+
+    def _score_and_put(self, generated, timer: StepTimer, metrics: dict, count: int) -> None:
+        kept, scored, version = self.loop.finish_collect([generated], timer)
+        self._put(Produced(kept, {**scored, **metrics}, version, timer, count))
+
+    def _put(self, item: Produced) -> None:
+        self._batches.put(item)
+
+    # ---- the trainer's side -------------------------------------------------------------------
+    def next_batch(self) -> Produced:
+        """The next batch (a credit back to the rollout thread); raises the rollout side's failure."""
+        waited = 0.0
+        while True:
+            self.raise_if_failed()
+            try:
+                item = self._batches.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+                if waited > self.timeout_s:
+                    raise TimeoutError(f"timeout: the trainer waited {waited:.0f}s (cluster.timeout_s) for the rollout "
+                                       f"thread's next batch") from None
+                continue
+            self._credits.release()
+            return item
+
+    def batch_done(self) -> None:
+        """The trainer is done with the batch it took last: refitted after training on it, or dropped it."""
+        with self._done_changed:
+            self._done += 1
+            self._done_changed.notify_all()
+
+    def await_generation_after(self, count: int, step: int) -> None:
+        """Until the rollout thread has begun a generation after the first ``count`` (loop module docstring)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._began:
+            while self._generations <= count:
+                self.raise_if_failed()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"timeout: the trainer waited {self.timeout_s:g}s (cluster.timeout_s) for the "
+                                       f"rollout thread to begin its next generation at step {step}")
+                self._began.wait(timeout=1.0)
+
+    def raise_if_failed(self) -> None:
+        """The rollout or scoring thread's exception, if one died, raised in the trainer's thread."""
+        if self._failure:
+            raise RuntimeError(f"the rollout thread failed: {self._failure[0]!r}") from self._failure[0]
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=self.timeout_s)
+        self._scoring.close(self.timeout_s)
+
+
+class _ScoringThread:
+    """Runs the rollout thread's scoring jobs one after another, in order; a failure is recorded for the trainer."""
+
+    def __init__(self, failure: list[BaseException]):
+        self._jobs: queue.Queue = queue.Queue()
+        self._failure = failure
+        self._thread = threading.Thread(target=self._run, name="rlcore-scoring", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if self._failure:
+                continue  # the run is ending; later batches are not needed
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread
+                self._failure.append(exc)
+
+    def close(self, timeout_s: float) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=timeout_s)
