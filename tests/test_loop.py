@@ -21,7 +21,7 @@ from rlcore.config.loader import set_dotted
 pytestmark = pytest.mark.slow
 
 TIMING_PREFIXES = ("timing/", "time/", "refit/seconds", "refit/gb_per_s", "train/seconds", "run_id", "async/generator_idle_s",
-                   "async/batch_wait_s")
+                   "async/batch_wait_s", "refit/generator_hold_s")
 
 
 def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:

@@ -37,7 +37,7 @@ import yaml
 pytestmark = pytest.mark.slow
 
 CPUS_PER_NODE = 2
-TIMING_PREFIXES = ("timing/", "time/", "refit/seconds", "refit/gb_per_s", "train/seconds", "run_id")
+TIMING_PREFIXES = ("timing/", "time/", "refit/seconds", "refit/gb_per_s", "refit/generator_hold_s", "train/seconds", "run_id")
 
 
 # What the launchers in examples/launch give `ray start`, for the listeners they close: on every

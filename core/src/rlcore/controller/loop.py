@@ -109,7 +109,8 @@ class GRPOLoop:
 
     # ---- rollouts ---------------------------------------------------------------------------
     def _generate(self, samples, n: int, seed: int | None, greedy: bool = False):
-        """Results per sample; for multi-turn environments also the EnvSteps the rollout ended with."""
+        """Results per sample, the weights version, for multi-turn environments the EnvSteps the rollouts
+        ended with (else None), and the ``time.perf_counter()`` at which the generation took the generator."""
         params = sampling_params(self.generation_cfg, n, seed, greedy)
         final_steps = None
         producer = self._producer if self._producer is not None and threading.current_thread() is self._producer.thread else None
@@ -244,11 +245,14 @@ class GRPOLoop:
         # rollout thread waiting for it (async) could take it first and generate a whole batch, and the
         # probe, and with it the trainer's next step, would wait for all of it.
         with timer.phase("refit"), self.gen_lock:
+            held_from = time.perf_counter()
             moved = self.c.transport.transfer(self.c.trainer, self.c.generator)
             probed = self._probe_generator(probe_batch) if probe_batch is not None else None
+            held_s = time.perf_counter() - held_from
         if generator_free is not None:
             generator_free()
-        metrics = {"refit/seconds": float(moved.get("seconds", 0.0)), "refit/bytes": float(moved.get("bytes", 0.0))}
+        metrics = {"refit/seconds": float(moved.get("seconds", 0.0)), "refit/bytes": float(moved.get("bytes", 0.0)),
+                   "refit/generator_hold_s": held_s}  # the generator's time taken by transfer and probe
         if metrics["refit/seconds"] > 0:
             metrics["refit/gb_per_s"] = metrics["refit/bytes"] / metrics["refit/seconds"] / 1e9
         if probed is not None:
