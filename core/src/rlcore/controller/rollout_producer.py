@@ -99,7 +99,7 @@ class RolloutProducer:
                 timer = StepTimer()
                 if loop.refill_rounds():
                     kept, metrics, version = loop.collect(self._next_step, timer)
-                    self._put(Produced(kept, metrics, version, timer, self._generations))
+                    self._batches.put(Produced(kept, metrics, version, timer, self._generations))
                     continue
                 idle_since = self._last_generation_end
                 generated = loop.generate_round(self._next_step, 0, timer)
@@ -128,10 +128,7 @@ class RolloutProducer:
 
     def _score_and_put(self, generated, timer: StepTimer, metrics: dict, count: int) -> None:
         kept, scored, version = self.loop.finish_collect([generated], timer)
-        self._put(Produced(kept, {**scored, **metrics}, version, timer, count))
-
-    def _put(self, item: Produced) -> None:
-        self._batches.put(item)
+        self._batches.put(Produced(kept, {**scored, **metrics}, version, timer, count))
 
     # ---- the trainer's side -------------------------------------------------------------------
     def next_batch(self) -> Produced:
