@@ -60,8 +60,8 @@ class RolloutProducer:
         self.loop = loop
         self.timeout_s = timeout_s
         self.max_age = max_age
-        self._next_step = first_step
-        self._begun = 0  # batches the rollout thread began in this run
+        self._first_step = first_step
+        self._next_step = first_step  # the step number of the batch begun last
         self._done = 0  # batches the trainer is done with (trained and refitted, or dropped)
         self._done_changed = threading.Condition()
         self._batches: queue.Queue[Produced] = queue.Queue()
@@ -92,9 +92,9 @@ class RolloutProducer:
         loop = self.loop
         try:
             while not self._stop.is_set():
-                if not (self._take_credit() and self._wait_for_done(self._begun - self.max_age)):
+                begun = self._next_step - self._first_step  # batches begun in this run
+                if not (self._take_credit() and self._wait_for_done(begun - self.max_age)):
                     return
-                self._begun += 1
                 self._next_step += 1
                 timer = StepTimer()
                 if loop.refill_rounds():
@@ -103,8 +103,7 @@ class RolloutProducer:
                     continue
                 idle_since = self._last_generation_end
                 generated = loop.generate_round(self._next_step, 0, timer)
-                began = generated.began
-                metrics = {} if idle_since is None else {"async/generator_idle_s": max(0.0, began - idle_since)}
+                metrics = {} if idle_since is None else {"async/generator_idle_s": max(0.0, generated.began - idle_since)}
                 metrics.update(loop.generator_metrics())
                 count = self._generations
                 self._scoring.submit(lambda g=generated, t=timer, m=metrics, n=count: self._score_and_put(g, t, m, n))
@@ -176,7 +175,10 @@ class RolloutProducer:
 
 
 class _ScoringThread:
-    """Runs the rollout thread's scoring jobs one after another, in order; a failure is recorded for the trainer."""
+    """Runs the rollout thread's scoring jobs one after another, in order; a failure is recorded for the trainer.
+
+    Not a one-worker ``ThreadPoolExecutor``: its workers are joined at interpreter exit, so a hung
+    environment call would keep a finished or failed run from exiting; this thread is a daemon."""
 
     def __init__(self, failure: list[BaseException]):
         self._jobs: queue.Queue = queue.Queue()
