@@ -348,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="under MPS (nvidia-cuda-mps-control -d), cap the trainer's CUDA context at P%% of the "
                              "SMs; vLLM's engine process keeps all of them; the row's name shows it")
     parser.add_argument("--trainer-sm-margin", type=int, default=None, metavar="N",
-                        help="SMs Transformer Engine's GEMMs in the trainer leave free (NVTE_EXT_MARGIN_SM: cuBLASLt's "
-                             "SM count target), so that vLLM's kernels beside them under MPS start at once; the row's name shows it")
+                        help="SMs every GEMM of the trainer leaves free (policy.megatron_cfg.gemm_sm_margin: TE's and "
+                             "torch's through cuBLASLt's SM count target), so that vLLM's kernels beside them under MPS "
+                             "start at once; the row's name shows it")
     parser.add_argument("--trainer-mps-priority", choices=sorted(MPS_CLIENT_PRIORITIES), default=None,
                         help="under MPS, the trainer's client priority (CUDA_MPS_CLIENT_PRIORITY): below-normal asks "
                              "MPS to schedule vLLM's engine process (normal) ahead of the trainer; the row's name shows it")
@@ -374,11 +375,6 @@ def main(argv: list[str] | None = None) -> int:
     get_plugin_manager().register_module(bench_row_logger)
 
     gpu = gpu_available()
-    if args.trainer_sm_margin is not None:
-        if not 0 <= args.trainer_sm_margin < 132:
-            parser.error(f"--trainer-sm-margin: {args.trainer_sm_margin} is not a count of SMs in 0..131")
-        # Read by TE at each GEMM; vLLM's engine process inherits it but has no TE GEMMs.
-        os.environ["NVTE_EXT_MARGIN_SM"] = str(args.trainer_sm_margin)
     if args.trainer_mps_percentage is not None or args.trainer_mps_priority is not None:
         if not gpu:
             parser.error("--trainer-mps-percentage and --trainer-mps-priority need a GPU (and an MPS control daemon)")
@@ -391,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         tree = recipe(model, backend, root / f"run-{name}", args, gpu)
         for key, value in overrides.items():
             set_dotted(tree, key, value)
+        if args.trainer_sm_margin is not None:
+            if backend != "megatron":
+                parser.error(f"--trainer-sm-margin: {name} trains with {backend}; the margin is a Megatron key")
+            set_dotted(tree, "policy.megatron_cfg.gemm_sm_margin", args.trainer_sm_margin)
         for item in args.set:
             key, sep, value = item.partition("=")
             if not sep:

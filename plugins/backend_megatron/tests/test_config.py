@@ -83,6 +83,12 @@ def test_plugin_import_stays_torch_free():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_gemm_sm_margin_is_a_count_of_sms():
+    assert make().gemm_sm_margin == 0 and make(gemm_sm_margin=20).gemm_sm_margin == 20
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.gemm_sm_margin"):
+        make(gemm_sm_margin=-1)
+
+
 def test_kernels_resolve_per_device_and_refuse_what_cannot_run():
     from rlcore_megatron.kernels import resolve
 

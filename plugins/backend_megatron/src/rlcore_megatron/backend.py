@@ -76,6 +76,10 @@ class MegatronBackend:
         self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu, bf16=parallel.params_dtype(cfg, config) == torch.bfloat16)
         if self.world.rank == 0:
             print(f"rlcore-megatron: {self.kernels.describe()}", flush=True)
+        if cfg.gemm_sm_margin and not self.on_cpu:
+            margin = kernels.leave_sms_free(cfg.gemm_sm_margin)
+            if self.world.rank == 0:
+                print(f"rlcore-megatron: {margin}", flush=True)
         if cfg.cuda_graph == "micro_batch":
             cuda_graph.check_supported(cfg, config, self.hf_config, self.kernels, on_cpu=self.on_cpu, capture=self.cuda_graph_capture)
         model = parallel.build_model(cfg, self.hf_config, config, self.kernels, on_cpu=self.on_cpu, return_hidden_states=True)

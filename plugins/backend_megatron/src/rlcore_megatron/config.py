@@ -184,6 +184,10 @@ class MegatronConfig:
         "captured once per shape bucket (micro-batches padded to the token budget; rlcore_megatron.cuda_graph). CUDA "
         "with Transformer Engine's fused RoPE, sequence packing, PP = CP = 1, dense models, no recompute, no fp16, "
         "FP8 only with the tensorwise or blockwise recipe"))
+    gemm_sm_margin: int = field(default=0, validator=_non_negative, metadata=doc(
+        "SMs every GEMM of the trainer leaves free, for a process sharing the GPU (one step off with a vLLM engine "
+        "resident beside the trainer): Transformer Engine's GEMMs through NVTE_EXT_MARGIN_SM, torch's (the output "
+        "layer) through cuBLASLt's SM-count target; 0 = every SM (CUDA only)"))
     empty_unused_memory_level: Literal[0, 1, 2] = field(default=0, metadata=doc("torch.cuda.empty_cache: 0 never, 1 after each optimizer step, 2 also after each forward(-backward) pass over the micro-batches"))
     optimizer: MegatronOptimizerConfig = field(factory=MegatronOptimizerConfig, metadata=doc("optimizer"))
     scheduler: MegatronSchedulerConfig = field(factory=MegatronSchedulerConfig, metadata=doc("learning-rate/weight-decay schedule"))

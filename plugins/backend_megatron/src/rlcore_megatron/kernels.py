@@ -21,6 +21,8 @@ fp32 buffer Megatron's DDP attaches), marking ``grad_added_to_main_grad`` for DD
 
 from __future__ import annotations
 
+import os
+
 import attrs
 import torch
 
@@ -159,3 +161,27 @@ def fuse_weight_gradient_accumulation(model) -> int:
             module.fuse_wgrad_accumulation = True
             count += 1
     return count
+
+
+def leave_sms_free(margin: int) -> str:
+    """Make every GEMM of this process target ``SM count - margin`` SMs (``gemm_sm_margin``); returns
+    what was set, for the log.
+
+    Hopper's GEMM kernels are persistent: one CTA per SM loops over the output tiles for the kernel's
+    whole length, so another process's kernel (a vLLM decode step beside the trainer, under MPS) waits
+    for an SM until the GEMM ends, whatever the MPS client priorities say. Transformer Engine reads
+    ``NVTE_EXT_MARGIN_SM`` at each GEMM; torch's own matmuls (Megatron's output layer, the largest GEMMs
+    of a 1.2B step) honour the SM carveout only through cuBLASLt in the torch releases in use, so
+    cuBLASLt becomes torch's BLAS library here. Set before the model is built and its micro-batches
+    captured: a CUDA graph keeps the grid its GEMMs were captured with.
+    """
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    if margin >= sms:
+        raise ConfigError(f"{SECTION}.gemm_sm_margin", f"is {margin}, but this GPU has {sms} SMs; leave fewer free")
+    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        raise ConfigError(f"{SECTION}.gemm_sm_margin", f"needs torch's SM carveout (torch._C._set_sm_carveout_experimental, "
+                          f"torch >= 2.7); torch {torch.__version__} has none")
+    os.environ["NVTE_EXT_MARGIN_SM"] = str(margin)
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(margin)
+    return f"every GEMM targets {sms - margin} of {sms} SMs (gemm_sm_margin {margin}; TE and torch through cuBLASLt)"
