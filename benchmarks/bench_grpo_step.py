@@ -310,9 +310,11 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
 
 # Means over the summary window when the run logs them: the train-generator logprob gap (mean |log p_gen -
 # log p_old| per token, and its k3 KL), the MoE routing mismatch (routing_replay.py), one step off's
-# generator idle time between batches (and the part of it spent waiting for the trainer) and the trainer's wait for a batch, and the scoring time.
+# generator idle time between batches (and its parts: the wait for the trainer, then the way back to the
+# generator), the trainer's wait for a batch, and the scoring time.
 MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction",
-             "async/generator_idle_s", "async/generator_waits_for_trainer_s", "async/batch_wait_s", "refit/generator_hold_s", "timing/reward")
+             "async/generator_idle_s", "async/generator_waits_for_trainer_s", "async/generator_start_s",
+             "async/batch_wait_s", "refit/generator_hold_s", "timing/reward")
 
 
 def _mean(values: list[float]) -> float | None:

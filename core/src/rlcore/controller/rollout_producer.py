@@ -22,8 +22,10 @@ Each batch carries ``async/generator_idle_s``: how long the generator sat betwee
 previous generation and the start of this one (the refit's hold of the generator plus the rollout
 thread's own work), the number one step off is meant to keep near zero; and
 ``async/generator_waits_for_trainer_s``, the part of it the rollout thread spent blocked on the
-trainer (its refit of the batch before, or its taking of a batch off the queue). The rest is the
-rollout thread's own path from the trainer's release to the generator.
+trainer (its refit of the batch before, or its taking of a batch off the queue), and
+``async/generator_start_s``, the part from the trainer's release to the generation's start (the
+next prompts, the generator's lock). What remains of the idle time is the rollout thread's hand-off
+of the finished batch, before it waits.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class RolloutProducer:
                 blocked_from = time.perf_counter()
                 if not (self._take_credit() and self._wait_for_done(begun - self.max_age)):
                     return
-                blocked_s = time.perf_counter() - blocked_from
+                released = time.perf_counter()
                 self._next_step += 1
                 timer = StepTimer()
                 if loop.refill_rounds():
@@ -109,7 +111,8 @@ class RolloutProducer:
                 idle_since = self._last_generation_end
                 generated = loop.generate_round(self._next_step, 0, timer)
                 metrics = {} if idle_since is None else {"async/generator_idle_s": max(0.0, generated.began - idle_since),
-                                                         "async/generator_waits_for_trainer_s": blocked_s}
+                                                         "async/generator_waits_for_trainer_s": released - blocked_from,
+                                                         "async/generator_start_s": max(0.0, generated.began - released)}
                 metrics.update(loop.generator_metrics())
                 count = self._generations
                 self._scoring.submit(lambda g=generated, t=timer, m=metrics, n=count: self._score_and_put(g, t, m, n))
