@@ -92,7 +92,8 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   # VARIANT...: one job each (default 50):
   # P caps the trainer at P% of the SMs, `low` gives it below-normal priority, `lowP` both; `mN` makes every GEMM
   # in the trainer leave N SMs free (policy.megatron_cfg.gemm_sm_margin: TE's and, since the twenty-fifth session,
-  # torch's output layer through cuBLASLt; no MPS cap: 70% gave wrong logprobs), `lowmN` with the priority. ASYNC_SYNC=0: no sync job; 2: a second sync job after the variants, when the call's time allows, so
+  # torch's output layer through cuBLASLt; no MPS cap: 70% gave wrong logprobs), `lowmN` with the priority.
+  # ASYNC_SYNC=0: no sync job; 2: a second sync job after the variants, when the call's time allows, so
   # that a host that slows or speeds up during the call shows (twenty-second session: the sync step's generation
   # grew from 11.1 to 16.2 s over its four steps, one step off's after it ran at 12.3-12.6 s).
   # ASYNC_STEPS (default 7: six averaged steps): with three, one slow generation moved a run's mean by 1-2 s
