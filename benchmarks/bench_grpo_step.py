@@ -304,6 +304,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         "step_s_each": [round(r["timing/total"], 3) for r in records if "timing/total" in r],
         "period_s": _mean(periods), "period_s_each": [round(x, 3) for x in periods],
         "generation_s_each": [round(r["timing/generation"], 3) for r in records if "timing/generation" in r],
+        "gc_s_each": [round(r["time/gc_s"], 3) for r in records if "time/gc_s" in r],
         **{key: _mean([r[key] for r in records if key in r]) for key in MEAN_KEYS if any(key in r for r in records)},
     }
 
@@ -311,10 +312,12 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
 # Means over the summary window when the run logs them: the train-generator logprob gap (mean |log p_gen -
 # log p_old| per token, and its k3 KL), the MoE routing mismatch (routing_replay.py), one step off's
 # generator idle time between batches (and its parts: the wait for the trainer, then the way back to the
-# generator), the trainer's wait for a batch, and the scoring time.
+# generator; and on the trainer's side, from the generation's end to the refit's hold of the generator),
+# the trainer's wait for a batch, the scoring time, and the garbage collector's pauses of the process.
 MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction",
              "async/generator_idle_s", "async/generator_waits_for_trainer_s", "async/generator_start_s",
-             "async/batch_wait_s", "refit/generator_hold_s", "timing/reward")
+             "async/refit_after_generation_s", "async/batch_wait_s", "refit/generator_hold_s", "timing/reward",
+             "time/gc_s", "time/gc_longest_s", "time/gc_full_collections")
 
 
 def _mean(values: list[float]) -> float | None:

@@ -21,7 +21,8 @@ from rlcore.config.loader import set_dotted
 pytestmark = pytest.mark.slow
 
 TIMING_PREFIXES = ("timing/", "time/", "refit/seconds", "refit/gb_per_s", "train/seconds", "run_id", "async/generator_idle_s",
-                   "async/generator_waits_for_trainer_s", "async/generator_start_s", "async/batch_wait_s", "refit/generator_hold_s")
+                   "async/generator_waits_for_trainer_s", "async/generator_start_s", "async/batch_wait_s", "refit/generator_hold_s",
+                   "async/refit_after_generation_s")
 
 
 def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
@@ -170,6 +171,13 @@ def test_async_mode_respects_max_trajectory_age(tiny_model_dir, tmp_path):
     # the wait for the trainer and the way back to the generator lie inside the idle time (after the generation ended)
     assert all(0 <= r["async/generator_waits_for_trainer_s"] + r["async/generator_start_s"] <= r["async/generator_idle_s"] + 1e-6
                for r in later)
+    # step k's refit takes the generator when batch k+1's generation ends and frees it for batch k+2's:
+    # the wait for the lock and the hold lie inside batch k+2's idle time
+    by_step = {r["step"]: r for r in lines}
+    pairs = [(r, by_step[r["step"] + 2]) for r in lines if r["step"] + 2 in by_step]
+    assert pairs and all(0 <= r["async/refit_after_generation_s"] and r["async/refit_after_generation_s"]
+                         + r["refit/generator_hold_s"] <= later_r["async/generator_idle_s"] + 1e-6 for r, later_r in pairs), lines
+    assert all(r["time/gc_s"] >= r["time/gc_longest_s"] >= 0 for r in lines)
 
 
 def test_ray_trainer_crash_names_worker_and_keeps_checkpoint(tiny_model_dir, tmp_path):

@@ -22,6 +22,19 @@ gpu_env() {  # environment of a machine where gpu_install ran
 
 FP8_GEN_COMMON="--mode graphs --variants batched-detok --num-prompts 32 --samples-per-prompt 8 --prompt-len 64 --new-tokens 1024 --workdir /root/gen"
 
+brief_rows() {  # each row of this call: step and its parts, the generator's idle time and its split, the GC's pauses
+  python3 - "$OUT/results.jsonl" <<'PY' || true
+import json, sys
+keys = ("step_s", "period_s_each", "generation_s", "train_s", "async/generator_idle_s", "async/generator_waits_for_trainer_s",
+        "async/generator_start_s", "async/refit_after_generation_s", "refit/generator_hold_s", "time/gc_s", "time/gc_longest_s",
+        "time/gc_full_collections")
+for line in open(sys.argv[1]):
+    row = json.loads(line)
+    parts = [f"{k.split('/')[-1]}={row[k] if isinstance(row[k], list) else round(row[k], 3)}" for k in keys if row.get(k) is not None]
+    print(row.get("variant", "?"), *parts)
+PY
+}
+
 pack() {  # NAME: every log in $OUT into $OUT/NAME.tgz (jobs.txt and results.jsonl stay outside)
   (cd "$OUT" && ls | grep -v -e '^jobs.txt$' -e '^results.jsonl$' -e '\.tgz$' | tar czf "$1.tgz" --remove-files -T - 2>/dev/null)
   cat "$OUT/jobs.txt"
@@ -108,7 +121,10 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   [ "${ASYNC_SYNC:-1}" != 0 ] && job sync $first 150 "${sync[@]}"
   if mps_start; then
     for variant in "${variants[@]}"; do
-      case $variant in
+      gc=()
+      # a `-gcoff` suffix: the run's setup objects stay in the garbage collector's reach (cluster.gc_freeze_setup)
+      [ "${variant%-gcoff}" != "$variant" ] && gc=(--set cluster.gc_freeze_setup=false)
+      case ${variant%-gcoff} in
         low) flags="--trainer-mps-priority below-normal" ;;
         lowm*) flags="--trainer-mps-priority below-normal --trainer-sm-margin ${variant#lowm}" ;;
         m*) flags="--trainer-sm-margin ${variant#m}" ;;
@@ -117,12 +133,13 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
       esac
       # shellcheck disable=SC2086  # flags: two or four words
       job "mps$variant" 240 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps "$steps" \
-        --warmup 1 --workdir /root/bench $flags
+        --warmup 1 --workdir /root/bench $flags "${gc[@]}"
     done
     cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"; mps_stop
   fi
   [ "${ASYNC_SYNC:-1}" = 2 ] && job syncafter 250 160 "${sync[@]}"
   grep -h '^| llama1b\|RefitError' "$OUT"/sync*.log "$OUT"/mps*.log 2>/dev/null | cut -c1-600 | sort -u
+  brief_rows
   pack overlap
 }
 

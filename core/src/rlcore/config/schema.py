@@ -123,6 +123,7 @@ class ClusterConfig:
     ray_address: str | None = field(default=None, metadata=doc("existing Ray cluster; None = RAY_ADDRESS or a local instance, which listens on 127.0.0.1 only, dashboard off (no other machine can join it; no job or state API)"))
     timeout_s: float = field(default=1800.0, validator=_positive, metadata=doc("limit of any single blocking wait"))
     exit_timeout_s: float = field(default=300.0, validator=_positive, metadata=doc("once `rlcore run` has ended (summary written, or failed): how long its process may take to exit (threads, atexit handlers) before it prints every thread's stack and exits with the run's status"))
+    gc_freeze_setup: bool = field(default=True, metadata=doc("as the run's loop starts, move every object alive (models, the engine's front end, imported modules) out of reach of Python's garbage collector (gc.freeze), so that a full collection, which stops every thread of the process, walks only what the run made since"))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = field(
         default="PACK", metadata=doc("Ray placement group of the trainer ranks (one bundle per rank): as few nodes as possible, as many, one node, one node per rank"),
     )

@@ -32,6 +32,7 @@ from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catch
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.rollout_producer import RolloutProducer
 from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
+from rlcore.controller.gc_pauses import GCClock, setup_objects_frozen
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import (
     Algorithm, Environment, EnvStep, Generator, MetricLogger, PromptDataset, SequenceBatch, Teacher, TrainerHandle, WeightTransport,
@@ -106,6 +107,7 @@ class GRPOLoop:
         # SIGTERM (a scheduler's preemption, a job's time limit) ends the run after the current
         # step, with a checkpoint of that step when checkpointing is on: nothing done is lost.
         self.stop_signal: int | None = None
+        self.gc_clock = GCClock()  # the garbage collector's pauses, recorded with each step
 
     # ---- rollouts ---------------------------------------------------------------------------
     def _generate(self, samples, n: int, seed: int | None, greedy: bool = False):
@@ -246,6 +248,7 @@ class GRPOLoop:
         # probe, and with it the trainer's next step, would wait for all of it.
         with timer.phase("refit"), self.gen_lock:
             held_from = time.perf_counter()
+            ended = self._producer.last_generation_end if self._producer is not None else None
             moved = self.c.transport.transfer(self.c.trainer, self.c.generator)
             probed = self._probe_generator(probe_batch) if probe_batch is not None else None
             held_s = time.perf_counter() - held_from
@@ -253,6 +256,8 @@ class GRPOLoop:
             generator_free()
         metrics = {"refit/seconds": float(moved.get("seconds", 0.0)), "refit/bytes": float(moved.get("bytes", 0.0)),
                    "refit/generator_hold_s": held_s}  # the generator's time taken by transfer and probe
+        if ended is not None:  # async: from the end of the generation the refit waited for to its hold
+            metrics["async/refit_after_generation_s"] = held_from - ended
         if metrics["refit/seconds"] > 0:
             metrics["refit/gb_per_s"] = metrics["refit/bytes"] / metrics["refit/seconds"] / 1e9
         if probed is not None:
@@ -382,6 +387,7 @@ class GRPOLoop:
             with timer.phase("validation"):
                 record.update(self.validate())
         record.update(timer.finish())
+        record.update(self.gc_clock.take())
         record["step"] = self.step
         record["policy_version"] = self.policy_version
         self.records.append(record)
@@ -401,7 +407,8 @@ class GRPOLoop:
         return self.elapsed_before + time.perf_counter() - self.started
 
     def run(self) -> list[dict]:
-        return run_catching_sigterm(self, self._run)
+        with setup_objects_frozen(self.c.config.cluster.gc_freeze_setup), self.gc_clock:
+            return run_catching_sigterm(self, self._run)
 
     def _run(self) -> list[dict]:
         self.maybe_resume()

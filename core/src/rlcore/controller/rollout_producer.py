@@ -25,7 +25,9 @@ thread's own work), the number one step off is meant to keep near zero; and
 trainer (its refit of the batch before, or its taking of a batch off the queue), and
 ``async/generator_start_s``, the part from the trainer's release to the generation's start (the
 next prompts, the generator's lock). What remains of the idle time is the rollout thread's hand-off
-of the finished batch, before it waits.
+of the finished batch, before it waits. The trainer's record of the refit carries
+``async/refit_after_generation_s``: from the end of the generation the refit waited for to the refit's
+hold of the generator.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class RolloutProducer:
         self._failure: list[BaseException] = []
         self._generations = 0
         self._began = threading.Condition()
-        self._last_generation_end: float | None = None
+        self.last_generation_end: float | None = None
         self._scoring = _ScoringThread(self._failure)
         self.thread = threading.Thread(target=self._produce, name="rlcore-rollouts", daemon=True)
 
@@ -91,7 +93,7 @@ class RolloutProducer:
             self._began.notify_all()
 
     def generation_ended(self) -> None:
-        self._last_generation_end = time.perf_counter()
+        self.last_generation_end = time.perf_counter()
 
     def _produce(self) -> None:
         loop = self.loop
@@ -108,7 +110,7 @@ class RolloutProducer:
                     kept, metrics, version = loop.collect(self._next_step, timer)
                     self._batches.put(Produced(kept, metrics, version, timer, self._generations))
                     continue
-                idle_since = self._last_generation_end
+                idle_since = self.last_generation_end
                 generated = loop.generate_round(self._next_step, 0, timer)
                 metrics = {} if idle_since is None else {"async/generator_idle_s": max(0.0, generated.began - idle_since),
                                                          "async/generator_waits_for_trainer_s": released - blocked_from,
