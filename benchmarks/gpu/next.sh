@@ -27,7 +27,7 @@ brief_rows() {  # each row of this call: step and its parts, the generator's idl
 import json, sys
 keys = ("step_s", "period_s_each", "generation_s", "train_s", "async/generator_idle_s", "async/generator_waits_for_trainer_s",
         "async/generator_start_s", "async/refit_after_generation_s", "refit/generator_hold_s", "time/gc_s", "time/gc_longest_s",
-        "time/gc_full_collections")
+        "time/gc_full_collections", "time/gil_lag_mean_s", "time/gil_lag_max_s")
 for line in open(sys.argv[1]):
     row = json.loads(line)
     parts = [f"{k.split('/')[-1]}={row[k] if isinstance(row[k], list) else round(row[k], 3)}" for k in keys if row.get(k) is not None]
@@ -121,15 +121,20 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   [ "${ASYNC_SYNC:-1}" != 0 ] && job sync $first 150 "${sync[@]}"
   if mps_start; then
     for variant in "${variants[@]}"; do
+      # `+` options after the variant (lowm20+mgc+gil): gcoff leaves the setup's objects in the garbage
+      # collector's reach (cluster.gc_freeze_setup), mgc collects only after each step's training
+      # (cluster.manual_gc), gil records the interpreter lock's waits (cluster.gil_lag_probe)
       gc=()
-      # a `-gcoff` suffix: the run's setup objects stay in the garbage collector's reach (cluster.gc_freeze_setup)
-      [ "${variant%-gcoff}" != "$variant" ] && gc=(--set cluster.gc_freeze_setup=false)
-      case ${variant%-gcoff} in
+      [[ $variant == *+gcoff* ]] && gc+=(--set cluster.gc_freeze_setup=false)
+      [[ $variant == *+mgc* ]] && gc+=(--set cluster.manual_gc=true)
+      [[ $variant == *+gil* ]] && gc+=(--set cluster.gil_lag_probe=true)
+      base=${variant%%+*}
+      case $base in
         low) flags="--trainer-mps-priority below-normal" ;;
-        lowm*) flags="--trainer-mps-priority below-normal --trainer-sm-margin ${variant#lowm}" ;;
-        m*) flags="--trainer-sm-margin ${variant#m}" ;;
-        low*) flags="--trainer-mps-priority below-normal --trainer-mps-percentage ${variant#low}" ;;
-        *) flags="--trainer-mps-percentage $variant" ;;
+        lowm*) flags="--trainer-mps-priority below-normal --trainer-sm-margin ${base#lowm}" ;;
+        m*) flags="--trainer-sm-margin ${base#m}" ;;
+        low*) flags="--trainer-mps-priority below-normal --trainer-mps-percentage ${base#low}" ;;
+        *) flags="--trainer-mps-percentage $base" ;;
       esac
       # shellcheck disable=SC2086  # flags: two or four words
       job "mps$variant" 240 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps "$steps" \

@@ -124,6 +124,8 @@ class ClusterConfig:
     timeout_s: float = field(default=1800.0, validator=_positive, metadata=doc("limit of any single blocking wait"))
     exit_timeout_s: float = field(default=300.0, validator=_positive, metadata=doc("once `rlcore run` has ended (summary written, or failed): how long its process may take to exit (threads, atexit handlers) before it prints every thread's stack and exits with the run's status"))
     gc_freeze_setup: bool = field(default=True, metadata=doc("as the run's loop starts, move every object alive (models, the engine's front end, imported modules) out of reach of Python's garbage collector (gc.freeze), so that a full collection, which stops every thread of the process, walks only what the run made since"))
+    manual_gc: bool = field(default=False, metadata=doc("no automatic garbage collection during the run; one full collection after each step's training instead (Megatron-LM's --manual-gc): one step off's threads then never stop for the collector mid-step"))
+    gil_lag_probe: bool = field(default=False, metadata=doc("a thread that sleeps 5 ms at a time records how late it wakes, i.e. how long a thread of this process waits for the interpreter lock: time/gil_lag_mean_s and time/gil_lag_max_s with each step"))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = field(
         default="PACK", metadata=doc("Ray placement group of the trainer ranks (one bundle per rank): as few nodes as possible, as many, one node, one node per rank"),
     )

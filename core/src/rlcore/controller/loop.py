@@ -32,7 +32,7 @@ from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catch
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.rollout_producer import RolloutProducer
 from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
-from rlcore.controller.gc_pauses import GCClock, setup_objects_frozen
+from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import (
     Algorithm, Environment, EnvStep, Generator, MetricLogger, PromptDataset, SequenceBatch, Teacher, TrainerHandle, WeightTransport,
@@ -107,7 +107,9 @@ class GRPOLoop:
         # SIGTERM (a scheduler's preemption, a job's time limit) ends the run after the current
         # step, with a checkpoint of that step when checkpointing is on: nothing done is lost.
         self.stop_signal: int | None = None
-        self.gc_clock = GCClock()  # the garbage collector's pauses, recorded with each step
+        # the garbage collector's pauses and the interpreter lock's waits, recorded with each step (interpreter.py)
+        self.collector = CollectorPolicy(cfg.cluster.gc_freeze_setup, cfg.cluster.manual_gc)
+        self.gc_clock, self.lock_lag = GCClock(), LockLagProbe(cfg.cluster.gil_lag_probe)
 
     # ---- rollouts ---------------------------------------------------------------------------
     def _generate(self, samples, n: int, seed: int | None, greedy: bool = False):
@@ -227,6 +229,7 @@ class GRPOLoop:
                 batch.token_fields["teacher_logprobs"] = self.c.teacher.logprobs(batch)
         with timer.phase("training"):
             out = trainer.train(batch, algorithm)
+        self.collector.after_training()
         metrics = {f"train/{k}": float(v) for k, v in out.items()}
         if out.get("skipped_nonfinite"):
             self.nonfinite_in_a_row += 1
@@ -388,6 +391,7 @@ class GRPOLoop:
                 record.update(self.validate())
         record.update(timer.finish())
         record.update(self.gc_clock.take())
+        record.update(self.lock_lag.take())
         record["step"] = self.step
         record["policy_version"] = self.policy_version
         self.records.append(record)
@@ -407,7 +411,7 @@ class GRPOLoop:
         return self.elapsed_before + time.perf_counter() - self.started
 
     def run(self) -> list[dict]:
-        with setup_objects_frozen(self.c.config.cluster.gc_freeze_setup), self.gc_clock:
+        with self.collector, self.gc_clock, self.lock_lag:
             return run_catching_sigterm(self, self._run)
 
     def _run(self) -> list[dict]:
