@@ -317,7 +317,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
 # cluster.gil_lag_probe the interpreter lock's waits.
 MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction",
              "async/generator_idle_s", "async/generator_waits_for_trainer_s", "async/generator_start_s",
-             "async/refit_after_generation_s", "async/batch_wait_s", "refit/generator_hold_s", "timing/reward",
+             "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s", "async/refit_after_generation_s", "async/batch_wait_s", "refit/generator_hold_s", "timing/reward",
              "time/gc_s", "time/gc_longest_s", "time/gc_full_collections", "time/gil_lag_mean_s", "time/gil_lag_max_s")
 
 

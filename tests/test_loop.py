@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 TIMING_PREFIXES = ("timing/", "time/", "refit/seconds", "refit/gb_per_s", "train/seconds", "run_id", "async/generator_idle_s",
                    "async/generator_waits_for_trainer_s", "async/generator_start_s", "async/batch_wait_s", "refit/generator_hold_s",
-                   "async/refit_after_generation_s")
+                   "async/refit_after_generation_s", "async/generator_wake_after_")
 
 
 def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
@@ -171,6 +171,9 @@ def test_async_mode_respects_max_trajectory_age(tiny_model_dir, tmp_path):
     # the wait for the trainer and the way back to the generator lie inside the idle time (after the generation ended)
     assert all(0 <= r["async/generator_waits_for_trainer_s"] + r["async/generator_start_s"] <= r["async/generator_idle_s"] + 1e-6
                for r in later)
+    # the wake-up after the trainer's release lies inside the wait for it
+    assert all(0 <= r[f"async/generator_wake_after_{kind}_s"] <= r["async/generator_waits_for_trainer_s"] + 1e-6
+               for r in later for kind in ("done", "credit"))
     # step k's refit takes the generator when batch k+1's generation ends and frees it for batch k+2's:
     # the wait for the lock and the hold lie inside batch k+2's idle time
     by_step = {r["step"]: r for r in lines}

@@ -26,7 +26,7 @@ brief_rows() {  # each row of this call: step and its parts, the generator's idl
   python3 - "$OUT/results.jsonl" <<'PY' || true
 import json, sys
 keys = ("step_s", "period_s_each", "generation_s", "train_s", "async/generator_idle_s", "async/generator_waits_for_trainer_s",
-        "async/generator_start_s", "async/refit_after_generation_s", "refit/generator_hold_s", "time/gc_s", "time/gc_longest_s",
+        "async/generator_start_s", "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s", "async/refit_after_generation_s", "refit/generator_hold_s", "time/gc_s", "time/gc_longest_s",
         "time/gc_full_collections", "time/gil_lag_mean_s", "time/gil_lag_max_s")
 for line in open(sys.argv[1]):
     row = json.loads(line)

@@ -44,7 +44,7 @@ def probe_loop(generator_shift: float, threshold: float = 0.15) -> tuple[GRPOLoo
     batch = to_sequence_batch(trajs, torch.zeros(2), max_len=16)
     loop = GRPOLoop.__new__(GRPOLoop)  # only what refit reads: no model, no engine
     loop.refit_cfg = RefitConfig(probe_threshold=threshold, probe_num_sequences=4)
-    loop.gen_lock, loop.step = threading.Lock(), 3
+    loop.gen_lock, loop.step, loop._producer = threading.Lock(), 3, None
     loop.c = SimpleNamespace(generator=Scorer([2, 1], generator_shift), trainer=Scorer([2, 1], 0.0),
                              transport=SimpleNamespace(transfer=lambda trainer, generator: {}))
     return loop, batch

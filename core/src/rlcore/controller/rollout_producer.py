@@ -24,7 +24,8 @@ thread's own work), the number one step off is meant to keep near zero; and
 ``async/generator_waits_for_trainer_s``, the part of it the rollout thread spent blocked on the
 trainer (its refit of the batch before, or its taking of a batch off the queue), and
 ``async/generator_start_s``, the part from the trainer's release to the generation's start (the
-next prompts, the generator's lock). What remains of the idle time is the rollout thread's hand-off
+next prompts, the generator's lock); ``async/generator_wake_after_done_s`` and ``..._after_credit_s``
+say which release it waited for (a batch done with, a batch taken) and how long it took to go on. What remains of the idle time is the rollout thread's hand-off
 of the finished batch, before it waits. The trainer's record of the refit carries
 ``async/refit_after_generation_s``: from the end of the generation the refit waited for to the refit's
 hold of the generator.
@@ -78,6 +79,7 @@ class RolloutProducer:
         self._generations = 0
         self._began = threading.Condition()
         self.last_generation_end: float | None = None
+        self._done_at = self._credit_at = 0.0  # when the trainer last finished a batch, last took one
         self._scoring = _ScoringThread(self._failure)
         self.thread = threading.Thread(target=self._produce, name="rlcore-rollouts", daemon=True)
 
@@ -104,6 +106,7 @@ class RolloutProducer:
                 if not (self._take_credit() and self._wait_for_done(begun - self.max_age)):
                     return
                 released = time.perf_counter()
+                wakes = self._wakes(blocked_from, released)
                 self._next_step += 1
                 timer = StepTimer()
                 if loop.refill_rounds():
@@ -114,12 +117,19 @@ class RolloutProducer:
                 generated = loop.generate_round(self._next_step, 0, timer)
                 metrics = {} if idle_since is None else {"async/generator_idle_s": max(0.0, generated.began - idle_since),
                                                          "async/generator_waits_for_trainer_s": released - blocked_from,
-                                                         "async/generator_start_s": max(0.0, generated.began - released)}
+                                                         "async/generator_start_s": max(0.0, generated.began - released),
+                                                         **wakes}
                 metrics.update(loop.generator_metrics())
                 count = self._generations
                 self._scoring.submit(lambda g=generated, t=timer, m=metrics, n=count: self._score_and_put(g, t, m, n))
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread
             self._failure.append(exc)
+
+    def _wakes(self, blocked_from: float, released: float) -> dict[str, float]:
+        """How long after the trainer's last release of each kind (done with a batch, took one) the rollout
+        thread went on, for a release while it waited (else 0): which one it waited for, and how fast it woke."""
+        return {f"async/generator_wake_after_{kind}_s": released - at if blocked_from < at <= released else 0.0
+                for kind, at in (("done", self._done_at), ("credit", self._credit_at))}
 
     def _take_credit(self) -> bool:
         while not self._stop.is_set():
@@ -154,6 +164,7 @@ class RolloutProducer:
                     raise TimeoutError(f"timeout: the trainer waited {waited:.0f}s (cluster.timeout_s) for the rollout "
                                        f"thread's next batch") from None
                 continue
+            self._credit_at = time.perf_counter()
             self._credits.release()
             return item
 
@@ -161,6 +172,7 @@ class RolloutProducer:
         """The trainer is done with the batch it took last: refitted after training on it, or dropped it."""
         with self._done_changed:
             self._done += 1
+            self._done_at = time.perf_counter()
             self._done_changed.notify_all()
 
     def await_generation_after(self, count: int, step: int) -> None:
