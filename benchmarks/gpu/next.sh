@@ -123,11 +123,13 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
     for variant in "${variants[@]}"; do
       # `+` options after the variant (lowm20+mgc+gil): gcoff leaves the setup's objects in the garbage
       # collector's reach (cluster.gc_freeze_setup), mgc collects only after each step's training
-      # (cluster.manual_gc), gil records the interpreter lock's waits (cluster.gil_lag_probe)
-      gc=()
-      [[ $variant == *+gcoff* ]] && gc+=(--set cluster.gc_freeze_setup=false)
-      [[ $variant == *+mgc* ]] && gc+=(--set cluster.manual_gc=true)
-      [[ $variant == *+gil* ]] && gc+=(--set cluster.gil_lag_probe=true)
+      # (cluster.manual_gc), gil records the interpreter lock's waits (cluster.gil_lag_probe), mbN trains
+      # in micro-batches of N tokens (shorter kernels for the engine's to queue behind; sync keeps 8192)
+      extra=()
+      [[ $variant == *+gcoff* ]] && extra+=(--set cluster.gc_freeze_setup=false)
+      [[ $variant == *+mgc* ]] && extra+=(--set cluster.manual_gc=true)
+      [[ $variant == *+gil* ]] && extra+=(--set cluster.gil_lag_probe=true)
+      [[ $variant =~ \+mb([0-9]+) ]] && extra+=(--mb-tokens "${BASH_REMATCH[1]}")
       base=${variant%%+*}
       case $base in
         low) flags="--trainer-mps-priority below-normal" ;;
@@ -138,7 +140,7 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
       esac
       # shellcheck disable=SC2086  # flags: two or four words
       job "mps$variant" 240 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps "$steps" \
-        --warmup 1 --workdir /root/bench $flags "${gc[@]}"
+        --warmup 1 --workdir /root/bench $flags "${extra[@]}"
     done
     cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"; mps_stop
   fi
