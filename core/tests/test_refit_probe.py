@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from rlcore.config.generation import RefitConfig
 from rlcore.controller.batching import Trajectory, to_sequence_batch
-from rlcore.controller.loop import GRPOLoop, RefitError
+from rlcore.controller.loop import GRPOLoop
+from rlcore.controller.refit_probe import RefitError
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import GenerationResult, Sample
 

@@ -46,7 +46,7 @@ def test_the_refit_probe_leaves_the_routing_behind():
     # The generator scores the probe after the refit with its own router at the new weights; routing recorded at
     # the old ones would make the trainer replay another network's choice (seventeenth GPU session: the probe's
     # gap with R3 fell with the training pass's, 9.6e-3 to 5.2e-3, because it replayed too).
-    from rlcore.controller.loop import refit_probe_sequences
+    from rlcore.controller.refit_probe import refit_probe_sequences
 
     batch = to_sequence_batch([trajectory([1, 2, 3], [4, 5, 6, 7], np.zeros((3 + 4 - 1, 2, 2))),
                                trajectory([1, 2], [3, 4], np.ones((2 + 2 - 1, 2, 2)))],

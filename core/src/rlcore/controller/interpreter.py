@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from typing import Self
 
 
 class GCClock:
@@ -34,7 +35,7 @@ class GCClock:
     def _reset(self) -> None:
         self.seconds, self.longest, self.full = 0.0, 0.0, 0
 
-    def __enter__(self) -> GCClock:
+    def __enter__(self) -> Self:
         self._reset()
         gc.callbacks.append(self._on_collection)
         return self
@@ -67,7 +68,7 @@ class CollectorPolicy:
         self._frozen_before = 0
         self._enabled_before = True
 
-    def __enter__(self) -> CollectorPolicy:
+    def __enter__(self) -> Self:
         self._enabled_before = gc.isenabled()
         if self.freeze_setup:
             self._frozen_before = gc.get_freeze_count()
@@ -102,7 +103,7 @@ class LockLagProbe:
         self._thread: threading.Thread | None = None
         self._lags: list[float] = []
 
-    def __enter__(self) -> LockLagProbe:
+    def __enter__(self) -> Self:
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name="rlcore-gil-lag", daemon=True)
             self._thread.start()

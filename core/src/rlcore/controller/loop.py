@@ -15,7 +15,6 @@ batches with no overlap at all (seen on an H200: 82% of a 200-step run's batches
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 import warnings
@@ -26,26 +25,39 @@ import numpy as np
 import torch
 
 from rlcore.controller.batching import (
-    DataCursor, Trajectory, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
+    DataCursor,
+    Trajectory,
+    apply_env_steps,
+    is_correct,
+    rollout_metrics,
+    sampling_params,
+    score,
+    to_sequence_batch,
 )
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catching_sigterm, set_rng_state, stop_after_step
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
+from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
+from rlcore.controller.refit_probe import compare_probe_logprobs, refit_probe_sequences
 from rlcore.controller.rollout_producer import RolloutProducer
 from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
-from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import (
-    Algorithm, Environment, EnvStep, Generator, MetricLogger, PromptDataset, SequenceBatch, Teacher, TrainerHandle, WeightTransport,
+    Algorithm,
+    Environment,
+    EnvStep,
+    Generator,
+    MetricLogger,
+    PromptDataset,
+    SequenceBatch,
+    Teacher,
+    TrainerHandle,
+    WeightTransport,
 )
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
     from rlcore.controller.report import Reporter
     from rlcore.rollout import MultiTurnRunner
-
-
-class RefitError(RuntimeError):
-    """After a refit the generator's logprobs disagree with the trainer's beyond the threshold."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -277,31 +289,8 @@ class GRPOLoop:
         return probe, self.c.generator.score([ids.tolist() for ids in probe.input_ids])
 
     def _compare_probe(self, probe: SequenceBatch, gen_lp: list) -> dict:
-        """The trainer's logprobs of the probe's sequences against the generator's, on the model's tokens."""
         train_lp = self.c.trainer.logprobs(probe, what="'logprobs' (refit probe)")
-        masks = [m > 0 for m in probe.loss_mask]
-        gen_T = torch.cat([torch.as_tensor(g, dtype=torch.float32)[k] for g, k in zip(gen_lp, masks)] or [torch.zeros(0)])
-        train_T = torch.cat([t.float()[k] for t, k in zip(train_lp, masks)] or [torch.zeros(0)])
-        diff_T = (gen_T - train_T).abs() if gen_T.numel() else torch.zeros(1)
-        worst, mean = float(diff_T.max()), float(diff_T.mean())
-        # The mean is what a corrupt refit moves (every token of a stale layer); the max of a few
-        # thousand bf16 tokens can reach ~1 on a peaked distribution with correct weights.
-        threshold = self.refit_cfg.probe_threshold
-        if not (math.isfinite(worst) and math.isfinite(mean)) or mean > threshold:
-            # Which side is off: the weights moved by one update since the tokens were sampled, so
-            # the correct side's mean logprob stays near the sampling pass's.
-            means = f"mean logprob: generator {float(gen_T.mean()):.3g}, trainer {float(train_T.mean()):.3g}"
-            rollout_lp = probe.token_fields.get("gen_logprobs")  # the sampling pass's, at the weights before
-            if rollout_lp is not None:
-                rollout_T = torch.cat([lp.float()[k] for lp, k in zip(rollout_lp, masks)])
-                means += f", the rollout's own at the weights before {float(rollout_T.mean()):.3g}"
-            raise RefitError(
-                f"refit verification failed at step {self.step}: generator and trainer logprobs differ by "
-                f"{mean:.3g} on average (max {worst:.3g}) over {diff_T.numel()} probe tokens "
-                f"(policy.generation.refit.probe_threshold={threshold}): the generator does not hold the trainer's "
-                f"weights, or one side's logprob pass is wrong ({means})"
-            )
-        return {"refit/probe_max_abs_logprob_diff": worst, "refit/probe_mean_abs_logprob_diff": mean}
+        return compare_probe_logprobs(probe, gen_lp, train_lp, self.refit_cfg.probe_threshold, self.step)
 
     def validate(self) -> dict:
         val = self.c.dataset.validation
@@ -502,13 +491,3 @@ class GRPOLoop:
             producer.close()
             self._producer = None
         return self.records
-
-
-def refit_probe_sequences(batch: SequenceBatch, count: int) -> SequenceBatch:
-    """The refit probe's sequences: the step's first ``count``, without the generator's MoE routing.
-
-    That routing (R3) was chosen at the weights before this refit, while the generator scores the
-    probe with the new ones and its own router; the trainer keeps its own router's choice too, so the
-    probe compares the two networks' weights, not one network's routing with another's.
-    """
-    return attrs.evolve(batch.select(range(min(count, len(batch)))), routed_experts=None)
