@@ -130,6 +130,9 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
       [[ $variant == *+mgc* ]] && extra+=(--set cluster.manual_gc=true)
       [[ $variant == *+gil* ]] && extra+=(--set cluster.gil_lag_probe=true)
       [[ $variant =~ \+mb([0-9]+) ]] && extra+=(--mb-tokens "${BASH_REMATCH[1]}")
+      # gcdebug: a line per full garbage collection (thread, time, what it walked: RLCORE_GC_DEBUG)
+      prefix=()
+      [[ $variant == *+gcdebug* ]] && prefix=(env RLCORE_GC_DEBUG=1)
       base=${variant%%+*}
       case $base in
         low) flags="--trainer-mps-priority below-normal" ;;
@@ -139,7 +142,7 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
         *) flags="--trainer-mps-percentage $base" ;;
       esac
       # shellcheck disable=SC2086  # flags: two or four words
-      job "mps$variant" 240 150 python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps "$steps" \
+      job "mps$variant" 240 150 "${prefix[@]}" python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps "$steps" \
         --warmup 1 --workdir /root/bench $flags "${extra[@]}"
     done
     cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"; mps_stop
@@ -147,6 +150,8 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   [ "${ASYNC_SYNC:-1}" = 2 ] && job syncafter 250 160 "${sync[@]}"
   grep -h '^| llama1b\|RefitError' "$OUT"/sync*.log "$OUT"/mps*.log 2>/dev/null | cut -c1-600 | sort -u
   brief_rows
+  grep -h "rlcore gc:" "$OUT"/mps*.log 2>/dev/null | grep -o "in thread '[^']*'" | sort | uniq -c
+  grep -h "rlcore gc:" "$OUT"/mps*.log 2>/dev/null | tail -3 | cut -c1-400
   pack overlap
 }
 
