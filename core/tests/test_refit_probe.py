@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from rlcore.config.generation import RefitConfig
 from rlcore.controller.batching import Trajectory, to_sequence_batch
 from rlcore.controller.loop import GRPOLoop

@@ -25,14 +25,7 @@ import numpy as np
 import torch
 
 from rlcore.controller.batching import (
-    DataCursor,
-    Trajectory,
-    apply_env_steps,
-    is_correct,
-    rollout_metrics,
-    sampling_params,
-    score,
-    to_sequence_batch,
+    DataCursor, Trajectory, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
 )
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catching_sigterm, set_rng_state, stop_after_step
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
@@ -42,16 +35,7 @@ from rlcore.controller.rollout_producer import RolloutProducer
 from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import (
-    Algorithm,
-    Environment,
-    EnvStep,
-    Generator,
-    MetricLogger,
-    PromptDataset,
-    SequenceBatch,
-    Teacher,
-    TrainerHandle,
-    WeightTransport,
+    Algorithm, Environment, EnvStep, Generator, MetricLogger, PromptDataset, SequenceBatch, Teacher, TrainerHandle, WeightTransport,
 )
 
 if TYPE_CHECKING:

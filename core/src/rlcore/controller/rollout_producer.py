@@ -25,10 +25,10 @@ thread's own work), the number one step off is meant to keep near zero; and
 trainer (its refit of the batch before, or its taking of a batch off the queue), and
 ``async/generator_start_s``, the part from the trainer's release to the generation's start (the
 next prompts, the generator's lock); ``async/generator_wake_after_done_s`` and ``..._after_credit_s``
-say which release it waited for (a batch done with, a batch taken) and how long it took to go on. What remains of the idle time is the rollout thread's hand-off
-of the finished batch, before it waits. The trainer's record of the refit carries
-``async/refit_after_generation_s``: from the end of the generation the refit waited for to the refit's
-hold of the generator.
+say which release it waited for (a batch done with, a batch taken) and how long it took to go on.
+What remains of the idle time is the rollout thread's hand-off of the finished batch, before it
+waits. The trainer's record of the refit carries ``async/refit_after_generation_s``: from the end
+of the generation the refit waited for to the refit's hold of the generator.
 """
 
 from __future__ import annotations
