@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -111,8 +112,11 @@ def run_mode(args) -> list[dict]:
                   flush=True)
             continue
         seconds = statistics.median(times)
+        # under MPS, the engine's context capped at this share of the SMs (benchmarks/gpu/next.sh: engine_share)
+        sm_cap = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else None
         rows.append({"bench": "generation", "shape": args.shape, "mode": args.mode, "quantization": args.quantization,
-                     "variant": variant if args.quantization == "none" else f"{variant}-{args.quantization}",
+                     "variant": (variant if args.quantization == "none" else f"{variant}-{args.quantization}")
+                     + (f"-mps{sm_cap}pct" if sm_cap else ""), "mps_sm_cap_percent": int(sm_cap) if sm_cap else None,
                      "engine_process": args.engine_process, "device": "cuda" if cuda else "cpu",
                      "num_prompts": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "generated_tokens": tokens,

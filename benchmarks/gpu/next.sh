@@ -241,6 +241,23 @@ gen_engines_1b() {  # issue 24: the host-bound 1.2B engine as two engines of 128
   pack engines1b
 }
 
+engine_share() {  # issue 24: the 1.2B engine alone under MPS, its context capped at PERCENT% of the SMs (default 100 50 35)
+  # How much of the GPU the engine needs: if it keeps its speed at 35-50%, a trainer capped at the rest can run
+  # beside it without slowing it (twenty-sixth session: uncapped, the engine ran at about 30% of its speed beside
+  # the trainer). The GRPO step's generation: 32 prompts x 8 samples x 1024 tokens, CUDA graphs.
+  # shellcheck disable=SC2206  # FP8_GEN_COMMON: its words
+  local p percents=("$@") one=(python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 $FP8_GEN_COMMON)
+  [ ${#percents[@]} -eq 0 ] && percents=(100 50 35)
+  if mps_start; then
+    for p in "${percents[@]}"; do
+      CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$p job "share$p" 150 90 "${one[@]}"
+    done
+    mps_stop
+  fi
+  grep -h '^{"bench"' "$OUT"/share*.log 2>/dev/null | cut -c1-330
+  pack share
+}
+
 mps_cap_tests() {  # issue 24: the CUDA tests of the trainer's paths in a context capped at PERCENT of the SMs under MPS
   # At 70% the trainer's logprobs in one step off failed the refit probe at step 1, twice (0.503; twenty-first
   # session); the run at 50% passed. The tests compare TE's paths with Hugging Face's and with each other in one
