@@ -125,4 +125,6 @@ def test_batched_decode_gives_the_engines_text_and_logprobs(sync_generator):
     assert all(a.response_ids == b.response_ids for a, b in pairs)  # same seed, same samples
     assert any(b.text for _, b in pairs)
     assert [a.text for a, _ in pairs] == [b.text for _, b in pairs]
-    assert [a.response_logprobs for a, _ in pairs] == [b.response_logprobs for _, b in pairs]
+    # Two engine passes over the same samples: on CPU their logprobs may differ in the last bits (seen: 5e-7)
+    for a, b in pairs:
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-5)
