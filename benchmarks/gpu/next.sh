@@ -26,7 +26,8 @@ brief_rows() {  # each row of this call: step and its parts, the generator's idl
   python3 - "$OUT/results.jsonl" <<'PY' || true
 import json, sys
 keys = ("step_s", "period_s_each", "generation_s", "train_s", "async/generator_idle_s", "async/generator_waits_for_trainer_s",
-        "async/generator_start_s", "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s", "async/refit_after_generation_s", "refit/generator_hold_s", "time/gc_s", "time/gc_longest_s",
+        "async/generator_start_s", "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s",
+        "async/refit_after_generation_s", "refit/generator_hold_s", "time/gc_s", "time/gc_longest_s",
         "time/gc_full_collections", "time/gil_lag_mean_s", "time/gil_lag_max_s")
 for line in open(sys.argv[1]):
     row = json.loads(line)
@@ -111,7 +112,7 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   # grew from 11.1 to 16.2 s over its four steps, one step off's after it ran at 12.3-12.6 s).
   # ASYNC_STEPS (default 7: six averaged steps): with three, one slow generation moved a run's mean by 1-2 s
   # (twenty-third session: sync generation 6.9-11.1 s for the same work; its rows give each step's time).
-  local variant flags variants=("$@") steps=${ASYNC_STEPS:-7}
+  local variant flags base extra prefix variants=("$@") steps=${ASYNC_STEPS:-7}
   local sync=(python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-cuda-graph --steps "$steps" --warmup 1 --workdir /root/bench)
   [ ${#variants[@]} -eq 0 ] && variants=(50)
   # A fresh machine's first job builds the 1.2B model first (about 100 s): the sync job of the twenty-fourth
