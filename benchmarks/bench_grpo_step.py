@@ -312,12 +312,13 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
 # Means over the summary window when the run logs them: the train-generator logprob gap (mean |log p_gen -
 # log p_old| per token, and its k3 KL), the MoE routing mismatch (routing_replay.py), one step off's
 # generator idle time between batches (and its parts: the wait for the trainer, then the way back to the
-# generator; and on the trainer's side, from the generation's end to the refit's hold of the generator),
-# the trainer's wait for a batch, the scoring time, the garbage collector's pauses of the process, and with
-# cluster.gil_lag_probe the interpreter lock's waits.
+# generator, and how long after which release of the trainer it went on; on the trainer's side, from the
+# generation's end to the refit's hold of the generator), the trainer's wait for a batch, the scoring time,
+# the garbage collector's pauses of the process, and with cluster.gil_lag_probe the interpreter lock's waits.
 MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction",
              "async/generator_idle_s", "async/generator_waits_for_trainer_s", "async/generator_start_s",
-             "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s", "async/refit_after_generation_s", "async/batch_wait_s", "refit/generator_hold_s", "timing/reward",
+             "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s", "async/refit_after_generation_s",
+             "async/batch_wait_s", "refit/generator_hold_s", "timing/reward",
              "time/gc_s", "time/gc_longest_s", "time/gc_full_collections", "time/gil_lag_mean_s", "time/gil_lag_max_s")
 
 
