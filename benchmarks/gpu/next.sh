@@ -21,6 +21,8 @@ gpu_env() {  # environment of a machine where gpu_install ran
 }
 
 FP8_GEN_COMMON="--mode graphs --variants batched-detok --num-prompts 32 --samples-per-prompt 8 --prompt-len 64 --new-tokens 1024 --workdir /root/gen"
+# the 1.2B engine generating one GRPO step's batch (gen_engines_1b, engine_share)
+GEN_1B="python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 $FP8_GEN_COMMON"
 
 brief_rows() {  # each row of this call: step and its parts, the generator's idle time and its split, the GC's pauses
   python3 - "$OUT/results.jsonl" <<'PY' || true
@@ -228,8 +230,8 @@ gen_engines_1b() {  # issue 24: the host-bound 1.2B engine as two engines of 128
   # interleave: under MPS they do, time-sliced they do not (8B, twentieth session: 0.75x without MPS). A faster
   # generation helps one step off more than sync: sync is generation + 4.6 s, one step off about 1.1 x generation
   # + 0.5 s (twenty-third session). One engine under MPS too, so that MPS's own cost on one engine shows.
-  # shellcheck disable=SC2206  # FP8_GEN_COMMON: its words
-  local one=(python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 $FP8_GEN_COMMON)
+  # shellcheck disable=SC2206  # GEN_1B: its words
+  local one=($GEN_1B)
   local two=("${one[@]}" --engines-per-gpu 2 --gpu-memory-utilization 0.4 --gpu-kv-cache-gib 16)
   job one 130 90 "${one[@]}"
   if mps_start; then
@@ -246,8 +248,8 @@ engine_share() {  # issue 24: the 1.2B engine alone under MPS, its context cappe
   # How much of the GPU the engine needs: if it keeps its speed at 35-50%, a trainer capped at the rest can run
   # beside it without slowing it (twenty-sixth session: uncapped, the engine ran at about 30% of its speed beside
   # the trainer). The GRPO step's generation: 32 prompts x 8 samples x 1024 tokens, CUDA graphs.
-  # shellcheck disable=SC2206  # FP8_GEN_COMMON: its words
-  local p percents=("$@") one=(python3 benchmarks/bench_generation.py --shape 1.2b --repeats 3 $FP8_GEN_COMMON)
+  # shellcheck disable=SC2206  # GEN_1B: its words
+  local p percents=("$@") one=($GEN_1B)
   [ ${#percents[@]} -eq 0 ] && percents=(100 50 35)
   if mps_start; then
     for p in "${percents[@]}"; do
