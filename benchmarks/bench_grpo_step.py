@@ -82,6 +82,11 @@ CONFIGS = {
     # the engine core in this process on a high-priority stream it crashed on an H200: RESULTS.md, fifteenth session.)
     "llama1b-megatron-async-cuda-graph": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
                                                                   "policy.megatron_cfg.cuda_graph": "micro_batch"}),
+    # The same sharing the GPU as the twenty-seventh session measured best (needs an MPS daemon): the trainer's
+    # context below the engine's priority, its GEMMs leaving half of the H200's 132 SMs, one collection a step.
+    "llama1b-megatron-async-shared": ("llama1b", "megatron", {
+        "grpo.async_grpo.enabled": True, **ONE_STEP_OFF, "policy.megatron_cfg.cuda_graph": "micro_batch",
+        "cluster.trainer_mps_priority": "below_normal", "policy.megatron_cfg.gemm_sm_margin": 66, "cluster.manual_gc": True}),
     # The same with the engine core in this process: one CUDA context, so generation and training kernels can
     # run at once on their streams (two processes are time-sliced unless MPS runs). It crashed with the engine
     # on a high-priority stream (fifteenth session); the stream now has the default priority.
@@ -220,7 +225,8 @@ MPS_CLIENT_PRIORITIES = {"normal": "0", "below-normal": "1"}
 
 
 def make_trainer_mps_context(percent: int | None, priority: str | None) -> None:
-    """Create this process's CUDA context (the trainer's) under MPS with an SM cap and a client priority.
+    """Create this process's CUDA context (the trainer's) under MPS with an SM cap, and the client priority
+    with it if asked (without a cap the priority is ``cluster.trainer_mps_priority``, which does the same).
 
     MPS reads ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (the share of the SMs) and ``CUDA_MPS_CLIENT_PRIORITY``
     (0 normal, 1 below normal: a coarse priority between MPS clients) when a process creates its context,
@@ -229,7 +235,7 @@ def make_trainer_mps_context(percent: int | None, priority: str | None) -> None:
     one step off at 1.2B kept the trainer near its own speed while generation stretched from about 7 to
     13 s (eighteenth session); a cap of 50% slowed the trainer as much as time-slicing did (nineteenth);
     at 70% the trainer's logprobs came out wrong and the refit probe stopped the run at step 1
-    (twenty-first, RESULTS.md).
+    (twenty-first, RESULTS.md); at 60% its losses came out non-finite (twenty-seventh).
     """
     import torch
 
@@ -360,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                              "start at once; the row's name shows it")
     parser.add_argument("--trainer-mps-priority", choices=sorted(MPS_CLIENT_PRIORITIES), default=None,
                         help="under MPS, the trainer's client priority (CUDA_MPS_CLIENT_PRIORITY): below-normal asks "
-                             "MPS to schedule vLLM's engine process (normal) ahead of the trainer; the row's name shows it")
+                             "MPS to schedule vLLM's engine process (normal) ahead of the trainer (cluster.trainer_mps_priority; "
+                             "with --trainer-mps-percentage the bench makes the context); the row's name shows it")
     args = parser.parse_args(argv)
     if args.build_model:  # child process of build_model
         _build_model_here(args.build_model, Path(args.workdir) / f"model-{args.build_model}", device="cuda")
@@ -382,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     get_plugin_manager().register_module(bench_row_logger)
 
     gpu = gpu_available()
-    if args.trainer_mps_percentage is not None or args.trainer_mps_priority is not None:
+    if args.trainer_mps_percentage is not None:  # a cap is no key (it breaks the trainer's math): the bench makes the context
         if not gpu:
-            parser.error("--trainer-mps-percentage and --trainer-mps-priority need a GPU (and an MPS control daemon)")
+            parser.error("--trainer-mps-percentage needs a GPU (and an MPS control daemon)")
         make_trainer_mps_context(args.trainer_mps_percentage, args.trainer_mps_priority)
     root = Path(args.workdir)
     rows = []
@@ -398,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             if backend != "megatron":
                 parser.error(f"--trainer-sm-margin: {name} trains with {backend}; the margin is a Megatron key")
             set_dotted(tree, "policy.megatron_cfg.gemm_sm_margin", args.trainer_sm_margin)
+        if args.trainer_mps_priority is not None and args.trainer_mps_percentage is None:
+            set_dotted(tree, "cluster.trainer_mps_priority", args.trainer_mps_priority.replace("-", "_"))
         for item in args.set:
             key, sep, value = item.partition("=")
             if not sep:

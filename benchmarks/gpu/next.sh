@@ -106,7 +106,8 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
   # and generation still took 10.4 s (1.17x, nineteenth). At below-normal priority the trainer took 6.5 s and
   # generation 10.6 s (1.249x, twenty-first): the engine's kernels still wait for the trainer's blocks on the SMs.
   # VARIANT...: one job each (default 50):
-  # P caps the trainer at P% of the SMs, `low` gives it below-normal priority, `lowP` both; `mN` makes every GEMM
+  # P caps the trainer at P% of the SMs, `low` gives it below-normal priority (cluster.trainer_mps_priority
+  # since the twenty-seventh session; with a cap the bench makes the context), `lowP` both; `mN` makes every GEMM
   # in the trainer leave N SMs free (policy.megatron_cfg.gemm_sm_margin: TE's and, since the twenty-fifth session,
   # torch's output layer through cuBLASLt; no MPS cap: 70% gave wrong logprobs), `lowmN` with the priority.
   # ASYNC_SYNC=0: no sync job; 2: a second sync job after the variants, when the call's time allows, so
@@ -148,10 +149,13 @@ async_overlap() {  # issue 24: one step off under MPS, the trainer capped or at 
       job "mps$variant" 240 150 "${prefix[@]}" python3 benchmarks/bench_grpo_step.py --config llama1b-megatron-async-cuda-graph --steps "$steps" \
         --warmup 1 --workdir /root/bench $flags "${extra[@]}"
     done
+    # cluster.trainer_mps_priority's CUDA test needs the daemon: it runs while there is one (about 15 s)
+    job mpsclient 90 60 python3 -m pytest -p no:cacheprovider -q core/tests/test_mps_client.py
     cp -r $CUDA_MPS_LOG_DIRECTORY "$OUT/mps-log"; mps_stop
   fi
   [ "${ASYNC_SYNC:-1}" = 2 ] && job syncafter 250 160 "${sync[@]}"
   grep -h '^| llama1b\|RefitError' "$OUT"/sync*.log "$OUT"/mps*.log 2>/dev/null | cut -c1-600 | sort -u
+  grep -h -e 'passed' -e 'failed' "$OUT"/mpsclient.log 2>/dev/null | tail -2
   brief_rows
   grep -h "rlcore gc:" "$OUT"/mps*.log 2>/dev/null | grep -o "in thread '[^']*'" | sort | uniq -c
   grep -h "rlcore gc:" "$OUT"/mps*.log 2>/dev/null | tail -3 | cut -c1-400

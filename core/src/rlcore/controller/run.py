@@ -24,6 +24,7 @@ from rlcore.controller.deadlines import TimedEnvironment
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
 from rlcore.controller.loop import Components, GRPOLoop
+from rlcore.controller.mps_client import enter_mps_client
 from rlcore.controller.offline import build_loggers
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
 from rlcore.controller.ray_local import start_local_ray
@@ -79,6 +80,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def build_trainer(config: RunConfig, manager, placement: Placement, backend=None) -> TrainerHandle:
     """The trainer ranks ``placement`` asks for (or ``backend``, a user's object, in this process)."""
+    enter_mps_client(config.cluster.trainer_mps_priority, placement)  # before anything in the trainer uses CUDA
     if backend is not None:
         return LocalTrainer(backend)
     reg = select_backend(config, manager)
