@@ -221,10 +221,10 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-MPS_CLIENT_PRIORITIES = {"normal": "0", "below-normal": "1"}
+MPS_CLIENT_PRIORITIES = ("normal", "below-normal")  # cluster.trainer_mps_priority's values, spelled as flags
 
 
-def make_trainer_mps_context(percent: int | None, priority: str | None) -> None:
+def make_trainer_mps_context(percent: int, priority: str | None) -> None:
     """Create this process's CUDA context (the trainer's) under MPS with an SM cap, and the client priority
     with it if asked (without a cap the priority is ``cluster.trainer_mps_priority``, which does the same).
 
@@ -237,21 +237,14 @@ def make_trainer_mps_context(percent: int | None, priority: str | None) -> None:
     at 70% the trainer's logprobs came out wrong and the refit probe stopped the run at step 1
     (twenty-first, RESULTS.md); at 60% its losses came out non-finite (twenty-seventh).
     """
-    import torch
+    from rlcore.controller.mps_client import PRIORITIES, create_context_with
 
-    if percent is not None and not 1 <= percent <= 100:
+    if not 1 <= percent <= 100:
         raise SystemExit(f"--trainer-mps-percentage: {percent} is not a percentage in 1..100")
-    names = {}
-    if percent is not None:
-        names["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percent)
+    variables = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
     if priority is not None:
-        names["CUDA_MPS_CLIENT_PRIORITY"] = MPS_CLIENT_PRIORITIES[priority]
-    os.environ.update(names)
-    try:
-        torch.zeros(1, device="cuda")
-    finally:
-        for name in names:
-            del os.environ[name]
+        variables["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES[priority.replace("-", "_")]
+    create_context_with(variables)
 
 
 def recipe(model: Path, backend: str, run_dir: Path, args, gpu: bool) -> dict:
@@ -364,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="SMs every GEMM of the trainer leaves free (policy.megatron_cfg.gemm_sm_margin: TE's and "
                              "torch's through cuBLASLt's SM count target), so that vLLM's kernels beside them under MPS "
                              "start at once; the row's name shows it")
-    parser.add_argument("--trainer-mps-priority", choices=sorted(MPS_CLIENT_PRIORITIES), default=None,
+    parser.add_argument("--trainer-mps-priority", choices=MPS_CLIENT_PRIORITIES, default=None,
                         help="under MPS, the trainer's client priority (CUDA_MPS_CLIENT_PRIORITY): below-normal asks "
                              "MPS to schedule vLLM's engine process (normal) ahead of the trainer (cluster.trainer_mps_priority; "
                              "with --trainer-mps-percentage the bench makes the context); the row's name shows it")

@@ -64,10 +64,19 @@ def enter_mps_client(priority: str | None, placement: Placement) -> None:
             return
         raise ConfigError(KEY, "this process's CUDA context exists already, and MPS reads a client's priority only "
                                "when its context is created: set the key before anything in the process uses CUDA")
-    os.environ["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES[priority]
+    create_context_with({"CUDA_MPS_CLIENT_PRIORITY": PRIORITIES[priority]})
+    _entered = priority
+    print(f"{KEY}: this process's CUDA context is an MPS client at {priority} priority", flush=True)
+
+
+def create_context_with(variables: dict[str, str]) -> None:
+    """Create this process's CUDA context with the MPS ``variables`` in its environment, removed again
+    after, so that the processes it starts later (vLLM's engine core) do not inherit them."""
+    import torch
+
+    os.environ.update(variables)
     try:
         torch.zeros(1, device="cuda")
     finally:
-        del os.environ["CUDA_MPS_CLIENT_PRIORITY"]
-    _entered = priority
-    print(f"{KEY}: this process's CUDA context is an MPS client at {priority} priority", flush=True)
+        for name in variables:
+            del os.environ[name]
