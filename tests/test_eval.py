@@ -75,7 +75,7 @@ def planted(tiny_model_dir, tmp_path_factory):
         "env": {"name": "math", "math": {"executor": "inline", "answer_format": "none"}},
         "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 2, "val_period": 2,
                  "val_at_start": True, "seed": 5, "deterministic": True},
-        "logger": {"log_dir": str(root / "run"), "print_table": False},
+        "logger": {"log_dir": str(root / "run"), "print_table": False, "plot": False},
         "checkpointing": {"enabled": True, "save_period": 2},
     }
     (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))

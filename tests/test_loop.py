@@ -37,7 +37,7 @@ def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
         "env": {"name": "math", "math": {"executor": "inline"}},
         "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 4,
                  "val_period": 2, "seed": 3, "deterministic": True},
-        "logger": {"log_dir": str(run_dir), "print_table": False},
+        "logger": {"log_dir": str(run_dir), "print_table": False, "plot": False},  # curves.png: one test below
         "checkpointing": {"enabled": True, "checkpoint_dir": str(run_dir / "ckpt"), "save_period": 1, "keep_last_k": 3},
     }
     for key, value in extra.items():
@@ -71,9 +71,16 @@ def load_records(run_dir: Path) -> dict[int, dict]:
 def straight_run(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny recipe's four steps, uninterrupted: the reference the variants below must equal."""
     tmp = tmp_path_factory.mktemp("straight")
-    done = run_recipe(tiny_recipe(tiny_model_dir, tmp / "straight"), tmp)
+    done = run_recipe(tiny_recipe(tiny_model_dir, tmp / "straight", **{"logger.plot": True}), tmp)
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp / "straight"
+
+
+def test_a_run_plots_its_curves_when_asked(straight_run):
+    """``logger.plot`` (the straight run) writes curves.png; the other runs here set it false
+    (about 1 s a run), and the resumed run below checks that then none is written."""
+    png = (straight_run / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
 
 
 def test_resume_after_kill_matches_uninterrupted(tiny_model_dir, straight_run, tmp_path):
@@ -85,6 +92,7 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model_dir, straight_run, t
     resumed = run_recipe(tiny_recipe(tiny_model_dir, killed_dir), tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
+    assert not (killed_dir / "curves.png").exists()  # logger.plot false
     a, b = load_records(straight_run), load_records(killed_dir)
     lines = [json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4], "each step once, the resumed run's records after the killed run's"

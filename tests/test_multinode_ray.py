@@ -82,7 +82,7 @@ def _recipe(model_dir: Path, run_dir: Path, address: str) -> dict:
         "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 2, "val_period": 0,
                  "seed": 3, "deterministic": True},
         "cluster": {"use_ray": True, "cpu_workers": 2, "ray_address": address, "timeout_s": 120},
-        "logger": {"log_dir": str(run_dir), "print_table": False},
+        "logger": {"log_dir": str(run_dir), "print_table": False, "plot": False},
         "checkpointing": {"enabled": False},
     }
 

@@ -56,7 +56,7 @@ def recipe(model_dir: Path, run_dir: Path) -> dict:
         "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": FAULT_STEP,
                  "val_period": 0, "seed": 3},
         "cluster": {"use_ray": True, "cpu_workers": 2, "timeout_s": CLUSTER_TIMEOUT_S},
-        "logger": {"log_dir": str(run_dir), "print_table": False},
+        "logger": {"log_dir": str(run_dir), "print_table": False, "plot": False},
         "checkpointing": {"enabled": False},
     }
 

@@ -199,7 +199,7 @@ def test_backend_and_generator_factories_get_the_one_placement(tmp_path, tiny_mo
         "policy": {"model_name": str(tiny_model_dir), "boundary_cfg": {"enabled": True},  # preflight checks it
                    "generation": {"backend": "boundary_gen", "colocated": {"enabled": True}}},
         "algorithm": {"name": "grpo"}, "data": {"name": "arithmetic"}, "env": {"name": "math"},
-        "logger": {"log_dir": str(tmp_path / "run"), "print_table": False},
+        "logger": {"log_dir": str(tmp_path / "run"), "print_table": False, "plot": False},
     }, manager=manager)
     _Recorded.placements.clear()
     from rlcore.algorithms.grpo import GRPO

@@ -51,7 +51,7 @@ def test_lora_grpo_steps_train_only_the_adapters_and_each_refit_passes_the_probe
                                   "refit": {"probe_threshold": PROBE_THRESHOLD}}},
         "algorithm": {"name": "grpo"},
         "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 2, "seed": 0},
-        "logger": {"log_dir": str(tmp_path / "run"), "print_table": False},
+        "logger": {"log_dir": str(tmp_path / "run"), "print_table": False, "plot": False},
     })
     backend = FSDP2Backend(config, config.section("policy.dtensor_cfg"), WorldInfo(0, 1))
     model = backend.model  # kept: the run's shutdown drops the backend's reference

@@ -157,6 +157,8 @@ class LoggerConfig:
 
     log_dir: str = field(default="runs/latest", metadata=doc("metrics, plots, resolved config"))
     print_table: bool = field(default=True, metadata=doc("print the per-step timing table"))
+    plot: bool = field(default=True, metadata=doc("write curves.png (train reward and held-out accuracy by step) when the run ends; "
+                                                   "needs matplotlib (about 1 s)"))
 
 
 @frozen
