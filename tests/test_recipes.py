@@ -93,7 +93,7 @@ def dry_run_config(path: Path, model_dir: Path, log_dir: Path) -> dict:
                    "val_period": 2, "max_val_samples": 4, "val_at_start": False}
     out["cluster"] = {"gpus_per_node": 0, "num_nodes": 1, "cpu_workers": 1}
     loggers = {k: ({**v, "enabled": False} if k != "jsonl" else v) for k, v in (out.get("logger") or {}).items() if isinstance(v, dict)}
-    out["logger"] = {**loggers, "log_dir": str(log_dir), "print_table": False}
+    out["logger"] = {**loggers, "log_dir": str(log_dir), "print_table": False, "plot": False}
     if out.get("checkpointing", {}).get("enabled"):
         out["checkpointing"] = {**out["checkpointing"], "checkpoint_dir": None, "save_period": 2, "keep_last_k": 1}
     return out
