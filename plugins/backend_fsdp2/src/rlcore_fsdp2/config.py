@@ -8,6 +8,8 @@ every error names the full key path.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 from attrs import field, frozen
 
@@ -23,6 +25,10 @@ class DTensorConfig:
     tensor/sequence parallelism inside each layer."""
 
     enabled: bool = field(default=True, metadata=doc("use this backend (a higher-precedence enabled backend wins)"))
+    layout: Literal["manual", "auto"] = field(default="manual", metadata=doc(
+        "'auto': the parallel sizes, sequence parallelism, recompute and offload this section leaves out are chosen by "
+        "rlcore's planner (rlcore.planning: the fastest layout predicted to fit); the keys it sets are kept"))
+    explicit_keys: frozenset = field(factory=frozenset, metadata={**doc("the keys the recipe set (filled in when read)"), "internal": True})
     cpu_offload: bool = field(default=False, metadata=doc("keep sharded params, grads and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy; CUDA only)"))
     sequence_parallel: bool = field(default=False, metadata=doc("shard norms and residuals over the sequence on the tensor-parallel ranks (needs tensor_parallel_size > 1)"))
     activation_checkpointing: bool = field(default=False, metadata=doc("recompute each decoder layer's activations in the backward pass"))

@@ -124,6 +124,10 @@ class MegatronConfig:
     """``policy.megatron_cfg``: Megatron-Core training backend (selected by ``enabled: true``)."""
 
     enabled: bool = field(default=False, metadata=doc("train with Megatron-Core"))
+    layout: Literal["manual", "auto"] = field(default="manual", metadata=doc(
+        "'auto': the parallel sizes, sequence parallelism, recompute and offload this section leaves out are chosen by "
+        "rlcore's planner (rlcore.planning: the fastest layout predicted to fit); the keys it sets are kept"))
+    explicit_keys: frozenset = field(factory=frozenset, metadata={**doc("the keys the recipe set (filled in when read)"), "internal": True})
     activation_checkpointing: Literal[False, True, "full", "selective"] = field(
         default=False, metadata=doc("recompute activations in backward: true/'full' = whole layers, 'selective' = core attention"))
     tensor_model_parallel_size: int = field(default=1, validator=_positive, metadata=doc("TP: shard matmuls over this many ranks"))
