@@ -69,20 +69,21 @@ def as_dict(est: Estimate, world: int) -> dict:
         "generation_gpus": lay.gen_gpus, "generation_tp": lay.gen_tp, "generation_replicas": lay.gen_replicas(world),
         "gpu_memory_utilization": lay.gen_memory_fraction,
         "memory_gib": {k: round(v, 2) for k, v in mem.parts.items()}, "peak_gib": round(mem.peak_gib, 2),
+        "training_memory_gib": {k: round(v, 2) for k, v in mem.train_parts.items()},
         "peak_phase": mem.phase, "largest_part": mem.largest, "limit_gib": mem.limit_gib,
         "phases_s": {k: round(v, 3) for k, v in est.phases.items()}, "step_s": round(est.step_s, 3),
     }
 
 
-def _row(table: Table, label: str, est: Estimate, world: int, style: str | None = None) -> None:
+def _row(table: Table, label: str, est: Estimate, world: int, packing: bool, style: str | None = None) -> None:
     lay, mem = est.layout, est.memory
-    mb = f"{lay.train_mb_tokens // 1024}k/{lay.logprob_mb_tokens // 1024}k"
+    mb = f"{lay.train_mb_tokens // 1024}k/{lay.logprob_mb_tokens // 1024}k" if packing else "unpacked"
     extras = [lay.recompute] + (["offload"] if lay.offload else [])
     peak = f"{mem.peak_gib:.0f} ({mem.largest} {mem.parts[mem.largest]:.0f})"
-    times = [f"{est.phases.get(p, 0.0):.1f}" for p in PHASES]
+    times = [f"{est.phases.get(p, 0.0):.1f}" if est.fits else "-" for p in PHASES]
     note = "fits" if est.fits else f"[red]{mem.problem}[/red]"
     table.add_row(label, lay.describe(world), lay.describe_generation(world) + (f" ({lay.gen_memory_fraction:.2f})" if lay.colocated else ""),
-                  mb, " ".join(extras), peak, *times, f"{est.step_s:.1f}", note, style=style)
+                  mb, " ".join(extras), peak, *times, f"{est.step_s:.1f}" if est.fits else "-", note, style=style)
 
 
 def show(inp, ranked: list[Estimate], recipe: Estimate, top: int) -> None:
@@ -93,12 +94,13 @@ def show(inp, ranked: list[Estimate], recipe: Estimate, top: int) -> None:
     table = Table(title=title, title_justify="left")
     for column in ("#", "layout", "generation (mem share)", "mb tokens", "recompute", "peak GiB (largest)", *PHASES, "step s", ""):
         table.add_column(column, overflow="fold")
-    _row(table, "recipe", recipe, world, style="bold")
+    packing = inp.work.packing
+    _row(table, "recipe", recipe, world, packing, style="bold")
     fitting = [e for e in ranked if e.fits][:top]
     for i, est in enumerate(fitting, 1):
-        _row(table, str(i), est, world)
+        _row(table, str(i), est, world, packing)
     for est in [e for e in ranked if not e.fits][:3]:
-        _row(table, "x", est, world, style="dim")
+        _row(table, "x", est, world, packing, style="dim")
     console = Console(width=max(Console().width, 200))
     console.print(table)
     if not fitting:

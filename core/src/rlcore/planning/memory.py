@@ -109,11 +109,16 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
     return parts
 
 
+def kv_bytes_per_gpu(shape: ModelShape, work: Workload, gen_tp: int) -> float:
+    """KV bytes per token on one engine GPU: key-value heads split over TP ranks, replicated past their count."""
+    return shape.kv_bytes_per_token(work.dtype_bytes) / min(gen_tp, shape.kv_heads)
+
+
 def engine_need(shape: ModelShape, work: Workload, lay: Layout, cal: Calibration, replicas: int) -> tuple[float, float]:
     """(weights, KV cache for every sequence an engine decodes at once) per engine GPU, GiB."""
     weights = shape.total_params * work.dtype_bytes / lay.gen_tp / GIB
     concurrent = min(work.max_num_seqs, math.ceil(work.samples / max(replicas, 1)))
-    kv = concurrent * work.seq_tokens * shape.kv_bytes_per_token(work.dtype_bytes) / lay.gen_tp / GIB
+    kv = concurrent * work.seq_tokens * kv_bytes_per_gpu(shape, work, lay.gen_tp) / GIB
     return weights, kv
 
 

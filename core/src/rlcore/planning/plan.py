@@ -49,12 +49,13 @@ def backend_of(tree: dict) -> str:
 
 def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = None, gpu_name: str = "h200",
            shape: str | None = None, layers: int | None = None, prompt_tokens: int | None = None,
-           response_tokens: int | None = None, calibration: Calibration | None = None, world: int | None = None) -> Inputs:
+           response_tokens: int | None = None, calibration: Calibration | None = None, world: int | None = None,
+           model: ModelShape | None = None) -> Inputs:
     tree = to_dict(config)
     policy, gen = tree["policy"], tree["policy"].get("generation") or {}
     backend = backend_of(tree)
     section = policy.get("megatron_cfg" if backend == "megatron" else "dtensor_cfg") or {}
-    model = resolve_shape(policy["model_name"], shape, layers)
+    model = model or resolve_shape(policy["model_name"], shape, layers)
     nodes = nodes or config.cluster.num_nodes
     if world is not None:
         cluster = Cluster(gpu(gpu_name), 1, world)

@@ -124,8 +124,10 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, cal: Calibration
 
 
 def _best_budget(shape, work, lay, cluster, cal, fixed) -> Estimate | None:
-    budgets = [fixed["train_mb_tokens"]] if "train_mb_tokens" in fixed else \
-        [b for b in BUDGETS if b >= min(work.max_seq, BUDGETS[-1]) // 2]
+    if "train_mb_tokens" in fixed or not work.packing:  # unpacked: micro-batches are sequences, budgets do not apply
+        budgets = [fixed.get("train_mb_tokens", lay.train_mb_tokens)]
+    else:
+        budgets = [b for b in BUDGETS if b >= min(work.max_seq, BUDGETS[-1]) // 2]
     smallest = None
     for budget in sorted(budgets, reverse=True):
         lp = fixed.get("logprob_mb_tokens", 2 * budget)

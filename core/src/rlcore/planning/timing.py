@@ -17,7 +17,7 @@ import math
 from rlcore.planning.calibration import Calibration
 from rlcore.planning.hardware import Cluster
 from rlcore.planning.layout import Layout, Workload, micro_batches
-from rlcore.planning.memory import Memory
+from rlcore.planning.memory import Memory, kv_bytes_per_gpu
 from rlcore.planning.shapes import ModelShape
 
 
@@ -74,6 +74,11 @@ def _comm_s(shape, work, lay, cluster, cal, n_mb, mb_tokens, forward_only) -> fl
             overlappable += n_mb * _ring(local * (2 * b + 4) / 2, dp, dp_gbps, cal)
         else:
             overlappable += _ring(local * work.grad_bytes / 2 + local * b / 2, dp, dp_gbps, cal)
+    expert_dp = lay.train_world(cluster.world) // (lay.ep * lay.etp * lay.pp)
+    if not forward_only and shape.moe and expert_dp > 1:  # expert gradients over the ranks holding the same experts
+        local = shape.expert_total_params / (lay.ep * lay.etp * lay.pp)
+        gbps = cluster.bandwidth_gbps(expert_dp, lay.ep * lay.etp)
+        overlappable += _ring(local * work.grad_bytes / 2 + local * b / 2, expert_dp, gbps, cal)
     hidden = cal.comm_overlap if (lay.backend == "fsdp2" or work.overlap_grad_reduce or lay.cp > 1) else 0.0
     return tp + ep + overlappable * (1 - hidden)
 
@@ -82,7 +87,7 @@ def generation_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluste
     """(seconds, sequences an engine decodes at once) for a step's ``samples`` over the engine replicas."""
     replicas = lay.gen_replicas(cluster.world)
     per_replica = math.ceil(work.samples / replicas)
-    kv_token = shape.kv_bytes_per_token(work.dtype_bytes) / lay.gen_tp
+    kv_token = kv_bytes_per_gpu(shape, work, lay.gen_tp)
     fits = int(mem.engine_kv_gib * 2**30 / max(kv_token * work.seq_tokens, 1))
     concurrent = max(1, min(work.max_num_seqs, per_replica, fits))
     rounds = math.ceil(per_replica / concurrent)

@@ -66,3 +66,18 @@ class DTensorConfig:
             raise ConfigError(f"{SECTION}.sequence_parallel", "needs tensor_parallel_size > 1 (it shards over the tensor-parallel ranks)")
         if self.custom_parallel_plan is not None and ":" not in self.custom_parallel_plan:
             raise ConfigError(f"{SECTION}.custom_parallel_plan", f"expected 'module:attr', got {self.custom_parallel_plan!r}")
+
+
+def apply_auto_layout(cfg: DTensorConfig, run, hf_config: dict, world_size: int, device: str, *, local_ranks: int | None = None,
+                      report=print) -> DTensorConfig:
+    """``layout: auto``: the planner's fastest fitting layout (rlcore.planning.runtime) for ``world_size`` ranks;
+    the keys the section sets are kept. Rank-independent, so every rank takes the same one."""
+    if cfg.layout != "auto":
+        return cfg
+    from rlcore.planning.runtime import choose, describe
+
+    best, runner_up = choose(run, hf_config, world_size, device, local_ranks=local_ranks)
+    lay = best.layout
+    report(f"rlcore-fsdp2: {describe(best, runner_up, world_size)}")
+    return attrs.evolve(cfg, tensor_parallel_size=lay.tp, sequence_parallel=lay.sp, activation_checkpointing=lay.recompute != "none",
+                        cpu_offload=lay.offload)

@@ -315,3 +315,20 @@ def _validate_layers(cfg: MegatronConfig, num_layers: int) -> None:
                           f"num_layers_in_first_pipeline_stage={first}, num_layers_in_last_pipeline_stage={last} leave "
                           f"{rest} of the model's {num_layers} layers for {middle_stages} middle stage(s) of "
                           f"pipeline_model_parallel_size={pp}; they must divide evenly")
+
+
+def apply_auto_layout(cfg: MegatronConfig, run, hf_config: dict, world_size: int, device: str, *, local_ranks: int | None = None,
+                      report=print) -> MegatronConfig:
+    """``layout: auto``: the planner's fastest fitting layout (rlcore.planning.runtime) for ``world_size`` ranks;
+    the keys the section sets are kept. Rank-independent, so every rank takes the same one."""
+    if cfg.layout != "auto":
+        return cfg
+    from rlcore.planning.runtime import choose, describe
+
+    best, runner_up = choose(run, hf_config, world_size, device, local_ranks=local_ranks)
+    lay = best.layout
+    report(f"rlcore-megatron: {describe(best, runner_up, world_size)}")
+    recompute = {"none": False, "full": "full", "selective": "selective"}[lay.recompute]
+    return attrs.evolve(cfg, tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp, context_parallel_size=lay.cp,
+                        expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp if lay.ep > 1 or lay.etp != lay.tp else None,
+                        sequence_parallel=lay.sp, activation_checkpointing=recompute)
