@@ -59,9 +59,7 @@ def _train_case(i: int, r: dict) -> Case | None:
         return None
     shape, budget = _shape(m.group(1)), int(m.group(3))
     backend = "fsdp2" if r["variant"].startswith("fsdp2") else "megatron"
-    samples = round(r["tokens_per_step"] / TRAIN_MEAN)
-    work = Workload(samples=samples, prompt_tokens=int(TRAIN_MEAN), response_tokens=0, max_seq=2048, logprob_passes=0,
-                    generation=False, seq_sq_mean=TRAIN_SQ_MEAN, uniform_lengths=False)
+    work = training_alone(r["tokens_per_step"])
     measured = {"peak_mem_gib": r["peak_mem_gib"]}
     kernels = r.get("kernels", "")
     current = (backend == "fsdp2") or ("fp8" not in kernels and "transformer_engine layers" in kernels and
@@ -69,6 +67,12 @@ def _train_case(i: int, r: dict) -> Case | None:
     if current:
         measured["train_s"] = r["step_s"]
     return Case(i, r["variant"], shape, work, Layout(backend=backend, train_mb_tokens=budget, colocated=True), measured)
+
+
+def training_alone(tokens: float) -> Workload:
+    """The training benchmark's step (``bench_train_megatron.py``): ``tokens`` in packed sequences of 256-2048 tokens."""
+    return Workload(samples=round(tokens / TRAIN_MEAN), prompt_tokens=int(TRAIN_MEAN), response_tokens=0, max_seq=2048,
+                    logprob_passes=0, generation=False, seq_sq_mean=TRAIN_SQ_MEAN, uniform_lengths=False)
 
 
 SYNC_GRPO = ("llama1b-megatron", "llama1b-fsdp2-compile", "llama1b-megatron-cuda-graph", "qwen3moe-megatron",

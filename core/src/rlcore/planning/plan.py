@@ -121,9 +121,9 @@ def fixed_keys(backend: str, section: dict, explicit: frozenset, gen: dict, conf
     return fixed
 
 
-def plan(inp: Inputs, *, fixed: dict | None = None, virtual_stages: bool = False, keep: int = 40) -> list:
-    return _search.search(inp.shape, inp.work, inp.cluster, inp.cal, backend=inp.backend,
-                          fixed={**inp.fixed, **(fixed or {})}, virtual_stages=virtual_stages, keep=keep)
+def plan(inp: Inputs, *, fixed: dict | None = None, virtual_stages: bool = False, keep: int = 40, uneven_gather: bool = True) -> list:
+    return _search.search(inp.shape, inp.work, inp.cluster, inp.cal, backend=inp.backend, fixed={**inp.fixed, **(fixed or {})},
+                          virtual_stages=virtual_stages, keep=keep, uneven_gather=uneven_gather)
 
 
 def evaluate_recipe(inp: Inputs):

@@ -60,7 +60,7 @@ def choose(config: RunConfig, hf_config: dict, world_size: int, device: str, *, 
         fixed.setdefault("offload", rec.offload if inp.backend == "megatron" else False)
     inp = attrs.evolve(inp, shape=shape, cluster=cluster, work=work, fixed=fixed,
                        recipe_layout=attrs.evolve(rec, gen_memory_fraction=rec.gen_memory_fraction))
-    ranked = planning.plan(inp, keep=2)
+    ranked = planning.plan(inp, keep=2, uneven_gather=device != "cpu")  # gloo all-gathers equal sizes only
     fitting = [e for e in ranked if e.fits]
     if not fitting:
         why = ranked[0].memory.problem if ranked else "no layout satisfies the keys the section sets"

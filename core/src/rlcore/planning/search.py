@@ -54,8 +54,11 @@ def _allowed(name: str, values, fixed: dict) -> list:
 
 
 def training_layouts(shape: ModelShape, work: Workload, world: int, cluster: Cluster, backend: str, fixed: dict,
-                     virtual_stages: bool):
-    """Trainer layouts for ``world`` ranks, without micro-batch budgets (those are searched per layout)."""
+                     virtual_stages: bool, uneven_gather: bool = True):
+    """Trainer layouts for ``world`` ranks, without micro-batch budgets (those are searched per layout).
+
+    ``uneven_gather=False`` (gloo): no expert-tensor parallelism beside expert parallelism, where Megatron's
+    all-to-all dispatcher all-gathers the routed tokens in per-rank counts that differ, which gloo refuses."""
     per_node = cluster.gpus_per_node
     tps = [t for t in _allowed("tp", _pow2(min(per_node, world)), fixed)
            if shape.heads % t == 0 and shape.kv_heads % t == 0 and world % t == 0]
@@ -72,7 +75,7 @@ def training_layouts(shape: ModelShape, work: Workload, world: int, cluster: Clu
             continue
         vpps = [v for v in ((1, 2) if virtual_stages and pp > 1 else (1,)) if shape.layers % (pp * v) == 0]
         for etp in _allowed("etp", sorted({1, tp}) if shape.moe else (tp,), fixed):
-            if world % (etp * ep * pp) or (shape.moe and ep == 1 and etp < tp):
+            if world % (etp * ep * pp) or (shape.moe and ep == 1 and etp < tp) or (not uneven_gather and ep > 1 and etp > 1):
                 continue
             sp = fixed.get("sp", tp > 1)
             if sp and tp == 1 or (shape.moe and tp > 1 and not sp):
@@ -102,7 +105,7 @@ def generation_options(shape: ModelShape, cluster: Cluster, fixed: dict, generat
 
 
 def search(shape: ModelShape, work: Workload, cluster: Cluster, cal: Calibration, *, backend: str = "megatron",
-           fixed: dict | None = None, virtual_stages: bool = False, keep: int = 40) -> list[Estimate]:
+           fixed: dict | None = None, virtual_stages: bool = False, keep: int = 40, uneven_gather: bool = True) -> list[Estimate]:
     """Every fitting candidate's best micro-batch budget, ranked by step time, then non-fitting ones."""
     fixed = dict(fixed or {})
     results: list[Estimate] = []
@@ -110,7 +113,7 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, cal: Calibration
     for colocated, gen_gpus, gen_tp in generation_options(shape, cluster, fixed, work.generation):
         world = cluster.world if colocated else cluster.world - gen_gpus
         if world not in by_world:
-            by_world[world] = list(training_layouts(shape, work, world, cluster, backend, fixed, virtual_stages))
+            by_world[world] = list(training_layouts(shape, work, world, cluster, backend, fixed, virtual_stages, uneven_gather))
         offloads = _allowed("offload", (False, True) if colocated and work.generation else (False,), fixed)
         for base, off in itertools.product(by_world[world], offloads):
             lay = base.with_(colocated=colocated, gen_gpus=gen_gpus, gen_tp=gen_tp,
