@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import attrs
+
 from rlcore.planning import fit, search
 from rlcore.planning.calibration import load_calibration
 from rlcore.planning.hardware import Cluster, gpu
@@ -27,7 +29,8 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--gpu", default="h200")
     args = p.parse_args()
-    cal, cluster = load_calibration(args.gpu), Cluster(gpu(args.gpu), 1, 1)
+    # the raw prediction against the whole GPU: no headroom, which is what a run on the GPU checks
+    cal, cluster = attrs.evolve(load_calibration(args.gpu), headroom=0.0), Cluster(gpu(args.gpu), 1, 1)
     for layers, budget in itertools.product(args.layers, args.mb_tokens):
         shape = resolve_shape("", args.shape, layers if args.shape == "qwen3moe" else None)
         work = fit.training_alone(args.micro_batches * budget * 0.97)

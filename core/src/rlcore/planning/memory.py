@@ -22,7 +22,6 @@ from rlcore.planning.layout import Layout, Workload, micro_batches
 from rlcore.planning.shapes import ModelShape
 
 GIB = float(2**30)
-HEADROOM = 0.95  # the engine share the planner picks leaves 5% of the GPU free
 
 
 @frozen
@@ -123,7 +122,7 @@ def engine_need(shape: ModelShape, work: Workload, lay: Layout, cal: Calibration
 
 
 def estimate(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration) -> Memory:
-    limit = cluster.gpu.memory_gib
+    limit = cluster.gpu.memory_gib * (1 - cal.headroom)  # what a fitting layout may use
     stages = ["first", "last"] if lay.pp > 1 else ["last"]
     train = max((training_parts(shape, work, lay, cluster, cal, s) for s in stages), key=lambda p: sum(p.values()))
     train_total = sum(train.values())
@@ -138,20 +137,20 @@ def estimate(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, c
         base = sum(resident.values()) + train["comm_buffers"] + cal.fixed_gib
     else:
         resident, base = {}, cal.fixed_gib
-    room = HEADROOM * limit - base - eng_weights - cal.engine_overhead_gib
+    room = limit - base - eng_weights - cal.engine_overhead_gib
     if lay.gen_memory_fraction > 0:  # the engine's share is set (vLLM's gpu_memory_utilization): it takes all of it
-        room = min(room, lay.gen_memory_fraction * limit - eng_weights - cal.engine_overhead_gib)
+        room = min(room, lay.gen_memory_fraction * cluster.gpu.memory_gib - eng_weights - cal.engine_overhead_gib)
         kv = max(0.0, room)
     else:
         kv = max(0.0, min(kv_need * 1.05, room))
     gen = {**resident, "engine_weights": eng_weights, "kv_cache": kv, "engine_other": cal.engine_overhead_gib,
            "comm_buffers": train["comm_buffers"] if lay.colocated else 0.0, "other": cal.fixed_gib}
-    fraction = min(1.0, (eng_weights + kv + cal.engine_overhead_gib) / limit)
+    fraction = min(1.0, (eng_weights + kv + cal.engine_overhead_gib) / cluster.gpu.memory_gib)
     gen_total = sum(gen.values())
     problem = None
-    if lay.gen_memory_fraction > 0 and base + lay.gen_memory_fraction * limit > limit:
+    if lay.gen_memory_fraction > 0 and base + lay.gen_memory_fraction * cluster.gpu.memory_gib > limit:
         problem = (f"generation: the trainer keeps {base:.1f} GiB while the engine takes gpu_memory_utilization "
-                   f"{lay.gen_memory_fraction:g} x {limit:.0f} GiB")
+                   f"{lay.gen_memory_fraction:g} x {cluster.gpu.memory_gib:.0f} GiB")
     elif room <= 0.02 * kv_need or room <= 0.5:
         problem = (f"generation: the engine's weights ({eng_weights:.1f} GiB) leave no room for a KV cache"
                    + (f" beside the trainer's {base:.1f} GiB" if lay.colocated else ""))

@@ -56,7 +56,7 @@ def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = No
     backend = backend_of(tree)
     section = policy.get("megatron_cfg" if backend == "megatron" else "dtensor_cfg") or {}
     model = model or resolve_shape(policy["model_name"], shape, layers)
-    nodes = nodes or config.cluster.num_nodes
+    nodes = nodes or (1 if gpus else config.cluster.num_nodes)
     if world is not None:
         cluster = Cluster(gpu(gpu_name), 1, world)
     else:

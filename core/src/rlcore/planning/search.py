@@ -114,10 +114,10 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, cal: Calibration
         world = cluster.world if colocated else cluster.world - gen_gpus
         if world not in by_world:
             by_world[world] = list(training_layouts(shape, work, world, cluster, backend, fixed, virtual_stages, uneven_gather))
-        offloads = _allowed("offload", (False, True) if colocated and work.generation else (False,), fixed)
+        # Megatron's offload is the generation section's (state to host while engines are awake); FSDP2's is its own
+        offloads = _allowed("offload", (False, True) if colocated and work.generation and backend == "megatron" else (None,), fixed)
         for base, off in itertools.product(by_world[world], offloads):
-            lay = base.with_(colocated=colocated, gen_gpus=gen_gpus, gen_tp=gen_tp,
-                             offload=off if backend == "megatron" else base.offload)
+            lay = base.with_(colocated=colocated, gen_gpus=gen_gpus, gen_tp=gen_tp, offload=base.offload if off is None else off)
             best = _best_budget(shape, work, lay, cluster, cal, fixed)
             if best is not None:
                 results.append(best)
