@@ -2,12 +2,16 @@
 4 and 8 ranks are valid Megatron layouts and train a step equal to one plain PyTorch step.
 
 One spawned group per rank count (auto_layout_worker.py). The tiny models have 4 query / 2 key-value
-heads, 2 layers and (MoE) 4 experts, so tensor, pipeline and expert parallelism are all on the table.
+heads, 2 layers and (MoE) 4 experts, so tensor, pipeline and expert parallelism are all candidates; for
+models this small the planner picks data parallelism, and a third case sets tensor and expert parallel
+sizes to check that the keys a section sets are kept and what they imply is filled in.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +29,6 @@ def models(tiny_model_factory):
 
 def _run(models, tmp_path, world: int) -> dict:
     from rlcore.utils import free_port
-    import os
 
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     logs = run_ranks(WORKER, [str(free_port()), json.dumps(models), str(tmp_path)], what=f"auto layout x{world}",
@@ -63,8 +66,6 @@ def test_auto_layout_trains(models, tmp_path, world):
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_auto_layout_is_valid_for_megatron(arch, world):
     """The same choice without processes (the planner is arithmetic): Megatron's own checks accept it."""
-    import sys
-
     sys.path.insert(0, str(Path(__file__).parent))
     from auto_layout_worker import run_config
     from rlcore.testing.tiny import tiny_config
