@@ -35,7 +35,7 @@ def test_page_lists_every_key_config_defaults_prints():
     keys = _leaves(printed["core"], "")
     for section in printed["sections"]:
         keys += _leaves(section["defaults"], section["path"])
-    rows = re.findall(r"^\| `([^`]+)` \| ([^|]*) \|", PAGE.read_text(), flags=re.M)
+    rows = re.findall(r"^\| `([^`]+)` \| ((?:[^|\\]|\\.)*) \|", PAGE.read_text(), flags=re.M)
     listed = {key for key, _ in rows}
     # A dict-valued default with no schema below it is one key: its entries are the user's.
     values = {key for key, kind in rows if kind.strip() != "`section`"}
