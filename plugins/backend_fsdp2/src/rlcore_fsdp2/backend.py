@@ -267,7 +267,7 @@ class FSDP2Backend:
     def _set_grad_sync(self, sync: bool) -> None:
         """FSDP2's gradient sync and reshard-after-backward flags, set only when they change and
         only on the FSDP modules: the recursive setters walk every submodule (~4 ms of host time
-        per call at 16 layers, seen on an H200)."""
+        per call at 16 layers)."""
         if self._grad_sync != sync:
             for module in self.fsdp_modules:
                 module.set_requires_gradient_sync(sync, recurse=False)
@@ -303,7 +303,7 @@ class FSDP2Backend:
     def _scale_grads(self, coef: float) -> None:
         """Multiply all gradients by ``coef``: one foreach kernel per device over the local shards
         (a mul_ per DTensor gradient goes through DTensor dispatch, ~15 ms of host time a step at
-        1.2B on an H200)."""
+        1.2B)."""
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for p in self.params:
             if p.grad is not None:
