@@ -233,9 +233,8 @@ def make_trainer_mps_context(percent: int, priority: str | None) -> None:
     so the context is created here and the variables removed again: the processes started later (the
     model builder, vLLM's engine core) keep the whole GPU at normal priority. Under MPS without either,
     one step off at 1.2B kept the trainer near its own speed while generation stretched from about 7 to
-    13 s (eighteenth session); a cap of 50% slowed the trainer as much as time-slicing did (nineteenth);
-    at 70% the trainer's logprobs came out wrong and the refit probe stopped the run at step 1
-    (twenty-first, RESULTS.md); at 60% its losses came out non-finite (twenty-seventh).
+    13 s; a cap of 50% slowed the trainer as much as time-slicing did; at 70% the trainer's logprobs
+    came out wrong and the refit probe stopped the run at step 1; at 60% its losses came out non-finite.
     """
     from rlcore.controller.mps_client import PRIORITIES, create_context_with
 
