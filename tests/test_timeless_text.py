@@ -20,7 +20,9 @@ PATTERNS = {
     # "a fifth of the time" is a fraction, not a run's name
     "ordinal run label": re.compile(rf"(?<!\ba )(?<!\bone )\b({ORDINALS})\b|\b(first|second|third) session\b", re.I),
     "pointer to a file that does not ship": re.compile(r"\b(RESULTS|DESIGN)\.md\b"),
-    "anecdote": re.compile(r"\bseen (on|at|with|in)\b|\b(on|in) (an|the|one|two|2) H[12]00s?\b|nvidia-h200", re.I),
+    # a measurement that names its machine in a table or a headline ("on one H200, a step takes") is
+    # fine; "seen on an H200" as the reason for a line of code is not
+    "anecdote": re.compile(r"\bseen (on|at|with|in)\b|\b(on|in) (an|the) H[12]00s?\b|nvidia-h200", re.I),
 }
 
 # Owned by the loop/runtime restructuring (issue 55), which rewrites these files; remove an entry
@@ -49,8 +51,10 @@ def findings(path: Path) -> list[str]:
 
 
 def test_patterns_catch_what_they_are_for():
-    hits = ["see RESULTS.md", "the twenty-eighth session", "Fourteenth run", "seen on an H200", "on one H200"]
-    misses = ["a fifth of the host time", "about one tenth", "first step", "runs on GPUs", "H200 (1 GPU)"]
+    hits = ["see RESULTS.md", "the twenty-eighth session", "Fourteenth run", "seen on an H200", "measured on an H200",
+            "on the H200s", "machine nvidia-h200"]
+    misses = ["a fifth of the host time", "about one tenth", "first step", "runs on GPUs", "1x NVIDIA H200",
+              "On one H200, a GRPO step takes"]
     assert all(any(p.search(text) for p in PATTERNS.values()) for text in hits)
     assert not any(p.search(text) for p in PATTERNS.values() for text in misses)
 
