@@ -119,7 +119,7 @@ def run_mode(args) -> list[dict]:
                   flush=True)
             continue
         seconds = statistics.median(times)
-        # under MPS, the engine's context capped at this share of the SMs (benchmarks/gpu/next.sh: engine_share)
+        # under MPS, the engine's context capped at this share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
         sm_cap = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else None
         rows.append({"bench": "generation", "shape": args.shape, "mode": args.mode, "quantization": args.quantization,
                      "variant": (variant if args.quantization == "none" else f"{variant}-{args.quantization}")
