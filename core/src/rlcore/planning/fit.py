@@ -1,6 +1,6 @@
 """The measured rows the planner is held to, and the fit that derives the shipped calibration from them.
 
-Rows of ``benchmarks/results.jsonl`` measured on an H200 that carry what a prediction needs:
+The H200 rows of ``benchmarks/results.jsonl`` that carry what a prediction needs:
 
 - ``bench_train_megatron`` (training alone, one GPU): ``peak_mem_gib`` of every row; ``step_s`` as the
   training phase for the kernels each backend uses now (Megatron's dense rows with Transformer Engine's
