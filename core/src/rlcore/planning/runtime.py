@@ -2,8 +2,10 @@
 
 A backend calls :func:`choose` once, on every rank, before it creates its process groups: the search is
 arithmetic on the config, so every rank reaches the same answer. The keys the section sets, the
-micro-batch budgets and the generation layout (placement, engine size and share) are the recipe's; the
-backend's parallel sizes, sequence parallelism, recompute and offload are searched.
+micro-batch budgets and the generation layout (placement, engine size, and the engine's share of a GPU,
+``gpu_memory_utilization``, beside the trainer) are the recipe's; the backend's parallel sizes, sequence
+parallelism, recompute and offload are searched. On CPU the engines' memory is not planned (vLLM's CPU
+backend sizes its own KV cache in host memory).
 """
 
 from __future__ import annotations
@@ -50,16 +52,15 @@ def choose(config: RunConfig, hf_config: dict, world_size: int, device: str, *, 
     shape = from_hf_config(os.path.basename(str(config.policy.model_name)), hf_config)
     inp = planning.inputs(config, world=total, gpu_name="h200", model=shape)
     cluster = Cluster(gpu, nodes if total % nodes == 0 else 1, total // (nodes if total % nodes == 0 else 1))
-    work = inp.work if device != "cpu" else attrs.evolve(inp.work, dtype_bytes=4 if config.policy.precision == "float32" else 2)
+    work = inp.work if device != "cpu" else attrs.evolve(inp.work, generation=False)
     rec = inp.recipe_layout
     fixed = {**inp.fixed, "train_mb_tokens": rec.train_mb_tokens, "logprob_mb_tokens": rec.logprob_mb_tokens,
-             "colocated": colocated, "gen_tp": rec.gen_tp, "vpp": 1}
+             "colocated": colocated, "gen_tp": rec.gen_tp, "vpp": 1, "gen_memory_fraction": rec.gen_memory_fraction}
     if not colocated:
         fixed["gen_gpus"] = gen_gpus
     if inp.backend == "megatron" or device == "cpu":
         fixed.setdefault("offload", rec.offload if inp.backend == "megatron" else False)
-    inp = attrs.evolve(inp, shape=shape, cluster=cluster, work=work, fixed=fixed,
-                       recipe_layout=attrs.evolve(rec, gen_memory_fraction=rec.gen_memory_fraction))
+    inp = attrs.evolve(inp, shape=shape, cluster=cluster, work=work, fixed=fixed)
     ranked = planning.plan(inp, keep=2, uneven_gather=device != "cpu")  # gloo all-gathers equal sizes only
     fitting = [e for e in ranked if e.fits]
     if not fitting:

@@ -117,7 +117,8 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, cal: Calibration
         # Megatron's offload is the generation section's (state to host while engines are awake); FSDP2's is its own
         offloads = _allowed("offload", (False, True) if colocated and work.generation and backend == "megatron" else (None,), fixed)
         for base, off in itertools.product(by_world[world], offloads):
-            lay = base.with_(colocated=colocated, gen_gpus=gen_gpus, gen_tp=gen_tp, offload=base.offload if off is None else off)
+            lay = base.with_(colocated=colocated, gen_gpus=gen_gpus, gen_tp=gen_tp, offload=base.offload if off is None else off,
+                             gen_memory_fraction=fixed.get("gen_memory_fraction", 0.0))
             best = _best_budget(shape, work, lay, cluster, cal, fixed)
             if best is not None:
                 results.append(best)
