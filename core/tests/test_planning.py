@@ -135,3 +135,27 @@ def test_user_calibration_file_wins_and_unknown_keys_are_named(tmp_path, monkeyp
     path.write_text(json.dumps({"h200": {"decode_host_sec": 1.5}}))
     with pytest.raises(ConfigError, match="decode_host_sec"):
         load_calibration("h200")
+
+
+def test_run_time_choice_keeps_the_recipes_engine_share(shipped, monkeypatch):
+    """``layout: auto`` plans the trainer beside the engine share the recipe gives vLLM."""
+    import yaml
+
+    from rlcore.config.loader import build_config
+    from rlcore.planning import hardware, runtime
+
+    monkeypatch.setattr(runtime, "device_gpu", lambda device: hardware.GPUS["h200"])
+    data = yaml.safe_load(RECIPE_8B.read_text())
+    data["policy"]["megatron_cfg"] = {"enabled": True, "layout": "auto"}  # every size left to the planner
+    shape = resolve_shape("meta-llama/Llama-3.1-8B")
+    hf = {"hidden_size": shape.hidden, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+          "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "intermediate_size": shape.ffn,
+          "vocab_size": shape.vocab}
+    data["policy"]["generation"]["gpu_memory_utilization"] = 0.3
+    best, runner_up = runtime.choose(build_config(data), hf, 8, "cuda")
+    assert best.fits and best.layout.gen_memory_fraction == pytest.approx(0.3, abs=0.02)
+    assert runner_up is not None and runner_up.step_s >= best.step_s
+    # beside an engine taking 85% of each GPU no trainer layout of 8 ranks keeps its state: the run stops, saying so
+    data["policy"]["generation"]["gpu_memory_utilization"] = 0.85
+    with pytest.raises(ConfigError, match="policy.megatron_cfg.layout.*gpu_memory_utilization 0.85"):
+        runtime.choose(build_config(data), hf, 8, "cuda")
