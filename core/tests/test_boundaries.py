@@ -185,7 +185,7 @@ def test_backend_and_generator_factories_get_the_one_placement(tmp_path, tiny_mo
     alone: subprocesses of later tests must not inherit its MASTER_PORT.)"""
     import os
 
-    from rlcore.controller.run import build_components
+    from rlcore.controller.grpo_run import build_components
 
     before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
 
@@ -194,7 +194,7 @@ def test_backend_and_generator_factories_get_the_one_placement(tmp_path, tiny_mo
     manager = PluginManager()  # not the process-wide one: later tests must not see these providers
     manager.load_entry_points()
     manager.register_module(_BoundaryPlugin)
-    monkeypatch.setattr("rlcore.controller.run.get_plugin_manager", lambda: manager)
+    monkeypatch.setattr("rlcore.controller.grpo_run.get_plugin_manager", lambda: manager)
     config = rlcore.build_config({
         "policy": {"model_name": str(tiny_model_dir), "boundary_cfg": {"enabled": True},  # preflight checks it
                    "generation": {"backend": "boundary_gen", "colocated": {"enabled": True}}},

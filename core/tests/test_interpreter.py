@@ -95,12 +95,3 @@ def test_lock_lag_probe_sees_a_thread_that_keeps_the_interpreter_lock():
     assert loaded["time/gil_lag_max_s"] > 0.04, loaded
     assert LockLagProbe(enabled=False).take() == {}
 
-
-def test_gc_debug_names_the_thread_and_what_a_full_collection_walked(monkeypatch, capsys):
-    monkeypatch.setenv("RLCORE_GC_DEBUG", "1")
-    with GCClock():
-        worker = threading.Thread(target=gc.collect, name="rlcore-test-collector")
-        worker.start()
-        worker.join()
-    err = capsys.readouterr().err
-    assert "full collection in thread 'rlcore-test-collector'" in err and "objects, most " in err, err

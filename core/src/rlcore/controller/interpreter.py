@@ -17,10 +17,7 @@ a thread of the process waits for the interpreter lock.
 
 from __future__ import annotations
 
-import collections
 import gc
-import os
-import sys
 import threading
 import time
 from typing import Self
@@ -29,16 +26,10 @@ from typing import Self
 class GCClock:
     """Seconds this process spent in the garbage collector, from ``gc.callbacks``: :meth:`take` gives
     what happened since its last call; the run loop records it with each step as ``time/gc_s``,
-    ``time/gc_longest_s`` and ``time/gc_full_collections``.
-
-    ``RLCORE_GC_DEBUG=1`` also prints a line per full collection: the thread whose allocation
-    started it, how long it took, and the commonest types among the objects it walked (counting
-    them costs about as much as the collection itself, so it is off by default)."""
+    ``time/gc_longest_s`` and ``time/gc_full_collections``."""
 
     def __init__(self) -> None:
         self._began: float | None = None
-        self._debug = os.environ.get("RLCORE_GC_DEBUG", "") not in ("", "0")
-        self._walked = ""
         self._reset()
 
     def _reset(self) -> None:
@@ -55,8 +46,6 @@ class GCClock:
 
     def _on_collection(self, phase: str, info: dict) -> None:
         full = info.get("generation") == 2
-        if phase == "start" and full and self._debug:
-            self._walked = _commonest_types(gc.get_objects())
         now = time.perf_counter()
         if phase == "start":
             self._began = now
@@ -65,19 +54,11 @@ class GCClock:
             self.seconds += took
             self.longest = max(self.longest, took)
             self.full += int(full)
-            if full and self._debug:
-                print(f"rlcore gc: full collection in thread {threading.current_thread().name!r} took {took * 1e3:.1f} ms, "
-                      f"collected {info.get('collected', '?')}; walked {self._walked}", file=sys.stderr, flush=True)
 
     def take(self) -> dict[str, float]:
         out = {"time/gc_s": self.seconds, "time/gc_longest_s": self.longest, "time/gc_full_collections": float(self.full)}
         self._reset()
         return out
-
-
-def _commonest_types(objects: list, top: int = 5) -> str:
-    counts = collections.Counter(type(o).__qualname__ for o in objects)
-    return f"{len(objects)} objects, most " + ", ".join(f"{name} {n}" for name, n in counts.most_common(top))
 
 
 class CollectorPolicy:
