@@ -40,13 +40,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_shapes  # noqa: E402
 import results_log  # noqa: E402
+from rlcore.bench.models import SHAPES, build_here, llama_params  # noqa: E402  (rlcore bench's models: the same shapes)
 
 PEAK_FLOPS = 989e12
-SHAPES = {
-    "tiny": dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256, vocab_size=128, max_positions=512),
-    "llama1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192, vocab_size=128256, max_positions=20480),
-    "llama8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=128256, max_positions=20480),
-}
 NEMO_8B_ROW = {
     "cluster.gpus_per_node": 8, "grpo.num_prompts_per_step": 64, "grpo.num_generations_per_prompt": 32,
     "policy.train_global_batch_size": 512, "policy.max_total_sequence_length": 4096,
@@ -183,16 +179,10 @@ def build_model(shape: str, root: Path, gpu: bool) -> Path:
 
 
 def _build_model_here(shape: str, path: Path, device: str | None) -> None:
-    from rlcore.testing.tiny import build_tiny_model, build_tokenizer
-
     if shape in MOE_SHAPES:
         _build_moe_model(shape, path, device)
         return
-    kwargs = dict(SHAPES[shape])
-    real_size = shape != "tiny"
-    build_tiny_model(path, "llama", dtype="bfloat16" if real_size else "float32", init_std=None if real_size else 0.05,
-                     device=device, **kwargs)
-    build_tokenizer(kwargs["vocab_size"]).save_pretrained(path)
+    build_here(shape, shape, path, device)  # bf16 with transformers' init at real size, float32 N(0, 0.05) tiny
 
 
 def _build_moe_model(shape: str, path: Path, device: str | None) -> None:
@@ -280,7 +270,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         train_flops = moe_shapes.step_flops(moe_shapes.qwen3moe_config(tiny=MOE_SHAPES[shape]), [int(seq_len)] * samples)
     else:
         cfg = SHAPES[shape]
-        train_flops = samples * seq_len * (6 * sum_params(cfg) + 6 * cfg["num_layers"] * cfg["hidden_size"] * seq_len)
+        train_flops = samples * seq_len * (6 * llama_params(cfg) + 6 * cfg["num_layers"] * cfg["hidden_size"] * seq_len)
     records = [r for r in result["records"] if s["window_first"] <= r.get("step", -1) <= s["window_last"]]
     # Wall seconds from the end of the step before to the end of this one: the rate a run makes steps at,
     # whatever a step's timer covers (one step off's batches come from another thread).
@@ -323,13 +313,6 @@ MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mis
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def sum_params(cfg: dict) -> float:
-    h, layers, vocab, inter = cfg["hidden_size"], cfg["num_layers"], cfg["vocab_size"], cfg["intermediate_size"]
-    kv = h * cfg["num_kv_heads"] // cfg["num_heads"]
-    per_layer = h * h * 2 + 2 * h * kv + 3 * h * inter + 2 * h
-    return layers * per_layer + 2 * vocab * h + h
 
 
 def main(argv: list[str] | None = None) -> int:
