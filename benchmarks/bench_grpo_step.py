@@ -82,7 +82,7 @@ CONFIGS = {
     # context below the engine's priority, its GEMMs leaving half of the H200's 132 SMs, one collection a step.
     "llama1b-megatron-async-shared": ("llama1b", "megatron", {
         "grpo.async_grpo.enabled": True, **ONE_STEP_OFF, "policy.megatron_cfg.cuda_graph": "micro_batch",
-        "cluster.trainer_mps_priority": "below_normal", "policy.megatron_cfg.gemm_sm_margin": 66, "cluster.manual_gc": True}),
+        "experimental.trainer_mps_priority": "below_normal", "policy.megatron_cfg.gemm_sm_margin": 66, "cluster.gc_period": 1}),
     # The same with the engine core in this process: one CUDA context, so generation and training kernels can
     # run at once on their streams (two processes are time-sliced unless MPS runs). It crashed with the engine
     # on a high-priority stream (fifteenth session); the stream now has the default priority.
@@ -211,12 +211,12 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-MPS_CLIENT_PRIORITIES = ("normal", "below-normal")  # cluster.trainer_mps_priority's values, spelled as flags
+MPS_CLIENT_PRIORITIES = ("normal", "below-normal")  # experimental.trainer_mps_priority's values, spelled as flags
 
 
 def make_trainer_mps_context(percent: int, priority: str | None) -> None:
     """Create this process's CUDA context (the trainer's) under MPS with an SM cap, and the client priority
-    with it if asked (without a cap the priority is ``cluster.trainer_mps_priority``, which does the same).
+    with it if asked (without a cap the priority is ``experimental.trainer_mps_priority``, which does the same).
 
     MPS reads ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (the share of the SMs) and ``CUDA_MPS_CLIENT_PRIORITY``
     (0 normal, 1 below normal: a coarse priority between MPS clients) when a process creates its context,
@@ -303,7 +303,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
 # generator idle time between batches (and its parts: the wait for the trainer, then the way back to the
 # generator, and how long after which release of the trainer it went on; on the trainer's side, from the
 # generation's end to the refit's hold of the generator), the trainer's wait for a batch, the scoring time,
-# the garbage collector's pauses of the process, and with cluster.gil_lag_probe the interpreter lock's waits.
+# the garbage collector's pauses of the process, and with experimental.gil_lag_probe the interpreter lock's waits.
 MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction",
              "async/generator_idle_s", "async/generator_waits_for_trainer_s", "async/generator_start_s",
              "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s", "async/refit_after_generation_s",
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                              "start at once; the row's name shows it")
     parser.add_argument("--trainer-mps-priority", choices=MPS_CLIENT_PRIORITIES, default=None,
                         help="under MPS, the trainer's client priority (CUDA_MPS_CLIENT_PRIORITY): below-normal asks "
-                             "MPS to schedule vLLM's engine process (normal) ahead of the trainer (cluster.trainer_mps_priority; "
+                             "MPS to schedule vLLM's engine process (normal) ahead of the trainer (experimental.trainer_mps_priority; "
                              "with --trainer-mps-percentage the bench makes the context); the row's name shows it")
     args = parser.parse_args(argv)
     if args.build_model:  # child process of build_model
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--trainer-sm-margin: {name} trains with {backend}; the margin is a Megatron key")
             set_dotted(tree, "policy.megatron_cfg.gemm_sm_margin", args.trainer_sm_margin)
         if args.trainer_mps_priority is not None and args.trainer_mps_percentage is None:
-            set_dotted(tree, "cluster.trainer_mps_priority", args.trainer_mps_priority.replace("-", "_"))
+            set_dotted(tree, "experimental.trainer_mps_priority", args.trainer_mps_priority.replace("-", "_"))
         for item in args.set:
             key, sep, value = item.partition("=")
             if not sep:

@@ -41,7 +41,7 @@ def _cycle_freed_inside(enabled: bool) -> tuple[bool, bool]:
 
     before = _Node()
     alive = weakref.ref(before)
-    with CollectorPolicy(freeze_setup=enabled, manual=False):
+    with CollectorPolicy(period=1 if enabled else 0):
         del before
         gc.collect()
         freed_inside = alive() is None
@@ -56,17 +56,27 @@ def test_setup_objects_are_out_of_the_collectors_reach_until_the_run_ends():
     assert gc.get_freeze_count() == 0
 
 
-def test_manual_gc_collects_only_after_training():
+def test_gc_period_collects_only_after_every_nth_steps_training():
     import weakref
 
-    with GCClock() as clock, CollectorPolicy(freeze_setup=False, manual=True) as policy:
+    with CollectorPolicy(period=2) as policy, GCClock() as clock:  # the clock after the setup's collection
         node = _Node()
         alive = weakref.ref(node)
         del node
         kept = [[[]] for _ in range(50_000)]  # far past the automatic thresholds
         assert alive() is not None and clock.take()["time/gc_full_collections"] == 0 and len(kept) == 50_000
-        policy.after_training()
+        policy.after_training(step=1)
+        assert alive() is not None and clock.take()["time/gc_full_collections"] == 0
+        policy.after_training(step=2)
         assert alive() is None and clock.take()["time/gc_full_collections"] == 1
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # restored
+
+
+def test_gc_period_0_changes_nothing():
+    gc.unfreeze()
+    with CollectorPolicy(period=0) as policy:
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        policy.after_training(step=1)
     assert gc.isenabled()
 
 

@@ -64,7 +64,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def build_trainer(config: RunConfig, manager, placement: Placement, backend=None) -> TrainerHandle:
     """The trainer ranks ``placement`` asks for (or ``backend``, a user's object, in this process)."""
-    enter_mps_client(config.cluster.trainer_mps_priority, placement)  # before anything in the trainer uses CUDA
+    enter_mps_client(config.experimental.trainer_mps_priority, placement)  # before anything in the trainer uses CUDA
     if backend is not None:
         return LocalTrainer(backend)
     reg = select_backend(config, manager)

@@ -4,14 +4,13 @@ A collection holds the interpreter lock from start to end, so every thread of th
 meanwhile: one step off's rollout thread, which feeds the engine, and the trainer launching its
 kernels. A full collection walks every object the collector tracks, and a process that holds a
 Megatron model, vLLM's front end and ``transformers`` tracks millions of them, almost all made
-during setup and alive for the whole run. ``gc.freeze()`` once the setup is done moves those to
-the permanent generation, which collections skip (``cluster.gc_freeze_setup``); vLLM freezes its
-engine's heap after start-up the same way (``freeze_gc_heap``). ``cluster.manual_gc`` goes further,
-as Megatron-LM's ``--manual-gc`` does: no automatic collections during the run, one after each
-step's training, at a time the run chooses.
+during setup and alive for the whole run. ``cluster.gc_period`` moves those to the permanent
+generation once the setup is done (``gc.freeze()``, as vLLM freezes its engine's heap after
+start-up), turns automatic collection off and collects after every N steps' training, as
+Megatron-LM's ``--manual-gc`` and torchtitan's ``gc_freq`` do.
 
 :class:`GCClock` records the collector's pauses with each step; :class:`LockLagProbe`
-(``cluster.gil_lag_probe``) how late a thread that sleeps 5 ms at a time wakes, which is how long
+(``experimental.gil_lag_probe``) how late a thread that sleeps 5 ms at a time wakes, which is how long
 a thread of the process waits for the interpreter lock.
 """
 
@@ -62,33 +61,36 @@ class GCClock:
 
 
 class CollectorPolicy:
-    """``cluster.gc_freeze_setup`` and ``cluster.manual_gc`` for the length of a run (``with``)."""
+    """``cluster.gc_period`` for the length of a run (``with``): with a period, the objects alive at
+    the start frozen, automatic collection off, one full collection after every ``period`` steps'
+    training; without one (0), nothing changes. What it changes is restored on exit."""
 
-    def __init__(self, freeze_setup: bool, manual: bool):
-        self.freeze_setup, self.manual = freeze_setup, manual
+    def __init__(self, period: int):
+        self.period = period
         self._frozen_before = 0
         self._enabled_before = True
 
     def __enter__(self) -> Self:
-        self._enabled_before = gc.isenabled()
-        if self.freeze_setup:
+        if self.period:
+            self._enabled_before = gc.isenabled()
             self._frozen_before = gc.get_freeze_count()
             gc.collect()
             gc.freeze()
-        if self.manual:
             gc.disable()
         return self
 
-    def after_training(self) -> None:
-        """The step's one collection with ``manual``: the trainer is done, the engine may be generating."""
-        if self.manual:
+    def after_training(self, step: int) -> None:
+        """The collection of step ``step``, when due: the trainer is done, the engine may be generating."""
+        if self.period and step % self.period == 0:
             gc.collect()
 
     def __exit__(self, *exc) -> None:
-        if self.manual and self._enabled_before:
+        if not self.period:
+            return
+        if self._enabled_before:
             gc.enable()
         # Undone only when nothing else in the process had frozen objects (vLLM's engine does in its own process).
-        if self.freeze_setup and self._frozen_before == 0:
+        if self._frozen_before == 0:
             gc.unfreeze()
 
 

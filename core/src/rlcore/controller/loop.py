@@ -75,8 +75,8 @@ class GRPOLoop:
         self.checkpoints = LoopCheckpoints(ckpt, checkpoint_root(cfg), self.progress, self.learner, self.rollouts.cursor,
                                            self.refitter, c.generator, c.loggers, identity)
         # the garbage collector's pauses and the interpreter lock's waits, recorded with each step (interpreter.py)
-        self.collector = CollectorPolicy(cfg.cluster.gc_freeze_setup, cfg.cluster.manual_gc)
-        self.gc_clock, self.lock_lag = GCClock(), LockLagProbe(cfg.cluster.gil_lag_probe)
+        self.collector = CollectorPolicy(cfg.cluster.gc_period)
+        self.gc_clock, self.lock_lag = GCClock(), LockLagProbe(cfg.experimental.gil_lag_probe)
 
     @property
     def step(self) -> int:
@@ -119,9 +119,9 @@ class GRPOLoop:
         return self.progress.step
 
     def train(self, trajectories, timer: StepTimer):
-        """The learner's step, then the collector's one collection when ``manual_gc`` is on."""
+        """The learner's step, then the garbage collector's collection when due (``cluster.gc_period``)."""
         out = self.learner.train_on(trajectories, timer, self.progress.step)
-        self.collector.after_training()
+        self.collector.after_training(self.progress.step)
         return out
 
     def validates(self) -> bool:
