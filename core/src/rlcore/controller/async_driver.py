@@ -65,6 +65,7 @@ class Produced:
     version: int  # the generator's weights version the batch was sampled with
     timer: StepTimer  # its generation and reward phases
     generations_before: int  # generations begun when this one ended: "begun after this batch" counts from it
+    data_position: int  # prompts drawn once this batch's were: where a checkpoint after training on it resumes
 
 
 class RolloutProducer:
@@ -117,7 +118,7 @@ class RolloutProducer:
                 timer = StepTimer()
                 if rollouts.refill_rounds():
                     kept, metrics, version = rollouts.collect(self._next_step, timer, observer=self)
-                    self._batches.put(Produced(kept, metrics, version, timer, self._generations))
+                    self._batches.put(Produced(kept, metrics, version, timer, self._generations, rollouts.data_position()))
                     continue
                 idle_since = self.last_generation_end
                 generated = rollouts.generate_round(self._next_step, 0, timer, observer=self)
@@ -126,8 +127,9 @@ class RolloutProducer:
                                                          "async/generator_start_s": max(0.0, generated.began - released),
                                                          **wakes}
                 metrics.update(rollouts.generator_metrics())
-                count = self._generations
-                self._scoring.submit(lambda g=generated, t=timer, m=metrics, n=count: self._score_and_put(g, t, m, n))
+                count, position = self._generations, rollouts.data_position()
+                self._scoring.submit(lambda g=generated, t=timer, m=metrics, n=count, d=position:
+                                     self._score_and_put(g, t, m, n, d))
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread
             self._failure.append(exc)
 
@@ -152,9 +154,9 @@ class RolloutProducer:
                 self._done_changed.wait(timeout=0.5)
         return True
 
-    def _score_and_put(self, generated, timer: StepTimer, metrics: dict, count: int) -> None:
+    def _score_and_put(self, generated, timer: StepTimer, metrics: dict, count: int, position: int) -> None:
         kept, scored, version = self.rollouts.finish_collect([generated], timer)
-        self._batches.put(Produced(kept, {**scored, **metrics}, version, timer, count))
+        self._batches.put(Produced(kept, {**scored, **metrics}, version, timer, count, position))
 
     # ---- the trainer's side -------------------------------------------------------------------
     def next_batch(self) -> Produced:
@@ -214,12 +216,16 @@ def run_async(run: GRPOLoop) -> None:
     producer = RolloutProducer(run.rollouts, run.step, run.c.config.cluster.timeout_s, max_age)
     producer.start()
     dropped = 0
+    # The policy version each of the generator's weights versions holds: the two count differently (a
+    # resumed run's generator starts again from its own first version; a skipped non-finite update is
+    # refitted but is no new policy version).
+    policy_of = {run.c.generator.weights_version: run.learner.policy_version}
     try:
         while run.step < run.grpo.max_num_steps:
             # The step's time counts from here: a step that waits for its batch takes that long too.
             waiting_since = time.perf_counter()
             produced = producer.next_batch()
-            age = run.learner.policy_version - produced.version
+            age = run.learner.policy_version - policy_of[produced.version]
             if age > max_age:
                 dropped += 1
                 producer.batch_done()
@@ -232,6 +238,7 @@ def run_async(run: GRPOLoop) -> None:
             record.update({"async/trajectory_age": float(age), "async/dropped_stale_batches": float(dropped),
                            "async/batch_wait_s": time.perf_counter() - waiting_since})
             metrics, batch = run.train(produced.trajectories, timer)
+            run.checkpoints.trained_position = produced.data_position
             record.update(metrics)
             if step < run.grpo.max_num_steps:
                 with timer.phase("refit"):
@@ -240,6 +247,7 @@ def run_async(run: GRPOLoop) -> None:
             validates = run.validates()
             record.update(run.refitter.refit(batch, timer, step, generator_free=None if validates else producer.batch_done,
                                              on_hold=producer.refit_metrics))
+            policy_of[run.c.generator.weights_version] = run.learner.policy_version  # refits happen on this thread only
             run.finish_step(record, timer)
             if validates:
                 producer.batch_done()

@@ -49,6 +49,9 @@ class LoopCheckpoints:
         self.learner, self.cursor, self.refitter = learner, cursor, refitter
         self.generator, self.loggers, self.identity = generator, loggers, identity
         self.saved_step = -1
+        # Prompts drawn up to the last batch trained on, where a driver draws ahead of training (async):
+        # a resumed run generates the batches that were in flight again instead of skipping their prompts.
+        self.trained_position: int | None = None
 
     @property
     def trainer(self) -> TrainerHandle:
@@ -87,7 +90,8 @@ class LoopCheckpoints:
     def save(self) -> None:
         state = {
             "step": self.progress.step, "policy_version": self.learner.policy_version,
-            "data_position": self.cursor.position, "records": self.progress.records,
+            "data_position": self.cursor.position if self.trained_position is None else self.trained_position,
+            "records": self.progress.records,
             "nonfinite_in_a_row": self.learner.nonfinite_in_a_row, "rng": rng_state(), "run": self.identity,
         }
         with self._training_state_on_device():

@@ -60,6 +60,8 @@ class RolloutSource(Protocol):
 
     def generator_metrics(self) -> dict[str, float]: ...
 
+    def data_position(self) -> int: ...
+
 
 def reward_tensors(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rewards, group ids and truncation flags of ``trajs``, one entry per trajectory."""
@@ -130,6 +132,10 @@ class Rollouts:
                        observer: GenerationObserver | None = None) -> GeneratedRound:
         with timer.phase("generation"):
             return self._rollout_group(step, round_, observer)
+
+    def data_position(self) -> int:
+        """Prompts drawn so far (the cursor's position): a checkpoint's place in the data."""
+        return self.cursor.position
 
     def generator_metrics(self) -> dict[str, float]:
         generator_metrics = getattr(self.generator, "metrics", None)
