@@ -80,9 +80,9 @@ def cmd_component(args) -> int:
 def cmd_list(args) -> int:
     from rlcore.plugins import get_plugin_manager
 
-    found = get_plugin_manager().registry["benchmark"]
-    for name, reg in sorted(found.items()):
-        print(f"{name}\t{reg.capabilities.get('description', '')}\t({reg.source.describe()})")
+    found = get_plugin_manager().benchmarks()
+    for name, fn in sorted(found.items()):
+        print(f"{name}\t{fn if isinstance(fn, str) else f'{fn.__module__}:{fn.__qualname__}'}")
     if not found:
         print("no component benchmarks are installed")
     return 0

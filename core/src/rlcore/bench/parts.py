@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from rlcore.bench.prepare import bench_config
+from rlcore.bench.prepare import bench_config, bench_out_dir
 from rlcore.bench.report import append_row, device_name, peak_flops, train_flops
 from rlcore.controller.grpo_run import build_components
 from rlcore.controller.loop import GRPOLoop
@@ -75,8 +75,10 @@ def run_component(args) -> int:
     if args.name not in benchmarks:
         raise SystemExit(f"no component benchmark named {args.name!r} is installed (rlcore bench list: "
                          f"{', '.join(sorted(benchmarks)) or 'none'})")
-    config, info, out = bench_config(args)
-    out.mkdir(parents=True, exist_ok=True)
+    from rlcore.config import load_config
+
+    config = load_config(args.recipe, list(args.overrides))  # as the recipe says: a component may need no model
+    out = bench_out_dir(args)
     fn = benchmarks[args.name]
     row = (resolve(fn) if isinstance(fn, str) else fn)(config, args.steps, args.warmup)
     _print(f"rlcore bench component {args.name}: {args.recipe} on {device_name()}", row)

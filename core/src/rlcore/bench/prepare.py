@@ -18,10 +18,7 @@ def bench_config(args):
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}: the means need a step after warm-up")
     recipe = load_config(args.recipe, list(args.overrides))
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    out = Path(args.out or Path("runs") / "bench" / f"{Path(args.recipe).stem}-{stamp}")
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"--out {out}: not empty; a bench writes a new run directory")
+    out = bench_out_dir(args, create=False)
     model = build_model(recipe.policy.model_name, Path(args.workdir), args.shape, gpu=torch.cuda.is_available())
     bench = [f"policy.model_name={model}", f"policy.tokenizer_name={model}", f"grpo.max_num_steps={args.steps}",
              f"grpo.summary_window=[{args.warmup + 1},{args.steps}]", "grpo.val_period=0", "grpo.val_at_start=false",
@@ -29,3 +26,14 @@ def bench_config(args):
              "policy.generation.ignore_eos=true"]
     config = load_config(args.recipe, list(args.overrides) + bench)
     return config, model_info(model), out
+
+
+def bench_out_dir(args, create: bool = True) -> Path:
+    """``--out``, default ``runs/bench/<recipe>-<UTC time>``; refused when it holds anything already."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    out = Path(args.out or Path("runs") / "bench" / f"{Path(args.recipe).stem}-{stamp}")
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"--out {out}: not empty; a bench writes a new run directory")
+    if create:
+        out.mkdir(parents=True, exist_ok=True)
+    return out
