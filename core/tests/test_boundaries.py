@@ -118,12 +118,13 @@ def test_every_installed_generator_follows_the_contract():
 
 
 def test_the_loop_calls_trainer_methods_not_names():
-    from rlcore.controller import loop
+    from rlcore.controller import async_driver, learner, loop, refitter, resume, validation
 
-    tree = ast.parse(inspect.getsource(loop))
-    calls = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call)]
-    assert not [c for c in calls if re.search(r"\.call\(|getattr\(self\.c\.trainer|getattr\(trainer", c)], calls
-    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and ast.unparse(n.value) in ("trainer", "self.c.trainer")}
+    trees = [ast.parse(inspect.getsource(m)) for m in (loop, learner, refitter, validation, resume, async_driver)]
+    calls = [ast.unparse(n) for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    assert not [c for c in calls if re.search(r"\.call\(|getattr\(self\.(c\.)?trainer|getattr\(trainer", c)], calls
+    used = {n.attr for tree in trees for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and ast.unparse(n.value) in ("trainer", "self.trainer", "self.c.trainer")}
     assert used <= {"logprobs", "train", "save_checkpoint", "load_checkpoint", "offload", "onload", "loop_step"}, used
     assert {"logprobs", "train", "save_checkpoint", "load_checkpoint"} <= used
 
