@@ -65,8 +65,8 @@ def build_model(model_name: str, root: Path, shape: str | None = None, gpu: bool
     """The random-init model directory for ``model_name`` under ``root`` (built once, then reused)."""
     shape = shape_of(model_name, shape)
     path = root / f"model-{shape or Path(model_name).name}"
-    if (path / INFO).is_file():
-        return path
+    if (path / INFO).is_file() or (shape is not None and (path / "config.json").is_file()):
+        return path  # built before (a shape's directory may come from benchmarks/bench_grpo_step.py)
     if shape is None or shape in SMALL or not gpu:
         build_here(model_name, shape, path, device=None)
     else:
@@ -102,7 +102,16 @@ def build_here(model_name: str, shape: str | None, path: Path, device: str | Non
 
 
 def model_info(path: Path) -> dict:
-    return json.loads((Path(path) / INFO).read_text())
+    """Shape, parameter count, layers and hidden size of a model ``build_model`` made."""
+    path = Path(path)
+    if (path / INFO).is_file():
+        return json.loads((path / INFO).read_text())
+    config = json.loads((path / "config.json").read_text())  # a Llama-family directory built without the record
+    shape = dict(hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"],
+                 num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
+                 intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"])
+    return {"shape": path.name.removeprefix("model-"), "params": llama_params(shape), "num_layers": shape["num_layers"],
+            "hidden_size": shape["hidden_size"]}
 
 
 if __name__ == "__main__":  # the child process of build_model: python -m rlcore.bench.models NAME SHAPE PATH DEVICE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
 
 from rlcore.bench.models import build_model, model_info
@@ -11,6 +12,9 @@ from rlcore.bench.models import build_model, model_info
 def bench_config(args):
     """The recipe with the bench's settings (a fresh run directory, no checkpoints or validation,
     responses to ``max_new_tokens``), its random-init model, and that model's size."""
+    # Asked through NVML: torch.cuda.is_available() would otherwise create this process's CUDA context
+    # before the run places its trainer and engine (and before an MPS client priority can be set).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
     from rlcore.config import load_config
