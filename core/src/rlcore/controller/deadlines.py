@@ -116,3 +116,14 @@ class TimedEnvironment:
                 raise
             print(f"warning: {exc}; the batch of {len(samples)} scores 0 (env.on_timeout=zero)", flush=True)
             return [EnvStep(reward=0.0, done=True, metrics={"timeout": 1.0}) for _ in samples]
+
+    def step_trajectory(self, sample, trajectory: int, history):
+        """:meth:`rlcore.interfaces.TrajectoryTurns.step_trajectory`, bounded as ``step`` is."""
+        try:
+            return call_with_timeout(lambda: self.inner.step_trajectory(sample, trajectory, history), self.timeout_s,
+                                     self._describe)
+        except EnvironmentTimeout as exc:
+            if self.on_timeout == "stop":
+                raise
+            print(f"warning: {exc}; the trajectory scores 0 (env.on_timeout=zero)", flush=True)
+            return EnvStep(reward=0.0, done=True, metrics={"timeout": 1.0})
