@@ -58,6 +58,15 @@ MOE_RUN = {"policy.train_global_batch_size": 128, "policy.megatron_cfg.empty_unu
            "policy.generation.gpu_memory_utilization": 0.3, "policy.generation.colocated.offload_trainer_state": True}
 TWO_CPU_RANKS = {"cluster.cpu_workers": 2, "cluster.use_ray": True, "policy.train_global_batch_size": 8}
 TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "grpo.val_period": 0}
+# The realistic multi-turn workload (bench_multiturn_env.py, heavy_tailed): 3 to 5 turns, each turn's
+# length lognormal in 32..2048 tokens (enforced as its max_tokens: ignore_eos, no stop strings), tool
+# latencies lognormal with median 0.5 s and p99 8 s, all seeded per (sample, trajectory, turn).
+HEAVY_TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {
+    "workload": "heavy_tailed", "min_turns": 3, "max_turns": 5, "turn_stop_strings": [], "turn_tokens_median": 192,
+    "turn_tokens_sigma": 1.0, "turn_tokens_range": [32, 2048], "latency_median_s": 0.5, "latency_p99_s": 8.0}},
+    "grpo.val_period": 0, "policy.generation.max_new_tokens": 2048}
+BARRIER = {"env.bench_tool.turn_barrier": True}
+ASYNC_ENGINE = {"policy.generation.async_engine": True}
 
 ONE_STEP_OFF = {"algorithm.rollout_correction": {"preset": "token_tis"}}
 
@@ -131,6 +140,13 @@ CONFIGS = {
     "tiny-tool-async": ("tiny", "fsdp2", {**TOOL_ENV, "policy.generation.async_engine": True}),
     "llama1b-tool-sync": ("llama1b", "megatron", TOOL_ENV),
     "llama1b-tool-async": ("llama1b", "megatron", {**TOOL_ENV, "policy.generation.async_engine": True}),
+    # The heavy-tailed workload (issue 58), each engine with and without the turn barrier (every
+    # trajectory's next turn waits for all trajectories' current one: the batched synchronous baseline).
+    # 32 prompts x 8 samples = 256 trajectories; run the four in one call.
+    **{f"{shape}-multiturn-{engine}{'-barrier' if barrier else ''}": (
+        shape, "megatron" if shape == "llama1b" else "fsdp2",
+        {**HEAVY_TOOL_ENV, **(ASYNC_ENGINE if engine == "async" else {}), **(BARRIER if barrier else {})})
+       for shape in ("tiny", "llama1b") for engine in ("sync", "async") for barrier in (False, True)},
     # Long context (issue 9): context parallelism 2 over the two GPUs of nvidia-h200-x2; run with
     # --max-new-tokens 16384 --mb-tokens 16448 --prompts 8 (16k-token sequences, 64 samples a step).
     # fsdp2 has no context parallelism (its config rejects context_parallel_size > 1).
@@ -392,7 +408,16 @@ def main(argv: list[str] | None = None) -> int:
 
             get_plugin_manager().register_module(bench_multiturn_env)
             turns = tree["env"]["bench_tool"]["max_turns"]
-            tree["policy"]["max_total_sequence_length"] = turns * (args.max_new_tokens + 64) + 64
+            turn_tokens = tree["policy"]["generation"]["max_new_tokens"]
+            if args.tiny:  # the CPU check: short turns
+                turn_tokens = tree["policy"]["generation"]["max_new_tokens"] = args.max_new_tokens
+                if tree["env"]["bench_tool"].get("workload") == "heavy_tailed":
+                    tree["env"]["bench_tool"].update(turn_tokens_median=8, turn_tokens_range=[4, args.max_new_tokens],
+                                                     latency_median_s=0.01, latency_p99_s=0.1)
+            longest = tree["policy"]["max_total_sequence_length"] = turns * (turn_tokens + 64) + 64
+            packing = tree["policy"]["sequence_packing"]  # a micro-batch holds at least the longest trajectory
+            packing["train_mb_tokens"] = max(packing["train_mb_tokens"], longest)
+            packing["logprob_mb_tokens"] = max(packing["logprob_mb_tokens"], longest)
         # A run directory holds one run (rlcore refuses to mix a second one in): each call is new.
         shutil.rmtree(tree["logger"]["log_dir"], ignore_errors=True)
         gpus = tree["cluster"]["gpus_per_node"] or 1
