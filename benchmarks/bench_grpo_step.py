@@ -323,7 +323,9 @@ MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mis
              "async/generator_idle_s", "async/generator_waits_for_trainer_s", "async/generator_start_s",
              "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s", "async/refit_after_generation_s",
              "async/batch_wait_s", "refit/generator_hold_s", "timing/reward",
-             "time/gc_s", "time/gc_longest_s", "time/gc_full_collections", "time/gil_lag_mean_s", "time/gil_lag_max_s")
+             "time/gc_s", "time/gc_longest_s", "time/gc_full_collections", "time/gil_lag_mean_s", "time/gil_lag_max_s",
+             "rollout/longest_trajectory_model_tokens", "rollout/longest_trajectory_env_s", "rollout/max_trajectory_env_s",
+             "rollout/turn_barrier_rounds")
 
 
 def _mean(values: list[float]) -> float | None:

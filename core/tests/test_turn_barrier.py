@@ -62,8 +62,8 @@ def _rollout(generator, env, barrier: bool):
                                                                               add_generation_prompt=True, return_dict=False))
                for i, q in enumerate(("1+2=", "30+4="))]
     runner = MultiTurnRunner(generator, env, tok, max_turns=3, max_total_tokens=256, turn_barrier=barrier)
-    groups = asyncio.run(runner.arun(samples, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=5, ignore_eos=True)))
-    return runner, {(t.sample.index, k): t for group in groups for k, t in enumerate(group)}
+    runner(samples, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=5, ignore_eos=True))
+    return runner, {(t.sample.index, k): t for group in runner.last_trajectories for k, t in enumerate(group)}
 
 
 def _model_runs(mask: list[int]) -> list[int]:
@@ -91,6 +91,11 @@ def test_the_barrier_holds_every_turn_until_all_trajectories_answered_and_change
         first_ask = min(i for i, e in enumerate(events) if e[0] == "generate" and e[3] == turn)
         assert last_answer < first_ask, events
     assert runner.last_barrier_rounds == 2  # before turn 2 and turn 3; (0, 0) left after two turns
+    metrics = runner.last_metrics()
+    longest = max(held.values(), key=lambda t: sum(t.result.response_mask))
+    assert metrics["rollout/turn_barrier_rounds"] == 2
+    assert metrics["rollout/longest_trajectory_model_tokens"] == sum(longest.result.response_mask)
+    assert metrics["rollout/longest_trajectory_env_s"] == longest.env_s > 0
 
     for key, turns in TURNS.items():
         a, b = free[key].result, held[key].result

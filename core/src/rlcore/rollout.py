@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +66,7 @@ class MultiTurnTrajectory:
     turns: list[str] = attrs.field(factory=list)  # each model turn's text
     observations: list[str] = attrs.field(factory=list)  # the environment's reply to each turn but the last
     env_metrics: dict[str, float] = attrs.field(factory=dict)
+    env_s: float = 0.0  # seconds its environment steps took (tool calls), from the runner's side
 
 
 class ChatSuffixes:
@@ -229,7 +231,9 @@ class MultiTurnRunner:
             state.append(out.response_ids, out.response_logprobs, model=True)
             state.finish_reason = out.finish_reason
             traj.turns.append(out.text)
+            began = time.perf_counter()
             step = await self._env_step(sample, trajectory, traj.turns)
+            traj.env_s += time.perf_counter() - began
             traj.reward, traj.done, traj.env_metrics = float(step.reward), bool(step.done), dict(step.metrics)
             if step.done or turn == self.max_turns - 1 or out.finish_reason in ("abort", "truncated_prompt"):
                 break
@@ -253,6 +257,19 @@ class MultiTurnRunner:
         flat = await asyncio.gather(*jobs)
         self.last_barrier_rounds = 0 if barrier is None else barrier.rounds
         return [list(flat[i * params.n : (i + 1) * params.n]) for i in range(len(samples))]
+
+    def last_metrics(self) -> dict[str, float]:
+        """The last rollout's critical path: the model tokens and tool seconds of the trajectory with the most
+        model tokens, the most tool seconds of any trajectory, and the turn barrier's rounds."""
+        flat = [t for group in self.last_trajectories for t in group if t.result is not None]
+        if not flat:
+            return {}
+        tokens = [sum(t.result.response_mask or ()) for t in flat]
+        longest = max(range(len(flat)), key=tokens.__getitem__)
+        return {"rollout/longest_trajectory_model_tokens": float(tokens[longest]),
+                "rollout/longest_trajectory_env_s": flat[longest].env_s,
+                "rollout/max_trajectory_env_s": max(t.env_s for t in flat),
+                "rollout/turn_barrier_rounds": float(self.last_barrier_rounds)}
 
     def __call__(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[GenerationResult]]:
         """``params.n`` results per sample (the loop's contract); trajectories with rewards are kept
