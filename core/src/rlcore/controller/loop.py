@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 import torch
 
+from rlcore.agents.segments import with_segments
 from rlcore.controller.batching import (
     DataCursor, Trajectory, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
 )
@@ -160,7 +161,8 @@ class GRPOLoop:
 
     def generator_metrics(self) -> dict[str, float]:
         generator_metrics = getattr(self.c.generator, "metrics", None)
-        return {k: float(v) for k, v in generator_metrics().items()} if callable(generator_metrics) else {}
+        return {**({k: float(v) for k, v in generator_metrics().items()} if callable(generator_metrics) else {}),
+                **(self.c.multi_turn.metrics() if self.c.multi_turn is not None else {})}
 
     def collect(self, step: int, timer: StepTimer) -> tuple[list[Trajectory], dict, int]:
         """Trajectories for one step, with DAPO-style refill when the algorithm drops groups."""
@@ -216,6 +218,7 @@ class GRPOLoop:
         keep_N = algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
         for i in torch.nonzero(~keep_N).flatten().tolist():
             batch.loss_mask[i] = torch.zeros_like(batch.loss_mask[i])
+        batch = with_segments(batch, trajectories, advantages_N, keep_N, self.c.config.policy.max_total_sequence_length)
         with timer.phase("logprobs"):
             if algorithm.uses_old_logprobs:
                 batch.token_fields["old_logprobs"] = trainer.logprobs(batch, what="'logprobs' (policy)")
@@ -282,7 +285,7 @@ class GRPOLoop:
             return {}
         samples = list(val[: self.grpo.max_val_samples])
         results, _, final_steps, _ = self._generate(samples, 1, self.grpo.seed, greedy=True)
-        trajs = [Trajectory(s, i, rs[0]) for i, (s, rs) in enumerate(zip(samples, results))]
+        trajs = [Trajectory(s, i, rs[0]) for i, (s, rs) in enumerate(zip(samples, results)) if rs]  # an agent's failed group has none
         self._score(trajs, final_steps)
         metrics = {
             "val/accuracy": float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajs])),
