@@ -100,9 +100,9 @@ class ChatSuffixes:
                                                   **template_kwargs)
         after = self._after_mark(full)
         if not after.startswith(self.end_of_turn_text):
-            roles = [m.get("role") for m in messages]
+            roles = ", ".join(repr(m.get("role")) for m in messages)
             raise ValueError(f"the chat template closes an assistant turn with {self.end_of_turn_text!r} when it is the last "
-                             f"message but follows it with {after[:40]!r} before messages of roles {roles}; "
+                             f"message but follows it with {after[:40]!r} before a {roles} message; "
                              "multi-turn rollouts need one end-of-turn text")
         return self._encode(after[len(self.end_of_turn_text) :])
 
