@@ -182,3 +182,25 @@ def test_the_model_tokens_of_every_segment_train_with_the_trajectory_advantage(t
     assert batch.seq_fields["advantages"].tolist() == [0.5, -0.5, 0.5, -0.5]
     assert batch.loss_mask[3].sum() == 0 and batch.loss_mask[2].sum() == len(engine.outputs[0]) + len(engine.outputs[1])
     assert torch.equal(batch.token_fields["advantages"][2], torch.full_like(batch.token_fields["advantages"][2], 0.5))
+
+
+def test_completions_extend_on_text_and_take_token_prompts_as_given(tokenizers):
+    """/v1/completions: a prompt that starts with the segment's text so far appends only the rest;
+    one that does not starts a segment; token-id prompts are taken as they are."""
+    tok = tokenizers["llama3"]
+    engine = ScriptedEngine(tok, "llama3", ["12*7 is 84", "so 100"])
+    texts = {}
+
+    async def agent(client, sample):
+        first = await client.completions.create(model="policy", prompt="Question: 12*7+16?\nAnswer:", max_tokens=50)
+        texts["first"] = first.choices[0].text
+        prompt = "Question: 12*7+16?\nAnswer:" + first.choices[0].text + "\nThen add 16:"
+        await client.completions.create(model="policy", prompt=prompt, max_tokens=50)
+        return 1.0
+
+    runner, results = run_agent(tok, engine, agent)
+    (result,) = results[0]
+    assert result.segments is None
+    assert_segment_is_engines(result, engine, [0, 1])
+    new = tok.encode("\nThen add 16:", add_special_tokens=False)
+    assert engine.prompts[1] == engine.prompts[0] + engine.outputs[0] + new
