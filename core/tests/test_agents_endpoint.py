@@ -154,3 +154,19 @@ def test_a_hung_agent_stops_the_batch_naming_its_trajectory(generator):
     runner = runner_for(generator, hangs, attempt_timeout_s=0.5, max_retries=1)
     results = runner(samples(2), PARAMS)
     assert [len(g) for g in results] == [2, 0] and runner.metrics()["rollout/infra_failures/timeout"] == 4
+
+
+def test_a_plain_function_agent_gets_a_blocking_client_in_a_thread(generator):
+    import threading
+
+    threads = set()
+
+    def blocking(client, sample):
+        threads.add(threading.current_thread().name)
+        reply = client.chat.completions.create(model="policy", messages=sample.prompt, max_tokens=3)
+        return float(bool(reply.choices[0].token_ids))
+
+    runner = runner_for(generator, blocking)
+    results = runner(samples(2), PARAMS)
+    assert [len(g) for g in results] == [2, 2] and all(t.reward == 1.0 for g in runner.last_trajectories for t in g)
+    assert all(name.startswith("rlcore-agent") for name in threads)
