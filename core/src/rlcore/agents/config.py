@@ -27,6 +27,8 @@ class AgentEnvConfig(MultiTurnEnvConfig):
     running at once. ``observation_role`` and ``turn_stop_strings`` are not read: the agent sends
     its own messages and stop strings."""
 
+    max_turns: int = field(default=3, validator=_positive, metadata=doc("model requests per trajectory; more are refused (HTTP 429)"))
+    max_env_concurrency: int = field(default=256, validator=_positive, metadata=doc("agents (trajectories) running at once"))
     function: str = field(default="", validator=_function_path,
                           metadata=doc("the agent: an async (or plain) callable agent(client, sample) -> reward | EnvStep | "
                                        "{'reward': r, 'metrics': {...}}, as 'module:function' or 'path/file.py:function'"))
