@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rlcore.planning.command import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from rlcore.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -222,17 +222,15 @@ class MultiTurnRunner:
 def make_multi_turn_runner(generator, environment, tokenizer, config: Any) -> MultiTurnRunner:
     """Build a runner from a :class:`rlcore.config.RunConfig`: the turn settings are the
     environment section's (:class:`rlcore.config.environment.MultiTurnEnvConfig`). The ``agent``
-    environment's section (:class:`rlcore.agents.config.AgentEnvConfig`) gets the agent runner
-    (:mod:`rlcore.agents.runner`), callable the same way."""
+    environment is rolled out by its agent instead (``rlcore.agents.runner.make_agent_runner``)."""
     from rlcore.agents.config import AgentEnvConfig
     from rlcore.config.environment import MultiTurnEnvConfig
 
     path = f"env.{config.env.name}"
     turns = config.section(path)
-    if isinstance(turns, AgentEnvConfig):  # the agent environment: rollouts through the endpoint
-        from rlcore.agents.runner import make_agent_runner
-
-        return make_agent_runner(generator, tokenizer, config, turns)
+    if isinstance(turns, AgentEnvConfig):
+        raise TypeError(f"{path}: the agent environment is rolled out through rlcore's endpoint by its agent, "
+                        "not turn by turn: build its runner with rlcore.agents.runner.make_agent_runner")
     if turns is None:
         turns = MultiTurnEnvConfig()
     elif not isinstance(turns, MultiTurnEnvConfig):
