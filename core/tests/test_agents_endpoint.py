@@ -170,3 +170,43 @@ def test_a_plain_function_agent_gets_a_blocking_client_in_a_thread(generator):
     results = runner(samples(2), PARAMS)
     assert [len(g) for g in results] == [2, 2] and all(t.reward == 1.0 for g in runner.last_trajectories for t in g)
     assert all(name.startswith("rlcore-agent") for name in threads)
+
+
+class Recording:
+    """The real generator; what each ``agenerate`` was fed and returned is kept."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    async def agenerate(self, prompt_ids, params):
+        out = await self.inner.agenerate(prompt_ids, params)
+        self.calls.append((list(prompt_ids), list(out.response_ids), list(out.response_logprobs)))
+        return out
+
+
+def test_trainable_tokens_are_the_real_generators_own_with_and_without_a_rewrite(generator):
+    """Two requests that extend the conversation, then a rewritten one (a new segment): each
+    segment's loss-mask-1 tokens are exactly the ids and logprobs the generator returned, in order;
+    every prompt it was fed is a prefix of its segment; all else is masked with logprob 0."""
+    async def agent(client, sample):
+        messages = list(sample.prompt)
+        for _ in range(2):
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "go"}]
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "again"}], max_tokens=3)
+        return 1.0
+
+    recording = Recording(generator)
+    runner = AgentRunner(recording, generator.tokenizer, agent, AgentEnvConfig(function="x:y", max_turns=3),
+                         max_total_tokens=120, timeout_s=120.0)
+    (group,) = runner(samples(1), SamplingParams(n=1, max_new_tokens=3, seed=1))
+    (result,) = group
+    segments = [*(result.segments or []), result]
+    assert len(segments) == 2 and len(recording.calls) == 3
+    for segment, calls in zip(segments, [recording.calls[:2], recording.calls[2:]]):
+        full = segment.prompt_ids + segment.response_ids
+        trained = [(t, lp) for t, lp, m in zip(segment.response_ids, segment.response_logprobs, segment.response_mask) if m]
+        assert trained == [(t, lp) for _, ids, lps in calls for t, lp in zip(ids, lps)]
+        assert all(lp == 0.0 for lp, m in zip(segment.response_logprobs, segment.response_mask) if not m)
+        for fed, ids, _ in calls:
+            assert full[: len(fed) + len(ids)] == fed + ids  # nothing before was re-tokenized

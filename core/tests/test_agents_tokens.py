@@ -204,3 +204,20 @@ def test_completions_extend_on_text_and_take_token_prompts_as_given(tokenizers):
     assert_segment_is_engines(result, engine, [0, 1])
     new = tok.encode("\nThen add 16:", add_special_tokens=False)
     assert engine.prompts[1] == engine.prompts[0] + engine.outputs[0] + new
+
+
+def test_tool_calls_parse_from_both_template_formats():
+    """Hermes blocks (Qwen2.5, Qwen3) and Llama 3.1's bare JSON turn become OpenAI ``tool_calls``;
+    text that only looks like JSON stays content."""
+    import json
+
+    from rlcore.agents.recorder import parse_tool_calls
+
+    content, calls = parse_tool_calls('Let me check.\n<tool_call>\n{"name": "calc", "arguments": {"expression": "1+2"}}\n'
+                                      '</tool_call>', "call-k")
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["calc"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"expression": "1+2"} and calls[0]["id"] == "call-k-0"
+    content, calls = parse_tool_calls('{"name": "calc", "parameters": {"expression": "3*4"}}', "call-k")
+    assert content == "" and json.loads(calls[0]["function"]["arguments"]) == {"expression": "3*4"}
+    assert parse_tool_calls('{"answer": 12}', "call-k") == ('{"answer": 12}', [])
+    assert parse_tool_calls("<tool_call>{not json}</tool_call>", "call-k") == ("<tool_call>{not json}</tool_call>", [])
