@@ -176,7 +176,7 @@ class Recording:
     """The real generator; what each ``agenerate`` was fed and returned is kept."""
 
     def __init__(self, inner):
-        self.inner, self.calls = inner, []
+        self.inner, self.tokenizer, self.calls = inner, inner.tokenizer, []
 
     async def agenerate(self, prompt_ids, params):
         out = await self.inner.agenerate(prompt_ids, params)
@@ -210,3 +210,50 @@ def test_trainable_tokens_are_the_real_generators_own_with_and_without_a_rewrite
         assert all(lp == 0.0 for lp, m in zip(segment.response_logprobs, segment.response_mask) if not m)
         for fed, ids, _ in calls:
             assert full[: len(fed) + len(ids)] == fed + ids  # nothing before was re-tokenized
+
+
+def test_tokens_and_concurrency_are_bounded_per_trajectory(generator):
+    """A reply is cut to what policy.max_total_sequence_length leaves (then an empty 'length' reply);
+    requests beyond max_concurrent_requests are refused (429), and an agent that carries on past a
+    refusal fails its attempt (cause 'limit'): its reward is not of the exchange it asked for."""
+    import openai
+
+    sample = samples(1)[0]
+    prompt_len = len(generator.tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=False))
+    seen = {}
+
+    async def long_replies(client, sample):
+        first = await client.chat.completions.create(model="policy", messages=sample.prompt, max_tokens=50)
+        messages = [*sample.prompt, {"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "more"}]
+        second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=50)
+        seen["replies"] = [(r.choices[0].finish_reason, r.usage.completion_tokens) for r in (first, second)]
+        return 1.0
+
+    runner = AgentRunner(generator, generator.tokenizer, long_replies, AgentEnvConfig(function="x:y"),
+                         max_total_tokens=prompt_len + 2, timeout_s=120.0)
+    (group,) = runner([sample], SamplingParams(n=1, max_new_tokens=50, seed=1, ignore_eos=True))
+    assert seen["replies"] == [("length", 2), ("length", 0)]
+    assert len(group[0].prompt_ids) + len(group[0].response_ids) == prompt_len + 2
+
+    async def many_at_once(client, sample):
+        asks = [client.chat.completions.create(model="policy", messages=sample.prompt, max_tokens=2) for _ in range(3)]
+        seen["outcomes"] = await asyncio.gather(*asks, return_exceptions=True)
+        return 1.0
+
+    class HeldUntilRefused(Recording):
+        """The real generator, holding the first request until the other two were refused (no race)."""
+
+        async def agenerate(self, prompt_ids, params):
+            while sum(len(t.errors) for t in runner.endpoint.trajectories.values()) < 2:
+                await asyncio.sleep(0.01)
+            return await super().agenerate(prompt_ids, params)
+
+    runner = runner_for(HeldUntilRefused(generator), many_at_once, timeout_s=60.0, max_retries=0, max_concurrent_requests=1,
+                        max_turns=3)
+    with pytest.raises(RuntimeError, match="every one"):
+        runner(samples(1), SamplingParams(n=1, max_new_tokens=2, seed=1))
+    refused = [o for o in seen["outcomes"] if isinstance(o, openai.RateLimitError)]
+    assert len(refused) == 2 and "max_concurrent_requests" in str(refused[0])
+    assert runner.metrics()["rollout/infra_failures/limit"] == 1

@@ -150,6 +150,9 @@ class AgentRunner:
                 cause = traj.causes[-1] if traj.causes else "agent_error"
                 detail = f"; the endpoint: {traj.errors[-1]}" if traj.errors else ""
                 raise AgentFailure(cause, f"{type(exc).__name__}: {exc}{detail}") from exc
+            if traj.causes:  # the agent went on past a refused or failed request: its reward is of a broken exchange
+                raise AgentFailure(traj.causes[0], f"the agent returned after the endpoint refused or failed a request: "
+                                                   f"{traj.errors[0] if traj.errors else traj.causes[0]}")
             reward, metrics = reward_of(value)
             result = traj.recorder.result()
             if result is None:
