@@ -91,7 +91,7 @@ def test_the_barrier_holds_every_turn_until_all_trajectories_answered_and_change
         first_ask = min(i for i, e in enumerate(events) if e[0] == "generate" and e[3] == turn)
         assert last_answer < first_ask, events
     assert runner.last_barrier_rounds == 2  # before turn 2 and turn 3; (0, 0) left after two turns
-    metrics = runner.last_metrics()
+    metrics = runner.metrics()
     longest = max(held.values(), key=lambda t: sum(t.result.response_mask))
     assert metrics["rollout/turn_barrier_rounds"] == 2
     assert metrics["rollout/longest_trajectory_model_tokens"] == sum(longest.result.response_mask)
@@ -130,3 +130,11 @@ def test_a_trajectory_that_fails_leaves_the_barrier():
     assert isinstance(results[2], RuntimeError)
     assert [turn for _, turn in order] == sorted(turn for _, turn in order)  # turns in order, none left waiting
     assert order.count(("a", 2)) == 1 and barrier.rounds == 2 and barrier.parties == 0
+
+
+def test_the_agent_environment_refuses_a_turn_barrier():
+    from rlcore.agents.config import AgentEnvConfig
+    from rlcore.agents.runner import make_agent_runner
+
+    with pytest.raises(ValueError, match="env.agent.turn_barrier"):
+        make_agent_runner(None, None, None, AgentEnvConfig(turn_barrier=True))
