@@ -299,7 +299,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
     periods = [ended[r["step"]] - ended[r["step"] - 1] for r in records if r["step"] - 1 in ended and r["step"] in ended]
     refit_gbps = [r["refit/gb_per_s"] for r in records if "refit/gb_per_s" in r]
     return {
-        "config": name, "gpus": gpus, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
+        "config": name, "gpus": gpus, "samples": samples, "max_new_tokens": args.max_new_tokens, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
         "refit_s": s.get("timing/refit"), "generation_s": s.get("timing/generation"), "logprobs_s": s.get("timing/logprobs"),
         "offload_s": s.get("timing/offload"),  # colocated.offload_trainer_state: both directions
         "tokens_per_sample": tokens_per_sample,
@@ -330,7 +330,8 @@ MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mis
              "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s", "async/refit_after_generation_s",
              "async/batch_wait_s", "refit/generator_hold_s", "timing/reward",
              "time/gc_s", "time/gc_longest_s", "time/gc_full_collections", "time/gil_lag_mean_s", "time/gil_lag_max_s",
-             "rollout/longest_trajectory_model_tokens", "rollout/longest_trajectory_env_s", "rollout/max_trajectory_env_s",
+             "rollout/generated_tokens", "rollout/longest_trajectory_model_tokens", "rollout/longest_trajectory_env_s",
+             "rollout/max_trajectory_env_s",
              "rollout/turn_barrier_rounds")
 
 
@@ -455,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "window_last": last}
         rlcore.run(rlcore.build_config(tree))
         print(f"{label}: wall {time.perf_counter() - started:.0f}s with the shutdown", flush=True)
+    add_bounds(rows)
     print_table(rows)
     return 0
 
@@ -471,6 +473,27 @@ def keep_rows(rows: list[dict], args) -> None:
         out.write_text(json.dumps(kept + rows, indent=2))
 
 
+def add_bounds(rows: list[dict]) -> None:
+    """Each multi-turn row gets the two floors of its generation phase from the first single-turn row of the
+    same call (its samples all run to --max-new-tokens): the token bound (the row's generated tokens at the
+    single-turn row's rate) and the critical path (the trajectory with the most model tokens: its tokens times
+    the single-turn row's decode step, its generation phase over --max-new-tokens, plus its tool seconds);
+    ``generation_over_bound`` is the generation phase over the larger one."""
+    single = [r for r in rows if r.get("rollout/generated_tokens") is None and r.get("generation_s")]
+    if not single:
+        return
+    ref = single[0]
+    rate = ref["samples"] * ref["tokens_per_sample"] / ref["generation_s"]
+    decode_step_s = ref["generation_s"] / ref["max_new_tokens"]
+    for r in rows:
+        if r.get("rollout/generated_tokens") is None or r.get("generation_s") is None:
+            continue
+        r["token_bound_s"] = r["rollout/generated_tokens"] / rate
+        r["critical_path_bound_s"] = r["rollout/longest_trajectory_model_tokens"] * decode_step_s + r["rollout/longest_trajectory_env_s"]
+        r["generation_over_bound"] = r["generation_s"] / max(r["token_bound_s"], r["critical_path_bound_s"])
+        r["bounds_from"] = ref["config"]
+
+
 def print_table(rows: list[dict]) -> None:
     print("\n| config | GPUs | step (s) | train | refit | generation | logprobs | tokens/sample | gen tok/GPU-s | train MFU | refit GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -480,6 +503,16 @@ def print_table(rows: list[dict]) -> None:
               f"{fmt(r['generation_s'])} | {fmt(r['logprobs_s'])} | {fmt(r['tokens_per_sample'], '{:.0f}')} | "
               f"{fmt(r['gen_tokens_per_gpu_s'], '{:.0f}')} | {fmt(r['train_mfu'], '{:.1%}')} | {fmt(r['refit_gb_per_s'], '{:.1f}')} |",
               flush=True)
+    turns = [r for r in rows if r.get("rollout/generated_tokens") is not None]
+    if turns:
+        print("\n| multi-turn config | generation (s) | generated tokens | longest trajectory (tokens, tool s) | token bound (s) "
+              "| critical path (s) | generation / bound | GC (s, full) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in turns:
+            print(f"| {r['config']} | {fmt(r['generation_s'])} | {fmt(r['rollout/generated_tokens'], '{:.0f}')} | "
+                  f"{fmt(r['rollout/longest_trajectory_model_tokens'], '{:.0f}')}, {fmt(r['rollout/longest_trajectory_env_s'])} | "
+                  f"{fmt(r.get('token_bound_s'))} | {fmt(r.get('critical_path_bound_s'))} | {fmt(r.get('generation_over_bound'))} | "
+                  f"{fmt(r.get('time/gc_s'))}, {fmt(r.get('time/gc_full_collections'), '{:.1f}')} |", flush=True)
 
 
 def run_each_in_own_process(configs: list[str], argv: list[str], json_out: str | None) -> int:
@@ -503,6 +536,7 @@ def run_each_in_own_process(configs: list[str], argv: list[str], json_out: str |
                 failed.append(f"{name} (exit {proc.returncode})")
                 continue
             rows.extend(json.loads(out.read_text()))
+    add_bounds(rows)
     print_table(rows)
     if failed:
         print("failed configurations: " + ", ".join(failed), file=sys.stderr)

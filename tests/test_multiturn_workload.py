@@ -69,3 +69,16 @@ def test_bad_workload_settings_name_the_key():
         HeavyTailedWorkload(_config(min_turns=6))
     with pytest.raises(ValueError, match="turn_tokens_range"):
         HeavyTailedWorkload(_config(turn_tokens_range=(64, 32)))
+
+
+def test_multi_turn_rows_get_both_bounds_from_the_single_turn_row_of_the_call():
+    import bench_grpo_step
+
+    single = {"config": "llama1b-megatron", "samples": 256, "max_new_tokens": 1024, "tokens_per_sample": 1024.0,
+              "generation_s": 10.0}  # 26,214 tokens/s; a decode step of 1024 steps in 10 s
+    turns = {"config": "llama1b-multiturn-async", "generation_s": 40.0, "rollout/generated_tokens": 262_144.0,
+             "rollout/longest_trajectory_model_tokens": 2048.0, "rollout/longest_trajectory_env_s": 12.0}
+    bench_grpo_step.add_bounds([single, turns])
+    assert turns["token_bound_s"] == pytest.approx(10.0)
+    assert turns["critical_path_bound_s"] == pytest.approx(2048 * 10.0 / 1024 + 12.0)
+    assert turns["generation_over_bound"] == pytest.approx(40.0 / 32.0) and "token_bound_s" not in single

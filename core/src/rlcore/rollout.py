@@ -267,7 +267,7 @@ class MultiTurnRunner:
         return [list(flat[i * params.n : (i + 1) * params.n]) for i in range(len(samples))]
 
     def metrics(self) -> dict[str, float]:
-        """Merged into the step's metrics: the last call's critical path (the model tokens and tool seconds of
+        """Merged into the step's metrics: the last call's model tokens, its critical path (the model tokens and tool seconds of
         the trajectory with the most model tokens, the most tool seconds of any trajectory) and the turn
         barrier's rounds."""
         flat = [t for group in self.last_trajectories for t in group if t.result is not None]
@@ -275,7 +275,8 @@ class MultiTurnRunner:
             return {}
         tokens = [sum(t.result.response_mask or ()) for t in flat]
         longest = max(range(len(flat)), key=tokens.__getitem__)
-        return {"rollout/longest_trajectory_model_tokens": float(tokens[longest]),
+        return {"rollout/generated_tokens": float(sum(tokens)),
+                "rollout/longest_trajectory_model_tokens": float(tokens[longest]),
                 "rollout/longest_trajectory_env_s": flat[longest].env_s,
                 "rollout/max_trajectory_env_s": max(t.env_s for t in flat),
                 "rollout/turn_barrier_rounds": float(self.last_barrier_rounds)}
