@@ -18,7 +18,7 @@ import torch
 from rlcore.controller.batching import DataCursor, Trajectory, apply_env_steps, rollout_metrics, sampling_params, score
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.timing import StepTimer
-from rlcore.interfaces import Algorithm, Environment, EnvStep, Generator, PromptDataset, Sample
+from rlcore.interfaces import Algorithm, Environment, EnvStep, Generator, ImageGenerator, PromptDataset, Sample
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
@@ -63,6 +63,14 @@ class RolloutSource(Protocol):
     def data_position(self) -> int: ...
 
 
+def image_generator(generator: Generator) -> ImageGenerator:
+    """``generator`` as an :class:`ImageGenerator`, or an error naming it: prompts with images need one."""
+    if not isinstance(generator, ImageGenerator):
+        raise TypeError(f"the dataset's prompts carry images but the generator {type(generator).__name__} takes none "
+                        "(it has no generate_with_images); use the hf generator, or a text-only dataset")
+    return generator
+
+
 def reward_tensors(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rewards, group ids and truncation flags of ``trajs``, one entry per trajectory."""
     rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
@@ -100,6 +108,10 @@ class Rollouts:
                 results = self._bounded(lambda: self.multi_turn(samples, params), "multi-turn rollouts", step)
                 final_steps = [[EnvStep(reward=t.reward, metrics=t.env_metrics) for t in group]
                                for group in self.multi_turn.last_trajectories]
+            elif any(s.images is not None for s in samples):
+                generator = image_generator(self.generator)
+                results = self._bounded(lambda: generator.generate_with_images(
+                    [s.prompt_ids for s in samples], [s.images for s in samples], params), "generate", step)
             else:
                 results = self._bounded(lambda: self.generator.generate([s.prompt_ids for s in samples], params),
                                         "generate", step)
