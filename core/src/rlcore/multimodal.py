@@ -144,10 +144,6 @@ def is_vision_language(hf_config: Any) -> bool:
     return getattr(hf_config, "vision_config", None) is not None
 
 
-def image_token_id(hf_config: Any) -> int:
-    return int(hf_config.image_token_id)
-
-
 def mrope_positions(model: Any, ids_L: torch.Tensor, images: ImageInputs | None, image_token: int) -> torch.Tensor:
     """Multimodal rotary positions [3, L] of one sequence (temporal, height, width), from the
     model's own ``get_rope_index``: text tokens count up on all three, an image's tokens take its
