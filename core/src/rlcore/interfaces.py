@@ -22,6 +22,7 @@ backends :mod:`rlcore.packing` (``make_micro_batches``, ``step_totals``, ``unpac
 (``policy.scheduler`` as a ``LambdaLR`` factor), :func:`rlcore.algorithms.base.merge_metrics` and
 :func:`rlcore.algorithms.base.token_advantages` (a backend that captures the loss runs its finiteness check on the host);
 :mod:`rlcore.weights` (chunks, the gather to rank 0, ``stream_into``, the Hugging Face writer);
+:mod:`rlcore.multimodal` (``ImageInputs``, image prompts, multimodal positions) for vision-language models;
 :mod:`rlcore.testing` in tests. Names starting with ``_`` and :mod:`rlcore.controller` are not.
 
 This module imports no torch at import time.
