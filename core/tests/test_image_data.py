@@ -101,3 +101,16 @@ def test_counting_task_is_seeded(tmp_path):
     b = write_counting_task(tmp_path / "b", 5, seed=4).read_text()
     assert a == b
     assert (tmp_path / "a" / "train" / "0.png").read_bytes() == (tmp_path / "b" / "train" / "0.png").read_bytes()
+
+
+def test_image_prompts_need_a_generator_that_takes_images(tmp_path, processor):
+    from rlcore.controller.rollouts import image_generator, no_images_in_multi_turn
+
+    class TextOnly:
+        def generate(self, prompts, params): ...
+
+    with pytest.raises(TypeError, match="generator TextOnly takes none"):
+        image_generator(TextOnly())
+    samples = build_image_dataset(_write(tmp_path, ["good.png"]), processor).train
+    with pytest.raises(ValueError, match=r"samples \[0, 1\] carry images, but multi-turn rollouts take text prompts only"):
+        no_images_in_multi_turn(samples)

@@ -71,6 +71,14 @@ def image_generator(generator: Generator) -> ImageGenerator:
     return generator
 
 
+def no_images_in_multi_turn(samples: list[Sample]) -> None:
+    """Multi-turn rollouts take token ids only: prompts with images are an error, not images dropped."""
+    with_images = [s.index for s in samples if s.images is not None]
+    if with_images:
+        raise ValueError(f"samples {with_images[:5]} carry images, but multi-turn rollouts take text prompts only; "
+                         "use a single-turn environment with image datasets")
+
+
 def reward_tensors(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rewards, group ids and truncation flags of ``trajs``, one entry per trajectory."""
     rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
@@ -105,6 +113,7 @@ class Rollouts:
             if observer is not None:
                 observer.generation_began()
             if self.multi_turn is not None:
+                no_images_in_multi_turn(samples)
                 results = self._bounded(lambda: self.multi_turn(samples, params), "multi-turn rollouts", step)
                 final_steps = [[EnvStep(reward=t.reward, metrics=t.env_metrics) for t in group]
                                for group in self.multi_turn.last_trajectories]
