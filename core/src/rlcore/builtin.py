@@ -57,7 +57,7 @@ def rlcore_algorithms(register):
 
 @hookimpl
 def rlcore_datasets(register):
-    from rlcore.image_data import CountingTaskConfig, ImageDataConfig
+    from rlcore.config.images import CountingTaskConfig, ImageDataConfig
     from rlcore.preference.config import PreferenceDataConfig
 
     register("preference", "rlcore.preference.data:build_preference_dataset", PreferenceDataConfig,

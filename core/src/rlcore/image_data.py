@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from attrs import field, frozen
 
-from rlcore.config.structure import doc
+from rlcore.config.images import CountingTaskConfig, ImageDataConfig
 from rlcore.interfaces import EnvStep, Sample
 from rlcore.multimodal import MAX_IMAGE_PIXELS, ImageError, ImagePromptProcessor, load_image
 
@@ -45,34 +44,6 @@ class ImageDataset:
     train: list[Sample]
     validation: list[Sample] | None = None
     skipped: int = 0  # rows dropped for bad images (``skip_bad_images``)
-
-
-@frozen(kw_only=True)
-class ImageDataConfig:
-    """An image-prompt JSONL dataset (``data.name: images``); the image processor is the one saved
-    beside the tokenizer (``policy.tokenizer_name`` or ``policy.model_name``)."""
-
-    name: str = field(default="images", metadata=doc("the dataset plugin"))
-    train_path: str = field(metadata=doc("the training rows (JSONL; image paths are relative to this file)"))
-    validation_path: str | None = field(default=None, metadata=doc("held-out rows (JSONL); None = no validation"))
-    skip_bad_images: bool = field(default=False, metadata=doc(
-        "a row whose image is missing, unreadable, truncated or too large is skipped and counted; false: an error "
-        "naming the file and row"))
-    max_image_pixels: int = field(default=MAX_IMAGE_PIXELS, validator=attrs.validators.gt(0),
-                                  metadata=doc("larger images are bad images (checked before decoding)"))
-
-
-@frozen(kw_only=True)
-class CountingTaskConfig:
-    """The synthetic counting task (``data.name: image_counting``): images of coloured squares, written
-    to ``directory`` (seeded) and loaded as an image dataset."""
-
-    name: str = field(default="image_counting", metadata=doc("the dataset plugin"))
-    directory: str = field(default="runs/image_counting/data", metadata=doc("where the images and JSONL files are written"))
-    num_train: int = field(default=256, validator=attrs.validators.gt(0), metadata=doc("training prompts"))
-    num_validation: int = field(default=64, validator=attrs.validators.ge(0), metadata=doc("held-out prompts"))
-    max_count: int = field(default=3, validator=attrs.validators.in_(range(1, 10)), metadata=doc("at most this many squares (1-9)"))
-    seed: int = field(default=0, metadata=doc("the training images' seed (validation uses seed + 1)"))
 
 
 def _processor(tokenizer: Any) -> ImagePromptProcessor:

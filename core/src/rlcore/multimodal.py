@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from rlcore.config.images import MAX_IMAGE_PIXELS
+
 if TYPE_CHECKING:
     import torch
     from PIL import Image as PILImage
 
-MAX_IMAGE_PIXELS = 4096 * 4096  # larger images are refused before decoding (a decompression bomb guard)
 IMAGE_TOKEN = "<|image_pad|>"
 
 
