@@ -7,7 +7,7 @@ image processor's ``pixel_values`` (one row per vision patch) and ``image_grid_t
 per image: temporal, height and width patch counts). The ids and the pixels travel together
 from the dataset (:attr:`rlcore.interfaces.Sample.images`) through generation, the training
 batch (:attr:`rlcore.interfaces.SequenceBatch.images`) and packing
-(:attr:`rlcore.packing.MicroBatch.images`), so the trainer scores exactly what the generator saw.
+(:attr:`rlcore.packing.MicroBatch.images`, per sequence), so the trainer scores exactly what the generator saw.
 
 Prompts are built the way the model's processor builds them (chat template rendered with an
 image entry per image, each placeholder expanded to ``grid_t * grid_h * grid_w / merge_size**2``
@@ -157,17 +157,3 @@ def mrope_positions(model: Any, ids_L: torch.Tensor, images: ImageInputs | None,
     positions_3BL, _ = base.get_rope_index(ids_L[None], mm_token_type_ids=(ids_L == image_token).int()[None],
                                            image_grid_thw=images.image_grid_thw_I3.to(ids_L.device))
     return positions_3BL[:, 0]
-
-
-def split_images(images: ImageInputs | None, counts: Sequence[int]) -> list[ImageInputs | None]:
-    """The inverse of :meth:`ImageInputs.concat`: ``counts[i]`` images for part i."""
-    out: list[ImageInputs | None] = []
-    if images is None:
-        return [None] * len(counts)
-    patches = images.image_grid_thw_I3.prod(-1).tolist()
-    image, row = 0, 0
-    for n in counts:
-        rows = int(sum(patches[image : image + n]))
-        out.append(None if n == 0 else ImageInputs(images.pixel_values_PD[row : row + rows], images.image_grid_thw_I3[image : image + n]))
-        image, row = image + n, row + rows
-    return out

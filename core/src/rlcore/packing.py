@@ -59,9 +59,9 @@ class MicroBatch:
     # int64 [R]: the rows whose next-token logprob a loss reads (row t-1 for each t with
     # loss_mask_T[t] > 0), ascending: a backend may compute logits on these rows only. None: unknown.
     logprob_rows_R: torch.Tensor | None = None
-    # The images of these sequences, concatenated in ``seq_ids`` order (a sequence's images always
-    # travel in its micro-batch); None: no sequence here has any.
-    images: ImageInputs | None = None
+    # Each of these sequences' prompt images, in ``seq_ids`` order (None where one has none): a
+    # sequence's images always travel in its micro-batch. None: a text-only batch.
+    images: list[ImageInputs | None] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -85,7 +85,8 @@ class MicroBatch:
             logprob_rows_R=None if self.logprob_rows_R is None else to(self.logprob_rows_R),
             token_fields={k: to(v) for k, v in self.token_fields.items()},
             seq_fields={k: to(v) for k, v in self.seq_fields.items()},
-            images=None if self.images is None else self.images.to(device, non_blocking=non_blocking))
+            images=None if self.images is None else [None if i is None else i.to(device, non_blocking=non_blocking)
+                                                     for i in self.images])
 
 
 # ---- planning --------------------------------------------------------------------------------
@@ -272,7 +273,7 @@ def _layout(batch: SequenceBatch, seq_ids: list[int], pad_to_multiple: int) -> M
         seq_fields={name: values[list(seq_ids)] for name, values in batch.seq_fields.items()},
         num_padding=num_padding,
         logprob_rows_R=torch.nonzero(loss_mask_T[1:] > 0).flatten(),
-        images=None if batch.images is None else ImageInputs.concat([batch.images[i] for i in seq_ids]),
+        images=None if batch.images is None else [batch.images[i] for i in seq_ids],
     )
 
 

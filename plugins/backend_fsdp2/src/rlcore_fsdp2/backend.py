@@ -27,7 +27,7 @@ from rlcore.algorithms.base import merge_metrics
 from rlcore.config.schema import RunConfig
 from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
-from rlcore.multimodal import is_vision_language, mrope_positions
+from rlcore.multimodal import ImageInputs, is_vision_language, mrope_positions
 from rlcore.ops import selected_token_logprobs, token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore_fsdp2 import attention, checkpoint, lora, one_rank
@@ -177,20 +177,16 @@ class FSDP2Backend:
     def _vision_inputs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """A vision-language model's inputs: the micro-batch's pixels and positions [4, 1, T]: the packed
         text positions (restarting per sequence), then each sequence's multimodal rotary positions."""
-        from rlcore.multimodal import split_images
-
         ids_T, cu = mb.input_ids_T, mb.cu_seqlens.tolist()
         token = int(self.hf_config.image_token_id)
-        bounds = list(zip(cu[:-1], cu[1:]))
-        counts = [0] * len(bounds)
-        if mb.images is not None:  # a sequence's images are the next ones in order, as many as its image runs
-            counts = [_image_runs(ids_T[a:b], token) for a, b in bounds]
-        per_seq = split_images(mb.images, counts)
-        rope_3T = torch.cat([mrope_positions(self.model, ids_T[a:b], images, token) for (a, b), images in zip(bounds, per_seq)]
+        per_seq = mb.images if mb.images is not None else [None] * mb.num_seqs
+        rope_3T = torch.cat([mrope_positions(self.model, ids_T[a:b], images, token)
+                             for a, b, images in zip(cu[:-1], cu[1:], per_seq)]
                             + [torch.arange(mb.num_padding, device=ids_T.device).expand(3, -1)], dim=1)
         inputs = {"position_ids": torch.cat([mb.position_ids_T[None], rope_3T])[:, None]}
-        if mb.images is not None:
-            inputs.update(pixel_values=mb.images.pixel_values_PD.to(self.compute_dtype), image_grid_thw=mb.images.image_grid_thw_I3)
+        images = ImageInputs.concat(per_seq)
+        if images is not None:
+            inputs.update(pixel_values=images.pixel_values_PD.to(self.compute_dtype), image_grid_thw=images.image_grid_thw_I3)
         return inputs
 
     # ---- TrainingBackend -------------------------------------------------------------------
@@ -407,12 +403,6 @@ class FSDP2Backend:
     def _reshard(self) -> None:
         for module in self.fsdp_modules:
             module.reshard()
-
-
-def _image_runs(ids_L: torch.Tensor, token: int) -> int:
-    """How many images a sequence holds: its runs of consecutive image placeholder tokens."""
-    is_image_L = (ids_L == token).int()
-    return int((is_image_L[1:] > is_image_L[:-1]).sum()) + int(is_image_L[:1].sum())
 
 
 def _fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
