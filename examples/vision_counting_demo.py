@@ -37,7 +37,7 @@ def run(recipe: dict, overrides: list[str]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/vision_demo", help="working directory (replaced)")
-    parser.add_argument("--sft-steps", type=int, default=30)
+    parser.add_argument("--sft-steps", type=int, default=60)
     parser.add_argument("--grpo-steps", type=int, default=20)
     parser.add_argument("--require-gain", type=float, default=None, metavar="G")
     args = parser.parse_args(argv)
