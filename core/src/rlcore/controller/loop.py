@@ -27,6 +27,7 @@ import torch
 from rlcore.controller.batching import (
     DataCursor, Trajectory, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
 )
+from rlcore.controller import critic_step
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catching_sigterm, set_rng_state, stop_after_step
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
@@ -35,7 +36,8 @@ from rlcore.controller.rollout_producer import RolloutProducer
 from rlcore.controller.run_dir import check_owner, checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import (
-    Algorithm, Environment, EnvStep, Generator, MetricLogger, PromptDataset, SequenceBatch, Teacher, TrainerHandle, WeightTransport,
+    Algorithm, CriticHandle, Environment, EnvStep, Generator, MetricLogger, PromptDataset, SequenceBatch, Teacher, TrainerHandle,
+    WeightTransport,
 )
 
 if TYPE_CHECKING:
@@ -75,6 +77,7 @@ class Components:
     multi_turn: MultiTurnRunner | None = None  # rollouts of multi-turn environments
     run_identity: dict | None = None  # RunDir.identity(): run id, log dir, fingerprint (checkpoints record it)
     teacher: Teacher | None = None  # scores rollouts for algorithms registered with a teacher (distillation)
+    critic: CriticHandle | None = None  # the value model of algorithms that train one (ppo)
 
 
 class GRPOLoop:
@@ -223,10 +226,12 @@ class GRPOLoop:
                 batch.token_fields["ref_logprobs"] = trainer.logprobs(batch, reference=True, what="'logprobs' (reference)")
             if self.c.teacher is not None:
                 batch.token_fields["teacher_logprobs"] = self.c.teacher.logprobs(batch)
+        critic = critic_step.before_training(self.c.critic, algorithm, batch, shaped_N, self.step, timer,
+                                             self.generation_cfg.colocated.offload_trainer_state)  # ppo: values, GAE, critic update
         with timer.phase("training"):
-            out = trainer.train(batch, algorithm)
+            out = trainer.train(batch, algorithm) if critic.trains_policy else {}
         self.collector.after_training()
-        metrics = {f"train/{k}": float(v) for k, v in out.items()}
+        metrics = {**{f"train/{k}": float(v) for k, v in out.items()}, **critic.metrics}
         if out.get("skipped_nonfinite"):
             self.nonfinite_in_a_row += 1
             warnings.warn(f"step {self.step}: non-finite loss, update skipped ({self.nonfinite_in_a_row} in a row)")
@@ -310,7 +315,7 @@ class GRPOLoop:
             return
         found = self.ckpt.resume(
             lambda path, state: check_owner(state.get("run"), self.identity, path),
-            lambda path: self.c.trainer.load_checkpoint(str(path)),
+            critic_step.load_with(self.c.trainer, self.c.critic),
         )
         if found is None:
             return
@@ -334,7 +339,7 @@ class GRPOLoop:
             "run": self.identity,
         }
         with self._training_state_on_device():
-            self.ckpt.save(self.step, self.c.trainer.save_checkpoint, state)
+            self.ckpt.save(self.step, critic_step.save_with(self.c.trainer, self.c.critic), state)
         self.saved_step = self.step
 
     @contextlib.contextmanager

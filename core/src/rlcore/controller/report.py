@@ -61,17 +61,20 @@ class Reporter:
 def summary_table(summary: dict, title: str) -> Table:
     """The NeMo-RL table row: Step, Train, Refit, Generation, Logprobs, Tokens/sample (seconds)."""
     table = Table(title=title)
+    # A critic's phases (ppo) get columns of their own after Logprobs, as NeMo-RL's PPO table has them.
+    critic = ["Values", "Critic"] if "timing/values" in summary else []
     # Short headers: the table must fit 80 columns (rich's width when output is not a terminal).
-    for column in ("steps", "Step s", "Train", "Refit", "Gen", "Logprobs", "Reward", "Tok/sample"):
+    for column in ("steps", "Step s", "Train", "Refit", "Gen", "Logprobs", *critic, "Reward", "Tok/sample"):
         table.add_column(column, justify="right")
 
     def cell(key, fmt="{:.2f}"):
         return fmt.format(summary[key]) if key in summary else "-"
 
+    critic_cells = [cell("timing/values"), cell("timing/critic_train")] if critic else []
     table.add_row(
         f"{summary.get('window_first', '?')}-{summary.get('window_last', '?')}",
         cell("timing/total"), cell("timing/training"), cell("timing/refit"), cell("timing/generation"),
-        cell("timing/logprobs"), cell("timing/reward"), cell("rollout/mean_response_tokens", "{:.1f}"),
+        cell("timing/logprobs"), *critic_cells, cell("timing/reward"), cell("rollout/mean_response_tokens", "{:.1f}"),
     )
     return table
 

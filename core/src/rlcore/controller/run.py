@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from rlcore.config import ConfigError, RefitConfig, RunConfig, to_dict
+from rlcore.controller import critic_step
 from rlcore.controller.deadlines import TimedEnvironment
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
@@ -52,7 +53,7 @@ class StreamTransport:
         return stream_into(generator, trainer.export_chunks(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
 
 
-def select_backend(config: RunConfig, manager):
+def select_backend(config: RunConfig, manager, announce: bool = True):
     enabled = []
     for reg in manager.registry["training_backend"].values():
         section = config.section(reg.section)
@@ -66,7 +67,8 @@ def select_backend(config: RunConfig, manager):
     if len(ties) > 1:
         raise ConfigError("policy", f"several training backends are enabled with equal precedence: {ties}; disable all but one")
     others = [f"{r.name} ({r.section})" for r in enabled[1:]]
-    print(f"training backend: {top.name} ({top.section})" + (f"; also enabled but of lower precedence: {', '.join(others)}" if others else ""), flush=True)
+    if announce:
+        print(f"training backend: {top.name} ({top.section})" + (f"; also enabled but of lower precedence: {', '.join(others)}" if others else ""), flush=True)
     return top
 
 
@@ -191,6 +193,8 @@ def build_components(config: RunConfig, **given) -> Components:
     check_prompt_lengths(dataset, config)
     placement = plan_placement(config)
     trainer = build_trainer(config, manager, placement, given.get("backend"))
+    registration = None if given.get("backend") is not None else select_backend(config, manager, announce=False)
+    critic = critic_step.build_critic(config, algorithm, trainer, registration, placement)  # ppo's value model
     generator = given.get("generator")
     if generator is None:
         config.require_section("policy.generation")
@@ -210,7 +214,7 @@ def build_components(config: RunConfig, **given) -> Components:
         loggers = build_loggers(config, run_dir)
     reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
-                      teacher=teacher)
+                      teacher=teacher, critic=critic)
 
 
 def run(config: RunConfig, **given) -> dict:
@@ -245,9 +249,12 @@ def _run_in(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dic
     try:
         with components.reporter:
             records = loop.run()
+        critic_step.export_at_end(components.critic, run_dir)
     finally:
         for logger in components.loggers:
             logger.close()
+        if components.critic is not None:
+            components.critic.shutdown()
         components.trainer.shutdown()
         if "generator" not in given:
             components.generator.shutdown()
