@@ -34,6 +34,7 @@ class ValueLoss:
     loss_level = "token"
     uses_reference = False
     uses_old_logprobs = False
+    capturable_loss = True  # rlcore.interfaces.CapturableLoss: arithmetic on device tensors only
 
     def __init__(self, clip: float | None = 0.2):
         if clip is not None and clip <= 0:
