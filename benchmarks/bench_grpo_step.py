@@ -290,6 +290,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         "config": name, "gpus": gpus, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
         "refit_s": s.get("timing/refit"), "generation_s": s.get("timing/generation"), "logprobs_s": s.get("timing/logprobs"),
         "offload_s": s.get("timing/offload"),  # colocated.offload_trainer_state: both directions
+        "values_s": s.get("timing/values"), "critic_train_s": s.get("timing/critic_train"),  # ppo's critic phases
         "tokens_per_sample": tokens_per_sample,
         "gen_tokens_per_gpu_s": gen_tokens / (s["timing/total"] * gpus),
         "train_mfu": train_flops / (s["timing/training"] * (train_gpus or gpus) * PEAK_FLOPS) if s.get("timing/training") else None,
