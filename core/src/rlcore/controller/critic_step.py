@@ -8,7 +8,7 @@ process group: the training backend's registration names a factory (capability `
 with a scalar head, trained with a copy of the run config whose ``policy`` keys are the critic's
 (:func:`critic_run_config`): its own optimizer, scheduler, micro-batching and packing.
 
-One step (:func:`before_training`, called by the run loop after the logprob passes): the values
+One step (:func:`before_training`, called by the learner after the logprob passes): the values
 pass (timed ``values``), the algorithm's per-token targets (GAE), the critic's update (timed
 ``critic_train``); the policy then trains unless the critic is still warming up. With
 ``policy.generation.colocated.offload_trainer_state`` the critic's state lives in host memory
@@ -135,9 +135,14 @@ class RankCritic:
         self._call("_shutdown", what="'shutdown' (critic)")
 
 
+def trains_critic(algorithm: Any) -> bool:
+    """Whether ``algorithm`` trains with a critic (:class:`rlcore.interfaces.CriticAlgorithm`)."""
+    return isinstance(algorithm, CriticAlgorithm) and bool(algorithm.uses_critic)
+
+
 def build_critic(config: Any, algorithm: Any, trainer: TrainerHandle, registration: Any, placement: Placement) -> CriticHandle | None:
     """The critic ``algorithm`` trains with (None for critic-free algorithms), on the trainer's ranks."""
-    if not (isinstance(algorithm, CriticAlgorithm) and algorithm.uses_critic):
+    if not trains_critic(algorithm):
         return None
     factory = None if registration is None else registration.capabilities.get("critic")
     if factory is None:
@@ -180,25 +185,20 @@ def before_training(critic: CriticHandle | None, algorithm: Any, batch: Sequence
     return CriticStep(metrics, trains)
 
 
-def save_with(trainer: TrainerHandle, critic: CriticHandle | None):
-    """The checkpoint's backend writer: the policy into ``path``, the critic beside it in ``critic/``."""
-    def save(path: str) -> None:
-        trainer.save_checkpoint(path)
-        if critic is not None:
-            critic.save_checkpoint(str(Path(path).parent / CRITIC_DIR))
-    return save
+def save_critic(critic: CriticHandle | None, backend_path: str) -> None:
+    """The critic beside the policy's state ``backend_path`` of a checkpoint, in ``critic/``."""
+    if critic is not None:
+        critic.save_checkpoint(str(Path(backend_path).parent / CRITIC_DIR))
 
 
-def load_with(trainer: TrainerHandle, critic: CriticHandle | None):
-    """The checkpoint's backend reader, the counterpart of :func:`save_with`."""
-    def load(path) -> None:
-        trainer.load_checkpoint(str(path))
-        if critic is not None:
-            where = Path(path).parent / CRITIC_DIR
-            if not where.is_dir():
-                raise FileNotFoundError(f"{where} is missing: the checkpoint was written without a critic")
-            critic.load_checkpoint(str(where))
-    return load
+def load_critic(critic: CriticHandle | None, backend_path: str) -> None:
+    """The counterpart of :func:`save_critic`."""
+    if critic is None:
+        return
+    where = Path(backend_path).parent / CRITIC_DIR
+    if not where.is_dir():
+        raise FileNotFoundError(f"{where} is missing: the checkpoint was written without a critic")
+    critic.load_checkpoint(str(where))
 
 
 def export_at_end(critic: CriticHandle | None, run_dir: Path) -> Path | None:
