@@ -67,6 +67,12 @@ CONFIGS = {
     "tiny-megatron": ("tiny", "megatron", {}),
     "llama1b-fsdp2": ("llama1b", "fsdp2", {}),
     "llama1b-megatron": ("llama1b", "megatron", {}),
+    # PPO (rlcore.algorithms.ppo): the same step with a critic of the policy's shape on the trainer's
+    # ranks, its values and critic-training phases timed beside the policy's (values_s, critic_train_s)
+    "tiny-fsdp2-ppo": ("tiny", "fsdp2", {"algorithm.name": "ppo"}),
+    "tiny-megatron-ppo": ("tiny", "megatron", {"algorithm.name": "ppo"}),
+    "llama1b-fsdp2-ppo": ("llama1b", "fsdp2", {"algorithm.name": "ppo"}),
+    "llama1b-megatron-ppo": ("llama1b", "megatron", {"algorithm.name": "ppo"}),
     "llama1b-fsdp2-compile": ("llama1b", "fsdp2", {"policy.dtensor_cfg.compile": True}),
     "llama1b-megatron-fp8": ("llama1b", "megatron", {"policy.megatron_cfg.fp8_cfg.enabled": True,
                                                      "policy.megatron_cfg.fp8_cfg.fp8_recipe": "delayed"}),

@@ -149,3 +149,29 @@ def test_config_errors_name_the_key():
         PPOConfig(gae_lambda=1.5)
     with pytest.raises(ConfigError, match="critic.lrr"):
         build_config({"policy": {"model_name": "m"}, "algorithm": {"name": "ppo", "critic": {"lrr": 1e-5}}})
+
+
+def test_step_and_summary_tables_show_the_critic_phases():
+    """NeMo-RL's step-time format with PPO's two phases after Logprobs; a critic-free run's tables keep theirs."""
+    import io
+
+    from rich.console import Console
+
+    from rlcore.controller.report import Reporter, summary_table
+
+    def printed(record: dict) -> str:
+        out = io.StringIO()
+        reporter = Reporter(1, console=Console(file=out, width=200))
+        reporter.step(record, 1)
+        out.write("\n")
+        summary = {"window_first": 1, "window_last": 1, **{k: v for k, v in record.items() if k.startswith("timing/")}}
+        reporter.console.print(summary_table(summary, "summary"))
+        return out.getvalue()
+
+    ppo = printed({"step": 1, "timing/total": 3.0, "timing/logprobs": 0.5, "timing/values": 0.25, "timing/critic_train": 0.75})
+    header, cells = ppo.splitlines()[:2]
+    assert header.split()[header.split().index("lp") + 1:][:2] == ["values", "critic"]
+    assert cells.split().index("0.50") + 1 == cells.split().index("0.25") == cells.split().index("0.75") - 1  # lp, values, critic
+    assert "Values" in ppo and "Critic" in ppo
+    grpo = printed({"step": 1, "timing/total": 3.0, "timing/logprobs": 0.5})
+    assert "values" not in grpo.lower() and "critic" not in grpo.lower()
