@@ -185,10 +185,16 @@ def before_training(critic: CriticHandle | None, algorithm: Any, batch: Sequence
     return CriticStep(metrics, trains)
 
 
-def save_critic(critic: CriticHandle | None, backend_path: str) -> None:
-    """The critic beside the policy's state ``backend_path`` of a checkpoint, in ``critic/``."""
-    if critic is not None:
-        critic.save_checkpoint(str(Path(backend_path).parent / CRITIC_DIR))
+def save_critic(critic: CriticHandle | None, backend_path: str, offloaded: bool = False) -> None:
+    """The critic beside the policy's state ``backend_path`` of a checkpoint, in ``critic/``; an
+    ``offloaded`` critic (``offload_trainer_state``) comes back for the save and leaves again."""
+    if critic is None:
+        return
+    if offloaded:
+        critic.onload()
+    critic.save_checkpoint(str(Path(backend_path).parent / CRITIC_DIR))
+    if offloaded:
+        critic.offload()
 
 
 def load_critic(critic: CriticHandle | None, backend_path: str) -> None:
@@ -201,10 +207,13 @@ def load_critic(critic: CriticHandle | None, backend_path: str) -> None:
     critic.load_checkpoint(str(where))
 
 
-def export_at_end(critic: CriticHandle | None, run_dir: Path) -> Path | None:
-    """The trained critic as a Hugging Face checkpoint in ``<run_dir>/critic``."""
+def export_at_end(critic: CriticHandle | None, run_dir: Path, offloaded: bool = False) -> Path | None:
+    """The trained critic as a Hugging Face checkpoint in ``<run_dir>/critic``; an ``offloaded``
+    critic comes back for it (the caller frees the engine's memory first)."""
     if critic is None:
         return None
     out = Path(run_dir) / CRITIC_DIR
+    if offloaded:
+        critic.onload()
     critic.export_hf(str(out))
     return out

@@ -71,6 +71,21 @@ def build_components(config: RunConfig, **given) -> Components:
                       teacher=teacher, critic=critic)
 
 
+def export_critic(components: Components, run_dir: Path) -> None:
+    """ppo: the critic as a Hugging Face checkpoint in ``<run_dir>/critic``; with
+    ``offload_trainer_state`` its state comes back for it while the engines sleep."""
+    if components.critic is None:
+        return
+    offloaded = components.config.generation.colocated.offload_trainer_state
+    if offloaded:
+        components.generator.sleep()
+    try:
+        critic_step.export_at_end(components.critic, run_dir, offloaded)
+    finally:
+        if offloaded:
+            components.generator.wake_up()
+
+
 def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dict:
     """The GRPO-family run in ``run_dir`` (opened by ``rlcore.run``); returns summary, records, run dir, plot."""
     print(f"run {owner.run_id} in {run_dir}", flush=True)
@@ -80,7 +95,7 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
     try:
         with components.reporter:
             records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
-        critic_step.export_at_end(components.critic, run_dir)
+        export_critic(components, run_dir)
     finally:
         for logger in components.loggers:
             logger.close()

@@ -101,7 +101,8 @@ class LoopCheckpoints:
 
     def _save_backend(self, path: str) -> None:
         self.trainer.save_checkpoint(path)
-        critic_step.save_critic(self.learner.critic, path)  # ppo: the critic beside the policy
+        # ppo: the critic beside the policy (saves come after the step, the critic's state offloaded when the policy's is)
+        critic_step.save_critic(self.learner.critic, path, offloaded=self.learner.offload_trainer_state)
 
     def _load_backend(self, path) -> None:
         self.trainer.load_checkpoint(str(path))
