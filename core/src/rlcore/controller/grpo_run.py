@@ -111,7 +111,7 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
     last_val = next((r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r), None)
     summary.update({"val/accuracy_first": first_val, "val/accuracy_last": last_val, "steps": loop.step, "run_id": owner.run_id,
                     "stopped_by_signal": None if loop.stop_signal is None else signal.Signals(loop.stop_signal).name})
-    components.reporter.console.print(summary_table(summary, f"GRPO summary (mean of steps {summary.get('window_first')}-{summary.get('window_last')})"))
+    components.reporter.console.print(summary_table(summary, f"{components.algorithm.name.upper()} summary (mean of steps {summary.get('window_first')}-{summary.get('window_last')})"))
     plot = plot_curves(records, run_dir / "curves.png") if config.logger.plot else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return {"summary": summary, "records": records, "run_dir": str(run_dir), "plot": str(plot) if plot else None}

@@ -73,8 +73,11 @@ def summary_table(summary: dict, title: str) -> Table:
     table = Table(title=title)
     # A critic's phases (ppo) get columns of their own after Logprobs, as NeMo-RL's PPO table has them.
     critic = ["Values", "Critic"] if "timing/values" in summary else []
-    # Short headers: the table must fit 80 columns (rich's width when output is not a terminal).
-    for column in ("steps", "Step s", "Train", "Refit", "Gen", "Logprobs", *critic, "Reward", "Tok/sample"):
+    # Short headers: the table must fit 80 columns (rich's width when output is not a terminal),
+    # shorter still with the critic's two.
+    headers = ("steps", "Step", "Train", "Refit", "Gen", "LP", *critic, "Rew", "Tok") if critic else \
+        ("steps", "Step s", "Train", "Refit", "Gen", "Logprobs", "Reward", "Tok/sample")
+    for column in headers:
         table.add_column(column, justify="right")
 
     def cell(key, fmt="{:.2f}"):
