@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rlcore.agents.segments import with_segments
 from rlcore.controller import critic_step
 from rlcore.controller.batching import Trajectory, to_sequence_batch
 from rlcore.controller.rollouts import reward_tensors
@@ -38,11 +39,13 @@ class Learner:
 
     def batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
         """The training batch: group-relative advantages of the shaped rewards; trajectories the
-        algorithm filters (overlong) keep their place in their group's baseline, with no loss."""
+        algorithm filters (overlong) keep their place in their group's baseline, with no loss. An agent's
+        earlier segments (a rewritten history) follow as rows of their own with their trajectory's advantage."""
         return self.batch_and_rewards(trajectories)[0]
 
     def batch_and_rewards(self, trajectories: list[Trajectory]) -> tuple[SequenceBatch, torch.Tensor]:
-        """:meth:`batch`, and the shaped sequence rewards (a critic's per-token targets start from them)."""
+        """:meth:`batch`, and each row's shaped sequence reward (a critic's per-token targets start
+        from them; an agent's earlier segments carry their trajectory's)."""
         rewards_N, groups_N, truncated_N = reward_tensors(trajectories)
         lengths_N = torch.tensor([len(t.result.response_ids) for t in trajectories])
         shaped_N = self.algorithm.shape_rewards(rewards_N, lengths_N, truncated_N)
@@ -51,7 +54,9 @@ class Learner:
         keep_N = self.algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
         for i in torch.nonzero(~keep_N).flatten().tolist():
             batch.loss_mask[i] = torch.zeros_like(batch.loss_mask[i])
-        return batch, shaped_N
+        batch = with_segments(batch, trajectories, advantages_N, keep_N, self.max_length)
+        segment_of = [i for i, t in enumerate(trajectories) for _ in (t.result.segments or ())]  # appended in this order
+        return batch, torch.cat([shaped_N, shaped_N[segment_of]]) if segment_of else shaped_N
 
     def add_logprobs(self, batch: SequenceBatch) -> None:
         """The logprobs the algorithm's loss reads besides the rollout's own."""
