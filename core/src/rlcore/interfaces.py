@@ -441,6 +441,20 @@ class Environment(Protocol):
 
 
 @runtime_checkable
+class TrajectoryTurns(Protocol):
+    """A multi-turn environment that knows which trajectory of a sample it answers, and may set each
+    model turn's token budget (budget forcing; a benchmark's seeded workload). :class:`rlcore.rollout.MultiTurnRunner`
+    then calls these instead of :meth:`Environment.step`; ``trajectory`` is 0..n-1 among a sample's ``n``,
+    ``turn`` counts model turns from 0."""
+
+    def turn_max_new_tokens(self, sample: Sample, trajectory: int, turn: int) -> int | None:
+        """The budget of model turn ``turn`` (capped by ``max_new_tokens`` and the room left); None: no budget of its own."""
+
+    def step_trajectory(self, sample: Sample, trajectory: int, history: list[str]) -> EnvStep:
+        """As :meth:`Environment.step` for one trajectory: ``history`` is its model turns so far (newest last)."""
+
+
+@runtime_checkable
 class PromptDataset(Protocol):
     train: Sequence[Sample]
     validation: Sequence[Sample] | None
