@@ -1,0 +1,32 @@
+"""Registers the ``code``, ``reasoning_gym``, ``verifiers`` and ``openenv`` environments and their datasets.
+
+Factories are "module:attr" strings and the config classes import none of the ecosystem packages, so
+``rlcore plugins`` lists every adapter whether or not its extra is installed; building one whose
+package is missing fails naming the extra (``pip install 'rlcore-envs[verifiers]'``).
+"""
+
+from rlcore import hookimpl
+
+from rlcore_envs.config import (
+    CodeEnvConfig, CodeTasksDatasetConfig, OpenEnvDatasetConfig, OpenEnvEnvConfig, ReasoningGymDatasetConfig,
+    ReasoningGymEnvConfig, VerifiersDatasetConfig, VerifiersEnvConfig,
+)
+
+
+@hookimpl
+def rlcore_environments(register):
+    register("code", "rlcore_envs.code_env:build_code_env", CodeEnvConfig, multi_turn=False, sandbox="bubblewrap",
+             extra="code")
+    register("reasoning_gym", "rlcore_envs.reasoning_gym_env:build_env", ReasoningGymEnvConfig, multi_turn=False,
+             extra="reasoning-gym")
+    register("verifiers", "rlcore_envs.verifiers_env:build_env", VerifiersEnvConfig, multi_turn=True, extra="verifiers")
+    register("openenv", "rlcore_envs.openenv_env:build_env", OpenEnvEnvConfig, multi_turn=True, transport="http",
+             extra="openenv")
+
+
+@hookimpl
+def rlcore_datasets(register):
+    register("code_tasks", "rlcore_envs.code_tasks:build_dataset", CodeTasksDatasetConfig, synthetic=True)
+    register("reasoning_gym", "rlcore_envs.reasoning_gym_env:build_dataset", ReasoningGymDatasetConfig, synthetic=True)
+    register("verifiers", "rlcore_envs.verifiers_env:build_dataset", VerifiersDatasetConfig)
+    register("openenv", "rlcore_envs.openenv_env:build_dataset", OpenEnvDatasetConfig)
