@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from rlcore.controller.batching import (
-    DataCursor, Trajectory, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
+    DataCursor, Trajectory, accuracy_by_task, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
 )
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catching_sigterm, set_rng_state, stop_after_step
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
@@ -287,6 +287,7 @@ class GRPOLoop:
         metrics = {
             "val/accuracy": float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajs])),
             "val/reward_mean": float(np.mean([t.reward for t in trajs])),
+            **accuracy_by_task(trajs, "val"),
         }
         if self.c.teacher is not None:
             metrics["val/reverse_kl"] = self.held_out_reverse_kl(samples)
