@@ -25,7 +25,9 @@ saw them); with ``observation_role: tool`` (tool responses are not user queries)
 
 Every trajectory runs as its own coroutine (``asyncio.gather``), so with an async engine many
 are in flight at once and each turn is scheduled as soon as its observation is ready.
-Limits: ``max_turns`` model turns, ``max_total_tokens`` prompt + response tokens.
+Limits: ``max_turns`` model turns, ``max_total_tokens`` prompt + response tokens. An environment
+that keeps state per trajectory (:class:`rlcore.interfaces.SessionEnvironment`) gets one session per
+trajectory, opened before its first turn and closed after its last.
 Environment steps run in a thread pool of their own with one thread per trajectory (up to
 ``max_env_concurrency``): ``asyncio.to_thread``'s default pool has ``cpu_count + 4`` threads,
 which would queue the tool calls of 256 trajectories behind each other (6 at a time on a 2-core
@@ -44,7 +46,7 @@ from typing import Any
 import attrs
 
 from rlcore.controller.deadlines import EnvironmentTimeout
-from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams
+from rlcore.interfaces import EnvironmentSession, EnvStep, GenerationResult, Sample, SamplingParams, SessionEnvironment
 
 _MARK = "\u2063rlcore-turn\u2063"  # content no real turn contains, to cut template renderings
 
@@ -151,10 +153,13 @@ class MultiTurnRunner:
         return attrs.evolve(params, n=1, max_new_tokens=min(params.max_new_tokens, room), seed=seed,
                             stop=tuple(dict.fromkeys(tuple(params.stop) + self.turn_stop)))
 
-    async def _env_step(self, sample: Sample, history: list[str]) -> EnvStep:
+    async def _env_step(self, sample: Sample, history: list[str], session: EnvironmentSession | None = None) -> EnvStep:
         try:
             loop = asyncio.get_running_loop()
-            (step,) = await loop.run_in_executor(self._env_pool, self.environment.step, [sample], [list(history)])
+            if session is not None:
+                step = await loop.run_in_executor(self._env_pool, session.step, history[-1])
+            else:
+                (step,) = await loop.run_in_executor(self._env_pool, self.environment.step, [sample], [list(history)])
         except EnvironmentTimeout:
             raise
         except Exception:  # noqa: BLE001 - an environment failure ends the trajectory with reward 0, counted
@@ -164,6 +169,17 @@ class MultiTurnRunner:
     async def run_one(self, sample: Sample, params: SamplingParams, seed: int | None = None) -> MultiTurnTrajectory:
         if sample.prompt_ids is None:
             raise ValueError(f"sample {sample.index} has no prompt_ids (the dataset must tokenize prompts)")
+        if not isinstance(self.environment, SessionEnvironment):
+            return await self._run_one(sample, params, seed, None)
+        loop = asyncio.get_running_loop()
+        session = await loop.run_in_executor(self._env_pool, self.environment.open_session, sample)
+        try:
+            return await self._run_one(sample, params, seed, session)
+        finally:
+            await loop.run_in_executor(self._env_pool, session.close)
+
+    async def _run_one(self, sample: Sample, params: SamplingParams, seed: int | None,
+                       session: EnvironmentSession | None) -> MultiTurnTrajectory:
         state = _State(list(sample.prompt_ids))
         traj = MultiTurnTrajectory(sample, result=None)  # type: ignore[arg-type]
         for turn in range(self.max_turns):
@@ -177,7 +193,7 @@ class MultiTurnRunner:
             state.append(out.response_ids, out.response_logprobs, model=True)
             state.finish_reason = out.finish_reason
             traj.turns.append(out.text)
-            step = await self._env_step(sample, traj.turns)
+            step = await self._env_step(sample, traj.turns, session)
             traj.reward, traj.done, traj.env_metrics = float(step.reward), bool(step.done), dict(step.metrics)
             if step.done or turn == self.max_turns - 1 or out.finish_reason in ("abort", "truncated_prompt"):
                 break

@@ -51,6 +51,7 @@ class TestReasoningGymConformance(EnvironmentConformance):
         return [Sample(prompt=s.prompt, answer=s.answer, metadata=s.metadata, index=i) for i, s in enumerate(train[:3])]
 
 
+@pytest.mark.slow
 def test_grpo_steps_through_reasoning_gym(run_grpo):
     data = {"name": "reasoning_gym", "tasks": ["basic_arithmetic", "chain_sum"], "num_train": 16, "num_validation": 4,
             "task_configs": {"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}}

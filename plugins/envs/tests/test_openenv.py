@@ -1,0 +1,58 @@
+"""OpenEnv through rlcore: a real OpenEnv server (OpenEnv's create_app under uvicorn, started by the
+run as a local process), reached by OpenEnv's client, one session per trajectory; a GRPO run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openenv")
+
+from rlcore.interfaces import SessionEnvironment  # noqa: E402
+
+from rlcore_envs.config import OpenEnvEnvConfig  # noqa: E402
+from rlcore_envs.openenv_env import OpenEnvEnvironment, OpenEnvServer  # noqa: E402
+
+HERE = Path(__file__).parent
+SERVER = [sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "openenv_target_server:app", "--port", "{port}",
+          "--log-level", "warning"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    started = OpenEnvServer(OpenEnvEnvConfig(server_command=tuple(SERVER)))
+    yield started
+    started.stop()
+
+
+def test_sessions_keep_their_own_episode(server):
+    from rlcore.interfaces import Sample
+
+    env = OpenEnvEnvironment(OpenEnvEnvConfig(base_url=server.url, observation_field="text"))
+    assert isinstance(env, SessionEnvironment)
+    sample = Sample(prompt="", answer={"reset_args": {"seed": 1}})
+    target = str(__import__("random").Random(1).randint(1, 9))
+    a, b = env.open_session(sample), env.open_session(sample)
+    try:
+        first = a.step("0")
+        assert not first.done and first.observation == f"No. Say {target}."
+        assert b.step(target).done and b.step  # b's episode is untouched by a's wrong try
+        last = a.step(target)
+        assert last.done and last.reward == 1.0 and last.metrics["correct"] == 1.0 and last.metrics["openenv/steps"] == 2.0
+    finally:
+        a.close()
+        b.close()
+    (replayed,) = env.step([sample], [["0", "0"]])
+    assert replayed.done and replayed.reward == 0.0 and replayed.metrics["openenv/steps"] == 2.0
+
+
+@pytest.mark.slow
+def test_grpo_steps_through_an_openenv_server_the_run_starts(run_grpo):
+    keys = {"server_command": SERVER}
+    data = {"name": "openenv", "num_train": 8, "num_validation": 2, **keys}
+    env = {"name": "openenv", "openenv": {**keys, "observation_field": "text", "max_turns": 2}}
+    summary, records = run_grpo(data, env)
+    assert summary["steps"] == 2
+    assert any("env/openenv/steps" in r for r in records)
