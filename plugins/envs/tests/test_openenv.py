@@ -3,9 +3,6 @@ run as a local process), reached by OpenEnv's client, one session per trajectory
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("openenv")
@@ -15,9 +12,7 @@ from rlcore.interfaces import SessionEnvironment  # noqa: E402
 from rlcore_envs.config import OpenEnvEnvConfig  # noqa: E402
 from rlcore_envs.openenv_env import OpenEnvEnvironment, OpenEnvServer  # noqa: E402
 
-HERE = Path(__file__).parent
-SERVER = [sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "openenv_target_server:app", "--port", "{port}",
-          "--log-level", "warning"]
+SERVER = ["{python}", "-m", "uvicorn", "rlcore_envs.examples.openenv_target:app", "--port", "{port}", "--log-level", "warning"]
 
 
 @pytest.fixture(scope="module")

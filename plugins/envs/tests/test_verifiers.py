@@ -12,7 +12,8 @@ from rlcore.interfaces import Sample  # noqa: E402
 from rlcore_envs.config import VerifiersEnvConfig  # noqa: E402
 from rlcore_envs.verifiers_env import VerifiersEnvironment  # noqa: E402
 
-TASKSET = "vf_tiny_tasks"
+TASKSET = "rlcore_envs.examples.say_taskset:SayTaskset"
+RETRY = "rlcore_envs.examples.say_taskset:RetryEnv"
 
 
 def sample(i: int) -> Sample:
@@ -34,7 +35,7 @@ def test_weighted_rewards_and_metrics():
 
 
 def test_an_env_run_plays_the_user_turn_by_turn():
-    env = VerifiersEnvironment(VerifiersEnvConfig(taskset=TASKSET, env_class="vf_tiny_tasks:RetryEnv", max_turns=2))
+    env = VerifiersEnvironment(VerifiersEnvConfig(taskset=TASKSET, env_class=RETRY, max_turns=2))
     session = env.open_session(sample(5))
     try:
         first = session.step("6")
@@ -49,7 +50,7 @@ def test_an_env_run_plays_the_user_turn_by_turn():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("env_class", [None, "vf_tiny_tasks:RetryEnv"], ids=["single_turn", "multi_turn"])
+@pytest.mark.parametrize("env_class", [None, RETRY], ids=["single_turn", "multi_turn"])
 def test_grpo_steps_through_verifiers(run_grpo, env_class):
     data = {"name": "verifiers", "taskset": TASKSET, "num_train": 16, "num_validation": 4}
     env = {"name": "verifiers", "verifiers": {"taskset": TASKSET, "env_class": env_class, "max_turns": 2}}

@@ -124,7 +124,7 @@ class VerifiersDatasetConfig(PromptKeys):
     """The tasks of an installed verifiers taskset (``verifiers.v1.load_taskset``) as samples."""
 
     name: Literal["verifiers"] = field(default="verifiers", metadata=doc("selects this dataset"))
-    taskset: str = field(default="", metadata=doc("installed taskset package id (its module exports a vf.Taskset)"))
+    taskset: str = field(default="", metadata=doc("installed taskset package id (its module exports a vf.Taskset), or 'module:Class'"))
     taskset_args: dict[str, Any] = field(factory=dict, metadata=doc("more fields of the taskset's config"))
 
     def __attrs_post_init__(self):
@@ -156,7 +156,7 @@ class OpenEnvServerKeys:
 
     base_url: str | None = field(default=None, metadata=doc("a running server (http://host:port); None = start server_command"))
     server_command: tuple[str, ...] = field(
-        default=(), metadata=doc("command that serves the environment; '{port}' is replaced by a free port"),
+        default=(), metadata=doc("command that serves the environment; '{port}' is replaced by a free port, '{python}' by this interpreter"),
     )
     startup_timeout_s: float = field(default=60.0, validator=_positive, metadata=doc("time the started server may take to answer /health"))
     request_timeout_s: float = field(default=30.0, validator=_positive, metadata=doc("time one reset or step may take"))

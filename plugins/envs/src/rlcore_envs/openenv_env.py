@@ -1,7 +1,8 @@
 """OpenEnv adapter: a client of an OpenEnv environment server (``openenv-core``), reset/step per turn.
 
 The server is given by URL (``base_url``) or started by the run as a local process
-(``server_command``, ``{port}`` replaced by a free port; stopped when the run ends), and reached with
+(``server_command``, ``{port}`` replaced by a free port and ``{python}`` by the run's interpreter; stopped
+when the run ends), and reached with
 OpenEnv's own ``GenericEnvClient``: one WebSocket session per trajectory, so every trajectory has its
 own episode on the server (the server must allow concurrent sessions for more than one at a time).
 
@@ -26,6 +27,7 @@ import atexit
 import json
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from typing import Any
@@ -51,7 +53,7 @@ class OpenEnvServer:
             self.url = keys.base_url.rstrip("/")
             return
         port = _free_port()
-        cmd = [part.replace("{port}", str(port)) for part in keys.server_command]
+        cmd = [part.replace("{port}", str(port)).replace("{python}", sys.executable) for part in keys.server_command]
         self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         atexit.register(self.stop)

@@ -46,10 +46,28 @@ def _vf():
 
 
 def load_taskset(taskset: str, args: dict):
+    """``vf.load_taskset`` of an installed taskset package id, or the ``vf.Taskset`` class ``module:Class`` names."""
     vf = _vf()
+    from verifiers.v1.configs.taskset import TasksetConfig
+    from verifiers.v1.taskset import Taskset
+    from verifiers.v1.utils.generic import concrete_type
     from verifiers.v1.utils.loaders import taskset_config_type
 
-    return vf.load_taskset(taskset_config_type(taskset).model_validate({"id": taskset, **args}))
+    if ":" not in taskset:
+        return vf.load_taskset(taskset_config_type(taskset).model_validate({"id": taskset, **args}))
+    cls = _import_attr(taskset, "taskset")
+    config_cls = concrete_type(cls, TasksetConfig, origin=Taskset) or TasksetConfig
+    return cls(config_cls.model_validate({"id": taskset.partition(":")[0], **args}))
+
+
+def _import_attr(path: str, what: str):
+    import importlib
+
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{what} {path!r} cannot be imported: {exc}") from exc
 
 
 def _messages(data) -> list[dict[str, str]]:
@@ -109,10 +127,7 @@ class VerifiersEnvironment:
         self.task_cls = type(load_taskset(config.taskset, config.taskset_args)).task_type()
         self.env_cls = None
         if config.env_class:
-            import importlib
-
-            module, _, name = config.env_class.partition(":")
-            self.env_cls = getattr(importlib.import_module(module), name)
+            self.env_cls = _import_attr(config.env_class, "env.verifiers.env_class")
 
     def task(self, sample: Sample):
         return self.task_cls(self.task_cls.data_type().model_validate(sample.answer))
@@ -232,7 +247,8 @@ class VerifiersSession:
         self.events: Queue = Queue()
         self.replies: Queue = Queue()
         config_cls = concrete_type(env.env_cls, EnvConfig, origin=Env) or EnvConfig
-        env_config = config_cls.model_validate({"taskset": {"id": env.config.taskset, **env.config.taskset_args}, **env.config.env_args})
+        taskset_id = env.config.taskset.partition(":")[0]
+        env_config = config_cls.model_validate({"taskset": {"id": taskset_id, **env.config.taskset_args}, **env.config.env_args})
         # Harness loading is skipped (Env.__init__ would provision agent programs): the policy is the agent.
         self.episode_env = env.env_cls.__new__(env.env_cls)
         self.episode_env.config = env_config

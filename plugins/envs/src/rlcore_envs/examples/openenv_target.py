@@ -1,6 +1,6 @@
-"""A real OpenEnv environment server for the tests: "say the target number" in up to two tries.
+"""A real OpenEnv environment server for the tests and the recipe: "say the target number" in up to two tries.
 
-Served with OpenEnv's own ``create_app`` (``uvicorn openenv_target_server:app``); each WebSocket
+Served with OpenEnv's own ``create_app`` (``python -m uvicorn rlcore_envs.examples.openenv_target:app``); each WebSocket
 session gets its own environment, so concurrent trajectories have separate episodes.
 """
 

@@ -1,4 +1,4 @@
-"""A verifiers 0.4 taskset for the tests (an installed-package id: ``vf_tiny_tasks``): say a number.
+"""A verifiers 0.4 taskset for the tests and the recipe (``rlcore_envs.examples.say_taskset:SayTaskset``): say a number.
 
 Two weighted rewards and a metric on the task; ``RetryEnv`` is a multi-turn ``vf.Env`` whose
 ``run()`` plays the user: a wrong first answer gets "Try again." and one more turn.
