@@ -175,6 +175,7 @@ class OpenEnvDatasetConfig(PromptKeys, OpenEnvServerKeys):
     reset_args: dict[str, Any] = field(factory=dict, metadata=doc("keyword arguments of every reset"))
     seed_key: str | None = field(default="seed", metadata=doc("reset argument that gets each sample's seed; None = none"))
     prompt_template: str = field(default="{observation}", metadata=doc("user message; '{observation}' is the reset's observation"))
+    observation_field: str | None = field(default=None, metadata=doc("observation field shown as the prompt; None = all of it as JSON"))
 
     def __attrs_post_init__(self):
         self._check("data")

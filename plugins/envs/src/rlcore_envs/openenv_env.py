@@ -115,8 +115,7 @@ def build_dataset(config: OpenEnvDatasetConfig, tokenizer: Any) -> EnvDataset:
                     if config.seed_key:
                         args[config.seed_key] = config.seed * 1_000_003 + first + i
                     observation = client.reset(**args).observation
-                    prompt = config.prompt_template.replace("{observation}", render(observation, None)
-                                                            if not isinstance(observation, str) else observation)
+                    prompt = config.prompt_template.replace("{observation}", render(observation, config.observation_field))
                     samples.append(Sample(prompt=messages_for(prompt, config.system_prompt),
                                           answer={"reset_args": args, "observation": observation},
                                           metadata={"split": split}))

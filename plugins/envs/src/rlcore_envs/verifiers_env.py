@@ -124,7 +124,8 @@ def scored_step(trace) -> EnvStep:
 class VerifiersEnvironment:
     def __init__(self, config: VerifiersEnvConfig):
         self.config, self.vf = config, _vf()
-        self.task_cls = type(load_taskset(config.taskset, config.taskset_args)).task_type()
+        taskset = load_taskset(config.taskset, config.taskset_args)
+        self.task_cls, self.taskset_config = type(taskset).task_type(), taskset.config
         self.env_cls = None
         if config.env_class:
             self.env_cls = _import_attr(config.env_class, "env.verifiers.env_class")
@@ -247,8 +248,8 @@ class VerifiersSession:
         self.events: Queue = Queue()
         self.replies: Queue = Queue()
         config_cls = concrete_type(env.env_cls, EnvConfig, origin=Env) or EnvConfig
-        taskset_id = env.config.taskset.partition(":")[0]
-        env_config = config_cls.model_validate({"taskset": {"id": taskset_id, **env.config.taskset_args}, **env.config.env_args})
+        # the taskset's own config goes in as it was loaded ('module:Class' ids are this adapter's, not verifiers')
+        env_config = config_cls.model_validate(dict(env.config.env_args)).model_copy(update={"taskset": env.taskset_config})
         # Harness loading is skipped (Env.__init__ would provision agent programs): the policy is the agent.
         self.episode_env = env.env_cls.__new__(env.env_cls)
         self.episode_env.config = env_config
