@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlcore.interfaces import Sample
+from rlcore.testing.conformance import EnvironmentConformance
 
 from rlcore_envs.code_env import CodeEnvironment, extract_code
 from rlcore_envs.config import CodeEnvConfig, SandboxConfig
@@ -116,3 +117,25 @@ def test_extract_code_takes_the_last_fenced_block():
     assert extract_code("a\n```python\nx = 1\n```\nthen\n```\ny = 2\n```") == "y = 2\n"
     assert extract_code("def f(): pass") == "def f(): pass"
     assert extract_code(None) is None
+
+
+class TestCodeConformance(EnvironmentConformance):
+    @pytest.fixture(scope="class")
+    def environment(self):
+        environment = CodeEnvironment(CodeEnvConfig(sandbox=LIMITS))
+        yield environment
+        environment.close()
+
+    @pytest.fixture
+    def env_samples(self):
+        from rlcore_envs.code_tasks import generate
+        from rlcore_envs.config import CodeTasksDatasetConfig
+
+        train, _ = generate(CodeTasksDatasetConfig(num_train=3, num_validation=0, seed=2))
+        return train
+
+    @pytest.fixture
+    def env_graded_examples(self):
+        sample = double_sample()
+        return [(sample, ["def f(x):\n    return x + x\n"], 1.0), (sample, ["def f(x):\n    return x\n"], 0.0),
+                (sample, ["I do not know", "```python\ndef f(x):\n    return 2 * x\n```"], 1.0)]
