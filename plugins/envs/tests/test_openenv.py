@@ -1,5 +1,6 @@
-"""OpenEnv through rlcore: a real OpenEnv server (OpenEnv's create_app under uvicorn, started by the
-run as a local process), reached by OpenEnv's client, one session per trajectory; a GRPO run."""
+"""OpenEnv through rlcore: a real OpenEnv server (OpenEnv's create_app under uvicorn, started as a local
+process), reached by OpenEnv's client, one session per trajectory. The GRPO run through it is
+``recipes/grpo_openenv_tiny_cpu.yaml``'s dry run (tests/test_recipes.py), which checks its metrics."""
 
 from __future__ import annotations
 
@@ -41,13 +42,3 @@ def test_sessions_keep_their_own_episode(server):
         b.close()
     (replayed,) = env.step([sample], [["0", "0"]])
     assert replayed.done and replayed.reward == 0.0 and replayed.metrics["openenv/steps"] == 2.0
-
-
-@pytest.mark.slow
-def test_grpo_steps_through_an_openenv_server_the_run_starts(run_grpo):
-    keys = {"server_command": SERVER}
-    data = {"name": "openenv", "num_train": 8, "num_validation": 2, **keys}
-    env = {"name": "openenv", "openenv": {**keys, "observation_field": "text", "max_turns": 2}}
-    summary, records = run_grpo(data, env)
-    assert summary["steps"] == 2
-    assert any("env/openenv/steps" in r for r in records)

@@ -1,5 +1,6 @@
 """verifiers 0.4 through rlcore: a real vf.Taskset as the dataset, its weighted rewards and metrics as
-the reward and metrics, a vf.Env's run() as the multi-turn rollout; GRPO runs through both."""
+the reward and metrics, a vf.Env's run() as the multi-turn rollout. The GRPO run through it (multi-turn,
+its rewards and metrics logged) is ``recipes/grpo_verifiers_tiny_cpu.yaml``'s dry run (tests/test_recipes.py)."""
 
 from __future__ import annotations
 
@@ -47,13 +48,3 @@ def test_an_env_run_plays_the_user_turn_by_turn():
         session.close()
     (at_once,) = env.step([sample(5)], [["5"]])
     assert at_once.done and at_once.reward == pytest.approx(1.0) and at_once.metrics["vf/metric/retried"] == 0.0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("env_class", [None, RETRY], ids=["single_turn", "multi_turn"])
-def test_grpo_steps_through_verifiers(run_grpo, env_class):
-    data = {"name": "verifiers", "taskset": TASKSET, "num_train": 16, "num_validation": 4}
-    env = {"name": "verifiers", "verifiers": {"taskset": TASKSET, "env_class": env_class, "max_turns": 2}}
-    summary, records = run_grpo(data, env)
-    assert summary["steps"] == 2
-    assert any("env/vf/reward/exact" in r for r in records)
