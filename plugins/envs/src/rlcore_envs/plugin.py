@@ -3,6 +3,11 @@
 Factories are "module:attr" strings and the config classes import none of the ecosystem packages, so
 ``rlcore plugins`` lists every adapter whether or not its extra is installed; building one whose
 package is missing fails naming the extra (``pip install 'rlcore-envs[verifiers]'``).
+
+``conformance="plugin"``: these environments grade their own datasets' structured samples (hidden
+tests, a generator's entry, a taskset's task, a server's episode), not text answers, so rlcore's
+suite of every registered environment leaves them to this plugin's tests, which run
+:class:`rlcore.testing.conformance.EnvironmentConformance` with such samples.
 """
 
 from rlcore import hookimpl
@@ -16,12 +21,13 @@ from rlcore_envs.config import (
 @hookimpl
 def rlcore_environments(register):
     register("code", "rlcore_envs.code_env:build_code_env", CodeEnvConfig, multi_turn=False, sandbox="bubblewrap",
-             extra="code")
+             extra="code", conformance="plugin")
     register("reasoning_gym", "rlcore_envs.reasoning_gym_env:build_env", ReasoningGymEnvConfig, multi_turn=False,
-             extra="reasoning-gym")
-    register("verifiers", "rlcore_envs.verifiers_env:build_env", VerifiersEnvConfig, multi_turn=True, extra="verifiers")
+             extra="reasoning-gym", conformance="plugin")
+    register("verifiers", "rlcore_envs.verifiers_env:build_env", VerifiersEnvConfig, multi_turn=True, extra="verifiers",
+             conformance="plugin")
     register("openenv", "rlcore_envs.openenv_env:build_env", OpenEnvEnvConfig, multi_turn=True, transport="http",
-             extra="openenv")
+             extra="openenv", conformance="plugin")
 
 
 @hookimpl
