@@ -22,6 +22,7 @@ $(STAMP): $(PYPROJECTS)
 		-e plugins/backend_megatron \
 		-e 'plugins/gen_vllm[cpu]' \
 		-e 'plugins/env_math[ray]' \
+		-e 'plugins/envs[verifiers,openenv,reasoning-gym,code]' \
 		build
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)

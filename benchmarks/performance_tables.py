@@ -140,6 +140,17 @@ def train_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sandbox_table(rows: list[dict]) -> str:
+    """The code environment's grading throughput (``bench_code_sandbox.py``): one bwrap sandbox per solution."""
+    lines = ["| Sandboxes at once | Solutions | Solutions/s | Load average | Command | Date | Machine | Commit |",
+             "|---:|---:|---:|---:|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['workers']} | {r['solutions']} | **{_f(r['solutions_per_s'], 1)}** | {_f(r.get('load_average'), 1)} | "
+                     f"`python benchmarks/bench_code_sandbox.py --solutions {r['solutions']} --workers {r['workers']}` | "
+                     f"{r['date'][:10]} | {machine(r)} | `{str(r['commit'])[:7]}` |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=HERE / "results.jsonl")
@@ -160,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     train = [r for r in newest(rows, "bench_train_megatron") if "cpu" not in r["machine"].lower()]
     print("### Training step alone (`bench_train_megatron.py`)\n\n" + train_table(train) + "\n")
     learned = [r for r in newest(rows, "learning") if r.get("steps")]
-    print("### Learning runs\n\n" + learning_table(learned))
+    print("### Learning runs\n\n" + learning_table(learned) + "\n")
+    print("### Code environment grading (`bench_code_sandbox.py`)\n\n" + sandbox_table(newest(rows, "bench_code_sandbox")))
     return 0
 
 

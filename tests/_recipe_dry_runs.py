@@ -22,8 +22,10 @@ def main() -> None:
         started = time.perf_counter()
         try:
             config = rlcore.build_config(item["config"], item["overrides"])
-            summary = rlcore.run(config)["summary"]
-            results[name] = {"steps": summary["steps"], "val_last": summary["val/accuracy_last"],
+            result = rlcore.run(config)
+            summary = result["summary"]
+            logged = sorted({key for record in result.get("records") or [] for key in record})
+            results[name] = {"steps": summary["steps"], "val_last": summary["val/accuracy_last"], "logged": logged,
                              "step_s": summary.get("timing/total"), "seconds": time.perf_counter() - started}
         except Exception:  # noqa: BLE001 - reported to the test, which fails naming the recipe
             results[name] = "ERROR " + traceback.format_exc()

@@ -8,6 +8,7 @@ fp32, a few short sequences. A recipe can steer its dry run from its header comm
     # dry-run-arch: qwen2                  (the tiny architecture, when policy.model_name does not say)
     # dry-run-keep: data                   (sections left as the recipe has them, e.g. a DPO pair dataset)
     # dry-run: data.num_validation=8       (dotted overrides applied last)
+    # dry-run-logs: env/vf/reward/exact    (metrics the two steps must log, e.g. an adapter's own)
 
 All dry runs share one process (``_recipe_dry_runs.py``): imports dominate on two cores.
 """
@@ -40,7 +41,7 @@ PARALLEL_SIZES = {
 
 def header(path: Path) -> dict[str, list[str]]:
     """The recipe's leading comment lines, and its ``# dry-run...:`` directives by name."""
-    lines, directives = [], {"dry-run": [], "dry-run-arch": [], "dry-run-keep": []}
+    lines, directives = [], {"dry-run": [], "dry-run-arch": [], "dry-run-keep": [], "dry-run-logs": []}
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
@@ -132,6 +133,8 @@ def test_recipe_dry_run_two_steps_on_cpu(dry_runs, path):
         pytest.fail(f"{path.name}: {result}")
     assert result["steps"] == 2
     assert result["val_last"] is not None  # the held-out split was validated at step 2
+    missing = set(header(path)["dry-run-logs"]) - set(result["logged"])
+    assert not missing, f"{path.name}: the dry run logged none of {sorted(missing)}"
 
 
 def test_a_hub_model_that_cannot_be_had_fails_before_any_worker(tmp_path):

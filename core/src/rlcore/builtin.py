@@ -75,5 +75,7 @@ def rlcore_environments(register):
 
     register("reward_model", "rlcore.reward_model.env:build", RewardModelEnvConfig, devices=("cpu", "cuda"))
     register("counting", "rlcore.image_data:counting_env", None)
+    # conformance="plugin": its agent scores trajectories through the endpoint, never step() (which
+    # refuses); the agents' own tests (core/tests/test_agents_*) hold it to its contract.
     register("agent", "rlcore.agents.environment:build", AgentEnvConfig, multi_turn=True, endpoint="openai",
-             requires=("fastapi", "uvicorn", "openai"))
+             requires=("fastapi", "uvicorn", "openai"), conformance="plugin")

@@ -455,6 +455,29 @@ class TrajectoryTurns(Protocol):
 
 
 @runtime_checkable
+class EnvironmentSession(Protocol):
+    """One trajectory's episode in an environment that keeps state between turns (a game, a remote
+    environment server's session): opened before the first model turn, closed after the last."""
+
+    def step(self, turn: str) -> EnvStep:
+        """The environment's answer to the model's newest turn."""
+
+    def close(self) -> None:
+        """Release the episode (called once, also after an error)."""
+
+
+@runtime_checkable
+class SessionEnvironment(Protocol):
+    """An :class:`Environment` whose multi-turn rollouts run one :class:`EnvironmentSession` per
+    trajectory (:class:`rlcore.rollout.MultiTurnRunner` opens it), so that state that the model's
+    turns alone do not determine (a server's episode, sampled observations) stays with its trajectory.
+    Its ``step(samples, histories)`` still answers whole histories (single-turn loops, conformance)."""
+
+    def open_session(self, sample: Sample) -> EnvironmentSession:
+        """A new episode for one trajectory of ``sample``."""
+
+
+@runtime_checkable
 class PromptDataset(Protocol):
     train: Sequence[Sample]
     validation: Sequence[Sample] | None

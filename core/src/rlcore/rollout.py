@@ -31,7 +31,9 @@ does: the baseline against which continuous multi-turn scheduling is measured, a
 batches are the same whatever the tool latencies. Each trajectory's tokens are the same either way
 (for a generator whose samples do not depend on what else is in flight, such as ``hf`` with seeds).
 An environment that implements :class:`rlcore.interfaces.TrajectoryTurns` is told which trajectory
-and turn it answers, and may set each turn's token budget.
+and turn it answers, and may set each turn's token budget. An environment that keeps state per
+trajectory (:class:`rlcore.interfaces.SessionEnvironment`) gets one session per trajectory, opened
+before its first turn and closed after its last.
 Limits: ``max_turns`` model turns, ``max_total_tokens`` prompt + response tokens.
 Environment steps run in a thread pool of their own with one thread per trajectory (up to
 ``max_env_concurrency``): ``asyncio.to_thread``'s default pool has ``cpu_count + 4`` threads,
@@ -52,7 +54,9 @@ from typing import Any
 import attrs
 
 from rlcore.controller.deadlines import EnvironmentTimeout
-from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, TrajectoryTurns
+from rlcore.interfaces import (
+    EnvironmentSession, EnvStep, GenerationResult, Sample, SamplingParams, SessionEnvironment, TrajectoryTurns,
+)
 
 _MARK = "\u2063rlcore-turn\u2063"  # content no real turn contains, to cut template renderings
 
@@ -198,9 +202,12 @@ class MultiTurnRunner:
         return attrs.evolve(params, n=1, max_new_tokens=limit, seed=seed,
                             stop=tuple(dict.fromkeys(tuple(params.stop) + self.turn_stop)))
 
-    async def _env_step(self, sample: Sample, trajectory: int, history: list[str]) -> EnvStep:
+    async def _env_step(self, sample: Sample, trajectory: int, history: list[str],
+                        session: EnvironmentSession | None = None) -> EnvStep:
         try:
             loop = asyncio.get_running_loop()
+            if session is not None:
+                return await loop.run_in_executor(self._env_pool, session.step, history[-1])
             if self._turns is not None:
                 return await loop.run_in_executor(self._env_pool, self._turns.step_trajectory, sample, trajectory, list(history))
             (step,) = await loop.run_in_executor(self._env_pool, self.environment.step, [sample], [list(history)])
@@ -216,13 +223,20 @@ class MultiTurnRunner:
         if sample.prompt_ids is None:
             raise ValueError(f"sample {sample.index} has no prompt_ids (the dataset must tokenize prompts)")
         try:
-            return await self._turns_of(sample, params, seed, trajectory, barrier)
+            if not isinstance(self.environment, SessionEnvironment):
+                return await self._turns_of(sample, params, seed, trajectory, barrier, None)
+            loop = asyncio.get_running_loop()
+            session = await loop.run_in_executor(self._env_pool, self.environment.open_session, sample)
+            try:
+                return await self._turns_of(sample, params, seed, trajectory, barrier, session)
+            finally:
+                await loop.run_in_executor(self._env_pool, session.close)
         finally:
             if barrier is not None:
                 barrier.leave()
 
     async def _turns_of(self, sample: Sample, params: SamplingParams, seed: int | None, trajectory: int,
-                        barrier: TurnBarrier | None) -> MultiTurnTrajectory:
+                        barrier: TurnBarrier | None, session: EnvironmentSession | None) -> MultiTurnTrajectory:
         state = _State(list(sample.prompt_ids))
         traj = MultiTurnTrajectory(sample, result=None)  # type: ignore[arg-type]
         for turn in range(self.max_turns):
@@ -240,7 +254,7 @@ class MultiTurnRunner:
             state.finish_reason = out.finish_reason
             traj.turns.append(out.text)
             began = time.perf_counter()
-            step = await self._env_step(sample, trajectory, traj.turns)
+            step = await self._env_step(sample, trajectory, traj.turns, session)
             traj.env_s += time.perf_counter() - began
             traj.reward, traj.done, traj.env_metrics = float(step.reward), bool(step.done), dict(step.metrics)
             if step.done or turn == self.max_turns - 1 or out.finish_reason in ("abort", "truncated_prompt"):

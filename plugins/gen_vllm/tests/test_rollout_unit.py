@@ -91,6 +91,44 @@ def test_environment_failure_ends_the_trajectory_with_reward_zero(tiny_tokenizer
     assert traj.reward == 0.0 and traj.done and traj.env_metrics == {"error": 1.0} and traj.result.num_turns == 1
 
 
+class SessionEnv:
+    """A SessionEnvironment: each session counts its own turns (state the histories are not asked for)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.opened, self.closed, self.fail_at = 0, 0, fail_at
+
+    def step(self, samples, histories):  # whole histories: not used by the runner when sessions exist
+        raise AssertionError("the runner steps sessions, not the environment")
+
+    def open_session(self, sample):
+        env, self.opened = self, self.opened + 1
+
+        class Session:
+            turns = 0
+
+            def step(self, turn):
+                self.turns += 1
+                if env.fail_at == self.turns:
+                    raise RuntimeError("server went away")
+                return EnvStep(reward=float(turn == "a2"), done=self.turns == 2, observation=f"seen {self.turns}")
+
+            def close(self):
+                env.closed += 1
+
+        return Session()
+
+
+def test_a_session_environment_gets_one_session_per_trajectory_closed_after_it(tiny_tokenizer):
+    env = SessionEnv()
+    runner = MultiTurnRunner(ScriptedGenerator(tiny_tokenizer, ["a1", "a2"]), env, tiny_tokenizer, max_turns=4)
+    traj = asyncio.run(runner.run_one(_sample(tiny_tokenizer), SamplingParams(max_new_tokens=4)))
+    assert traj.done and traj.reward == 1.0 and traj.result.num_turns == 2 and (env.opened, env.closed) == (1, 1)
+    failing = SessionEnv(fail_at=1)
+    runner = MultiTurnRunner(ScriptedGenerator(tiny_tokenizer, ["a1"]), failing, tiny_tokenizer, max_turns=4)
+    traj = asyncio.run(runner.run_one(_sample(tiny_tokenizer), SamplingParams(max_new_tokens=4)))
+    assert traj.reward == 0.0 and traj.env_metrics == {"error": 1.0} and (failing.opened, failing.closed) == (1, 1)
+
+
 def test_call_returns_n_results_per_sample_and_keeps_trajectories(tiny_tokenizer):
     runner = MultiTurnRunner(ScriptedGenerator(tiny_tokenizer, ["a"]), Env(turns_needed=1), tiny_tokenizer)
     out = runner([_sample(tiny_tokenizer), _sample(tiny_tokenizer)], SamplingParams(max_new_tokens=4, n=3, seed=1))

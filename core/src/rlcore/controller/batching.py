@@ -102,6 +102,17 @@ def is_correct(reward: float, env_metrics: dict[str, float]) -> bool:
     return reward >= 1.0
 
 
+def accuracy_by_task(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """``<prefix>/accuracy/<task>`` for each task named by the samples' ``metadata["task"]`` (a mix of
+    tasks, e.g. reasoning-gym's): the accuracy over that task's trajectories only."""
+    by_task: dict[str, list[bool]] = {}
+    for t in trajectories:
+        task = t.sample.metadata.get("task") if isinstance(t.sample.metadata, dict) else None
+        if isinstance(task, str) and task:
+            by_task.setdefault(task, []).append(is_correct(t.reward, t.env_metrics))
+    return {f"{prefix}/accuracy/{task}": float(np.mean(marks)) for task, marks in sorted(by_task.items())}
+
+
 def to_sequence_batch(trajectories: list[Trajectory], advantages_N: torch.Tensor, max_len: int) -> SequenceBatch:
     """Prompt + response ids with a token-aligned loss mask and per-token fields."""
     input_ids, loss_mask, gen_lp, adv_tok = [], [], [], []
@@ -163,4 +174,5 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "rollout/max_response_tokens": float(np.max(lengths)),
         "rollout/truncated_fraction": float(np.mean([t.truncated for t in trajectories])),
         "rollout/num_trajectories": float(len(trajectories)),
+        **accuracy_by_task(trajectories, "train"),
     }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcore.controller.batching import Trajectory, is_correct, to_sequence_batch
+from rlcore.controller.batching import Trajectory, accuracy_by_task, is_correct, to_sequence_batch
 from rlcore.controller.rollouts import Rollouts
 from rlcore.interfaces import Teacher, TrainerHandle
 
@@ -30,6 +30,7 @@ class Validator:
         metrics = {
             "val/accuracy": float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajs])),
             "val/reward_mean": float(np.mean([t.reward for t in trajs])),
+            **accuracy_by_task(trajs, "val"),
         }
         if self.teacher is not None:
             metrics["val/reverse_kl"] = self.held_out_reverse_kl(samples, step)
