@@ -27,7 +27,9 @@ import torch
 from rlcore.controller.batching import (
     DataCursor, Trajectory, apply_env_steps, is_correct, rollout_metrics, sampling_params, score, to_sequence_batch,
 )
-from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catching_sigterm, set_rng_state, stop_after_step
+from rlcore.controller.checkpoint import (
+    CheckpointManager, resume_loggers, rng_state, run_catching_sigterm, set_rng_state, stop_after_step,
+)
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.refit_probe import compare_probe_logprobs, refit_probe_sequences
@@ -322,9 +324,7 @@ class GRPOLoop:
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         set_rng_state(state["rng"])
         self.c.transport.transfer(self.c.trainer, self.c.generator)
-        for logger in self.c.loggers:  # records of steps after the checkpoint are redone, not repeated
-            if hasattr(logger, "resume_at"):
-                logger.resume_at(self.step)
+        resume_loggers(self.c.loggers, self.step, self.records)  # steps after the checkpoint are redone; missing ones restored
         print(f"resumed from {latest} at step {self.step}")
 
     def save(self) -> None:
