@@ -47,7 +47,8 @@ def probe_loop(generator_shift: float, threshold: float = 0.15) -> tuple[GRPOLoo
     loop.refit_cfg = RefitConfig(probe_threshold=threshold, probe_num_sequences=4)
     loop.gen_lock, loop.step, loop._producer = threading.Lock(), 3, None
     loop.c = SimpleNamespace(generator=Scorer([2, 1], generator_shift), trainer=Scorer([2, 1], 0.0),
-                             transport=SimpleNamespace(transfer=lambda trainer, generator: {}))
+                             transport=SimpleNamespace(transfer=lambda trainer, generator: {}),
+                             config=SimpleNamespace(policy=SimpleNamespace(max_total_sequence_length=16)))
     return loop, batch
 
 
@@ -113,4 +114,25 @@ def test_the_probe_scores_before_a_waiting_rollout_thread_generates():
     metrics = loop.refit(batch, StepTimer())
     producer.join(5)
     assert order == ["transfer", "score", "generate"]
+    assert metrics["refit/probe_mean_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
+
+
+def test_a_sequence_that_fills_the_length_limit_is_probed_on_its_scorable_tokens():
+    """A generator scores by prefilling a sequence and sampling one token more, so it takes at most
+    limit - 1 tokens (vLLM: "need 2..limit-1"); a rollout at the limit is probed on those."""
+    loop, batch = probe_loop(generator_shift=0.01)
+    limit = max(batch.lengths())  # the first sequence (2 + 3 tokens) filled it
+    loop.c.config.policy.max_total_sequence_length = limit
+    scorer = loop.c.generator
+
+    def score_like_an_engine(sequences):
+        for i, seq in enumerate(sequences):
+            if not 2 <= len(seq) <= limit - 1:
+                raise ValueError(f"score: sequence {i} has {len(seq)} tokens; need 2..{limit - 1}")
+        return [row[: len(seq)] for row, seq in zip(scorer.score(sequences), sequences)]
+
+    loop.c.generator = SimpleNamespace(score=score_like_an_engine)
+    loop.c.trainer = SimpleNamespace(logprobs=lambda probe, what: [t[: len(ids)] for t, ids in zip(
+        Scorer([2, 1], 0.0).logprobs(probe, what), probe.input_ids)])
+    metrics = loop.refit(batch, StepTimer())
     assert metrics["refit/probe_mean_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)

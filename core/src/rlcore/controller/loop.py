@@ -271,7 +271,7 @@ class GRPOLoop:
         count = self.refit_cfg.probe_num_sequences
         if count <= 0:
             return None
-        probe = refit_probe_sequences(batch, count)
+        probe = refit_probe_sequences(batch, count, self.c.config.policy.max_total_sequence_length)  # scorable at the limit
         return probe, self.c.generator.score([ids.tolist() for ids in probe.input_ids])
 
     def _compare_probe(self, probe: SequenceBatch, gen_lp: list) -> dict:

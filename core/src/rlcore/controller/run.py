@@ -26,7 +26,7 @@ from rlcore.controller.given import check_given
 from rlcore.controller.loop import Components, GRPOLoop
 from rlcore.controller.mps_client import enter_mps_client
 from rlcore.controller.offline import build_loggers
-from rlcore.controller.preflight import check_model_name, check_prompt_lengths
+from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_run_sizes
 from rlcore.controller.ray_local import start_local_ray
 from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
@@ -189,6 +189,7 @@ def build_components(config: RunConfig, **given) -> Components:
                                    config.env.on_timeout)
     dataset = given_or_built_dataset(config, manager, given, tokenizer)
     check_prompt_lengths(dataset, config)
+    check_run_sizes(config, dataset, algorithm)
     placement = plan_placement(config)
     trainer = build_trainer(config, manager, placement, given.get("backend"))
     generator = given.get("generator")
