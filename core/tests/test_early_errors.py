@@ -237,3 +237,52 @@ def test_eval_options_are_checked_before_evaluating(run_cli, tmp_path, args, key
     done = run_cli("eval", str(tmp_path / "no-model"), str(tmp_path / "no-recipe.yaml"), *args, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert key in done.stderr and "no such directory" not in done.stderr  # refused before the model is even looked at
+
+
+# ---- data files: huge rows in every format, encodings, lone surrogates --------------------------
+def _write_rows(path: Path, rows: list[dict]) -> Path:
+    import json
+
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _preference(tiny_tokenizer, path: Path, **kw):
+    from rlcore.preference.config import PreferenceDataConfig
+    from rlcore.preference.data import build_preference_dataset
+
+    return build_preference_dataset(PreferenceDataConfig(train_files=(str(path),), **kw), tiny_tokenizer)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_a_huge_preference_row_is_refused_before_parsing_naming_the_row(tiny_tokenizer, tmp_path, suffix):
+    from rlcore.errors import DataError
+
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 3
+    rows.insert(1, {"prompt": "x" * (3 << 20), "chosen": "2", "rejected": "3"})
+    path = _write_rows(tmp_path / f"pairs{suffix}", rows)
+    with pytest.raises(DataError, match="data.max_row_bytes") as failure:
+        _preference(tiny_tokenizer, path, max_row_bytes=1 << 20)
+    assert str(path) in str(failure.value) and ("line 2" if suffix == ".jsonl" else "row 1") in str(failure.value)
+
+
+@pytest.mark.parametrize("content, says", [
+    (b'{"prompt": "caf\xe9", "chosen": "2", "rejected": "3"}\n', "line 1: byte 0xe9 is not UTF-8"),
+    (b'{"prompt": "1+1=", "chosen": "\\ud800", "rejected": "3"}\n', "'chosen' holds a lone surrogate"),
+])
+def test_a_preference_file_that_cannot_be_tokenized_names_the_row(tiny_tokenizer, tmp_path, content, says):
+    from rlcore.errors import DataError
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=says) as failure:
+        _preference(tiny_tokenizer, path)
+    assert str(path) in str(failure.value)
