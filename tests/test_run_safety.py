@@ -85,7 +85,7 @@ def fsdp2_backend(single_process_group, tiny_model_dir):
 def _loop_state(step: int) -> dict:
     from rlcore.controller.checkpoint import rng_state
 
-    return {"step": step, "records": [{"step": step}], "rng": rng_state(), "run": {"run_id": "r"}}
+    return {"step": step, "data_position": 4 * step, "records": [{"step": step}], "rng": rng_state(), "run": {"run_id": "r"}}
 
 
 def _resume(root: Path, backend):
