@@ -95,7 +95,7 @@ def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
     itself: a group of one has no spread to normalize by)."""
     loop, policy = config.grpo, config.policy
     train = getattr(dataset, "train", None) or ()
-    if loop.num_prompts_per_step > len(train):
+    if train and loop.num_prompts_per_step > len(train):  # (an empty one is refused as the loop starts)
         raise ConfigError("grpo.num_prompts_per_step", f"{loop.num_prompts_per_step} prompts per step, but the training "
                           f"data has {len(train)}; at most {len(train)}")
     packing = policy.sequence_packing
