@@ -11,7 +11,7 @@ model scores about 0, which changes nothing in the work a step does (responses r
     python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --config llama1b-megatron   # one H200
     python benchmarks/bench_grpo_step.py --tiny                                              # CPU check
     python benchmarks/bench_grpo_step.py --config llama1b-tool-sync --config llama1b-tool-async  # multi-turn
-    python benchmarks/bench_grpo_step.py --config llama1b-megatron --set policy.generation.engine_detokenize=true
+    python benchmarks/bench_grpo_step.py --config llama1b-megatron --set policy.generation.experimental.engine_detokenize=true
     python benchmarks/bench_grpo_step.py --config llama1b-megatron-cp2 --max-new-tokens 16384 --mb-tokens 16448 --prompts 8
 
 Several ``--config`` run one after the other, each in its own process (GPU memory of a finished
@@ -79,28 +79,28 @@ CONFIGS = {
     "llama1b-megatron-cuda-graph": ("llama1b", "megatron", {"policy.megatron_cfg.cuda_graph": "micro_batch"}),
     # One step off with the training micro-batches as graph replays and the engine core in its own process:
     # little host work left in the trainer, whose GPU gaps the engine's process fills by time-slicing. (With
-    # the engine core in this process on a high-priority stream it crashed on an H200: RESULTS.md, fifteenth session.)
+    # the engine core in this process on a high-priority stream it crashed with an illegal memory access.)
     "llama1b-megatron-async-cuda-graph": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
                                                                   "policy.megatron_cfg.cuda_graph": "micro_batch"}),
-    # The same sharing the GPU as the twenty-seventh session measured best (needs an MPS daemon): the trainer's
+    # The same sharing the GPU the best way measured (needs an MPS daemon): the trainer's
     # context below the engine's priority, its GEMMs leaving half of the H200's 132 SMs, one collection a step.
     "llama1b-megatron-async-shared": ("llama1b", "megatron", {
         "grpo.async_grpo.enabled": True, **ONE_STEP_OFF, "policy.megatron_cfg.cuda_graph": "micro_batch",
-        "cluster.trainer_mps_priority": "below_normal", "policy.megatron_cfg.gemm_sm_margin": 66, "cluster.manual_gc": True}),
+        "cluster.trainer_mps_priority": "below_normal", "policy.megatron_cfg.experimental.gemm_sm_margin": 66, "cluster.manual_gc": True}),
     # The same with the engine core in this process: one CUDA context, so generation and training kernels can
     # run at once on their streams (two processes are time-sliced unless MPS runs). It crashed with the engine
-    # on a high-priority stream (fifteenth session); the stream now has the default priority.
+    # on a high-priority stream; the engine now runs on vLLM's own stream.
     "llama1b-megatron-async-inproc-cuda-graph": ("llama1b", "megatron", {
         "grpo.async_grpo.enabled": True, **ONE_STEP_OFF, "policy.megatron_cfg.cuda_graph": "micro_batch",
-        "policy.generation.engine_process": False}),
+        "policy.generation.experimental.engine_process": False}),
     # One step off, with the correction for one step of staleness (token-level truncated IS).
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
-    # The async engine core in this process (what engine_process: null chose before): the rollout thread and the
+    # The async engine core in this process (engine_process: false): the rollout thread and the
     # trainer share one interpreter lock. And a sync step with the engine core in its own process.
     "llama1b-megatron-async-inproc": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
-                                                              "policy.generation.engine_process": False}),
-    "llama1b-megatron-engine-process": ("llama1b", "megatron", {"policy.generation.engine_process": True}),
+                                                              "policy.generation.experimental.engine_process": False}),
+    "llama1b-megatron-engine-process": ("llama1b", "megatron", {"policy.generation.experimental.engine_process": True}),
     # FP8 rollouts (issue 24): vLLM's online FP8 re-quantizes every refit's bf16 weights as they
     # load; token-level truncated IS corrects for the wider generator-trainer gap.
     "llama1b-megatron-fp8gen": ("llama1b", "megatron", {"policy.generation.quantization": "fp8",
@@ -233,9 +233,8 @@ def make_trainer_mps_context(percent: int, priority: str | None) -> None:
     so the context is created here and the variables removed again: the processes started later (the
     model builder, vLLM's engine core) keep the whole GPU at normal priority. Under MPS without either,
     one step off at 1.2B kept the trainer near its own speed while generation stretched from about 7 to
-    13 s (eighteenth session); a cap of 50% slowed the trainer as much as time-slicing did (nineteenth);
-    at 70% the trainer's logprobs came out wrong and the refit probe stopped the run at step 1
-    (twenty-first, RESULTS.md); at 60% its losses came out non-finite (twenty-seventh).
+    13 s; a cap of 50% slowed the trainer as much as time-slicing did; at 70% the trainer's logprobs
+    came out wrong and the refit probe stopped the run at step 1; at 60% its losses came out non-finite.
     """
     from rlcore.controller.mps_client import PRIORITIES, create_context_with
 
@@ -349,12 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build-model", default=None, choices=sorted([*SHAPES, *MOE_SHAPES]), help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override applied after the configuration's own (YAML value), e.g. "
-                             "policy.generation.engine_detokenize=true; the row's name shows it")
+                             "policy.generation.experimental.engine_detokenize=true; the row's name shows it")
     parser.add_argument("--trainer-mps-percentage", type=int, default=None, metavar="P",
                         help="under MPS (nvidia-cuda-mps-control -d), cap the trainer's CUDA context at P%% of the "
                              "SMs; vLLM's engine process keeps all of them; the row's name shows it")
     parser.add_argument("--trainer-sm-margin", type=int, default=None, metavar="N",
-                        help="SMs every GEMM of the trainer leaves free (policy.megatron_cfg.gemm_sm_margin: TE's and "
+                        help="SMs every GEMM of the trainer leaves free (policy.megatron_cfg.experimental.gemm_sm_margin: TE's and "
                              "torch's through cuBLASLt's SM count target), so that vLLM's kernels beside them under MPS "
                              "start at once; the row's name shows it")
     parser.add_argument("--trainer-mps-priority", choices=MPS_CLIENT_PRIORITIES, default=None,
@@ -397,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.trainer_sm_margin is not None:
             if backend != "megatron":
                 parser.error(f"--trainer-sm-margin: {name} trains with {backend}; the margin is a Megatron key")
-            set_dotted(tree, "policy.megatron_cfg.gemm_sm_margin", args.trainer_sm_margin)
+            set_dotted(tree, "policy.megatron_cfg.experimental.gemm_sm_margin", args.trainer_sm_margin)
         if args.trainer_mps_priority is not None and args.trainer_mps_percentage is None:
             set_dotted(tree, "cluster.trainer_mps_priority", args.trainer_mps_priority.replace("-", "_"))
         for item in args.set:

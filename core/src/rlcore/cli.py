@@ -135,9 +135,8 @@ def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:
 
     Called once the run has ended, finished or failed: what follows is only the interpreter's exit,
     which waits for every non-daemon thread and runs every atexit handler, and one that never returns
-    would keep an ended run's process (and its GPU memory) forever. A 200-step GPU run printed its
-    summary and then did not exit until it was killed (RESULTS.md, twenty-second session). The
-    stacks printed first show what it waited for; ``os._exit`` then skips the handlers that hang.
+    would keep an ended run's process (and its GPU memory) forever: a long GPU run can print its
+    summary and then never exit. The stacks printed first show what it waited for; ``os._exit`` then skips the handlers that hang.
     """
 
     def end_the_process() -> None:

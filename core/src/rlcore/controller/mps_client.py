@@ -5,7 +5,7 @@ kernels are time-sliced, under MPS they run side by side. MPS reads a client's p
 (``CUDA_MPS_CLIENT_PRIORITY``: 0 normal, 1 below normal) once, when the process creates its CUDA context,
 so the context is created here with the variable set, and the variable removed again at once: the
 engine core vLLM starts later inherits this process's environment and keeps normal priority. With the
-trainer below normal and its GEMMs leaving half the SMs (``policy.megatron_cfg.gemm_sm_margin``), the
+trainer below normal and its GEMMs leaving half the SMs (``policy.megatron_cfg.experimental.gemm_sm_margin``), the
 1.2B engine kept about its own speed on half a GPU beside the trainer (benchmarks/RESULTS.md,
 twenty-seventh session).
 

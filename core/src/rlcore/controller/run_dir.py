@@ -79,7 +79,9 @@ def check_owner(theirs: dict | None, ours: dict, where: Path, fix: str = _FRESH)
         saved, value = theirs_fp.get(key), ours_fp.get(key)
         if saved != value:
             raise ConfigError(key, f"checkpoint {where} belongs to run {theirs.get('run_id')} (logger.log_dir "
-                              f"{theirs.get('log_dir')}), which had {key}={_short(saved)}; this run "
+                              f"{theirs.get('log_dir')}), which had {key}={_short(saved)}"
+                              + (" (it records no such setting: written by an older rlcore?)" if key not in theirs_fp else "")
+                              + f"; this run "
                               f"({ours.get('log_dir')}) has {_short(value)}. Resuming it would mix the two runs: {fix}")
 
 

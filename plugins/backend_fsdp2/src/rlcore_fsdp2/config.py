@@ -18,6 +18,21 @@ _positive = attrs.validators.gt(0)
 
 
 @frozen
+class DTensorExperimentalConfig:
+    """Experimental: switches that exist to measure an alternative against the default. The
+    defaults are the settings measured best; these keys may change or go without notice."""
+
+    empty_cache_after_train: bool | None = field(default=None, metadata=doc(
+        "torch.cuda.empty_cache() at the end of each train(): hands the allocator's cached blocks to a colocated "
+        "generation engine; re-allocating them costs host time every step (about a tenth of a small model's step); "
+        "None = on when generation is colocated (policy.generation.colocated.enabled), off otherwise"))
+    one_rank_fast_paths: bool = field(default=True, metadata=doc(
+        "with one data-parallel rank, replace two private FSDP2 functions (the reduce buffer's copy-in and the "
+        "per-group post-backward accumulation) with cheaper equivalents (rlcore_fsdp2.one_rank) while the backend "
+        "lives; its shutdown restores them. false leaves FSDP2 as it is"))
+
+
+@frozen
 class DTensorConfig:
     """PyTorch-native parallelism: FSDP2 (``fully_shard``) over data-parallel ranks, DTensor
     tensor/sequence parallelism inside each layer."""
@@ -38,16 +53,10 @@ class DTensorConfig:
         "accumulate unsharded fp32 gradients over a step's micro-batches and reduce-scatter once, after the last "
         "(fewer collectives and hook work per micro-batch, a full gradient copy more memory per rank); "
         "default: on with one data-parallel rank (no memory cost), off otherwise; never with cpu_offload"))
-    empty_cache_after_train: bool | None = field(default=None, metadata=doc(
-        "torch.cuda.empty_cache() at the end of each train(): hands the allocator's cached blocks to a colocated "
-        "generation engine; re-allocating them costs host time every step (~65 ms of a 0.5 s step, 1.2B on an H200); "
-        "default: on when generation is colocated (policy.generation.colocated.enabled), off otherwise"))
-    one_rank_fast_paths: bool = field(default=True, metadata=doc(
-        "with one data-parallel rank, replace two private FSDP2 functions process-wide (the reduce buffer's copy-in and "
-        "the per-group post-backward accumulation) with cheaper equivalents (rlcore_fsdp2.one_rank; checked on torch "
-        "2.11 and 2.13; ~36 ms less host time a step at 1.2B on an H200); false leaves FSDP2 as it is"))
     compile: bool = field(default=False, metadata=doc("torch.compile each decoder layer's forward (fuses norm/rotary/SwiGLU ops; the first steps compile)"))
     logprob_chunk_tokens: int = field(default=1024, validator=_positive, metadata=doc("rows of the logits turned into float32 log-softmax at a time"))
+    experimental: DTensorExperimentalConfig = field(factory=DTensorExperimentalConfig, metadata=doc(
+        "experimental: switches kept to measure alternatives; the defaults are the measured best"))
 
     def __attrs_post_init__(self) -> None:
         if self.context_parallel_size != 1:

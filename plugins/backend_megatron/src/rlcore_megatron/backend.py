@@ -76,8 +76,9 @@ class MegatronBackend:
         self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu, bf16=parallel.params_dtype(cfg, config) == torch.bfloat16)
         if self.world.rank == 0:
             print(f"rlcore-megatron: {self.kernels.describe()}", flush=True)
-        if cfg.gemm_sm_margin and not self.on_cpu:
-            margin = kernels.leave_sms_free(cfg.gemm_sm_margin)
+        self._restore_sms = None  # undoes experimental.gemm_sm_margin's process-wide settings at shutdown
+        if cfg.experimental.gemm_sm_margin and not self.on_cpu:
+            margin, self._restore_sms = kernels.leave_sms_free(cfg.experimental.gemm_sm_margin)
             if self.world.rank == 0:
                 print(f"rlcore-megatron: {margin}", flush=True)
         if cfg.cuda_graph == "micro_batch":
@@ -401,4 +402,7 @@ class MegatronBackend:
         gc.collect()
         if not self.on_cpu:
             torch.cuda.empty_cache()
+        restore, self._restore_sms = getattr(self, "_restore_sms", None), None
+        if restore is not None:
+            restore()
 

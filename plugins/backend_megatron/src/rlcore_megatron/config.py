@@ -106,7 +106,7 @@ class MegatronFP8Config:
     fp8_param: bool = field(default=False, metadata=doc("keep the GEMM weights in FP8 (less memory; the main weights stay fp32)"))
     fp8_logprobs: bool = field(default=False, metadata=doc(
         "run the logprob passes (old, reference, refit probe) in FP8 too, the training forward's numerics; false: in bf16, "
-        "as the generator computes them (1.2B Llama on an H200: the refit probe's mean gap 0.23 in FP8, 0.02 in bf16)"))
+        "as the generator computes them (the refit probe's mean gap is about ten times larger in FP8 than in bf16)"))
 
     def __attrs_post_init__(self) -> None:
         if self.fp8_param and not self.fp8_logprobs:
@@ -117,6 +117,18 @@ class MegatronFP8Config:
         """Rows of an FP8 GEMM must be a multiple of 16 (tensor cores); the blockwise recipe quantizes
         activations in 128-row blocks along the token dimension of the weight-gradient GEMM."""
         return 128 if self.fp8_recipe == "blockwise" else 16
+
+
+@frozen
+class MegatronExperimentalConfig:
+    """Experimental: switches that exist to measure an alternative against the default. The
+    defaults are the settings measured best; these keys may change or go without notice."""
+
+    gemm_sm_margin: int = field(default=0, validator=_non_negative, metadata=doc(
+        "SMs every GEMM of the trainer leaves free, for a process sharing the GPU (one step off with a vLLM engine "
+        "resident beside the trainer, under MPS): Transformer Engine's GEMMs through NVTE_EXT_MARGIN_SM, torch's (the "
+        "output layer) through cuBLASLt's SM-count target. Process-wide while the backend lives; its shutdown restores "
+        "the previous settings. 0 = every SM (CUDA only)"))
 
 
 @frozen
@@ -183,15 +195,13 @@ class MegatronConfig:
         "'micro_batch': each training micro-batch replays a CUDA graph of its forward, output layer, loss and backward, "
         "captured once per shape bucket (micro-batches padded to the token budget; rlcore_megatron.cuda_graph). CUDA "
         "with Transformer Engine's fused RoPE, sequence packing, PP = CP = 1, dense models, no recompute, no fp16, "
-        "FP8 only with the tensorwise or blockwise recipe"))
-    gemm_sm_margin: int = field(default=0, validator=_non_negative, metadata=doc(
-        "SMs every GEMM of the trainer leaves free, for a process sharing the GPU (one step off with a vLLM engine "
-        "resident beside the trainer): Transformer Engine's GEMMs through NVTE_EXT_MARGIN_SM, torch's (the output "
-        "layer) through cuBLASLt's SM-count target; 0 = every SM (CUDA only)"))
+        "no FP8"))
     empty_unused_memory_level: Literal[0, 1, 2] = field(default=0, metadata=doc("torch.cuda.empty_cache: 0 never, 1 after each optimizer step, 2 also after each forward(-backward) pass over the micro-batches"))
     optimizer: MegatronOptimizerConfig = field(factory=MegatronOptimizerConfig, metadata=doc("optimizer"))
     scheduler: MegatronSchedulerConfig = field(factory=MegatronSchedulerConfig, metadata=doc("learning-rate/weight-decay schedule"))
     distributed_data_parallel_config: MegatronDDPConfig = field(factory=MegatronDDPConfig, metadata=doc("data-parallel gradient handling"))
+    experimental: MegatronExperimentalConfig = field(factory=MegatronExperimentalConfig, metadata=doc(
+        "experimental: switches kept to measure alternatives; the defaults are the measured best"))
 
     def __attrs_post_init__(self) -> None:
         if self.moe_token_dispatcher_type != "alltoall":
@@ -231,10 +241,9 @@ def _check_cuda_graph(cfg: MegatronConfig) -> None:
          "Megatron's recompute saves and restores the CUDA RNG state, which cannot be read while capturing; use false"),
         ("optimizer.fp16", cfg.optimizer.fp16, "fp16 loss scaling has not been checked under capture; use bf16"),
         ("fp8_cfg.enabled", cfg.fp8_cfg.enabled,
-         "on an H200 the fixed-shape path's FP8 steps, graphed or run eagerly alike, were 0.25-0.51 relative off "
-         "bf16's schedule on the step's metrics and 0.91-0.97 on the gradients after three SGD steps, where Megatron's "
-         "own FP8 schedule was 0.015-0.056 and 0.18-0.32 (benchmarks/RESULTS.md, thirteenth session); use false, or "
-         "cuda_graph 'none' with FP8"),
+         "the fixed-shape path's FP8 steps, graphed or run eagerly alike, move the step's metrics and gradients "
+         "several times further from bf16's than Megatron's own FP8 schedule does; use false, or cuda_graph 'none' "
+         "with FP8"),
         ("core_attention", cfg.core_attention == "transformer_engine",
          "Transformer Engine's attention plans cuDNN graphs per packing on the host; use 'flash' or 'auto'"),
         ("distributed_data_parallel_config.overlap_grad_reduce", ddp.overlap_grad_reduce,
