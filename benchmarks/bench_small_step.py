@@ -41,7 +41,7 @@ GENERATORS = {"vllm": ("vllm", []), "vllm-uni": ("vllm", ["policy.generation.exp
 
 
 def build_generator(config):
-    from rlcore.controller.placement import plan_placement
+    from rlcore.runtime import plan_placement
     from rlcore.plugins import get_plugin_manager
 
     gen_cfg = config.generation
@@ -141,7 +141,7 @@ class PlainTraining:
 
 
 def part_functions(config, generator, model_dir: str, prompts: list[list[int]], args) -> dict:
-    from rlcore.controller.batching import sampling_params
+    from rlcore.runtime import sampling_params
 
     params = sampling_params(config.generation, args.samples, seed=config.grpo.seed)
     padded = PlainTraining(model_dir, config, prompts, args.new_tokens, args.samples, packed=False)

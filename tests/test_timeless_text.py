@@ -25,15 +25,6 @@ PATTERNS = {
     "anecdote": re.compile(r"\bseen (on|at|with|in)\b|\b(on|in) (an|the) H[12]00s?\b|nvidia-h200", re.I),
 }
 
-# Owned by the loop/runtime restructuring (issue 55), which rewrites these files; remove an entry
-# when its file passes.
-EXPECTED_FAILURES = {
-    "core/src/rlcore/controller/mps_client.py",
-    "core/src/rlcore/controller/loop.py",
-    "core/src/rlcore/controller/rollout_producer.py",
-}
-
-
 def _files() -> list[Path]:
     found = [ROOT / f for f in FILES]
     for tree in TREES:
@@ -62,8 +53,4 @@ def test_patterns_catch_what_they_are_for():
 @pytest.mark.parametrize("path", _files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_run_labels_pointers_or_anecdotes(path):
     found = findings(path)
-    if str(path.relative_to(ROOT)) in EXPECTED_FAILURES:
-        if not found:
-            pytest.fail(f"{path.relative_to(ROOT)} passes now: remove it from EXPECTED_FAILURES")
-        pytest.xfail("owned by the loop/runtime restructuring (issue 55)")
     assert not found, "\n".join(found)

@@ -90,7 +90,7 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     data, environment, precision and device. Held-out accuracy is greedy, on the recipe's
     validation split, every ``eval_every`` steps (the hf generator, on the trainer's device)."""
     from rlcore.config.hf_generation import HFGenerationConfig
-    from rlcore.controller.run import StreamTransport
+    from rlcore.controller.builders import StreamTransport
     from rlcore.controller.sft import answer_batch, greedy_accuracy
     from rlcore.controller.workers import LocalTrainer
     from rlcore.hf_generator import HFGenerator

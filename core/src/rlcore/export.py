@@ -93,7 +93,7 @@ def check_writable_target(out: Path) -> None:
 def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[str] = ()) -> dict:
     """Write the checkpoint's policy to ``out`` (which must not hold files yet); returns what was done."""
     from rlcore.controller.preflight import check_model_name
-    from rlcore.controller.run import select_backend
+    from rlcore.controller.builders import select_backend
     from rlcore.plugins import get_plugin_manager
 
     step_dir = find_checkpoint(checkpoint)

@@ -25,7 +25,6 @@ import random
 import re
 import shutil
 import signal
-import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -46,9 +45,10 @@ def run_catching_sigterm(loop: Any, body: Callable[[], Any]) -> Any:
     """``body()`` with SIGTERM recorded in ``loop.stop_signal`` instead of ending the process: the
     loop ends its step, writes a checkpoint of it and stops (exit 143 in ``rlcore run``). Off the
     main thread, where Python cannot catch signals, ``body()`` runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(loop, "stop_signal", signum))
+    except ValueError:  # "signal only works in main thread of the main interpreter"
         return body()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(loop, "stop_signal", signum))
     try:
         return body()
     finally:

@@ -30,7 +30,7 @@ from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
 from rlcore.ops import selected_token_logprobs, token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore_fsdp2 import attention, checkpoint, lora, one_rank
-from rlcore_fsdp2.config import DTensorConfig
+from rlcore_fsdp2.config import DTensorConfig, apply_auto_layout
 from rlcore_fsdp2.optim import ShardLocalAdamW
 from rlcore_fsdp2.parallel_dims import ParallelDims
 from rlcore_fsdp2.parallelize import defer_grad_sync, hf_name, parallelize
@@ -57,6 +57,9 @@ class FSDP2Backend:
         check_world(world, "fsdp2 backend")
         self.config, self.cfg, self.world, self.policy = config, cfg, world, config.policy
         self.device = self._init_device(world)
+        self.hf_config = self._load_hf_config(hf_config)
+        cfg = self.cfg = apply_auto_layout(cfg, config, self.hf_config.to_dict(), world.world_size, self.device.type,
+                                           report=print if world.rank == 0 else lambda _: None)
         self.dims = ParallelDims.from_config(cfg.tensor_parallel_size, cfg.context_parallel_size, world.world_size)
         if self.policy.precision == "float16":
             raise ConfigError("policy.precision", "float16 is not supported by the fsdp2 backend (it has no loss "
@@ -64,7 +67,6 @@ class FSDP2Backend:
         self.compute_dtype = torch_dtype(self.policy.precision)
         # Master weights and gradient reduction stay in fp32 (fp64 for float64 runs).
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
-        self.hf_config = self._load_hf_config(hf_config)
         self.dims.check_model(self.hf_config)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.mesh["dp_shard"].get_local_rank()

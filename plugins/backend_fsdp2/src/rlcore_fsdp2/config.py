@@ -8,6 +8,8 @@ every error names the full key path.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 from attrs import field, frozen
 
@@ -38,6 +40,10 @@ class DTensorConfig:
     tensor/sequence parallelism inside each layer."""
 
     enabled: bool = field(default=True, metadata=doc("use this backend (a higher-precedence enabled backend wins)"))
+    layout: Literal["manual", "auto"] = field(default="manual", metadata=doc(
+        "'auto': the parallel sizes, sequence parallelism, recompute and offload this section leaves out are chosen by "
+        "rlcore's planner (rlcore.planning: the fastest layout predicted to fit); the keys it sets are kept"))
+    explicit_keys: frozenset = field(factory=frozenset, metadata={**doc("the keys the recipe set (filled in when read)"), "internal": True})
     cpu_offload: bool = field(default=False, metadata=doc("keep sharded params, grads and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy; CUDA only)"))
     sequence_parallel: bool = field(default=False, metadata=doc("shard norms and residuals over the sequence on the tensor-parallel ranks (needs tensor_parallel_size > 1)"))
     activation_checkpointing: bool = field(default=False, metadata=doc("recompute each decoder layer's activations in the backward pass"))
@@ -69,3 +75,18 @@ class DTensorConfig:
             raise ConfigError(f"{SECTION}.sequence_parallel", "needs tensor_parallel_size > 1 (it shards over the tensor-parallel ranks)")
         if self.custom_parallel_plan is not None and ":" not in self.custom_parallel_plan:
             raise ConfigError(f"{SECTION}.custom_parallel_plan", f"expected 'module:attr', got {self.custom_parallel_plan!r}")
+
+
+def apply_auto_layout(cfg: DTensorConfig, run, hf_config: dict, world_size: int, device: str, *, local_ranks: int | None = None,
+                      report=print) -> DTensorConfig:
+    """``layout: auto``: the planner's fastest fitting layout (rlcore.planning.runtime) for ``world_size`` ranks;
+    the keys the section sets are kept. Rank-independent, so every rank takes the same one."""
+    if cfg.layout != "auto":
+        return cfg
+    from rlcore.planning.runtime import choose, describe
+
+    best, runner_up = choose(run, hf_config, world_size, device, local_ranks=local_ranks)
+    lay = best.layout
+    report(f"rlcore-fsdp2: {describe(best, runner_up, world_size)}")
+    return attrs.evolve(cfg, tensor_parallel_size=lay.tp, sequence_parallel=lay.sp, activation_checkpointing=lay.recompute != "none",
+                        cpu_offload=lay.offload)

@@ -136,6 +136,10 @@ class MegatronConfig:
     """``policy.megatron_cfg``: Megatron-Core training backend (selected by ``enabled: true``)."""
 
     enabled: bool = field(default=False, metadata=doc("train with Megatron-Core"))
+    layout: Literal["manual", "auto"] = field(default="manual", metadata=doc(
+        "'auto': the parallel sizes, sequence parallelism, recompute and offload this section leaves out are chosen by "
+        "rlcore's planner (rlcore.planning: the fastest layout predicted to fit); the keys it sets are kept"))
+    explicit_keys: frozenset = field(factory=frozenset, metadata={**doc("the keys the recipe set (filled in when read)"), "internal": True})
     activation_checkpointing: Literal[False, True, "full", "selective"] = field(
         default=False, metadata=doc("recompute activations in backward: true/'full' = whole layers, 'selective' = core attention"))
     tensor_model_parallel_size: int = field(default=1, validator=_positive, metadata=doc("TP: shard matmuls over this many ranks"))
@@ -320,3 +324,20 @@ def _validate_layers(cfg: MegatronConfig, num_layers: int) -> None:
                           f"num_layers_in_first_pipeline_stage={first}, num_layers_in_last_pipeline_stage={last} leave "
                           f"{rest} of the model's {num_layers} layers for {middle_stages} middle stage(s) of "
                           f"pipeline_model_parallel_size={pp}; they must divide evenly")
+
+
+def apply_auto_layout(cfg: MegatronConfig, run, hf_config: dict, world_size: int, device: str, *, local_ranks: int | None = None,
+                      report=print) -> MegatronConfig:
+    """``layout: auto``: the planner's fastest fitting layout (rlcore.planning.runtime) for ``world_size`` ranks;
+    the keys the section sets are kept. Rank-independent, so every rank takes the same one."""
+    if cfg.layout != "auto":
+        return cfg
+    from rlcore.planning.runtime import choose, describe
+
+    best, runner_up = choose(run, hf_config, world_size, device, local_ranks=local_ranks)
+    lay = best.layout
+    report(f"rlcore-megatron: {describe(best, runner_up, world_size)}")
+    recompute = {"none": False, "full": "full", "selective": "selective"}[lay.recompute]
+    return attrs.evolve(cfg, tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp, context_parallel_size=lay.cp,
+                        expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp if lay.ep > 1 or lay.etp != lay.tp else None,
+                        sequence_parallel=lay.sp, activation_checkpointing=recompute)

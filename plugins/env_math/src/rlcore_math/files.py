@@ -35,7 +35,7 @@ from typing import Any
 from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Sample
 from rlcore.errors import DataError as CoreDataError
-from rlcore.row_limits import check_rows, text_problem
+from rlcore.runtime import check_rows, text_problem
 
 from rlcore_math.config import MathFilesDatasetConfig
 from rlcore_math.grading import hash_answer, last_boxed

@@ -29,11 +29,11 @@ _REAPER = None  # the process that ends this one's engines once it has died (one
 def reap_engines_with_this_process() -> None:
     """vLLM's engine core and workers (``VLLM::EngineCore``, ``VLLM::Worker``) are processes of their
     own; a driver killed with SIGKILL runs no handler that could stop them, and they would hold their
-    memory and cores for minutes. A small reaper process (:func:`rlcore.controller.ray_local.start_reaper`,
+    memory and cores for minutes. A small reaper process (:func:`rlcore.runtime.start_reaper`,
     the Ray path's) ends this process's descendants once it has died."""
     global _REAPER
     if _REAPER is None or _REAPER.poll() is not None:
-        from rlcore.controller.ray_local import start_reaper
+        from rlcore.runtime import start_reaper
 
         _REAPER = start_reaper(os.getpid())
 
