@@ -139,6 +139,9 @@ class GRPOLoop:
         record.update(self.lock_lag.take())
         record["step"] = p.step
         record["policy_version"] = self.learner.policy_version
+        # The prompts drawn up to this step's batch (a count over epochs): each step's batch is the
+        # range from the step before's, so a run's records show every prompt drawn once, in order.
+        record["data_position"] = self.checkpoints.data_position()
         p.records.append(record)
         record["time/elapsed_s"] = p.elapsed()  # before saving, so that a resumed run counts on from it
         if self.checkpoints.ckpt is not None and p.step % self.c.config.checkpointing.save_period == 0:

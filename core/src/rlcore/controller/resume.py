@@ -85,10 +85,14 @@ class LoopCheckpoints:
         resume_loggers(self.loggers, p.step, p.records)  # steps after the checkpoint are redone; missing ones restored
         print(f"resumed from {latest} at step {p.step}")
 
+    def data_position(self) -> int:
+        """Prompts drawn up to the batch trained on last: where a resumed run draws on from."""
+        return self.cursor.position if self.trained_position is None else self.trained_position
+
     def save(self) -> None:
         state = {
             "step": self.progress.step, "policy_version": self.learner.policy_version,
-            "data_position": self.cursor.position if self.trained_position is None else self.trained_position,
+            "data_position": self.data_position(),
             "records": self.progress.records,
             "nonfinite_in_a_row": self.learner.nonfinite_in_a_row, "rng": rng_state(), "run": self.identity,
         }
