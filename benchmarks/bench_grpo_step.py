@@ -11,6 +11,7 @@ model scores about 0, which changes nothing in the work a step does (responses r
     python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --config llama1b-megatron   # one H200
     python benchmarks/bench_grpo_step.py --tiny                                              # CPU check
     python benchmarks/bench_grpo_step.py --config llama1b-tool-sync --config llama1b-tool-async  # multi-turn
+    python benchmarks/bench_grpo_step.py --config llama1b-tool-async --config llama1b-tool-agent  # the agents' endpoint
     python benchmarks/bench_grpo_step.py --config llama1b-megatron --set policy.generation.experimental.engine_detokenize=true
     python benchmarks/bench_grpo_step.py --config llama1b-megatron-cp2 --max-new-tokens 16384 --mb-tokens 16448 --prompts 8
 
@@ -58,6 +59,9 @@ MOE_RUN = {"policy.train_global_batch_size": 128, "policy.megatron_cfg.empty_unu
            "policy.generation.gpu_memory_utilization": 0.3, "policy.generation.colocated.offload_trainer_state": True}
 TWO_CPU_RANKS = {"cluster.cpu_workers": 2, "cluster.use_ray": True, "policy.train_global_batch_size": 8}
 TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "grpo.val_period": 0}
+# The same workload as an agent through the OpenAI-compatible endpoint (bench_agent.py): against *-tool-async, the endpoint's overhead.
+TOOL_AGENT = {"env": {"name": "agent", "agent": {"function": f"{Path(__file__).with_name('bench_agent.py')}:agent", "max_turns": 3}},
+              "grpo.val_period": 0, "policy.generation.async_engine": True}
 
 ONE_STEP_OFF = {"algorithm.rollout_correction": {"preset": "token_tis"}}
 
@@ -131,6 +135,8 @@ CONFIGS = {
     "tiny-tool-async": ("tiny", "fsdp2", {**TOOL_ENV, "policy.generation.async_engine": True}),
     "llama1b-tool-sync": ("llama1b", "megatron", TOOL_ENV),
     "llama1b-tool-async": ("llama1b", "megatron", {**TOOL_ENV, "policy.generation.async_engine": True}),
+    "tiny-tool-agent": ("tiny", "fsdp2", TOOL_AGENT),
+    "llama1b-tool-agent": ("llama1b", "megatron", TOOL_AGENT),
     # Long context (issue 9): context parallelism 2 over the two GPUs of nvidia-h200-x2; run with
     # --max-new-tokens 16384 --mb-tokens 16448 --prompts 8 (16k-token sequences, 64 samples a step).
     # fsdp2 has no context parallelism (its config rejects context_parallel_size > 1).
@@ -393,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             get_plugin_manager().register_module(bench_multiturn_env)
             turns = tree["env"]["bench_tool"]["max_turns"]
             tree["policy"]["max_total_sequence_length"] = turns * (args.max_new_tokens + 64) + 64
+        if tree["env"]["name"] == "agent":
+            tree["policy"]["max_total_sequence_length"] = tree["env"]["agent"]["max_turns"] * (args.max_new_tokens + 64) + 64
         # A run directory holds one run (rlcore refuses to mix a second one in): each call is new.
         shutil.rmtree(tree["logger"]["log_dir"], ignore_errors=True)
         gpus = tree["cluster"]["gpus_per_node"] or 1

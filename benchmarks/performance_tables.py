@@ -104,6 +104,26 @@ def grpo_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def endpoint_table(rows: list[dict]) -> str:
+    """Each ``*-tool-agent`` row (an agent through the OpenAI-compatible endpoint) beside the
+    ``*-tool-async`` row of the same work and machine (``rlcore.rollout``): the endpoint's overhead."""
+    lines = ["| Config | Rollouts through | Step (s) | Generation | Endpoint overhead (step) | Command | Date | Machine | Commit |",
+             "|---|---|---:|---:|---:|---|---|---|---|"]
+    for agent in (r for r in rows if str(r["variant"]).endswith("-tool-agent")):
+        base_name = str(agent["variant"])[: -len("agent")] + "async"
+        same = [r for r in rows if r["variant"] == base_name and r["config"] == agent["config"] and machine(r) == machine(agent)]
+        if not same:
+            continue
+        base = same[-1]
+        for r, via in ((base, "`rlcore.rollout`"), (agent, "the endpoint")):
+            extra = ""
+            if r is agent:
+                extra = f"{agent['step_s'] - base['step_s']:+.2f} s ({100 * (agent['step_s'] / base['step_s'] - 1):+.1f}%)"
+            lines.append(f"| `{r['variant']}` | {via} | **{_f(r['step_s'])}** | {_f(r['generation_s'])} | {extra} | "
+                         f"`{grpo_command(r)}` | {r['date'][:10]} | {machine(r)} | `{str(r['commit'])[:7]}` |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def train_table(rows: list[dict]) -> str:
     lines = ["| Variant | Shape | Layout | GPUs | Step (s) | Tokens/s | MFU | Peak GiB | Command | Date | Machine | Commit |",
              "|---|---|---|---:|---:|---:|---:|---:|---|---|---|---|"]
@@ -126,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     print("### GRPO step, GPU\n\n" + grpo_table(plain) + "\n")
     print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain]) + "\n")
     print("### GRPO step, CPU (tiny shapes)\n\n" + grpo_table([r for r in steps if r not in gpu]) + "\n")
+    endpoint = endpoint_table(steps)
+    if endpoint:
+        print("### Agents through the endpoint (3-turn tool workload)\n\n" + endpoint + "\n")
     train = [r for r in newest(rows, "bench_train_megatron") if "cpu" not in r["machine"].lower()]
     print("### Training step alone (`bench_train_megatron.py`)\n\n" + train_table(train) + "\n")
     learned = [r for r in newest(rows, "learning") if r.get("steps")]

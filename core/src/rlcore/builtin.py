@@ -65,6 +65,9 @@ def rlcore_datasets(register):
 
 @hookimpl
 def rlcore_environments(register):
+    from rlcore.agents.config import AgentEnvConfig
     from rlcore.reward_model.config import RewardModelEnvConfig
 
     register("reward_model", "rlcore.reward_model.env:build", RewardModelEnvConfig, devices=("cpu", "cuda"))
+    register("agent", "rlcore.agents.environment:build", AgentEnvConfig, multi_turn=True, endpoint="openai",
+             requires=("fastapi", "uvicorn", "openai"))

@@ -85,6 +85,10 @@ class GenerationResult:
     # [len(prompt_ids) + len(response_ids) - 1, MoE layers, top-k], the experts each MoE layer chose
     # for every token fed to the model (the last sampled token never is). None: not reported.
     routed_experts: Any = None
+    # Earlier segments of an agent's trajectory whose history the agent rewrote (compaction, edits,
+    # a dropped ``<think>``): sequences of their own that train with this trajectory's reward and
+    # advantage (:mod:`rlcore.agents`). None: one sequence.
+    segments: list[GenerationResult] | None = None
 
 
 @attrs.define
@@ -338,6 +342,16 @@ class Generator(Protocol):
     def wake_up(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncTokenGenerator(Protocol):
+    """What the agents' endpoint (:mod:`rlcore.agents`) needs of a generator: token ids in, token ids
+    and their sampling logprobs out, many requests in flight. Every :class:`Generator` is one (vLLM's
+    async engine; the ``hf`` generator through a thread)."""
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """One response to ``prompt_ids`` (``params.n`` is 1), with ``response_logprobs`` of the sampled tokens."""
 
 
 @runtime_checkable

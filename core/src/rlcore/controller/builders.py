@@ -166,3 +166,18 @@ def build_environment(config: RunConfig, manager, given: dict) -> tuple[TimedEnv
         name, multi_turn = config.env.name, bool(reg.capabilities.get("multi_turn"))
     timed = TimedEnvironment(environment, name or type(environment).__name__, config.cluster.timeout_s, config.env.on_timeout)
     return timed, multi_turn
+
+
+def build_multi_turn_runner(generator, environment, tokenizer, config: RunConfig):
+    """The rollouts of a multi-turn environment: the ``agent`` environment's agents through the
+    endpoint (:mod:`rlcore.agents.runner`), any other turn by turn (:mod:`rlcore.rollout`)."""
+    from rlcore.agents.config import AgentEnvConfig
+
+    section = config.section(f"env.{config.env.name}")
+    if isinstance(section, AgentEnvConfig):
+        from rlcore.agents.runner import make_agent_runner
+
+        return make_agent_runner(generator, tokenizer, config, section)
+    from rlcore.rollout import make_multi_turn_runner
+
+    return make_multi_turn_runner(generator, environment, tokenizer, config)

@@ -13,8 +13,8 @@ from pathlib import Path
 from rlcore.config import RunConfig
 from rlcore.controller.async_driver import run_async
 from rlcore.controller.builders import (
-    build_algorithm, build_environment, build_generator, build_trainer, given_or_built_dataset, given_or_loaded_tokenizer,
-    pick_transport, resolve_old_logprobs,
+    build_algorithm, build_environment, build_generator, build_multi_turn_runner, build_trainer, given_or_built_dataset,
+    given_or_loaded_tokenizer, pick_transport, resolve_old_logprobs,
 )
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
@@ -58,9 +58,7 @@ def build_components(config: RunConfig, **given) -> Components:
     trainer = wrap_from_env(trainer)  # tests' RLCORE_FAULT: from here on every call may hit a rank
     multi_turn = None
     if multi_turn_env:
-        from rlcore.rollout import make_multi_turn_runner
-
-        multi_turn = make_multi_turn_runner(generator, environment, tokenizer, config)
+        multi_turn = build_multi_turn_runner(generator, environment, tokenizer, config)
     run_dir = Path(config.logger.log_dir)
     loggers = given.get("loggers")
     if loggers is None:

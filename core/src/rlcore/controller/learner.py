@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rlcore.agents.segments import with_segments
 from rlcore.controller.batching import Trajectory, to_sequence_batch
 from rlcore.controller.rollouts import reward_tensors
 from rlcore.controller.timing import StepTimer
@@ -35,7 +36,8 @@ class Learner:
 
     def batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
         """The training batch: group-relative advantages of the shaped rewards; trajectories the
-        algorithm filters (overlong) keep their place in their group's baseline, with no loss."""
+        algorithm filters (overlong) keep their place in their group's baseline, with no loss. An agent's
+        earlier segments (a rewritten history) follow as rows of their own with their trajectory's advantage."""
         rewards_N, groups_N, truncated_N = reward_tensors(trajectories)
         lengths_N = torch.tensor([len(t.result.response_ids) for t in trajectories])
         shaped_N = self.algorithm.shape_rewards(rewards_N, lengths_N, truncated_N)
@@ -44,7 +46,7 @@ class Learner:
         keep_N = self.algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
         for i in torch.nonzero(~keep_N).flatten().tolist():
             batch.loss_mask[i] = torch.zeros_like(batch.loss_mask[i])
-        return batch
+        return with_segments(batch, trajectories, advantages_N, keep_N, self.max_length)
 
     def add_logprobs(self, batch: SequenceBatch) -> None:
         """The logprobs the algorithm's loss reads besides the rollout's own."""
