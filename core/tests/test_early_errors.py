@@ -286,3 +286,22 @@ def test_a_preference_file_that_cannot_be_tokenized_names_the_row(tiny_tokenizer
     with pytest.raises(DataError, match=says) as failure:
         _preference(tiny_tokenizer, path)
     assert str(path) in str(failure.value)
+
+
+def test_the_group_size_check_leaves_the_runs_algorithm_untouched():
+    """The check asks a copy for advantages: an algorithm that records its calls sees only the steps'."""
+    from rlcore.algorithms.grpo import GRPO
+
+    class Recording(GRPO):
+        def __init__(self, config):
+            super().__init__(config)
+            self.seen = []
+
+        def advantages(self, rewards_N, group_ids_N):
+            self.seen.append(len(rewards_N))
+            return super().advantages(rewards_N, group_ids_N)
+
+    config, dataset, algorithm = _sized("grpo.num_prompts_per_step=4")
+    recording = Recording(algorithm.config)
+    check_run_sizes(config, dataset, recording)
+    assert recording.seen == []

@@ -106,10 +106,16 @@ def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
                 raise ConfigError(f"policy.sequence_packing.{key}", f"{budget} tokens cannot hold one sequence of "
                                   f"policy.max_total_sequence_length={policy.max_total_sequence_length}; raise it to at least that")
     G = loop.num_generations_per_prompt
+    import copy
+
     import torch
 
+    try:  # asked of a copy: an algorithm that records or counts its calls sees only the run's own
+        probe = copy.deepcopy(algorithm)
+    except Exception:  # noqa: BLE001 - an algorithm that cannot be copied is left to its first step
+        return
     try:
-        algorithm.advantages(torch.linspace(0.0, 1.0, G), torch.zeros(G, dtype=torch.long))
+        probe.advantages(torch.linspace(0.0, 1.0, G), torch.zeros(G, dtype=torch.long))
     except ValueError as exc:
         raise ConfigError("grpo.num_generations_per_prompt", f"{G} generations per prompt: algorithm "
                           f"'{getattr(algorithm, 'name', type(algorithm).__name__)}' refuses such groups ({exc})") from None
