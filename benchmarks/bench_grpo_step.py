@@ -71,6 +71,12 @@ CONFIGS = {
     "tiny-megatron": ("tiny", "megatron", {}),
     "llama1b-fsdp2": ("llama1b", "fsdp2", {}),
     "llama1b-megatron": ("llama1b", "megatron", {}),
+    # PPO (rlcore.algorithms.ppo): the same step with a critic of the policy's shape on the trainer's
+    # ranks, its values and critic-training phases timed beside the policy's (values_s, critic_train_s)
+    "tiny-fsdp2-ppo": ("tiny", "fsdp2", {"algorithm.name": "ppo"}),
+    "tiny-megatron-ppo": ("tiny", "megatron", {"algorithm.name": "ppo"}),
+    "llama1b-fsdp2-ppo": ("llama1b", "fsdp2", {"algorithm.name": "ppo"}),
+    "llama1b-megatron-ppo": ("llama1b", "megatron", {"algorithm.name": "ppo"}),
     "llama1b-fsdp2-compile": ("llama1b", "fsdp2", {"policy.dtensor_cfg.compile": True}),
     "llama1b-megatron-fp8": ("llama1b", "megatron", {"policy.megatron_cfg.fp8_cfg.enabled": True,
                                                      "policy.megatron_cfg.fp8_cfg.fp8_recipe": "delayed"}),
@@ -286,6 +292,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         "config": name, "gpus": gpus, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
         "refit_s": s.get("timing/refit"), "generation_s": s.get("timing/generation"), "logprobs_s": s.get("timing/logprobs"),
         "offload_s": s.get("timing/offload"),  # colocated.offload_trainer_state: both directions
+        "values_s": s.get("timing/values"), "critic_train_s": s.get("timing/critic_train"),  # ppo's critic phases
         "tokens_per_sample": tokens_per_sample,
         "gen_tokens_per_gpu_s": gen_tokens / (s["timing/total"] * gpus),
         "train_mfu": train_flops / (s["timing/training"] * (train_gpus or gpus) * PEAK_FLOPS) if s.get("timing/training") else None,

@@ -93,12 +93,17 @@ def _f(value, digits: int = 2) -> str:
 
 
 def grpo_table(rows: list[dict]) -> str:
-    lines = ["| Config | GPUs | Step (s) | Train | Refit | Generation | Logprobs | Tokens/sample | Gen tok/GPU-s | Train MFU | "
-             "Command | Date | Machine | Commit |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
+    """NeMo-RL's step-time columns; PPO rows (a critic's ``values_s``) add Values and Critic after Logprobs."""
+    critic = any(r.get("values_s") is not None for r in rows)
+    extra = "Values | Critic | " if critic else ""
+    lines = [f"| Config | GPUs | Step (s) | Train | Refit | Generation | Logprobs | {extra}Tokens/sample | Gen tok/GPU-s | "
+             "Train MFU | Command | Date | Machine | Commit |",
+             "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if critic else "") + "---:|---:|---:|---|---|---|---|"]
     for r in rows:
         mfu = f"{100 * r['train_mfu']:.1f}%" if r.get("train_mfu") else ""
+        phases = f"{_f(r.get('values_s'))} | {_f(r.get('critic_train_s'))} | " if critic else ""
         lines.append(f"| `{r['variant']}` | {r['gpus']} | **{_f(r['step_s'])}** | {_f(r['train_s'])} | {_f(r['refit_s'])} | "
-                     f"{_f(r['generation_s'])} | {_f(r.get('logprobs_s'))} | {_f(r.get('tokens_per_sample'), 0)} | "
+                     f"{_f(r['generation_s'])} | {_f(r.get('logprobs_s'))} | {phases}{_f(r.get('tokens_per_sample'), 0)} | "
                      f"{_f(r.get('gen_tokens_per_gpu_s'), 0)} | {mfu} | `{grpo_command(r)}` | {r['date'][:10]} | "
                      f"{machine(r)} | `{str(r['commit'])[:7]}` |")
     return "\n".join(lines)
@@ -141,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     steps = newest(rows, "bench_grpo_step")
+    ppo = [r for r in steps if r.get("values_s") is not None]  # a critic's phases: PPO's own table
+    steps = [r for r in steps if r not in ppo]
     gpu = [r for r in steps if "cpu" not in r["machine"].lower()]
     plain = [r for r in gpu if "[" not in r["variant"]]
     print("### GRPO step, GPU\n\n" + grpo_table(plain) + "\n")
+    print("### PPO step (a critic beside the policy)\n\n" + grpo_table(ppo) + "\n")
     print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain]) + "\n")
     print("### GRPO step, CPU (tiny shapes)\n\n" + grpo_table([r for r in steps if r not in gpu]) + "\n")
     endpoint = endpoint_table(steps)

@@ -221,3 +221,19 @@ def test_tool_calls_parse_from_both_template_formats():
     assert content == "" and json.loads(calls[0]["function"]["arguments"]) == {"expression": "3*4"}
     assert parse_tool_calls('{"answer": 12}', "call-k") == ('{"answer": 12}', [])
     assert parse_tool_calls("<tool_call>{not json}</tool_call>", "call-k") == ("<tool_call>{not json}</tool_call>", [])
+
+
+def test_segments_carry_their_trajectorys_reward_to_a_critic(tokenizers):
+    """ppo: the critic's per-token targets start from each batch row's sequence reward; an earlier
+    segment's is its trajectory's (Learner.batch_and_rewards)."""
+    from rlcore.algorithms.config import PPOConfig
+    from rlcore.algorithms.ppo import PPO
+    from rlcore.controller.batching import Trajectory
+    from rlcore.controller.learner import Learner
+
+    tok = tokenizers["qwen2"]
+    engine = ScriptedEngine(tok, "qwen2", ["a is 1.", "b is 2.", "c is 3.", "d is 4."] * 2)
+    runner, _ = run_agent(tok, engine, rewriting_agent, n=2)
+    trajs = [Trajectory(t.sample, 0, t.result, reward) for t, reward in zip(runner.last_trajectories[0], (1.0, 0.25))]
+    batch, rewards_N = Learner(None, PPO(PPOConfig()), 4096, 3).batch_and_rewards(trajs)
+    assert len(batch) == 4 and rewards_N.tolist() == [1.0, 0.25, 1.0, 0.25]

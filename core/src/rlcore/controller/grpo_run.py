@@ -11,10 +11,11 @@ import signal
 from pathlib import Path
 
 from rlcore.config import RunConfig
+from rlcore.controller import critic_step
 from rlcore.controller.async_driver import run_async
 from rlcore.controller.builders import (
-    build_algorithm, build_environment, build_generator, build_multi_turn_runner, build_trainer, given_or_built_dataset,
-    given_or_loaded_tokenizer, pick_transport, resolve_old_logprobs,
+    build_algorithm, build_critic, build_environment, build_generator, build_multi_turn_runner, build_trainer,
+    given_or_built_dataset, given_or_loaded_tokenizer, pick_transport, resolve_old_logprobs,
 )
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
@@ -52,6 +53,7 @@ def build_components(config: RunConfig, **given) -> Components:
     check_run_sizes(config, dataset, algorithm)
     placement = plan_placement(config)
     trainer = build_trainer(config, manager, placement, given.get("backend"))
+    critic = build_critic(config, manager, algorithm, trainer, placement, given.get("backend"))  # ppo's value model
     generator = build_generator(config, manager, placement, given)
     transport = pick_transport(manager, trainer, generator, config)
     print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
@@ -65,7 +67,22 @@ def build_components(config: RunConfig, **given) -> Components:
         loggers = build_loggers(config, run_dir)
     reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
-                      teacher=teacher)
+                      teacher=teacher, critic=critic)
+
+
+def export_critic(components: Components, run_dir: Path) -> None:
+    """ppo: the critic as a Hugging Face checkpoint in ``<run_dir>/critic``; with
+    ``offload_trainer_state`` its state comes back for it while the engines sleep."""
+    if components.critic is None:
+        return
+    offloaded = components.config.generation.colocated.offload_trainer_state
+    if offloaded:
+        components.generator.sleep()
+    try:
+        critic_step.export_at_end(components.critic, run_dir, offloaded)
+    finally:
+        if offloaded:
+            components.generator.wake_up()
 
 
 def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dict:
@@ -77,9 +94,12 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
     try:
         with components.reporter:
             records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
+        export_critic(components, run_dir)
     finally:
         for logger in components.loggers:
             logger.close()
+        if components.critic is not None:
+            components.critic.shutdown()
         components.trainer.shutdown()
         if "generator" not in given:
             components.generator.shutdown()
@@ -90,7 +110,7 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
     last_val = next((r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r), None)
     summary.update({"val/accuracy_first": first_val, "val/accuracy_last": last_val, "steps": loop.step, "run_id": owner.run_id,
                     "stopped_by_signal": None if loop.stop_signal is None else signal.Signals(loop.stop_signal).name})
-    components.reporter.console.print(summary_table(summary, f"GRPO summary (mean of steps {summary.get('window_first')}-{summary.get('window_last')})"))
+    components.reporter.console.print(summary_table(summary, f"{components.algorithm.name.upper()} summary (mean of steps {summary.get('window_first')}-{summary.get('window_last')})"))
     plot = plot_curves(records, run_dir / "curves.png") if config.logger.plot else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return {"summary": summary, "records": records, "run_dir": str(run_dir), "plot": str(plot) if plot else None}
