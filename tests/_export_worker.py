@@ -70,7 +70,7 @@ def save_layouts(rank: int, world: int, model_dir: str, out: Path) -> None:
         if rank == 0:
             CheckpointManager(checkpoint_root(config), 1).save(1, ranks_ready, {"step": 1, "run": identity})
         else:
-            ranks_ready(str(checkpoint_root(config) / "step_000001.tmp" / "backend"))
+            ranks_ready(str(checkpoint_root(config) / f"step_000001.tmp.{name}" / "backend"))  # the run id names it
         backend.export_hf(str(log_dir / "reference"))
         backend.shutdown()
         dist.barrier()

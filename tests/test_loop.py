@@ -96,6 +96,7 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model_dir, straight_run, t
     a, b = load_records(straight_run), load_records(killed_dir)
     lines = [json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4], "each step once, the resumed run's records after the killed run's"
+    assert [r["data_position"] for r in lines] == [4, 8, 12, 16], "four prompts a step, none skipped, none twice"
     assert len({r["run_id"] for r in lines}) == 1 and lines[0]["run_id"], "a resumed run keeps its run id"
     straight_summary = json.loads((straight_run / "summary.json").read_text())
     resumed_summary = json.loads((killed_dir / "summary.json").read_text())

@@ -168,6 +168,12 @@ class _FakeGenerator:
     def __init__(self, config, section, placement):
         _Recorded.placements.append(("generator", placement))
 
+    def generate(self, prompts, params):  # the protocol's members (checked when built); never called here
+        raise NotImplementedError
+
+    def update_weights(self, chunks):
+        raise NotImplementedError
+
 
 class _BoundaryPlugin:
     @staticmethod

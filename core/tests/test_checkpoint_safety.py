@@ -33,7 +33,8 @@ def _load_backend(path) -> None:
 
 
 def _state(step: int) -> dict:
-    return {"step": step, "records": [{"step": s, "timing/total": 1.0} for s in range(1, step + 1)], "rng": rng_state(),
+    return {"step": step, "data_position": 4 * step, "records": [{"step": s, "timing/total": 1.0} for s in range(1, step + 1)],
+            "rng": rng_state(),
             "run": {"run_id": "r1", "log_dir": "x", "fingerprint": {"grpo.seed": "1"}}}
 
 

@@ -113,3 +113,24 @@ def test_the_probe_scores_before_a_waiting_rollout_thread_generates():
     producer.join(5)
     assert order == ["transfer", "score", "generate"]
     assert metrics["refit/probe_mean_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
+
+
+def test_a_sequence_that_fills_the_length_limit_is_probed_on_its_scorable_tokens():
+    """A generator scores by prefilling a sequence and sampling one token more, so it takes at most
+    limit - 1 tokens (vLLM: "need 2..limit-1"); a rollout at the limit is probed on those."""
+    refitter, batch = probe_refitter(generator_shift=0.01)
+    limit = max(batch.lengths())  # the first sequence (2 + 3 tokens) fills it
+    refitter.max_len = limit
+    scorer = refitter.generator
+
+    def score_like_an_engine(sequences):
+        for i, seq in enumerate(sequences):
+            if not 2 <= len(seq) <= limit - 1:
+                raise ValueError(f"score: sequence {i} has {len(seq)} tokens; need 2..{limit - 1}")
+        return [row[: len(seq)] for row, seq in zip(scorer.score(sequences), sequences)]
+
+    refitter.generator = SimpleNamespace(score=score_like_an_engine)
+    refitter.trainer = SimpleNamespace(logprobs=lambda probe, what: [t[: len(ids)] for t, ids in zip(
+        Scorer([2, 1], 0.0).logprobs(probe, what), probe.input_ids)])
+    metrics = refitter.refit(batch, StepTimer(), 3)
+    assert metrics["refit/probe_mean_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)

@@ -168,8 +168,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from rlcore.evaluation import evaluate, write_summary
+    from rlcore.evaluation import check_eval_options, evaluate, write_summary
 
+    check_eval_options(args.batch_size, args.out)  # before the evaluation, whose result a bad --out would lose
     summary = evaluate(args.model, args.recipe, args.overrides, k=args.k, num_samples=args.samples,
                        batch_size=args.batch_size, progress=not args.no_progress)
     print(write_summary(summary, args.out))

@@ -18,6 +18,7 @@ directory by :func:`rlcore.export.export_checkpoint`.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -102,6 +103,7 @@ def evaluate_model(model_dir: str, recipe: str, overrides: list[str] = (), *, k:
 
     if k < 1:
         raise ConfigError("--k", f"must be at least 1, got {k}")
+    check_eval_options(batch_size, None)
     n = num_samples or k
     if n < k:
         raise ConfigError("--samples", f"pass@{k} needs at least {k} samples per prompt, got {n}")
@@ -158,6 +160,22 @@ def evaluate(model: str, recipe: str, overrides: list[str] = (), **kwargs) -> di
         summary = evaluate_model(done["out"], recipe, overrides, **kwargs)
     summary.update(model=str(model), exported_from=done["checkpoint"])
     return summary
+
+
+def check_eval_options(batch_size: int, out: str | None) -> None:
+    """``--batch-size`` and ``--out`` checked before any model is loaded: a bad one would otherwise
+    fail after the whole evaluation (``--out``: with its result lost)."""
+    if batch_size < 1:
+        raise ConfigError("--batch-size", f"must be at least 1, got {batch_size}")
+    if out is None:
+        return
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise ConfigError("--out", f"{out} is a directory; give a file path for the JSON summary")
+    if not path.parent.is_dir():
+        raise ConfigError("--out", f"{out}: its directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError("--out", f"{out} cannot be written (no permission)")
 
 
 def write_summary(summary: dict, path: str | None) -> str:

@@ -2,8 +2,10 @@
 
 ``CHECKPOINT`` is a step directory (``<log_dir>/checkpoints/step_000040``), a checkpoints root
 (its newest complete step is taken) or a run directory (``logger.log_dir``: its checkpoints
-root). The run's resolved ``config.yaml`` says which backend wrote it and from which model; it
-is found through the checkpoint's loop state (the run's ``logger.log_dir``) or two levels up.
+root). The run's resolved config says which backend wrote it and from which model: the copy
+the checkpoint's loop state carries, or (checkpoints of older versions) the ``config.yaml`` two
+levels up, in the run directory that holds it. A path named inside the checkpoint is never
+followed: a copied or crafted checkpoint cannot make export read another run's files.
 The backend plugin that wrote the checkpoint reads its model part in this one process
 (:func:`rlcore.hookspecs.rlcore_export_checkpoint`), whatever TP/PP/EP layout it was saved
 with, and writes safetensors, ``config.json`` and the tokenizer.
@@ -11,9 +13,12 @@ with, and writes safetensors, ``config.json`` and the tokenizer.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from rlcore.config import ConfigError, RunConfig, load_config
+import yaml
+
+from rlcore.config import ConfigError, RunConfig, build_config, load_config
 from rlcore.controller.checkpoint import CheckpointManager
 from rlcore.errors import CheckpointError
 
@@ -33,7 +38,7 @@ def find_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint not found: {path}")
     if (path / "loop_state.pt").is_file():
         return path
-    if path.name.endswith(".tmp"):
+    if re.search(r"\.tmp(\.|$)", path.name):
         raise CheckpointError(f"{path} is an unfinished checkpoint (its save never completed); use a complete step_N")
     for root in (path, path / "checkpoints"):
         latest = CheckpointManager(root, keep_last_k=1).latest()
@@ -45,20 +50,44 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def run_config_for(step_dir: Path, overrides: list[str] = ()) -> RunConfig:
     """The config of the run that wrote ``step_dir`` (with ``overrides``, e.g. a moved ``policy.model_name``)."""
-    candidates = []
     try:
-        log_dir = (CheckpointManager.load_loop_state(step_dir).get("run") or {}).get("log_dir")
+        carried = (CheckpointManager.load_loop_state(step_dir).get("run") or {}).get("config")
     except Exception as exc:  # noqa: BLE001 - a damaged loop state still leaves the run directory to try
         print(f"warning: {step_dir / 'loop_state.pt'} does not load ({exc}); looking for the run's config beside it", flush=True)
-        log_dir = None
-    if log_dir:
-        candidates.append(Path(log_dir) / RUN_CONFIG)
-    candidates.append(step_dir.parent.parent / RUN_CONFIG)
-    for candidate in candidates:
-        if candidate.is_file():
-            return load_config(candidate, list(overrides))
-    raise CheckpointError(f"the run config of {step_dir} was not found (looked for {', '.join(map(str, candidates))}); "
-                          "it is the config.yaml rlcore run writes into logger.log_dir")
+        carried = None
+    if isinstance(carried, str):
+        try:
+            data = yaml.safe_load(carried)
+        except yaml.YAMLError as exc:
+            raise CheckpointError(f"{step_dir / 'loop_state.pt'}: the run config it carries is not valid YAML ({exc})") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{step_dir / 'loop_state.pt'}: the run config it carries is not a mapping")
+        try:
+            return build_config(data, list(overrides))
+        except ConfigError as exc:
+            raise ConfigError(exc.key, f"{exc.message} (the run config carried by {step_dir})") from exc
+    beside = step_dir.parent.parent / RUN_CONFIG
+    if beside.is_file():
+        return load_config(beside, list(overrides))
+    raise CheckpointError(f"the run config of {step_dir} was not found: its loop state carries none (written by an older "
+                          f"rlcore) and there is no {beside}; copy the run's config.yaml there")
+
+
+def check_writable_target(out: Path) -> None:
+    """``out`` must be an empty (or new) directory this process can write, checked before any work."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("", f"export target {out} already exists and is not an empty directory; choose another OUT")
+    existed = out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".rlcore-write-check"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("", f"export target {out} cannot be written ({exc.strerror or exc}); choose a writable OUT") from None
+    finally:
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[str] = ()) -> dict:
@@ -69,8 +98,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[s
 
     step_dir = find_checkpoint(checkpoint)
     out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError("", f"export target {out} already exists and is not an empty directory; choose another OUT")
+    check_writable_target(out)
     config = run_config_for(step_dir, overrides)
     check_model_name(config)  # its config.json and tokenizer are the export's; moved? override policy.model_name
     manager = get_plugin_manager()

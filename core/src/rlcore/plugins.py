@@ -84,7 +84,27 @@ class Registration:
                     f"{self.kind} '{self.name}' from {self.source.describe()}: "
                     f"cannot import factory '{self.factory}': {exc!r}"
                 ) from exc
-        return factory(*args, **kwargs)
+        return self._checked(factory(*args, **kwargs))
+
+    def _checked(self, built: Any) -> Any:
+        """What the factory returned, refused at build time (naming the plugin and what it returned)
+        unless it has the members every run uses of its kind's protocol (environments, generators,
+        loggers): a wrong object would otherwise fail at the first call, or, for an environment,
+        score every rollout 0 as "errors" in a run that exits 0."""
+        from rlcore.controller.given import BUILT_CHECKS, missing_members
+
+        check = BUILT_CHECKS.get(self.kind)
+        if check is None:
+            return built
+        protocol, members = check
+        missing = missing_members(built, members) if built is not None else list(members)
+        if missing:
+            shown = repr(built)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise PluginError(f"{self.kind} '{self.name}' from {self.source.describe()}: its factory returned "
+                              f"{type(built).__name__} {shown}, which has no {', '.join(missing)}; it must return an "
+                              f"object following rlcore.interfaces.{protocol.__name__}")
+        return built
 
 
 def _check_capabilities(capabilities: dict[str, Any], where: str) -> None:

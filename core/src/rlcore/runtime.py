@@ -4,13 +4,15 @@
 stable face of the parts of it that plugin code needs:
 
 - processes: :func:`init_distributed` (one rank's ``torch.distributed`` group, the device bound),
-  :func:`start_local_ray` (a loopback-only Ray instance that ends with its driver);
+  :func:`start_local_ray` (a loopback-only Ray instance that ends with its driver),
+  :func:`start_reaper` (a small process that ends a driver's descendants once the driver has died);
 - worker pools: :class:`LocalTrainer` (a backend's ranks in this process) and
   :class:`RayTrainerGroup` (one Ray actor per rank), both :class:`~rlcore.interfaces.TrainerHandle`;
   :func:`plan_placement` (where trainer ranks and generator go, from the run's config);
 - refit and data helpers: :class:`StreamTransport` (weights streamed chunk by chunk into a
   generator), :func:`sampling_params`, :class:`Trajectory`, :func:`to_sequence_batch`;
-- checkpoints and checks: :class:`CheckpointManager`, :func:`check_prompt_lengths`;
+- checkpoints and checks: :class:`CheckpointManager`, :func:`check_prompt_lengths`, :func:`check_rows` and
+  :func:`text_problem` (a data file's rows bounded and its text checked before a library parses it);
 - timing: :class:`StepTimer`, :func:`summarize` (the step-time means ``summary.json`` reports).
 
 :data:`PUBLIC_MODULES` lists every ``rlcore`` module that plugins and examples may import (a test
@@ -24,14 +26,15 @@ from rlcore.controller.builders import StreamTransport
 from rlcore.controller.checkpoint import CheckpointManager
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_prompt_lengths
-from rlcore.controller.ray_local import start_local_ray
+from rlcore.controller.ray_local import start_local_ray, start_reaper
 from rlcore.controller.timing import StepTimer, summarize
 from rlcore.controller.workers import LocalTrainer, RayTrainerGroup, init_distributed
+from rlcore.row_limits import check_rows, text_problem
 
 __all__ = [
     "PUBLIC_MODULES", "CheckpointManager", "LocalTrainer", "RayTrainerGroup", "StepTimer", "StreamTransport", "Trajectory",
-    "check_prompt_lengths", "init_distributed", "plan_placement", "sampling_params", "start_local_ray", "summarize",
-    "to_sequence_batch",
+    "check_prompt_lengths", "check_rows", "init_distributed", "plan_placement", "sampling_params", "start_local_ray",
+    "start_reaper", "summarize", "text_problem", "to_sequence_batch",
 ]
 
 # Modules (and, with a trailing ".", packages with all their modules) that plugin and example code may import.

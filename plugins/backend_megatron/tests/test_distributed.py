@@ -16,6 +16,15 @@ ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
+# Weights after one Adam step, compared between two paths that are equal up to fp32 rounding: Adam
+# moves each weight by lr * g / (|g| + eps), about lr whatever the gradient's size, so a rounding
+# difference d in a gradient entry near zero moves that weight by up to lr * d / eps (here eps 1e-6,
+# d up to ~5e-8 for these gradients' sums): agreement within 5% of lr. A wrong or missing update
+# moves a weight by about lr, 20 times that.
+ADAM_LR = 1e-3  # dist_worker.backend_for's optimizer (adam_eps 1e-6)
+WEIGHTS_TOL = 0.05 * ADAM_LR
+
+
 @pytest.fixture(scope="module")
 def results(tiny_model_factory, tmp_path_factory):
     models = {a: str(tiny_model_factory(a, hidden_size=256, num_heads=4, num_kv_heads=2)) for a in ARCHS}
@@ -59,7 +68,7 @@ def test_training_step_matches_plain_pytorch_adamw(results):
     assert value(results, "train_loss_diff") < 1e-6
     assert value(results, "grad_norm_rel_diff") < 1e-5
     assert value(results, "train_weight_change") > 5e-4  # the step really moved the weights
-    assert value(results, "train_weight_diff") < 1e-5
+    assert value(results, "train_weight_diff") < WEIGHTS_TOL
     assert value(results, "num_micro_batches") >= 2
 
 
@@ -68,7 +77,7 @@ def test_training_step_matches_fsdp2_backend(results):
         pytest.skip(results["fsdp2_compare"])
     assert value(results, "fsdp2_compare_change") > 5e-4
     assert value(results, "fsdp2_compare_loss") < 1e-6
-    assert value(results, "fsdp2_compare_weights") < 1e-5
+    assert value(results, "fsdp2_compare_weights") < WEIGHTS_TOL
 
 
 def test_export_reloads_into_transformers(results):
@@ -102,7 +111,7 @@ def test_parallel_layouts_train_like_one_process(results, variant):
     # (all-gathered K/V), full/selective recompute: one optimizer step equals the plain single-process step.
     assert value(results, f"train_{variant}_loss") < 1e-5
     assert value(results, f"train_{variant}_grad_norm") < 1e-5
-    assert value(results, f"train_{variant}_weights") < 1e-5
+    assert value(results, f"train_{variant}_weights") < WEIGHTS_TOL
 
 
 def test_ep2_grouped_mm_experts_equal_the_expert_loop_and_resume(results):
@@ -115,7 +124,7 @@ def test_ep2_grouped_mm_experts_equal_the_expert_loop_and_resume(results):
     assert value(results, "grouped_mm_ep2_grad_norm") < 1e-5
     assert value(results, "grouped_mm_ep2_names_equal") == 1.0
     assert value(results, "grouped_mm_ep2_change") > 5e-4  # the step really moved the weights
-    assert value(results, "grouped_mm_ep2_weights") < 1e-5
+    assert value(results, "grouped_mm_ep2_weights") < WEIGHTS_TOL
     assert value(results, "grouped_mm_ep2_resume") == 0.0
     assert value(results, "grouped_mm_ep2_into_loop_ep1") == 0.0  # resharded from EP=2 into the loop at EP=1
 
@@ -136,4 +145,4 @@ def test_output_layer_on_the_loss_rows_equals_every_row(results, layout):
     assert value(results, f"{key}_change") > 5e-4  # the step really moved the weights
     assert value(results, f"{key}_loss") < 1e-6
     assert value(results, f"{key}_grad_norm") < 1e-6
-    assert value(results, f"{key}_weights") < 1e-6
+    assert value(results, f"{key}_weights") < WEIGHTS_TOL

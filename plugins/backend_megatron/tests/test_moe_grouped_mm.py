@@ -58,7 +58,9 @@ def test_grouped_mm_logprobs_and_training_step_equal_the_expert_loop(trained):
     assert abs(loop["metrics"]["loss"] - grouped["metrics"]["loss"]) < 1e-5
     assert abs(loop["metrics"]["grad_norm"] - grouped["metrics"]["grad_norm"]) / loop["metrics"]["grad_norm"] < 1e-5
     assert set(loop["weights"]) == set(grouped["weights"])  # the same per-expert Hugging Face names
-    assert max(float((loop["weights"][k] - grouped["weights"][k]).abs().max()) for k in loop["weights"]) < 1e-5
+    # one Adam step (lr 1e-3, eps 1e-6): rounding of near-zero gradients moves weights by up to ~5% of lr
+    # (test_distributed.WEIGHTS_TOL says why); a wrong update moves them by about lr
+    assert max(float((loop["weights"][k] - grouped["weights"][k]).abs().max()) for k in loop["weights"]) < 0.05 * 1e-3
     assert max_diff(loop["after"], grouped["after"]) < 1e-5
     assert max_diff(grouped["before"], grouped["after"]) > 1e-4  # the step moved the weights
 

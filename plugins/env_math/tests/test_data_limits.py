@@ -63,3 +63,26 @@ def test_prompts_with_no_room_for_a_response_are_dropped_at_load_naming_rows(tin
     with pytest.raises(ConfigError) as failure:
         check_prompt_lengths(ds, _config(limit, "error"))
     assert failure.value.key == "policy.max_total_sequence_length" and "line 3" in str(failure.value)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".parquet"])
+def test_a_huge_row_of_a_json_or_parquet_file_is_refused_naming_it(tiny_tokenizer, tmp_path, suffix):
+    rows = GSM8K[:1] + [{"question": "x" * (3 << 20), "answer": "#### 1"}] + GSM8K[1:2]
+    path = tmp_path / f"big{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DataError) as failure:
+        build(tiny_tokenizer, tmp_path, name="math_jsonl", train_files=[str(path)], max_line_bytes=1 << 20)
+    assert f"{path}, row 1" in str(failure.value) and "data.max_line_bytes" in str(failure.value)
+
+
+def test_a_lone_surrogate_is_refused_naming_the_line(tiny_tokenizer, tmp_path):
+    path = tmp_path / "surrogate.jsonl"
+    path.write_text(json.dumps(GSM8K[0]) + "\n" + '{"question": "what is \\udc80?", "answer": "#### 2"}\n')
+    with pytest.raises(DataError, match="line 2.*lone surrogate"):
+        build(tiny_tokenizer, tmp_path, name="math_jsonl", train_files=[str(path)])

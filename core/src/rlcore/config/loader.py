@@ -94,15 +94,55 @@ def build_config(data: dict, overrides: list[str] = (), manager: PluginManager |
     )
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """Safe YAML that refuses what a recipe never needs and only ever hides a mistake: a key given
+    twice in one mapping (YAML keeps the last, silently), and aliases (``*name``), which are
+    expanded into the resolved config each time they are used (a small file can expand to
+    gigabytes)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ConfigError("", f"line {event.start_mark.line + 1}: YAML alias *{event.anchor} is not allowed in a "
+                              "recipe; write the values out (or use a dotted override)")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(str(key), f"given twice in one mapping (lines {seen[key]} and {line}); keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_recipe_yaml(path: Path) -> Any:
+    """A recipe file's YAML: UTF-8 text, no duplicate keys, no aliases (errors name the file and line)."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError("", f"{path}: not a UTF-8 text file (byte 0x{raw[exc.start]:02x} on line {line}); a recipe "
+                          "is YAML text") from None
+    if "\x00" in text:
+        raise ConfigError("", f"{path}: holds NUL bytes; a recipe is YAML text, not a binary file")
+    try:
+        return yaml.load(text, Loader=_RecipeLoader) or {}  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as exc:
+        raise ConfigError(exc.key, f"{path}: {exc.message}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"{path}: invalid YAML: {exc}") from exc
+
+
 def load_config(path: str | os.PathLike, overrides: list[str] = (), manager: PluginManager | None = None) -> RunConfig:
     """Read a YAML recipe, apply ``a.b.c=value`` overrides and validate it all."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("", f"recipe not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError("", f"{path}: invalid YAML: {exc}") from exc
+    data = read_recipe_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError("", f"{path}: a recipe must be a mapping at the top level")
     try:

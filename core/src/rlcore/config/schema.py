@@ -20,6 +20,16 @@ _positive = attrs.validators.gt(0)
 _non_negative = attrs.validators.ge(0)
 
 
+def _betas(instance, attribute, value) -> None:
+    if not all(0.0 <= b < 1.0 for b in value):
+        raise ValueError(f"'{attribute.name}' must both be in [0, 1) (Adam's moving-average factors), got {list(value)}")
+
+
+def _window(instance, attribute, value) -> None:
+    if value is not None and not 1 <= value[0] <= value[1]:
+        raise ValueError(f"'{attribute.name}' must be [first, last] steps with 1 <= first <= last, got {list(value)}")
+
+
 @frozen
 class OptimizerConfig:
     """AdamW settings used by backends that do not bring their own optimizer block."""
@@ -27,7 +37,7 @@ class OptimizerConfig:
     lr: float = field(default=1e-6, validator=_positive, metadata=doc("peak learning rate"))
     min_lr: float = field(default=0.0, validator=_non_negative, metadata=doc("floor of the decay schedule"))
     weight_decay: float = field(default=0.01, validator=_non_negative, metadata=doc("decoupled weight decay"))
-    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=doc("Adam beta1, beta2"))
+    betas: tuple[float, float] = field(default=(0.9, 0.999), validator=_betas, metadata=doc("Adam beta1, beta2, each in [0, 1)"))
     eps: float = field(default=1e-8, validator=_positive, metadata=doc("Adam epsilon"))
 
 
@@ -80,7 +90,8 @@ class PolicyConfig:
     )
     train_micro_batch_size: int = field(default=4, validator=_positive, metadata=doc("sequences per micro-batch without packing"))
     logprob_batch_size: int = field(default=8, validator=_positive, metadata=doc("sequences per logprob micro-batch without packing"))
-    max_grad_norm: float | None = field(default=1.0, metadata=doc("gradient clipping; None disables"))
+    max_grad_norm: float | None = field(default=1.0, validator=attrs.validators.optional(_positive),
+                                        metadata=doc("gradient clipping at this norm (> 0); None disables"))
     optimizer: OptimizerConfig = field(factory=OptimizerConfig, metadata=doc("AdamW"))
     scheduler: SchedulerConfig = field(factory=SchedulerConfig, metadata=doc("learning-rate schedule"))
     sequence_packing: SequencePackingConfig = field(factory=SequencePackingConfig, metadata=doc("packing"))
@@ -105,11 +116,12 @@ class LoopConfig:
     val_period: int = field(default=0, validator=_non_negative, metadata=doc("validate every N steps; 0 disables"))
     val_at_start: bool = field(default=False, metadata=doc("validate before the first step"))
     max_val_samples: int = field(default=256, validator=_positive, metadata=doc("held-out prompts per validation"))
-    seed: int = field(default=42, metadata=doc("seed of data order, sampling and init"))
+    seed: int = field(default=42, validator=[_non_negative, attrs.validators.lt(2**32)],
+                      metadata=doc("seed of data order, sampling and init (0 to 2**32-1: numpy's range)"))
     deterministic: bool = field(default=False, metadata=doc("deterministic kernels and sampling (resume equals uninterrupted)"))
     async_grpo: AsyncConfig = field(factory=AsyncConfig, metadata=doc("async mode"))
     max_consecutive_nonfinite: int = field(default=3, validator=_positive, metadata=doc("stop after this many non-finite losses in a row"))
-    summary_window: tuple[int, int] | None = field(default=None, metadata=doc("steps [first, last] averaged in the final summary; None = all but the first"))
+    summary_window: tuple[int, int] | None = field(default=None, validator=_window, metadata=doc("steps [first, last] averaged in the final summary (1 <= first <= last); None = all but the first"))
 
 
 @frozen
@@ -135,7 +147,7 @@ class CheckpointingConfig:
     checkpoint_dir: str | None = field(default=None, metadata=doc("where; None = <logger.log_dir>/checkpoints, so a run resumes only its own"))
     save_period: int = field(default=10, validator=_positive, metadata=doc("every N steps"))
     keep_last_k: int = field(default=2, validator=_positive, metadata=doc("older ones are deleted"))
-    resume: bool = field(default=True, metadata=doc("continue from the newest checkpoint that loads, if any (it must be this run's: same model, data, algorithm, seed)"))
+    resume: bool = field(default=True, metadata=doc("continue from the newest checkpoint that loads, if any (it must be this run's: the same config but run length, logging, checkpointing, validation and cluster keys)"))
 
 
 @frozen

@@ -11,6 +11,7 @@ the type of the field they land in.
 from __future__ import annotations
 
 import difflib
+import math
 import types
 import typing
 from typing import Any, Literal, Union
@@ -210,10 +211,15 @@ def convert(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             if isinstance(value, str):  # YAML reads "1e-5" as a string
                 try:
-                    return float(value)
+                    value = float(value)
                 except ValueError:
-                    pass
-            raise ConfigError(path, f"expected a number, got {value!r}")
+                    raise ConfigError(path, f"expected a number, got {value!r}") from None
+            else:
+                raise ConfigError(path, f"expected a number, got {value!r}")
+        # No setting means anything at NaN or infinity: such a value only ever fails later, or
+        # silently turns a feature off (clipping at a NaN norm, a reward of NaN).
+        if not math.isfinite(float(value)):
+            raise ConfigError(path, f"must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from rlcore.config.generation import GenerationConfig
-from rlcore.controller.deadlines import EnvironmentTimeout
+from rlcore.controller.deadlines import EnvironmentExit, EnvironmentTimeout
 from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, SequenceBatch
 
 
@@ -69,7 +69,7 @@ def score(environment, trajectories: list[Trajectory]) -> dict[str, float]:
         steps = environment.step([t.sample for t in trajectories], [[t.result.text] for t in trajectories])
         if len(steps) != len(trajectories):
             raise ValueError(f"environment returned {len(steps)} results for {len(trajectories)} trajectories")
-    except EnvironmentTimeout:
+    except (EnvironmentTimeout, EnvironmentExit, EnvironmentContractError):
         raise
     except Exception as exc:  # noqa: BLE001 - the run goes on; the failure is counted and shown
         steps = [EnvStep(reward=0.0, metrics={"error": 1.0}) for _ in trajectories]
@@ -78,20 +78,42 @@ def score(environment, trajectories: list[Trajectory]) -> dict[str, float]:
     return apply_env_steps(trajectories, steps, metrics)
 
 
+class EnvironmentContractError(TypeError):
+    """An environment returned something that is not a reward or a metric (a bug in it, not in the
+    model's output): the run stops, naming the environment's result at fault."""
+
+
+_REWARD_LIMIT = float(np.finfo(np.float32).max)  # rewards travel as float32: beyond this they become inf
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) and not (
+            isinstance(value, torch.Tensor) and value.numel() == 1):
+        raise EnvironmentContractError(f"{what} is {type(value).__name__} {str(value)[:60]!r}; it must be a real number "
+                                       "(rlcore.interfaces.EnvStep)")
+    return float(value)
+
+
 def apply_env_steps(trajectories: list[Trajectory], steps: list, metrics: dict[str, float] | None = None) -> dict[str, float]:
-    """Store each EnvStep's reward and metrics on its trajectory; return batch means of the metrics."""
+    """Store each EnvStep's reward and metrics on its trajectory; return batch means of the metrics.
+    A reward that is not finite in float32 (NaN, 1e300) scores 0 and counts in ``env/errors``; a
+    non-finite metric is left out of its mean; a reward or metric that is no number at all is an error."""
     metrics = {"env/errors": 0.0} if metrics is None else metrics
-    for traj, step in zip(trajectories, steps):
-        reward = float(step.reward)
-        if not math.isfinite(reward):
+    for i, (traj, step) in enumerate(zip(trajectories, steps)):
+        reward = _number(getattr(step, "reward", None), f"the environment's reward for trajectory {i}")
+        if not math.isfinite(reward) or abs(reward) > _REWARD_LIMIT:
+            if metrics["env/errors"] == 0:
+                print(f"warning: the environment's reward for trajectory {i} is {reward!r} (not a finite float32); "
+                      "scored 0 and counted in env/errors", flush=True)
             metrics["env/errors"] += 1
             reward = 0.0
         traj.reward = reward
-        traj.env_metrics = dict(step.metrics)
+        traj.env_metrics = {str(k): _number(v, f"the environment's metric {k!r} of trajectory {i}")
+                            for k, v in dict(step.metrics).items()}
     for key in sorted({k for t in trajectories for k in t.env_metrics}):
-        metrics[f"env/{key}" if not key.startswith("env/") else key] = float(
-            np.mean([t.env_metrics.get(key, 0.0) for t in trajectories])
-        )
+        values = [t.env_metrics.get(key, 0.0) for t in trajectories]
+        finite = [v for v in values if math.isfinite(v)]
+        metrics[f"env/{key}" if not key.startswith("env/") else key] = float(np.mean(finite)) if finite else float("nan")
     return metrics
 
 

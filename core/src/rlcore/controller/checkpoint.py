@@ -7,6 +7,11 @@ fingerprint) in ``loop_state.pt``, written last, so a directory without it was n
 and is ignored on resume. The loop state holds only tensors, numbers, strings and containers:
 it is read with ``weights_only=True`` (:mod:`rlcore.safe_load`).
 
+A checkpoints directory may be shared (``checkpointing.checkpoint_dir``): each run writes its
+partial checkpoint under a name of its own (``step_N.tmp.<run id>``), never overwrites a
+``step_N`` another run wrote (an error naming both), and prunes only its own checkpoints; whose a
+checkpoint is, is read from the ``owner`` file beside its loop state.
+
 Resume takes the newest checkpoint that loads; a damaged one (truncated, garbled) is skipped
 with a message saying which and why. A file refusing to load because it would run code stops
 the run: that is not damage to route around.
@@ -15,6 +20,7 @@ the run: that is not damage to route around.
 from __future__ import annotations
 
 import errno
+import inspect
 import random
 import re
 import shutil
@@ -32,6 +38,7 @@ from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensor
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LOOP_STATE = "loop_state.pt"
+OWNER = "owner"  # the run id of the run that wrote the checkpoint (text)
 
 
 def run_catching_sigterm(loop: Any, body: Callable[[], Any]) -> Any:
@@ -62,6 +69,37 @@ def stop_after_step(loop: Any, checkpoint_dir: Any) -> bool:
     return True
 
 
+def resume_loggers(loggers: Any, step: int, records: list[dict]) -> None:
+    """Each logger with ``resume_at`` drops the records of steps after ``step`` (they are redone);
+    one that takes them also gets the checkpoint's ``records``, to put back those it lacks."""
+    for logger in loggers:
+        resume_at = getattr(logger, "resume_at", None)
+        if resume_at is None:
+            continue
+        try:
+            takes_records = len(inspect.signature(resume_at).parameters) >= 2
+        except (TypeError, ValueError):
+            takes_records = False
+        resume_at(step, records) if takes_records else resume_at(step)
+
+
+# What every loop's state holds (the GRPO loop's has more): a crafted or truncated one lacking
+# them is damage, reported by name, not a KeyError after the backend has loaded.
+REQUIRED_LOOP_STATE = {"step": int, "data_position": int, "records": list, "rng": dict}
+
+
+def check_loop_state(state: Any) -> None:
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{LOOP_STATE} holds a {type(state).__name__}, not the loop's state")
+    for key, kind in REQUIRED_LOOP_STATE.items():
+        if key not in state:
+            raise CheckpointError(f"{LOOP_STATE} has no '{key}'")
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            raise CheckpointError(f"{LOOP_STATE}'s '{key}' is a {type(state[key]).__name__}, not a {kind.__name__}")
+    if state["step"] < 0 or state["data_position"] < 0:
+        raise CheckpointError(f"{LOOP_STATE} has a negative step or data_position")
+
+
 class CheckpointWriteError(CheckpointError):
     """A checkpoint could not be written (typically: the disk is full); its ``.tmp`` was removed."""
 
@@ -83,9 +121,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _disk_full(exc: BaseException) -> bool:
+_UNEXPECTED_POS = re.compile(r"unexpected pos \d+ vs \d+")
+_NEARLY_FULL_BYTES = 16 << 20
+
+
+def _disk_full(exc: BaseException, root: Path | None = None) -> bool:
     """Whether ``exc`` (or what caused it, or a rank's error inside DCP's CheckpointException)
-    is the disk filling up. Ray's errors carry the rank's message as text."""
+    is the disk filling up. Ray's errors carry the rank's message as text. torch's own file writer
+    (DCP writes through it) reports a short write only as "unexpected pos A vs B": that counts when
+    the checkpoint's file system is then (nearly) full."""
+    if root is not None and _UNEXPECTED_POS.search(_all_text(exc)):
+        try:
+            if shutil.disk_usage(root).free < _NEARLY_FULL_BYTES:
+                return True
+        except OSError:
+            pass
     pending: list[BaseException] = [exc]
     while pending:
         seen = pending.pop()
@@ -97,6 +147,20 @@ def _disk_full(exc: BaseException) -> bool:
             pending += [pair[0] for pair in seen.failures.values()]
         pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
     return False
+
+
+def _all_text(exc: BaseException) -> str:
+    seen, pending, parts = set(), [exc], []
+    while pending:
+        e = pending.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        parts.append(str(e))
+        if isinstance(e, CheckpointException):
+            pending += [pair[0] for pair in e.failures.values()]
+        pending += [x for x in (e.__cause__, e.__context__) if x is not None]
+    return "\n".join(parts)
 
 
 class CheckpointManager:
@@ -119,20 +183,24 @@ class CheckpointManager:
         return done[-1][1] if done else None
 
     def save(self, step: int, save_backend, loop_state: dict[str, Any]) -> Path:
-        """``save_backend(path)`` writes the backend's part; the loop state goes in last."""
+        """``save_backend(path)`` writes the backend's part; the loop state goes in last. The run id
+        in ``loop_state["run"]`` names the writer: its partial directory, its checkpoints to prune."""
+        run_id = str((loop_state.get("run") or {}).get("run_id") or "")
         final = self.root / f"step_{step:06d}"
-        tmp = self.root / f"step_{step:06d}.tmp"
-        if tmp.exists():
+        tmp = self.root / f"step_{step:06d}.tmp.{re.sub(r'[^A-Za-z0-9_-]', '_', run_id) or 'run'}"
+        self._refuse_others(final, run_id)
+        if tmp.exists():  # this run's own leftover (a killed save): the run directory's lock makes it ours
             shutil.rmtree(tmp)
         try:
             tmp.mkdir(parents=True)
+            (tmp / OWNER).write_text(run_id)
             save_backend(str(tmp / "backend"))
             # Through a Python file: torch's own file writer reports a full disk as "unexpected pos".
             with (tmp / LOOP_STATE).open("wb") as f:
                 torch.save(loop_state, f)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc):
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc, self.root):
                 free = shutil.disk_usage(self.root).free / 2**20 if self.root.exists() else float("nan")
                 raise CheckpointWriteError(
                     f"no space left on device: the checkpoint of step {step} could not be written to {self.root} "
@@ -140,12 +208,39 @@ class CheckpointManager:
                     "Free some space, or lower checkpointing.keep_last_k / raise checkpointing.save_period"
                 ) from exc
             raise
+        try:
+            self._refuse_others(final, run_id)  # another run finished this step meanwhile
+        except CheckpointWriteError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for _, old in self.complete()[: -self.keep_last_k]:
-            shutil.rmtree(old, ignore_errors=True)
+        # Pruned once this step's checkpoint is complete; it holds the step's record too (the loop
+        # state's records), so a kill from here to the metrics write loses nothing on resume.
+        self.prune(run_id)
         return final
+
+    def prune(self, run_id: str) -> None:
+        """Delete this run's checkpoints but its newest ``keep_last_k``; other runs' are left alone."""
+        ours = [path for _, path in self.complete() if self.owner(path) == run_id]
+        for old in ours[: -self.keep_last_k]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def owner(path: Path) -> str | None:
+        """The run id that wrote checkpoint ``path`` (None: an older rlcore's, or unreadable)."""
+        try:
+            return (Path(path) / OWNER).read_text().strip()
+        except OSError:
+            return None
+
+    def _refuse_others(self, final: Path, run_id: str) -> None:
+        if final.exists() and self.owner(final) not in (run_id, None):
+            raise CheckpointWriteError(
+                f"{final} belongs to run {self.owner(final)}, not this run ({run_id}): checkpointing.checkpoint_dir "
+                f"{self.root} is shared by two runs. Give each run its own checkpointing.checkpoint_dir (the default, "
+                "<logger.log_dir>/checkpoints, is)")
 
     @staticmethod
     def load_loop_state(path: Path) -> dict[str, Any]:
@@ -159,6 +254,7 @@ class CheckpointManager:
         for _, path in reversed(self.complete()):
             try:
                 state = self.load_loop_state(path)
+                check_loop_state(state)
                 check(path, state)
                 load_backend(path / "backend")
             except Exception as exc:  # noqa: BLE001 - any failure to load marks it damaged; the reason is shown

@@ -28,6 +28,10 @@ class EnvironmentTimeout(TimeoutError):
     """An environment call took longer than ``cluster.timeout_s``."""
 
 
+class EnvironmentExit(RuntimeError):
+    """An environment called ``sys.exit`` (``SystemExit``): the run stops saying so, not silently."""
+
+
 class GenerationTimeout(TimeoutError):
     """A generator call took longer than ``cluster.timeout_s``."""
 
@@ -130,13 +134,21 @@ class TimedEnvironment:
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.inner, attr)
 
+    def _step(self, samples, responses):
+        try:
+            return self.inner.step(samples, responses)
+        except SystemExit as exc:
+            raise EnvironmentExit(f"environment '{self.name}' called sys.exit({exc.code!r}) at step {self.current_step}; "
+                                  "an environment returns EnvSteps (a failed call may raise an Exception, counted in "
+                                  "env/errors), it never ends the process") from None
+
     def _describe(self) -> str:
         return (f"timeout: environment '{self.name}' did not answer within {self.timeout_s:g}s (cluster.timeout_s) "
                 f"at step {self.current_step}; set env.on_timeout=zero to score such batches 0 and go on")
 
     def step(self, samples, responses):
         try:
-            return call_with_timeout(lambda: self.inner.step(samples, responses), self.timeout_s, self._describe)
+            return call_with_timeout(lambda: self._step(samples, responses), self.timeout_s, self._describe)
         except EnvironmentTimeout as exc:
             if self.on_timeout == "stop":
                 raise

@@ -28,6 +28,11 @@ REQUIRED: dict[str, tuple[type, tuple[str, ...]]] = {
     "generator": (interfaces.Generator, ("weights_version", "generate()", "update_weights()")),
 }
 KNOWN = (*REQUIRED, "tokenizer", "loggers")
+# plugin kind -> what its factory's product must have (rlcore.plugins.Registration.build checks it)
+BUILT_CHECKS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "environment": REQUIRED["environment"], "generator": REQUIRED["generator"],
+    "logger": (interfaces.MetricLogger, ("log()", "close()")),
+}
 
 
 def missing_members(obj: Any, members: tuple[str, ...]) -> list[str]:

@@ -22,7 +22,7 @@ from rlcore.controller.given import check_given
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
 from rlcore.controller.offline import build_loggers
 from rlcore.controller.placement import plan_placement
-from rlcore.controller.preflight import check_model_name, check_prompt_lengths
+from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_run_sizes
 from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.timing import summarize
@@ -50,6 +50,7 @@ def build_components(config: RunConfig, **given) -> Components:
     environment, multi_turn_env = build_environment(config, manager, given)
     dataset = given_or_built_dataset(config, manager, given, tokenizer)
     check_prompt_lengths(dataset, config)
+    check_run_sizes(config, dataset, algorithm)
     placement = plan_placement(config)
     trainer = build_trainer(config, manager, placement, given.get("backend"))
     critic = build_critic(config, manager, algorithm, trainer, placement, given.get("backend"))  # ppo's value model

@@ -68,7 +68,8 @@ class GRPOLoop:
         self.learner = Learner(c.trainer, c.algorithm, cfg.policy.max_total_sequence_length,
                                cfg.grpo.max_consecutive_nonfinite, c.teacher,
                                cfg.generation.colocated.offload_trainer_state, c.critic)
-        self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock)
+        self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock,
+                                 cfg.policy.max_total_sequence_length)
         self.validator = Validator(self.rollouts, c.trainer, cfg.grpo.max_val_samples, cfg.grpo.seed,
                                    cfg.policy.max_total_sequence_length, c.teacher)
         identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
@@ -139,6 +140,9 @@ class GRPOLoop:
         record.update(self.lock_lag.take())
         record["step"] = p.step
         record["policy_version"] = self.learner.policy_version
+        # The prompts drawn up to this step's batch (a count over epochs): each step's batch is the
+        # range from the step before's, so a run's records show every prompt drawn once, in order.
+        record["data_position"] = self.checkpoints.data_position()
         p.records.append(record)
         record["time/elapsed_s"] = p.elapsed()  # before saving, so that a resumed run counts on from it
         if self.checkpoints.ckpt is not None and p.step % self.c.config.checkpointing.save_period == 0:

@@ -27,7 +27,9 @@ from typing import Any
 import attrs
 
 from rlcore.controller.batching import DataCursor
-from rlcore.controller.checkpoint import CheckpointManager, rng_state, run_catching_sigterm, set_rng_state, stop_after_step
+from rlcore.controller.checkpoint import (
+    CheckpointManager, resume_loggers, rng_state, run_catching_sigterm, set_rng_state, stop_after_step,
+)
 from rlcore.controller.run_dir import check_owner, checkpoint_root
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import MetricLogger, TrainerHandle
@@ -173,9 +175,7 @@ class OfflineLoop:
         self.started = time.perf_counter()
         self.elapsed_before = self.records[-1].get("time/elapsed_s", 0.0) if self.records else 0.0
         set_rng_state(state["rng"])
-        for logger in self.loggers:  # records of steps after the checkpoint are redone, not repeated
-            if hasattr(logger, "resume_at"):
-                logger.resume_at(self.step)
+        resume_loggers(self.loggers, self.step, self.records)  # steps after the checkpoint are redone; missing ones restored
         print(f"resumed from {latest} at step {self.step}", flush=True)
 
     def stop_requested(self) -> bool:

@@ -28,6 +28,11 @@ def _check_hf_dir(key: str, name: str, need: str | None) -> None:
     if path.is_dir():
         if need and not (path / need).is_file():
             raise ConfigError(key, f"{name!r} is a directory but not a Hugging Face model: it has no {need}")
+        pickled = sorted(p.name for p in path.glob("*.bin") if p.name.startswith("pytorch_model"))
+        if need and pickled and not any(path.glob("*.safetensors")):
+            raise ConfigError(key, f"{name!r} holds its weights only as pickled {pickled[0]}, which rlcore does not load "
+                              "(unpickling can run code); save the model with safetensors (save_pretrained's default) "
+                              "and point to that directory")
         return
     if path.exists():
         raise ConfigError(key, f"{name!r} is a file; give the Hugging Face model directory that holds it")
@@ -81,3 +86,72 @@ def _where(sample: Any) -> str:
     meta = getattr(sample, "metadata", None) or {}
     place = ", ".join(str(meta[k]) for k in ("source", "location") if k in meta)
     return f"{place or f'row {sample.index}'}: {len(sample.prompt_ids)} tokens"
+
+
+def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
+    """Sizes the data and the algorithm must allow, checked before the first step: a step's prompts
+    are distinct rows of the dataset, a micro-batch's token budget holds the longest sequence, and
+    the algorithm accepts a group of ``grpo.num_generations_per_prompt`` (asked of the algorithm
+    itself: a group of one has no spread to normalize by)."""
+    loop, policy = config.grpo, config.policy
+    train = getattr(dataset, "train", None) or ()
+    if train and loop.num_prompts_per_step > len(train):  # (an empty one is refused as the loop starts)
+        raise ConfigError("grpo.num_prompts_per_step", f"{loop.num_prompts_per_step} prompts per step, but the training "
+                          f"data has {len(train)}; at most {len(train)}")
+    packing = policy.sequence_packing
+    if packing.enabled:
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            budget = getattr(packing, key)
+            if budget < policy.max_total_sequence_length:
+                raise ConfigError(f"policy.sequence_packing.{key}", f"{budget} tokens cannot hold one sequence of "
+                                  f"policy.max_total_sequence_length={policy.max_total_sequence_length}; raise it to at least that")
+    G = loop.num_generations_per_prompt
+    import copy
+
+    import torch
+
+    try:  # asked of a copy: an algorithm that records or counts its calls sees only the run's own
+        probe = copy.deepcopy(algorithm)
+    except Exception:  # noqa: BLE001 - an algorithm that cannot be copied is left to its first step
+        return
+    try:
+        probe.advantages(torch.linspace(0.0, 1.0, G), torch.zeros(G, dtype=torch.long))
+    except ValueError as exc:
+        raise ConfigError("grpo.num_generations_per_prompt", f"{G} generations per prompt: algorithm "
+                          f"'{getattr(algorithm, 'name', type(algorithm).__name__)}' refuses such groups ({exc})") from None
+
+
+def check_pairs(dataset: Any, config: RunConfig) -> dict[str, int]:
+    """Preference pairs that cannot train, found before the first step: a pair whose chosen and
+    rejected responses are the same tokens (no preference to learn: an error naming the pair),
+    an empty response (an error), and a pair over ``policy.max_total_sequence_length`` (dropped and
+    counted, the first named, or an error: ``policy.overlong_prompts``). Returns the counts dropped."""
+    limit, counts = config.policy.max_total_sequence_length, {}
+    for split in ("train", "validation"):
+        pairs = list(getattr(dataset, split, None) or ())
+        if not pairs:
+            continue
+        for i, pair in enumerate(pairs):
+            where = pair.source or f"{split} pair {i}"
+            if not pair.chosen_ids or not pair.rejected_ids:
+                raise ConfigError("data", f"{where}: empty {'chosen' if not pair.chosen_ids else 'rejected'} response")
+            if list(pair.chosen_ids) == list(pair.rejected_ids):
+                raise ConfigError("data", f"{where}: chosen and rejected are the same response; such a pair has no "
+                                  "preference to learn (remove it)")
+        long = [p for p in pairs if len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) > limit]
+        counts[split] = len(long)
+        if not long:
+            continue
+        named = "; ".join(p.source or "a pair" for p in long[:_NAMED_ROWS]) + (f"; and {len(long) - _NAMED_ROWS} more" if len(long) > _NAMED_ROWS else "")
+        what = (f"{split}: {len(long)} of {len(pairs)} preference pairs have prompt + response over "
+                f"policy.max_total_sequence_length={limit} tokens ({named})")
+        if config.policy.overlong_prompts == "error" or len(long) == len(pairs):
+            raise ConfigError("policy.max_total_sequence_length", f"{what}; raise the limit or shorten them"
+                              + (", or set policy.overlong_prompts=drop" if len(long) < len(pairs) else ""))
+        try:
+            dropped = {id(p) for p in long}
+            setattr(dataset, split, [p for p in pairs if id(p) not in dropped])
+        except (AttributeError, TypeError) as exc:
+            raise ConfigError("policy.overlong_prompts", f"{what}, and the dataset cannot drop them ({exc})") from None
+        print(f"warning: {what}: dropped (policy.overlong_prompts=drop)", flush=True)
+    return counts

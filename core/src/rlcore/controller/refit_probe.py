@@ -18,14 +18,26 @@ class RefitError(RuntimeError):
     """After a refit the generator's logprobs disagree with the trainer's beyond the threshold."""
 
 
-def refit_probe_sequences(batch: SequenceBatch, count: int) -> SequenceBatch:
-    """The refit probe's sequences: the step's first ``count``, without the generator's MoE routing.
+def refit_probe_sequences(batch: SequenceBatch, count: int, max_len: int | None = None) -> SequenceBatch:
+    """The refit probe's sequences: the step's first ``count``, without the generator's MoE routing,
+    each cut to ``max_len - 1`` tokens when ``max_len`` (``policy.max_total_sequence_length``) is given.
+
+    The cut: a generator scores a sequence by prefilling it and sampling one token more, so a
+    sequence that filled the whole length limit (prompt + response at ``max_len``) cannot be scored
+    as it is; the logprobs of its first ``max_len - 1`` tokens do not depend on the last, so both
+    sides compare those.
 
     That routing (R3) was chosen at the weights before this refit, while the generator scores the
     probe with the new ones and its own router; the trainer keeps its own router's choice too, so the
     probe compares the two networks' weights, not one network's routing with another's.
     """
-    return attrs.evolve(batch.select(range(min(count, len(batch)))), routed_experts=None)
+    probe = attrs.evolve(batch.select(range(min(count, len(batch)))), routed_experts=None)
+    if max_len is None or all(len(ids) < max_len for ids in probe.input_ids):
+        return probe
+    keep = max_len - 1
+    return attrs.evolve(probe, input_ids=[ids[:keep] for ids in probe.input_ids],
+                        loss_mask=[m[:keep] for m in probe.loss_mask],
+                        token_fields={k: [v[:keep] for v in values] for k, values in probe.token_fields.items()})
 
 
 def compare_probe_logprobs(probe: SequenceBatch, gen_lp: list, train_lp: list, threshold: float, step: int) -> dict:

@@ -22,9 +22,9 @@ class Refitter:
     """Moves weights through ``transport`` and checks them with the probe (``policy.generation.refit``)."""
 
     def __init__(self, trainer: TrainerHandle, generator: Generator, transport: WeightTransport, config: RefitConfig,
-                 generator_lock: threading.Lock):
+                 generator_lock: threading.Lock, max_len: int | None = None):
         self.trainer, self.generator, self.transport, self.config = trainer, generator, transport, config
-        self.generator_lock = generator_lock
+        self.generator_lock, self.max_len = generator_lock, max_len  # policy.max_total_sequence_length
 
     def transfer(self) -> dict[str, float]:
         """The weights alone, no probe (a resumed run's first refit)."""
@@ -58,7 +58,7 @@ class Refitter:
         count = self.config.probe_num_sequences
         if count <= 0:
             return None
-        probe = refit_probe_sequences(batch, count)
+        probe = refit_probe_sequences(batch, count, self.max_len)  # scorable at the length limit
         sequences = [ids.tolist() for ids in probe.input_ids]
         if probe.images is not None:  # image prompts: the generator scores them with their images
             return probe, image_generator(self.generator).score_with_images(sequences, probe.images)

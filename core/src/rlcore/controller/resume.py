@@ -16,7 +16,7 @@ import attrs
 
 from rlcore.controller import critic_step
 from rlcore.controller.batching import DataCursor
-from rlcore.controller.checkpoint import CheckpointManager, rng_state, set_rng_state, stop_after_step
+from rlcore.controller.checkpoint import CheckpointManager, resume_loggers, rng_state, set_rng_state, stop_after_step
 from rlcore.controller.learner import Learner
 from rlcore.controller.refitter import Refitter
 from rlcore.controller.run_dir import check_owner
@@ -83,15 +83,17 @@ class LoopCheckpoints:
         p.elapsed_before = p.records[-1].get("time/elapsed_s", 0.0) if p.records else 0.0
         set_rng_state(state["rng"])
         self.refitter.transfer()
-        for logger in self.loggers:  # records of steps after the checkpoint are redone, not repeated
-            if hasattr(logger, "resume_at"):
-                logger.resume_at(p.step)
+        resume_loggers(self.loggers, p.step, p.records)  # steps after the checkpoint are redone; missing ones restored
         print(f"resumed from {latest} at step {p.step}")
+
+    def data_position(self) -> int:
+        """Prompts drawn up to the batch trained on last: where a resumed run draws on from."""
+        return self.cursor.position if self.trained_position is None else self.trained_position
 
     def save(self) -> None:
         state = {
             "step": self.progress.step, "policy_version": self.learner.policy_version,
-            "data_position": self.cursor.position if self.trained_position is None else self.trained_position,
+            "data_position": self.data_position(),
             "records": self.progress.records,
             "nonfinite_in_a_row": self.learner.nonfinite_in_a_row, "rng": rng_state(), "run": self.identity,
         }

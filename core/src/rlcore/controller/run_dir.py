@@ -2,11 +2,15 @@
 
 - ``run.lock`` is held (``flock``) by the process writing the directory and names it; the
   kernel drops the lock when that process dies, so a killed run never blocks its resume.
-- ``run.json`` holds the run id and the run's fingerprint: the settings a checkpoint must share
-  to be resumed by this run (model, data, algorithm, seed). Every checkpoint's loop state carries
-  the same, and resuming from one whose fingerprint differs is an error naming both runs.
+- ``run.json`` (written atomically) holds the run id and the run's fingerprint: every setting of
+  the resolved config except those that may change when a run is resumed (:data:`RESUMABLE_KEYS`:
+  how long it runs, where and how often it logs, checkpoints and validates, timeouts and cluster
+  plumbing). Every checkpoint's loop state carries the same, and resuming from one whose
+  fingerprint differs (another learning rate, another seed) is an error naming both runs and the key.
 - A directory that already holds another run's records is refused unless this run resumes it:
-  records of two runs are never appended to one ``metrics.jsonl``.
+  records of two runs are never appended to one ``metrics.jsonl``. A missing or unreadable
+  ``run.json`` does not lift that: the newest checkpoint's identity stands in for it, and with
+  none the directory is refused.
 """
 
 from __future__ import annotations
@@ -21,12 +25,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from rlcore.config import ConfigError, RunConfig, to_dict
 from rlcore.controller.checkpoint import CheckpointManager
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
-FINGERPRINT_KEYS = ("policy.model_name", "data", "algorithm", "grpo.seed")
+# Dotted prefixes left out of the fingerprint: a resumed run may change them without changing what
+# it trains. Everything else (model, data, algorithm, optimizer, seed, batch sizes, generation) must match.
+RESUMABLE_KEYS = (
+    "grpo.max_num_steps", "grpo.val_period", "grpo.val_at_start", "grpo.max_val_samples", "grpo.summary_window",
+    "checkpointing", "logger", "cluster",
+)
 
 
 def checkpoint_root(config: RunConfig) -> Path:
@@ -36,14 +47,20 @@ def checkpoint_root(config: RunConfig) -> Path:
 
 
 def fingerprint(config: RunConfig) -> dict[str, str]:
-    """The settings (as JSON text, by dotted key) a resumed checkpoint must share with this run."""
-    tree = to_dict(config)
-    out = {}
-    for key in FINGERPRINT_KEYS:
-        node: Any = tree
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        out[key] = json.dumps(node, sort_keys=True, default=str)
+    """The settings (as JSON text, by dotted key of each leaf) a resumed checkpoint must share with
+    this run: the whole resolved config but :data:`RESUMABLE_KEYS`."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if any(prefix == k or prefix.startswith(k + ".") for k in RESUMABLE_KEYS):
+            return
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            out[prefix] = json.dumps(node, sort_keys=True, default=str)
+
+    walk(to_dict(config), "")
     return out
 
 
@@ -57,11 +74,14 @@ def check_owner(theirs: dict | None, ours: dict, where: Path, fix: str = _FRESH)
     if not theirs or "fingerprint" not in theirs:
         raise ConfigError("checkpointing.resume", f"checkpoint {where} records no run fingerprint (written by another "
                           f"program or an older rlcore); {fix}")
-    for key, value in ours["fingerprint"].items():
-        saved = theirs["fingerprint"].get(key)
+    theirs_fp, ours_fp = theirs["fingerprint"], ours["fingerprint"]
+    for key in [*ours_fp, *(k for k in theirs_fp if k not in ours_fp)]:
+        saved, value = theirs_fp.get(key), ours_fp.get(key)
         if saved != value:
             raise ConfigError(key, f"checkpoint {where} belongs to run {theirs.get('run_id')} (logger.log_dir "
-                              f"{theirs.get('log_dir')}), which had {key}={_short(saved)}; this run "
+                              f"{theirs.get('log_dir')}), which had {key}={_short(saved)}"
+                              + (" (it records no such setting: written by an older rlcore?)" if key not in theirs_fp else "")
+                              + f"; this run "
                               f"({ours.get('log_dir')}) has {_short(value)}. Resuming it would mix the two runs: {fix}")
 
 
@@ -85,8 +105,10 @@ class RunDir:
         self._lock = None
 
     def identity(self) -> dict[str, Any]:
-        """What every checkpoint of this run records about it."""
-        return {"run_id": self.run_id, "log_dir": str(self.path), "fingerprint": self.fingerprint}
+        """What every checkpoint of this run records about it: run id, log dir, fingerprint, and the
+        resolved config (``rlcore export`` reads it from the checkpoint, never from a path it names)."""
+        return {"run_id": self.run_id, "log_dir": str(self.path), "fingerprint": self.fingerprint,
+                "config": yaml.safe_dump(to_dict(self.config), sort_keys=False)}
 
     def open(self) -> "RunDir":
         self.path.mkdir(parents=True, exist_ok=True)
@@ -94,7 +116,7 @@ class RunDir:
         try:
             previous = self._previous()
             self.run_id = self._choose_run_id(previous)
-            (self.path / RUN_FILE).write_text(json.dumps({**self.identity(), "started": time.time()}, indent=1))
+            write_atomically(self.path / RUN_FILE, json.dumps({**self.identity(), "started": time.time()}, indent=1))
         except BaseException:
             self.close()
             raise
@@ -129,14 +151,18 @@ class RunDir:
 
     def _choose_run_id(self, previous: dict | None) -> str:
         fresh = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        if previous is None or not self._has_records():
+        if not self._has_records():
             return fresh
         cfg = self.config.checkpointing
         resumable = cfg.enabled and cfg.resume and CheckpointManager(checkpoint_root(self.config), cfg.keep_last_k).complete()
-        if not resumable:
+        if previous is None and resumable:  # run.json lost: the newest checkpoint says whose records these are
+            previous = _checkpoint_identity(resumable[-1][1])
+        if not resumable or previous is None:
             why = ("checkpointing.resume is false" if cfg.enabled and not cfg.resume else
-                   "it has no checkpoint to resume from" if cfg.enabled else "checkpointing is disabled")
-            raise ConfigError("logger.log_dir", f"{self.path} already holds the records of run {previous.get('run_id')}, "
+                   "it has no checkpoint to resume from" if cfg.enabled and not resumable else
+                   "checkpointing is disabled" if not cfg.enabled else "its newest checkpoint names no run")
+            who = f"run {previous.get('run_id')}" if previous else f"another run ({RUN_FILE} is missing or unreadable)"
+            raise ConfigError("logger.log_dir", f"{self.path} already holds the records of {who}, "
                               f"and this run would not resume it ({why}): its records would be mixed with that run's. "
                               f"Choose another logger.log_dir, or delete {self.path}")
         check_owner(previous, self.identity(), self.path / RUN_FILE, fix=f"choose another logger.log_dir, or delete {self.path}")
@@ -147,3 +173,21 @@ class RunDir:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()
             self._lock = None
+
+
+def _checkpoint_identity(step_dir: Path) -> dict | None:
+    try:
+        run = CheckpointManager.load_loop_state(step_dir).get("run")
+    except Exception:  # noqa: BLE001 - a damaged checkpoint names no one; resume skips it with its reason
+        return None
+    return run if isinstance(run, dict) else None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``path`` holds either its old text or ``text``, never a part: a temporary file beside it, renamed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

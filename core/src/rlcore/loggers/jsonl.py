@@ -2,7 +2,9 @@
 
 Each record is appended with one ``write`` to an ``O_APPEND`` descriptor; a write that fails or
 is cut short (disk full) is undone by truncating the file back, so the file only ever holds whole
-records. On resume, records of the steps after the checkpoint are removed: they are redone.
+records. On resume, records of the steps after the checkpoint are removed (they are redone), and
+records the checkpoint holds that the file lacks (a kill between the checkpoint and the write)
+are put back: each step has exactly one record.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ class JsonlLogger:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        self._append(self._line(metrics, step).encode(), step)
+
+    def _line(self, metrics: dict[str, float], step: int) -> str:
         record: dict = {"step": step, "run_id": self.run_id}
         for key, value in metrics.items():
             value = float(value)
             record[key] = value if math.isfinite(value) else str(value)
-        self._append((json.dumps(record, sort_keys=True) + "\n").encode(), step)
+        return json.dumps(record, sort_keys=True) + "\n"
 
     def _append(self, data: bytes, step: int) -> None:
         start = os.fstat(self._fd).st_size
@@ -47,17 +52,26 @@ class JsonlLogger:
             raise OSError(exc.errno, f"{self.path}: the record of step {step} could not be written ({reason}); "
                                      "the file keeps every earlier record whole") from exc
 
-    def resume_at(self, step: int) -> None:
-        """Keep the records of steps up to ``step`` (the checkpoint resumed from)."""
-        kept = []
+    def resume_at(self, step: int, records: list[dict] | None = None) -> None:
+        """Keep the records of steps up to ``step`` (the checkpoint resumed from), and add those of
+        ``records`` (the checkpoint's, each with its ``step``) the file lacks."""
+        kept: list[tuple[int, str]] = []
         for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line + "\n")
+                at = json.loads(line)["step"]
+                if at <= step:
+                    kept.append((at, line + "\n"))
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut off by an older version's crash
+        present = {at for at, _ in kept}
+        for record in records or ():
+            at = record.get("step")
+            if isinstance(at, int) and at <= step and at not in present:
+                kept.append((at, self._line({k: v for k, v in record.items() if k != "step"}, at)))
+                present.add(at)
+        kept.sort(key=lambda pair: pair[0])  # stable: lines of one step keep their order
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.write_text("".join(line for _, line in kept), encoding="utf-8")
         os.close(self._fd)
         os.replace(tmp, self.path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

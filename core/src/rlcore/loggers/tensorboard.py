@@ -18,9 +18,9 @@ class TensorboardLogger:
             self.writer.add_scalar(key, float(value), step)
         self.writer.flush()
 
-    def resume_at(self, step: int) -> None:
+    def resume_at(self, step: int, records: list[dict] | None = None) -> None:
         """Events of the steps after ``step`` (the checkpoint resumed from) are redone: TensorBoard
-        drops the earlier copies when it reads the directory."""
+        drops the earlier copies when it reads the directory. (``records``: the JSONL logger's.)"""
         self.writer.close()
         self.writer = self._writer_cls(log_dir=self.log_dir, purge_step=step + 1)
 

@@ -24,6 +24,8 @@ class PreferenceDataConfig:
     chosen_column: str = field(default="chosen", metadata=doc("column of the preferred response"))
     rejected_column: str = field(default="rejected", metadata=doc("column of the other response"))
     format: Literal["auto", "json", "parquet"] = field(default="auto", metadata=doc("file format; auto = by extension"))
+    max_row_bytes: int = field(default=1 << 20, validator=attrs.validators.gt(0),
+                               metadata=doc("a row (a JSONL line, a .json or .parquet row) longer than this is an error naming the file and row, found before parsing"))
     seed: int = field(default=0, metadata=doc("seed of the held-out split"))
 
     def __attrs_post_init__(self) -> None:

@@ -26,6 +26,7 @@ import attrs
 from rlcore.errors import DataError
 from rlcore.interfaces import PreferencePair
 from rlcore.preference.config import PreferenceDataConfig
+from rlcore.row_limits import check_rows, text_problem
 
 
 class PreferenceDataError(DataError):
@@ -67,6 +68,9 @@ def _read_rows(path: str, config: PreferenceDataConfig) -> list[dict]:
         if kind is None:
             raise PreferenceDataError(f"{path}: cannot tell the format from '{suffix}'; use .jsonl, .json or .parquet, "
                                       "or set data.format")
+    suffix = file.suffix.lower()
+    check_rows(file, config.max_row_bytes, "data.max_row_bytes",
+               "parquet" if kind == "parquet" else "json" if suffix == ".json" else "jsonl")
     try:
         table = datasets.load_dataset(kind, data_files=str(file), split="train")
     except Exception as err:  # datasets wraps parser errors in its own types
@@ -86,6 +90,9 @@ def _is_messages(value: Any) -> bool:
 
 
 def _check_value(value: Any, column: str, where: str) -> None:
+    problem = text_problem(value)
+    if problem:
+        raise PreferenceDataError(f"{where}: '{column}' {problem}")
     if isinstance(value, str):
         if not value and column != "prompt":
             raise PreferenceDataError(f"{where}: '{column}' is empty")

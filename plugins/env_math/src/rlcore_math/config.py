@@ -108,7 +108,7 @@ class MathFilesDatasetConfig:
     skip_bad_rows: bool = field(default=False, metadata=doc("skip and count malformed rows instead of stopping"))
     max_line_bytes: int = field(
         default=1 << 20, validator=_positive,
-        metadata=doc("a JSONL line longer than this is an error naming the file and line, found before any parsing"),
+        metadata=doc("a JSONL line (or a .json or .parquet row) longer than this is an error naming the file and line, found before any parsing"),
     )
     decode_errors: Literal["error", "replace"] = field(
         default="error", metadata=doc("bytes that are not UTF-8: an error naming the file and line, or replaced by U+FFFD and counted"),

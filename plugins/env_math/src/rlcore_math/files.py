@@ -34,6 +34,8 @@ from typing import Any
 
 from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Sample
+from rlcore.errors import DataError as CoreDataError
+from rlcore.runtime import check_rows, text_problem
 
 from rlcore_math.config import MathFilesDatasetConfig
 from rlcore_math.grading import hash_answer, last_boxed
@@ -152,6 +154,11 @@ def _read_rows(path: Path, config: MathFilesDatasetConfig, stats: dict[str, int]
         raise DataError(f"{path}: unsupported file type '{suffix}' (use .jsonl, .json or .parquet)")
     if builder == "json":
         lines = _scan_lines(path, config, stats, capped=suffix != ".json")
+    if suffix in (".json", ".parquet"):  # rows bounded as JSONL lines are, before datasets holds a huge one
+        try:
+            check_rows(path, config.max_line_bytes, "data.max_line_bytes", "json" if suffix == ".json" else "parquet")
+        except CoreDataError as exc:
+            raise DataError(str(exc)) from None
     datasets.disable_progress_bars()
     try:
         table = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=config.cache_dir)
@@ -253,6 +260,9 @@ def _text(row: dict, column: str) -> str:
     text = str(value).strip()
     if not text:
         raise DataError(f"column '{column}' is empty")
+    problem = text_problem(text)
+    if problem:
+        raise DataError(f"column '{column}' {problem}")
     return text
 
 

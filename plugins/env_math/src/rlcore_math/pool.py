@@ -15,6 +15,7 @@ import collections
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import weakref
 from multiprocessing.connection import wait
@@ -235,19 +236,31 @@ def _prechecked(responses: list[Any], golds: list[Any], options: GradingConfig) 
 
 
 class InlineGrader:
-    """Grades in the calling thread (signal deadline only in the main thread). For tests and debugging."""
+    """Grades in the calling thread when that is the main thread, where the signal deadline bounds
+    each response. Called from any other thread (async scoring), where nothing in the process can
+    interrupt a grader stuck in one C call holding the interpreter lock (``\\boxed{9^{9^{9}}}``), it
+    hands the batch to a :class:`ProcessGradingPool` made on first need, which kills a stuck worker."""
 
     def __init__(self, options: GradingConfig):
         self.options = options
+        self._pool: ProcessGradingPool | None = None
 
     def grade(self, responses: list[Any], golds: list[Any]) -> list[Verdict]:
+        if threading.current_thread() is not threading.main_thread():
+            if self._pool is None:
+                print("rlcore-math: env executor 'inline' called off the main thread (async scoring): grading in "
+                      f"{self.options.num_workers} process(es), where a stuck grader can be stopped", flush=True)
+                self._pool = ProcessGradingPool(self.options)
+            return self._pool.grade(responses, golds)
         verdicts, tasks = _prechecked(responses, golds, self.options)
         for index, verdict in _grade_chunk(tasks, self.options):
             verdicts[index] = verdict
         return verdicts
 
     def close(self) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
 
 class RayGradingPool:

@@ -23,6 +23,21 @@ from rlcore_vllm.config import VllmConfig
 EXTENSION = "rlcore_vllm.worker_ext.RlcoreWorkerExtension"
 
 
+_REAPER = None  # the process that ends this one's engines once it has died (one per process)
+
+
+def reap_engines_with_this_process() -> None:
+    """vLLM's engine core and workers (``VLLM::EngineCore``, ``VLLM::Worker``) are processes of their
+    own; a driver killed with SIGKILL runs no handler that could stop them, and they would hold their
+    memory and cores for minutes. A small reaper process (:func:`rlcore.runtime.start_reaper`,
+    the Ray path's) ends this process's descendants once it has died."""
+    global _REAPER
+    if _REAPER is None or _REAPER.poll() is not None:
+        from rlcore.runtime import start_reaper
+
+        _REAPER = start_reaper(os.getpid())
+
+
 class VllmGenerator:
     """A :class:`rlcore.interfaces.Generator` backed by one vLLM engine (``num_replicas`` via vLLM DP)."""
 
@@ -39,6 +54,7 @@ class VllmGenerator:
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
         kwargs = self._engine_kwargs(dtype, seed, tokenizer_path)
         kwargs.update(engine_kwargs or {})
+        reap_engines_with_this_process()
         if self.config.async_engine:
             from rlcore_vllm.engine import AsyncEngine
 

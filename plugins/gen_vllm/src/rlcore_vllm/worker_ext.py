@@ -13,9 +13,52 @@ Older vLLM builds without ``model_loader.reload`` fall back to collecting the ch
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import tempfile
 from typing import Any
+from urllib.parse import urlsplit
 
 from rlcore_vllm.codecs import decode
+
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def keep_worker_store_on_this_machine() -> None:
+    """vLLM's workers meet through ``torch.distributed.init_process_group(init_method="tcp://127.0.0.1:PORT")``,
+    whose store server (c10d's TCPStore) listens on every interface whatever host the URL names: any
+    machine that can reach this one could talk to it. A loopback URL means the ranks are all on this
+    machine (and a single rank needs none), so the store becomes a file (``file://``) shared by them
+    instead: nothing listens. Applied
+    to vLLM's own calls only (the caller's module), in the processes that load this worker extension;
+    URLs naming another host (a multi-node Ray executor) are left as they are."""
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+    if getattr(original, "_rlcore_loopback_store", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        method = kwargs.get("init_method")
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if isinstance(method, str) and method.startswith("tcp://") and caller.startswith("vllm."):
+            parts = urlsplit(method)
+            alone = kwargs.get("world_size", 1) == 1  # one rank needs no network, whatever address it names
+            if (alone or parts.hostname in _LOOPBACK_HOSTS) and parts.port:
+                # one name for every rank of this engine: its workers share the engine core as parent
+                # (a single worker is the engine core's own process), and the port is unique while it lives
+                owner = os.getpid() if alone else os.getppid()
+                path = os.path.join(tempfile.gettempdir(), f"rlcore-vllm-store-{owner}-{parts.port}")
+                kwargs["init_method"] = f"file://{path}"
+        return original(*args, **kwargs)
+
+    init_process_group._rlcore_loopback_store = True
+    dist.init_process_group = init_process_group
+
+
+keep_worker_store_on_this_machine()
 
 
 def _layerwise():

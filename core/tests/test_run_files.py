@@ -1,0 +1,153 @@
+"""A run's files under faults and sharing: a kill between a checkpoint and its metrics line loses
+no record, a lost ``run.json`` keeps the duplicate-records guard on, a shared checkpoints
+directory never mixes or deletes another run's checkpoints, the metrics file stays in the run
+directory, and export reads the config a checkpoint carries, never a path it names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rlcore.config import ConfigError, build_config
+from rlcore.config.schema import CheckpointingConfig, LoggerConfig, LoopConfig, OptimizerConfig, PolicyConfig, RunConfig
+from rlcore.controller.checkpoint import CheckpointManager, CheckpointWriteError, resume_loggers, rng_state
+from rlcore.controller.run_dir import RUN_FILE, RunDir, check_owner, checkpoint_root
+from rlcore.errors import CheckpointError
+from rlcore.export import run_config_for
+from rlcore.loggers.config import JsonlLoggerConfig
+from rlcore.loggers.jsonl import JsonlLogger
+
+
+def _config(log_dir: Path, lr: float = 1e-6, steps: int = 4, **checkpointing) -> RunConfig:
+    return RunConfig(policy=PolicyConfig(model_name="models/tiny", optimizer=OptimizerConfig(lr=lr)),
+                     grpo=LoopConfig(max_num_steps=steps), logger=LoggerConfig(log_dir=str(log_dir)),
+                     checkpointing=CheckpointingConfig(**checkpointing))
+
+
+def _state(step: int, run_id: str, records: list[dict] | None = None) -> dict:
+    return {"step": step, "data_position": 4 * step, "records": records or [], "rng": rng_state(),
+            "run": {"run_id": run_id, "log_dir": "x", "fingerprint": {}}}
+
+
+def _backend(path: str) -> None:
+    Path(path).mkdir()
+    torch.save({"w": torch.zeros(2)}, Path(path) / "weights.pt")
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+# ---- a step's record survives a kill between its checkpoint and its metrics line --------------
+def test_resume_puts_back_the_record_the_checkpoint_holds_and_the_file_lacks(tmp_path):
+    logger = JsonlLogger(JsonlLoggerConfig(), tmp_path)
+    for step in (1, 2):
+        logger.log({"loss": 0.5}, step)
+    # killed after step 3's checkpoint was renamed into place, before its line was written
+    checkpointed = [{"step": s, "loss": 0.5} for s in (1, 2, 3)]
+    logger.log({"loss": 9.0}, 4)  # and a step after it, redone on resume
+    resume_loggers([logger], 3, checkpointed)
+    logger.log({"loss": 0.25}, 4)
+    logger.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in lines] == [(1, 0.5), (2, 0.5), (3, 0.5), (4, 0.25)]
+
+
+def test_a_lost_run_json_does_not_turn_off_the_duplicate_records_guard(tmp_path):
+    RunDir(_config(tmp_path)).open().close()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (tmp_path / RUN_FILE).unlink()
+    with pytest.raises(ConfigError, match="already holds the records") as failure:
+        RunDir(_config(tmp_path)).open()
+    assert failure.value.key == "logger.log_dir" and "run.json is missing or unreadable" in str(failure.value)
+    (tmp_path / RUN_FILE).write_text('{"run_id": "abc", "fingerp')  # cut short: unreadable
+    with pytest.raises(ConfigError, match="already holds the records"):
+        RunDir(_config(tmp_path)).open()
+
+
+def test_a_lost_run_json_is_recovered_from_the_newest_checkpoint(tmp_path):
+    config = _config(tmp_path, enabled=True)
+    first = RunDir(config).open()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    CheckpointManager(checkpoint_root(config), 2).save(1, _backend, {**_state(1, first.run_id), "run": first.identity()})
+    first.close()
+    (tmp_path / RUN_FILE).unlink()
+    again = RunDir(config).open()
+    again.close()
+    assert again.run_id == first.run_id
+    assert json.loads((tmp_path / RUN_FILE).read_text())["run_id"] == first.run_id
+
+
+# ---- a shared checkpoints directory ------------------------------------------------------------
+def test_the_fingerprint_is_the_whole_config_but_what_a_resume_may_change(tmp_path):
+    ours = RunDir(_config(tmp_path / "a", lr=1e-6, steps=4))
+    with pytest.raises(ConfigError) as failure:
+        check_owner(RunDir(_config(tmp_path / "b", lr=2e-6, steps=4)).identity(), ours.identity(), tmp_path / "step_000001")
+    assert failure.value.key == "policy.optimizer.lr"
+    longer = RunDir(_config(tmp_path / "a", steps=40, save_period=3, checkpoint_dir=str(tmp_path / "c")))
+    check_owner(longer.identity(), ours.identity(), tmp_path / "step_000001")  # run longer, checkpoint elsewhere: same run
+
+
+def test_two_runs_saving_one_step_never_delete_each_others_partial_checkpoint(tmp_path):
+    a, b = CheckpointManager(tmp_path, 2), CheckpointManager(tmp_path, 2)
+    seen: dict[str, bool] = {}
+
+    def a_backend(path: str) -> None:
+        _backend(path)
+        b.save(1, _backend, _state(1, "run-b"))  # the other run saves its step 1 meanwhile
+        seen["a's partial survived"] = Path(path).is_dir()
+
+    with pytest.raises(CheckpointWriteError, match="belongs to run run-b") as failure:
+        a.save(1, a_backend, _state(1, "run-a"))
+    assert seen == {"a's partial survived": True}
+    assert "checkpointing.checkpoint_dir" in str(failure.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
+    assert CheckpointManager.owner(tmp_path / "step_000001") == "run-b"
+
+
+def test_saving_prunes_only_its_own_checkpoints(tmp_path):
+    other = CheckpointManager(tmp_path, 1)
+    other.save(7, _backend, _state(7, "run-b"))
+    older = tmp_path / "step_000008"  # no owner file: written by an older rlcore, or by hand
+    older.mkdir()
+    (older / "loop_state.pt").write_bytes(b"")
+    ours = CheckpointManager(tmp_path, 1)
+    for step in (1, 2, 3):
+        ours.save(step, _backend, _state(step, "run-a"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000007", "step_000008"]
+
+
+# ---- files of one run stay in its directory -----------------------------------------------------
+@pytest.mark.parametrize("name", ["../other/metrics.jsonl", "/tmp/metrics.jsonl", "a/../../m.jsonl", ""])
+def test_the_metrics_file_stays_in_the_log_dir(name):
+    with pytest.raises(ConfigError, match="inside logger.log_dir") as failure:
+        build_config({"policy": {"model_name": "m"}, "logger": {"jsonl": {"filename": name}}})
+    assert failure.value.key == "logger.jsonl.filename"
+    assert JsonlLoggerConfig(filename="sub/metrics.jsonl").filename == "sub/metrics.jsonl"
+
+
+def test_export_reads_the_config_the_checkpoint_carries_never_a_path_it_names(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "config.yaml").write_text(yaml.safe_dump({"policy": {"model_name": "the-victims-model"}}))
+    crafted = tmp_path / "copied" / "step_000001"
+    CheckpointManager(crafted.parent, 1).save(1, _backend, {**_state(1, "r"), "run": {"run_id": "r", "log_dir": str(victim)}})
+    with pytest.raises(CheckpointError, match="carries none"):
+        run_config_for(crafted)
+    owner = RunDir(_config(tmp_path / "run"))
+    CheckpointManager(tmp_path / "own", 1).save(1, _backend, {**_state(1, "r"), "run": owner.identity()})
+    config = run_config_for(tmp_path / "own" / "step_000001", ["policy.model_name=moved"])
+    assert config.policy.model_name == "moved" and config.logger.log_dir == str(tmp_path / "run")
+
+
+def test_a_loop_state_missing_a_key_is_named_as_damage(tmp_path):
+    manager = CheckpointManager(tmp_path, 2)
+    state = _state(1, "r")
+    del state["data_position"]
+    manager.save(1, _backend, state)
+    with pytest.raises(CheckpointError, match="no usable checkpoint.*has no 'data_position'"), pytest.warns(UserWarning):
+        manager.resume(lambda path, s: None, lambda path: None)

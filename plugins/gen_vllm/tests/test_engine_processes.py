@@ -1,0 +1,53 @@
+"""vLLM's engine processes on one machine: nothing they run listens beyond loopback, and they end
+with the process that started them, even one killed with SIGKILL (no handler of its own runs)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+DRIVER = textwrap.dedent("""
+    import sys, time
+    from rlcore_vllm.config import VllmConfig
+    from rlcore_vllm.generator import VllmGenerator
+
+    if __name__ == "__main__":
+        gen = VllmGenerator(sys.argv[1], VllmConfig(enforce_eager=True, kv_cache_space_gib=0.125, max_num_seqs=8),
+                            max_model_len=64, dtype="float32", seed=0)
+        from rlcore.interfaces import SamplingParams
+        gen.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
+        print("READY", flush=True)
+        time.sleep(600)
+""")
+
+
+def test_engine_processes_listen_on_loopback_only_and_die_with_a_killed_driver(vllm_model_dir, tmp_path):
+    psutil = pytest.importorskip("psutil")
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script), str(vllm_model_dir)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in driver.stdout:  # vLLM logs to stdout too; READY once the engine answered a request
+            if line.strip() == "READY":
+                break
+        assert driver.poll() is None, "the driver ended before its engine answered"
+        engines = [p for p in psutil.Process(driver.pid).children(recursive=True) if p.name().startswith("VLLM::")]
+        assert {p.name() for p in engines} >= {"VLLM::EngineCore"}, [p.name() for p in engines]
+        listening = [(p.name(), c.laddr) for p in engines for c in p.net_connections(kind="inet") if c.status == "LISTEN"]
+        assert all(addr.ip in ("127.0.0.1", "::1") for _, addr in listening), listening
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(30)
+        _, alive = psutil.wait_procs(engines, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        for proc in [driver]:
+            if proc.poll() is None:
+                proc.kill()
