@@ -45,6 +45,7 @@ def _components(config):
     from rlcore.controller.placement import plan_placement
     from rlcore.controller.preflight import check_model_name, check_prompt_lengths
     from rlcore.plugins import get_plugin_manager
+    from rlcore.reward_fn import build_environment
 
     manager = get_plugin_manager()
     check_model_name(config)
@@ -55,13 +56,12 @@ def _components(config):
     if not getattr(dataset, "validation", None):
         raise ConfigError("data", f"the dataset '{data_cfg.name}' of this recipe has no validation split to evaluate on")
     samples = list(dataset.validation[: config.grpo.max_val_samples])
-    env_reg = manager.get("environment", config.env.name)
-    environment = TimedEnvironment(env_reg.build(config.section(f"env.{config.env.name}")), config.env.name,
-                                   config.cluster.timeout_s, config.env.on_timeout)
+    environment, env_name, multi_turn_env = build_environment(config, manager)
+    environment = TimedEnvironment(environment, env_name, config.cluster.timeout_s, config.env.on_timeout)
     config.require_section("policy.generation")
     generator = manager.get("generator", config.generation.backend).build(config, config.generation, plan_placement(config))
     multi_turn = None
-    if env_reg.capabilities.get("multi_turn"):
+    if multi_turn_env:
         from rlcore.rollout import make_multi_turn_runner
 
         multi_turn = make_multi_turn_runner(generator, environment, tokenizer, config)
@@ -146,6 +146,10 @@ def evaluate(model: str, recipe: str, overrides: list[str] = (), **kwargs) -> di
 
     if is_hf_model_dir(model):
         return evaluate_model(model, recipe, overrides, **kwargs)
+    if is_hf_model_dir(Path(model).expanduser() / "model"):  # a run directory: its final model
+        summary = evaluate_model(str(Path(model).expanduser() / "model"), recipe, overrides, **kwargs)
+        summary.update(model=str(model))
+        return summary
     if not Path(model).expanduser().exists():
         raise ConfigError("MODEL", f"{model!r}: no such directory (a Hugging Face model directory or an rlcore checkpoint)")
     with tempfile.TemporaryDirectory(prefix="rlcore-eval-") as tmp:

@@ -35,17 +35,35 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 LOOP_STATE = "loop_state.pt"
 
 
+# Set by the first Ctrl-C of a run: ``rlcore run`` then reports an error that follows it (a child
+# process the terminal's SIGINT also ended) as the interruption it is, in one line.
+INTERRUPTED = threading.Event()
+
+
 def run_catching_sigterm(loop: Any, body: Callable[[], Any]) -> Any:
     """``body()`` with SIGTERM recorded in ``loop.stop_signal`` instead of ending the process: the
-    loop ends its step, writes a checkpoint of it and stops (exit 143 in ``rlcore run``). Off the
-    main thread, where Python cannot catch signals, ``body()`` runs as it is."""
+    loop ends its step, writes a checkpoint of it and stops (exit 143 in ``rlcore run``). The first
+    Ctrl-C (SIGINT) does the same (exit 130); a second one stops at once (KeyboardInterrupt, which
+    ``rlcore run`` reports in one line). Off the main thread, where Python cannot catch signals,
+    ``body()`` runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         return body()
+
+    def on_interrupt(signum, frame):
+        if loop.stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt
+        INTERRUPTED.set()
+        loop.stop_signal = signum
+        print(f"\nCtrl-C: stopping after step {max(loop.step, 1)} ends"
+              f"{' and is checkpointed' if loop.ckpt is not None else ''} (Ctrl-C again stops at once)", flush=True)
+
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(loop, "stop_signal", signum))
+    previous_int = signal.signal(signal.SIGINT, on_interrupt)
     try:
         return body()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def stop_after_step(loop: Any, checkpoint_dir: Any) -> bool:
@@ -53,11 +71,12 @@ def stop_after_step(loop: Any, checkpoint_dir: Any) -> bool:
     through ``loop.save()`` unless that was just done, and say where it went."""
     if loop.stop_signal is None:
         return False
-    where = "no checkpoint (checkpointing.enabled is false)"
+    where = ("no checkpoint (checkpointing.enabled is false): the model of this step goes to <logger.log_dir>/model, "
+             "and running the command again starts afresh")
     if loop.ckpt is not None:
         if loop.saved_step != loop.step:
             loop.save()
-        where = f"checkpoint of step {loop.step} in {checkpoint_dir}; the run resumes from it when started again"
+        where = f"checkpoint of step {loop.step} in {checkpoint_dir}; the same command resumes from it"
     print(f"{signal.Signals(loop.stop_signal).name} received: stopped after step {loop.step}, {where}", flush=True)
     return True
 

@@ -30,12 +30,16 @@ from rlcore.controller.preflight import check_model_name, check_prompt_lengths
 from rlcore.controller.ray_local import start_local_ray
 from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
+from rlcore.controller.run_end import print_outputs, save_final_model
 from rlcore.controller.timing import summarize
 from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
 from rlcore.controller.placement import plan_placement
 from rlcore.interfaces import Generator, OldLogprobsChoice, Placement, TrainerHandle, WeightTransport
 from rlcore.plugins import get_plugin_manager
+from rlcore.checks import check_before_start
+from rlcore.reward_fn import as_environment, build_environment
 from rlcore.utils import resolve
+from rlcore.verbosity import apply_verbosity
 from rlcore.weights import stream_into
 
 
@@ -182,9 +186,7 @@ def build_components(config: RunConfig, **given) -> Components:
         teacher = resolve(algorithm_reg.capabilities["teacher"])(config.section("algorithm"))  # distillation: "module:attr"
     environment, env_name, multi_turn_env = given.get("environment"), None, False
     if environment is None:  # a given environment replaces the lookup: no plugin of that name is needed
-        env_reg = manager.get("environment", config.env.name)
-        environment = env_reg.build(config.section(f"env.{config.env.name}"))
-        env_name, multi_turn_env = config.env.name, bool(env_reg.capabilities.get("multi_turn"))
+        environment, env_name, multi_turn_env = build_environment(config, manager)
     environment = TimedEnvironment(environment, env_name or type(environment).__name__, config.cluster.timeout_s,
                                    config.env.on_timeout)
     dataset = given_or_built_dataset(config, manager, given, tokenizer)
@@ -208,15 +210,27 @@ def build_components(config: RunConfig, **given) -> Components:
     loggers = given.get("loggers")
     if loggers is None:
         loggers = build_loggers(config, run_dir)
-    reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table)
+    reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
                       teacher=teacher)
+
+
+def held_out_summary(records: list[dict]) -> dict:
+    """``val/<name>_first`` and ``_last`` of every held-out metric (``val/accuracy``'s always present)."""
+    out: dict = {"val/accuracy_first": None, "val/accuracy_last": None}
+    for key in sorted({k for r in records for k in r if k.startswith("val/")}):
+        seen = [r[key] for r in records if key in r]
+        out[f"{key}_first"], out[f"{key}_last"] = seen[0], seen[-1]
+    return out
 
 
 def run(config: RunConfig, **given) -> dict:
     if config is None:
         raise ConfigError("", "rlcore.run needs a RunConfig (rlcore.load_config(path) or rlcore.build_config(dict))")
+    given = as_environment(given)  # reward_fn=fn: a plain function scores the rollouts
     check_given(given)  # before the run directory is claimed: a wrong object fails at once
+    apply_verbosity(config.logger.verbosity)  # before vLLM, transformers or Ray is imported
+    check_before_start(config, given)  # names, env.reward_fn, the enabled loggers' packages
     seed_everything(config.grpo.seed, config.grpo.deterministic)
     run_dir = Path(config.logger.log_dir)
     owner = RunDir(config).open()
@@ -245,6 +259,7 @@ def _run_in(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dic
     try:
         with components.reporter:
             records = loop.run()
+        save_final_model(loop, components.trainer, config, run_dir, given.get("tokenizer"))
     finally:
         for logger in components.loggers:
             logger.close()
@@ -254,11 +269,11 @@ def _run_in(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dic
         if "environment" not in given and hasattr(components.environment, "close"):
             components.environment.close()
     summary = summarize([r for r in records if "timing/total" in r], config.grpo.summary_window)
-    first_val = next((r["val/accuracy"] for r in records if "val/accuracy" in r), None)
-    last_val = next((r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r), None)
-    summary.update({"val/accuracy_first": first_val, "val/accuracy_last": last_val, "steps": loop.step, "run_id": owner.run_id,
+    summary.update(held_out_summary(records))
+    summary.update({"steps": loop.step, "run_id": owner.run_id,
                     "stopped_by_signal": None if loop.stop_signal is None else signal.Signals(loop.stop_signal).name})
-    components.reporter.console.print(summary_table(summary, f"GRPO summary (mean of steps {summary.get('window_first')}-{summary.get('window_last')})"))
+    components.reporter.console.print(summary_table(summary, components.algorithm.name))
     plot = plot_curves(records, run_dir / "curves.png") if config.logger.plot else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_outputs(run_dir, config, components.reporter.console)
     return {"summary": summary, "records": records, "run_dir": str(run_dir), "plot": str(plot) if plot else None}

@@ -113,6 +113,7 @@ class SFTTrainer(BackendPolicy):
 def build_sft_run(config: RunConfig, given: dict) -> tuple[SFTTrainer, Any]:
     """The trainer (and, with ``policy.generation``, generator and environment) and the dataset."""
     from rlcore.controller.deadlines import TimedEnvironment
+    from rlcore.reward_fn import build_environment
     from rlcore.controller.run import (build_algorithm, build_trainer, given_or_built_dataset, given_or_loaded_tokenizer,
                                        pick_transport)
 
@@ -137,7 +138,7 @@ def build_sft_run(config: RunConfig, given: dict) -> tuple[SFTTrainer, Any]:
             generator = manager.get("generator", config.generation.backend).build(config, config.generation, placement)
         environment = given.get("environment")
         if environment is None:
-            environment = manager.get("environment", config.env.name).build(config.section(f"env.{config.env.name}"))
+            environment = build_environment(config, manager)[0]  # env.reward_fn or the env.name plugin
         environment = TimedEnvironment(environment, config.env.name, config.cluster.timeout_s, config.env.on_timeout)
         transport = pick_transport(manager, trainer, generator, config)
     return SFTTrainer(config, trainer, algorithm, tokenizer, generator, environment, transport), dataset
