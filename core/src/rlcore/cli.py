@@ -133,7 +133,6 @@ def run_overrides(args) -> list[str]:
 
 def cmd_run(args) -> int:
     import rlcore
-    from rlcore.controller.checkpoint import INTERRUPTED
 
     config = load_config(args.recipe, run_overrides(args))
     args.exit_timeout_s = config.cluster.exit_timeout_s  # from here on the run may leave threads behind (main)
@@ -142,6 +141,8 @@ def cmd_run(args) -> int:
     except KeyboardInterrupt:
         return interrupted(config)
     except Exception:
+        from rlcore.controller.checkpoint import INTERRUPTED
+
         if INTERRUPTED.is_set():  # a child process the terminal's Ctrl-C ended too: the interruption, not a failure
             return interrupted(config)
         raise

@@ -142,13 +142,14 @@ def evaluate_model(model_dir: str, recipe: str, overrides: list[str] = (), *, k:
 
 def evaluate(model: str, recipe: str, overrides: list[str] = (), **kwargs) -> dict:
     """:func:`evaluate_model` on a Hugging Face directory, or on an rlcore checkpoint exported first."""
-    from rlcore.export import export_checkpoint, is_hf_model_dir
+    from rlcore.export import export_checkpoint, final_model, is_hf_model_dir
 
     if is_hf_model_dir(model):
         return evaluate_model(model, recipe, overrides, **kwargs)
-    if is_hf_model_dir(Path(model).expanduser() / "model"):  # a run directory: its final model
-        summary = evaluate_model(str(Path(model).expanduser() / "model"), recipe, overrides, **kwargs)
-        summary.update(model=str(model))
+    final = final_model(model)
+    if final is not None:  # a run directory without checkpoints: its final model, as it is
+        summary = evaluate_model(str(final), recipe, overrides, **kwargs)
+        summary.update(model=str(model), final_model=str(final))
         return summary
     if not Path(model).expanduser().exists():
         raise ConfigError("MODEL", f"{model!r}: no such directory (a Hugging Face model directory or an rlcore checkpoint)")

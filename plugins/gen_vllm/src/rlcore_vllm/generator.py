@@ -353,6 +353,8 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
         policy.model_name, section_config, max_model_len=policy.max_total_sequence_length, dtype=dtype, seed=seed,
         device=device, tokenizer_path=policy.tokenizer_name,
         high_priority_stream=high_priority_rollouts(section_config, device=device, own_process=own_process),
+        # vLLM's bar over checkpoint shards ignores the logging level: drawn only at logger.verbosity: verbose
+        engine_kwargs={"use_tqdm_on_load": config.logger.verbosity == "verbose"},
     )
 
 
