@@ -26,6 +26,8 @@ QUIET_ENV = {
     "RAY_DEDUP_LOGS": "1",
     "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10d's C++ warnings
 }
+# At every verbosity: logs are not a command's output, so they go to stderr (vLLM's default is stdout).
+LOGS_TO_STDERR = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 # Python loggers of libraries already imported when the run starts (the env above comes too late for them).
 QUIET_LOGGERS = ("vllm", "transformers", "ray", "torch.distributed", "torch._dynamo", "torch._inductor", "urllib3", "filelock")
 _applied: str | None = None
@@ -41,6 +43,8 @@ def apply_verbosity(verbosity: str = "quiet") -> None:
     if _applied == verbosity:
         return
     _applied = verbosity
+    for key, value in LOGS_TO_STDERR.items():
+        os.environ.setdefault(key, value)
     if verbosity == "verbose":
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.NOTSET)
