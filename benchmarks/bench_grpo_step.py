@@ -11,7 +11,7 @@ model scores about 0, which changes nothing in the work a step does (responses r
     python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --config llama1b-megatron   # one H200
     python benchmarks/bench_grpo_step.py --tiny                                              # CPU check
     python benchmarks/bench_grpo_step.py --config llama1b-tool-sync --config llama1b-tool-async  # multi-turn
-    python benchmarks/bench_grpo_step.py --config llama1b-megatron --set policy.generation.engine_detokenize=true
+    python benchmarks/bench_grpo_step.py --config llama1b-megatron --set policy.generation.experimental.engine_detokenize=true
     python benchmarks/bench_grpo_step.py --config llama1b-megatron-cp2 --max-new-tokens 16384 --mb-tokens 16448 --prompts 8
 
 Several ``--config`` run one after the other, each in its own process (GPU memory of a finished
@@ -40,13 +40,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_shapes  # noqa: E402
 import results_log  # noqa: E402
+from rlcore.bench.models import SHAPES, build_here, llama_params  # noqa: E402  (rlcore bench's models: the same shapes)
 
 PEAK_FLOPS = 989e12
-SHAPES = {
-    "tiny": dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256, vocab_size=128, max_positions=512),
-    "llama1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192, vocab_size=128256, max_positions=20480),
-    "llama8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=128256, max_positions=20480),
-}
 NEMO_8B_ROW = {
     "cluster.gpus_per_node": 8, "grpo.num_prompts_per_step": 64, "grpo.num_generations_per_prompt": 32,
     "policy.train_global_batch_size": 512, "policy.max_total_sequence_length": 4096,
@@ -79,28 +75,28 @@ CONFIGS = {
     "llama1b-megatron-cuda-graph": ("llama1b", "megatron", {"policy.megatron_cfg.cuda_graph": "micro_batch"}),
     # One step off with the training micro-batches as graph replays and the engine core in its own process:
     # little host work left in the trainer, whose GPU gaps the engine's process fills by time-slicing. (With
-    # the engine core in this process on a high-priority stream it crashed on an H200: RESULTS.md, fifteenth session.)
+    # the engine core in this process on a high-priority stream it crashed with an illegal memory access.)
     "llama1b-megatron-async-cuda-graph": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
                                                                   "policy.megatron_cfg.cuda_graph": "micro_batch"}),
-    # The same sharing the GPU as the twenty-seventh session measured best (needs an MPS daemon): the trainer's
+    # The same sharing the GPU the best way measured (needs an MPS daemon): the trainer's
     # context below the engine's priority, its GEMMs leaving half of the H200's 132 SMs, one collection a step.
     "llama1b-megatron-async-shared": ("llama1b", "megatron", {
         "grpo.async_grpo.enabled": True, **ONE_STEP_OFF, "policy.megatron_cfg.cuda_graph": "micro_batch",
-        "cluster.trainer_mps_priority": "below_normal", "policy.megatron_cfg.gemm_sm_margin": 66, "cluster.manual_gc": True}),
+        "experimental.trainer_mps_priority": "below_normal", "policy.megatron_cfg.experimental.gemm_sm_margin": 66, "cluster.gc_period": 1}),
     # The same with the engine core in this process: one CUDA context, so generation and training kernels can
     # run at once on their streams (two processes are time-sliced unless MPS runs). It crashed with the engine
-    # on a high-priority stream (fifteenth session); the stream now has the default priority.
+    # on a high-priority stream; the engine now runs on vLLM's own stream.
     "llama1b-megatron-async-inproc-cuda-graph": ("llama1b", "megatron", {
         "grpo.async_grpo.enabled": True, **ONE_STEP_OFF, "policy.megatron_cfg.cuda_graph": "micro_batch",
-        "policy.generation.engine_process": False}),
+        "policy.generation.experimental.engine_process": False}),
     # One step off, with the correction for one step of staleness (token-level truncated IS).
     "llama1b-fsdp2-async": ("llama1b", "fsdp2", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
     "llama1b-megatron-async": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF}),
-    # The async engine core in this process (what engine_process: null chose before): the rollout thread and the
+    # The async engine core in this process (engine_process: false): the rollout thread and the
     # trainer share one interpreter lock. And a sync step with the engine core in its own process.
     "llama1b-megatron-async-inproc": ("llama1b", "megatron", {"grpo.async_grpo.enabled": True, **ONE_STEP_OFF,
-                                                              "policy.generation.engine_process": False}),
-    "llama1b-megatron-engine-process": ("llama1b", "megatron", {"policy.generation.engine_process": True}),
+                                                              "policy.generation.experimental.engine_process": False}),
+    "llama1b-megatron-engine-process": ("llama1b", "megatron", {"policy.generation.experimental.engine_process": True}),
     # FP8 rollouts (issue 24): vLLM's online FP8 re-quantizes every refit's bf16 weights as they
     # load; token-level truncated IS corrects for the wider generator-trainer gap.
     "llama1b-megatron-fp8gen": ("llama1b", "megatron", {"policy.generation.quantization": "fp8",
@@ -183,16 +179,10 @@ def build_model(shape: str, root: Path, gpu: bool) -> Path:
 
 
 def _build_model_here(shape: str, path: Path, device: str | None) -> None:
-    from rlcore.testing.tiny import build_tiny_model, build_tokenizer
-
     if shape in MOE_SHAPES:
         _build_moe_model(shape, path, device)
         return
-    kwargs = dict(SHAPES[shape])
-    real_size = shape != "tiny"
-    build_tiny_model(path, "llama", dtype="bfloat16" if real_size else "float32", init_std=None if real_size else 0.05,
-                     device=device, **kwargs)
-    build_tokenizer(kwargs["vocab_size"]).save_pretrained(path)
+    build_here(shape, shape, path, device)  # bf16 with transformers' init at real size, float32 N(0, 0.05) tiny
 
 
 def _build_moe_model(shape: str, path: Path, device: str | None) -> None:
@@ -221,21 +211,20 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-MPS_CLIENT_PRIORITIES = ("normal", "below-normal")  # cluster.trainer_mps_priority's values, spelled as flags
+MPS_CLIENT_PRIORITIES = ("normal", "below-normal")  # experimental.trainer_mps_priority's values, spelled as flags
 
 
 def make_trainer_mps_context(percent: int, priority: str | None) -> None:
     """Create this process's CUDA context (the trainer's) under MPS with an SM cap, and the client priority
-    with it if asked (without a cap the priority is ``cluster.trainer_mps_priority``, which does the same).
+    with it if asked (without a cap the priority is ``experimental.trainer_mps_priority``, which does the same).
 
     MPS reads ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (the share of the SMs) and ``CUDA_MPS_CLIENT_PRIORITY``
     (0 normal, 1 below normal: a coarse priority between MPS clients) when a process creates its context,
     so the context is created here and the variables removed again: the processes started later (the
     model builder, vLLM's engine core) keep the whole GPU at normal priority. Under MPS without either,
     one step off at 1.2B kept the trainer near its own speed while generation stretched from about 7 to
-    13 s (eighteenth session); a cap of 50% slowed the trainer as much as time-slicing did (nineteenth);
-    at 70% the trainer's logprobs came out wrong and the refit probe stopped the run at step 1
-    (twenty-first, RESULTS.md); at 60% its losses came out non-finite (twenty-seventh).
+    13 s; a cap of 50% slowed the trainer as much as time-slicing did; at 70% the trainer's logprobs
+    came out wrong and the refit probe stopped the run at step 1; at 60% its losses came out non-finite.
     """
     from rlcore.controller.mps_client import PRIORITIES, create_context_with
 
@@ -280,7 +269,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         train_flops = moe_shapes.step_flops(moe_shapes.qwen3moe_config(tiny=MOE_SHAPES[shape]), [int(seq_len)] * samples)
     else:
         cfg = SHAPES[shape]
-        train_flops = samples * seq_len * (6 * sum_params(cfg) + 6 * cfg["num_layers"] * cfg["hidden_size"] * seq_len)
+        train_flops = samples * seq_len * (6 * llama_params(cfg) + 6 * cfg["num_layers"] * cfg["hidden_size"] * seq_len)
     records = [r for r in result["records"] if s["window_first"] <= r.get("step", -1) <= s["window_last"]]
     # Wall seconds from the end of the step before to the end of this one: the rate a run makes steps at,
     # whatever a step's timer covers (one step off's batches come from another thread).
@@ -313,7 +302,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
 # generator idle time between batches (and its parts: the wait for the trainer, then the way back to the
 # generator, and how long after which release of the trainer it went on; on the trainer's side, from the
 # generation's end to the refit's hold of the generator), the trainer's wait for a batch, the scoring time,
-# the garbage collector's pauses of the process, and with cluster.gil_lag_probe the interpreter lock's waits.
+# the garbage collector's pauses of the process, and with experimental.gil_lag_probe the interpreter lock's waits.
 MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mismatch_fraction", "moe/routing_mismatch_fraction",
              "async/generator_idle_s", "async/generator_waits_for_trainer_s", "async/generator_start_s",
              "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s", "async/refit_after_generation_s",
@@ -323,13 +312,6 @@ MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mis
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def sum_params(cfg: dict) -> float:
-    h, layers, vocab, inter = cfg["hidden_size"], cfg["num_layers"], cfg["vocab_size"], cfg["intermediate_size"]
-    kv = h * cfg["num_kv_heads"] // cfg["num_heads"]
-    per_layer = h * h * 2 + 2 * h * kv + 3 * h * inter + 2 * h
-    return layers * per_layer + 2 * vocab * h + h
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,17 +331,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build-model", default=None, choices=sorted([*SHAPES, *MOE_SHAPES]), help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override applied after the configuration's own (YAML value), e.g. "
-                             "policy.generation.engine_detokenize=true; the row's name shows it")
+                             "policy.generation.experimental.engine_detokenize=true; the row's name shows it")
     parser.add_argument("--trainer-mps-percentage", type=int, default=None, metavar="P",
                         help="under MPS (nvidia-cuda-mps-control -d), cap the trainer's CUDA context at P%% of the "
                              "SMs; vLLM's engine process keeps all of them; the row's name shows it")
     parser.add_argument("--trainer-sm-margin", type=int, default=None, metavar="N",
-                        help="SMs every GEMM of the trainer leaves free (policy.megatron_cfg.gemm_sm_margin: TE's and "
+                        help="SMs every GEMM of the trainer leaves free (policy.megatron_cfg.experimental.gemm_sm_margin: TE's and "
                              "torch's through cuBLASLt's SM count target), so that vLLM's kernels beside them under MPS "
                              "start at once; the row's name shows it")
     parser.add_argument("--trainer-mps-priority", choices=MPS_CLIENT_PRIORITIES, default=None,
                         help="under MPS, the trainer's client priority (CUDA_MPS_CLIENT_PRIORITY): below-normal asks "
-                             "MPS to schedule vLLM's engine process (normal) ahead of the trainer (cluster.trainer_mps_priority; "
+                             "MPS to schedule vLLM's engine process (normal) ahead of the trainer (experimental.trainer_mps_priority; "
                              "with --trainer-mps-percentage the bench makes the context); the row's name shows it")
     args = parser.parse_args(argv)
     if args.build_model:  # child process of build_model
@@ -397,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.trainer_sm_margin is not None:
             if backend != "megatron":
                 parser.error(f"--trainer-sm-margin: {name} trains with {backend}; the margin is a Megatron key")
-            set_dotted(tree, "policy.megatron_cfg.gemm_sm_margin", args.trainer_sm_margin)
+            set_dotted(tree, "policy.megatron_cfg.experimental.gemm_sm_margin", args.trainer_sm_margin)
         if args.trainer_mps_priority is not None and args.trainer_mps_percentage is None:
-            set_dotted(tree, "cluster.trainer_mps_priority", args.trainer_mps_priority.replace("-", "_"))
+            set_dotted(tree, "experimental.trainer_mps_priority", args.trainer_mps_priority.replace("-", "_"))
         for item in args.set:
             key, sep, value = item.partition("=")
             if not sep:

@@ -64,7 +64,7 @@ def run_shape(args) -> dict:
                      max_num_seqs=16)
     gen = VllmGenerator(str(model_dir), cfg, max_model_len=512, dtype=dtype_name, seed=0, device=device,
                         engine_kwargs={"load_format": "dummy"})
-    from rlcore.controller.workers import LocalTrainer
+    from rlcore.runtime import LocalTrainer
 
     trainer = LocalTrainer(RandomTrainer(hf_named_shapes(model_dir), getattr(torch, dtype_name), device))
     probe = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)

@@ -39,7 +39,7 @@ class LoopEndLogger:
         self.records.append({"step": step, **metrics})
 
     def close(self) -> None:
-        from rlcore.controller.timing import summarize
+        from rlcore.runtime import summarize
 
         steps = [r for r in self.records if "timing/total" in r]
         if on_loop_end is None or len(steps) < self.config.steps:

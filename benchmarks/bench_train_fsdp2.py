@@ -120,14 +120,15 @@ def build_backend(args, hf_config, device: str, compile_layers: bool):
     from rlcore.config.schema import OptimizerConfig, PolicyConfig, RunConfig, SequencePackingConfig
     from rlcore.interfaces import WorldInfo
     from rlcore_fsdp2.backend import FSDP2Backend
-    from rlcore_fsdp2.config import SECTION, DTensorConfig
+    from rlcore_fsdp2.config import SECTION, DTensorConfig, DTensorExperimentalConfig
 
     policy = PolicyConfig(
         model_name="<random-init>", precision="float32" if args.tiny else "bfloat16", max_grad_norm=1.0,
         optimizer=OptimizerConfig(lr=1e-5, weight_decay=0.01),
         sequence_packing=SequencePackingConfig(train_mb_tokens=args.mb_tokens, logprob_mb_tokens=args.mb_tokens))
     # Training alone: no colocated engine to hand cached memory to between steps.
-    cfg = DTensorConfig(activation_checkpointing=args.ac, compile=compile_layers, empty_cache_after_train=False)
+    cfg = DTensorConfig(activation_checkpointing=args.ac, compile=compile_layers,
+                        experimental=DTensorExperimentalConfig(empty_cache_after_train=False))
     config = RunConfig(policy=policy, sections={SECTION: cfg})
     return FSDP2Backend(config, cfg, WorldInfo(device=device), hf_config=hf_config, seed=args.seed)
 

@@ -172,9 +172,10 @@ def build_megatron(args, hf_config, device, name: str):
 
 def build_fsdp2(args, hf_config, device, name: str):
     from rlcore_fsdp2.backend import FSDP2Backend
-    from rlcore_fsdp2.config import SECTION, DTensorConfig
+    from rlcore_fsdp2.config import SECTION, DTensorConfig, DTensorExperimentalConfig
 
-    cfg = DTensorConfig(activation_checkpointing=args.ac, compile=FSDP2_VARIANTS[name], empty_cache_after_train=False)
+    cfg = DTensorConfig(activation_checkpointing=args.ac, compile=FSDP2_VARIANTS[name],
+                        experimental=DTensorExperimentalConfig(empty_cache_after_train=False))
     return FSDP2Backend(run_config(args, SECTION, cfg), cfg, world_info(device), hf_config=hf_config, seed=args.seed)
 
 

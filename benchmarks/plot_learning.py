@@ -1,6 +1,6 @@
 """Learning curves of several GRPO runs side by side, from their ``metrics.jsonl``.
 
-    python benchmarks/plot_learning.py NAME=PATH/metrics.jsonl ... --out benchmarks/learning_gpu.png [--log]
+    python benchmarks/plot_learning.py NAME=PATH/metrics.jsonl ... --out learning.png [--log]
 
 One PNG with, against the step: held-out greedy accuracy, training reward, the policy's entropy
 estimate (``rollout/entropy_estimate``), the train-generator logprob gap (``train/gen_kl_error``:
@@ -110,7 +110,7 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="NAME=path/to/metrics.jsonl")
-    parser.add_argument("--out", default="benchmarks/learning_gpu.png")
+    parser.add_argument("--out", default="learning.png")
     parser.add_argument("--title", default="GRPO on 3-digit +/- (recipes/grpo_arith3_gpu.yaml), one H200")
     parser.add_argument("--band", nargs=2, metavar=("A", "B"), action="append", default=[],
                         help="compare two runs' held-out accuracy over the last 20%% of steps (repeatable)")

@@ -1,4 +1,4 @@
-"""One JSON object per benchmark row, appended to ``benchmarks/results.jsonl`` (DESIGN.md, "Measurements").
+"""One JSON object per benchmark row, appended to ``benchmarks/results.jsonl``, the raw record behind ``docs/performance.md``.
 
 Each row carries ``date``, ``machine``, ``commit``, ``bench``, ``config``, ``variant``, ``gpus``,
 its figures under stable names (``tokens_per_s``, ``mfu``, ``step_s``, ...) and a ``run_id``

@@ -131,15 +131,15 @@ def test_offloaded_trainer_state_changes_nothing(tiny_model_dir, straight_run, t
 # scoring's end go to the file RLCORE_TEST_EVENTS names.
 SLOW_PRODUCER = """
     import json, os, threading, time
-    from rlcore.controller import loop as _loop
+    from rlcore.controller import rollouts as _rollouts
     def _event(name, batch, at):
         with open(os.environ["RLCORE_TEST_EVENTS"], "a") as f:
             f.write(json.dumps([name, batch, at]) + "\\n")
-    _rollout_group, _score = _loop.GRPOLoop._rollout_group, _loop.score
-    def _late(self, step, round_):
+    _rollout_group, _score = _rollouts.Rollouts._rollout_group, _rollouts.score
+    def _late(self, step, round_, observer=None):
         if threading.current_thread().name == "rlcore-rollouts":
             time.sleep(1.5)
-        generated = _rollout_group(self, step, round_)
+        generated = _rollout_group(self, step, round_, observer)
         _event("generated", step, [generated.began, time.perf_counter()])
         return generated
     _slowed = []
@@ -149,7 +149,7 @@ SLOW_PRODUCER = """
         out = _score(environment, trajectories)
         _event("scored", threading.current_thread().name, time.perf_counter())
         return out
-    _loop.GRPOLoop._rollout_group, _loop.score = _late, _slow_score
+    _rollouts.Rollouts._rollout_group, _rollouts.score = _late, _slow_score
 """
 
 

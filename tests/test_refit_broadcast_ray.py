@@ -45,7 +45,7 @@ def recipe(model_dir: Path, run_dir: Path) -> dict:
                 # The engine core and its model runner in the driver process: two fewer vLLM imports
                 # and no engine process to stop (about 15 s of the run on 2 cores). The session
                 # engines of plugins/gen_vllm/tests keep vLLM's own processes covered.
-                "engine_process": False, "executor": "uni",
+                "experimental": {"engine_process": False, "executor": "uni"},
                 # small chunks: several broadcasts per refit, layers split across them
                 "refit": {"chunk_bytes": 64 << 10, "probe_threshold": 1e-3, "timeout_s": 120},
             },

@@ -43,7 +43,7 @@ cpu_use() {
 # would hold memory the next job needs: stop every process still holding the GPU.
 gpu_clear() {
   local pids
-  # (an MPS server, which next.sh's async_overlap starts and stops itself, is not a job's leftover)
+  # (an MPS server a job started and stops itself is not a leftover)
   pids=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null | grep -v mps-server | cut -d, -f1 | tr -d ' ')
   [ -z "$pids" ] && return
   echo "$1: stopped processes it left on the GPU: $(echo $pids)" >> "$OUT/jobs.txt"

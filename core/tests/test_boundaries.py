@@ -1,4 +1,4 @@
-"""The typed boundaries of docs/ARCHITECTURE.md, checked on the real code.
+"""The typed boundaries of docs/concepts.md, checked on the real code.
 
 - No core module and no training backend reads another plugin's config section by attribute name
   (``getattr``/``hasattr`` on a section): core reads sections through the contracts it owns
@@ -118,12 +118,13 @@ def test_every_installed_generator_follows_the_contract():
 
 
 def test_the_loop_calls_trainer_methods_not_names():
-    from rlcore.controller import loop
+    from rlcore.controller import async_driver, learner, loop, refitter, resume, validation
 
-    tree = ast.parse(inspect.getsource(loop))
-    calls = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call)]
-    assert not [c for c in calls if re.search(r"\.call\(|getattr\(self\.c\.trainer|getattr\(trainer", c)], calls
-    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and ast.unparse(n.value) in ("trainer", "self.c.trainer")}
+    trees = [ast.parse(inspect.getsource(m)) for m in (loop, learner, refitter, validation, resume, async_driver)]
+    calls = [ast.unparse(n) for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    assert not [c for c in calls if re.search(r"\.call\(|getattr\(self\.(c\.)?trainer|getattr\(trainer", c)], calls
+    used = {n.attr for tree in trees for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and ast.unparse(n.value) in ("trainer", "self.trainer", "self.c.trainer")}
     assert used <= {"logprobs", "train", "save_checkpoint", "load_checkpoint", "offload", "onload", "loop_step"}, used
     assert {"logprobs", "train", "save_checkpoint", "load_checkpoint"} <= used
 
@@ -185,7 +186,7 @@ def test_backend_and_generator_factories_get_the_one_placement(tmp_path, tiny_mo
     alone: subprocesses of later tests must not inherit its MASTER_PORT.)"""
     import os
 
-    from rlcore.controller.run import build_components
+    from rlcore.controller.grpo_run import build_components
 
     before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
 
@@ -194,7 +195,7 @@ def test_backend_and_generator_factories_get_the_one_placement(tmp_path, tiny_mo
     manager = PluginManager()  # not the process-wide one: later tests must not see these providers
     manager.load_entry_points()
     manager.register_module(_BoundaryPlugin)
-    monkeypatch.setattr("rlcore.controller.run.get_plugin_manager", lambda: manager)
+    monkeypatch.setattr("rlcore.controller.grpo_run.get_plugin_manager", lambda: manager)
     config = rlcore.build_config({
         "policy": {"model_name": str(tiny_model_dir), "boundary_cfg": {"enabled": True},  # preflight checks it
                    "generation": {"backend": "boundary_gen", "colocated": {"enabled": True}}},

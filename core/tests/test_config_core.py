@@ -253,24 +253,3 @@ def test_load_config_from_yaml(manager, tmp_path):
         load_config(recipe, [], manager)
     with pytest.raises(ConfigError, match="recipe not found"):
         load_config(tmp_path / "missing.yaml", [], manager)
-
-
-def test_core_readme_documents_every_core_key():
-    """core/README.md's table of core keys stays in step with the schema."""
-    import typing
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-
-    def keys(cls, prefix):
-        hints = typing.get_type_hints(cls)
-        for f in attrs.fields(cls):
-            if f.metadata.get("internal"):
-                continue
-            if attrs.has(hints[f.name]):
-                yield from keys(hints[f.name], f"{prefix}{f.name}.")
-            else:
-                yield f"{prefix}{f.name}"
-
-    missing = [k for k in keys(RunConfig, "") if f"| `{k}` |" not in readme]
-    assert not missing, f"core/README.md does not document {missing}"

@@ -161,14 +161,15 @@ def test_a_reward_function_never_stops_the_run_on_model_output(capsys):
 
 
 def test_env_reward_fn_names_a_function(tmp_path, monkeypatch):
-    from rlcore.reward_fn import build_environment, load_reward_fn
+    from rlcore.controller.builders import build_environment
     from rlcore.plugins import get_plugin_manager
+    from rlcore.reward_fn import load_reward_fn
 
     (tmp_path / "my_rewards_i62.py").write_text("def fn(prompts, completions, **kw):\n    return [0.5] * len(completions)\nx = 3\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     config = build_config({"policy": {"model_name": "m"}, "env": {"reward_fn": "my_rewards_i62:fn"}})
-    env, name, multi_turn = build_environment(config, get_plugin_manager())
-    assert name == "my_rewards_i62:fn" and not multi_turn
+    env, multi_turn = build_environment(config, get_plugin_manager(), {})
+    assert env.name == "my_rewards_i62:fn" and not multi_turn
     from rlcore.interfaces import Sample
 
     assert [s.reward for s in env.step([Sample(prompt="p")], [["c"]])] == [0.5]

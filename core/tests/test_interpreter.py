@@ -41,7 +41,7 @@ def _cycle_freed_inside(enabled: bool) -> tuple[bool, bool]:
 
     before = _Node()
     alive = weakref.ref(before)
-    with CollectorPolicy(freeze_setup=enabled, manual=False):
+    with CollectorPolicy(period=1 if enabled else 0):
         del before
         gc.collect()
         freed_inside = alive() is None
@@ -56,17 +56,27 @@ def test_setup_objects_are_out_of_the_collectors_reach_until_the_run_ends():
     assert gc.get_freeze_count() == 0
 
 
-def test_manual_gc_collects_only_after_training():
+def test_gc_period_collects_only_after_every_nth_steps_training():
     import weakref
 
-    with GCClock() as clock, CollectorPolicy(freeze_setup=False, manual=True) as policy:
+    with CollectorPolicy(period=2) as policy, GCClock() as clock:  # the clock after the setup's collection
         node = _Node()
         alive = weakref.ref(node)
         del node
         kept = [[[]] for _ in range(50_000)]  # far past the automatic thresholds
         assert alive() is not None and clock.take()["time/gc_full_collections"] == 0 and len(kept) == 50_000
-        policy.after_training()
+        policy.after_training(step=1)
+        assert alive() is not None and clock.take()["time/gc_full_collections"] == 0
+        policy.after_training(step=2)
         assert alive() is None and clock.take()["time/gc_full_collections"] == 1
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # restored
+
+
+def test_gc_period_0_changes_nothing():
+    gc.unfreeze()
+    with CollectorPolicy(period=0) as policy:
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        policy.after_training(step=1)
     assert gc.isenabled()
 
 
@@ -95,12 +105,3 @@ def test_lock_lag_probe_sees_a_thread_that_keeps_the_interpreter_lock():
     assert loaded["time/gil_lag_max_s"] > 0.04, loaded
     assert LockLagProbe(enabled=False).take() == {}
 
-
-def test_gc_debug_names_the_thread_and_what_a_full_collection_walked(monkeypatch, capsys):
-    monkeypatch.setenv("RLCORE_GC_DEBUG", "1")
-    with GCClock():
-        worker = threading.Thread(target=gc.collect, name="rlcore-test-collector")
-        worker.start()
-        worker.join()
-    err = capsys.readouterr().err
-    assert "full collection in thread 'rlcore-test-collector'" in err and "objects, most " in err, err

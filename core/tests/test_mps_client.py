@@ -1,4 +1,4 @@
-"""``cluster.trainer_mps_priority``: where it cannot take effect the run stops before any work, naming the key;
+"""``experimental.trainer_mps_priority``: where it cannot take effect the run stops before any work, naming the key;
 on a GPU with an MPS daemon the trainer's context is made with it and the engine's environment keeps none."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import rlcore
 from rlcore.config import ConfigError
 from rlcore.controller.mps_client import enter_mps_client, mps_control_pipe
-from rlcore.controller.run import build_trainer
+from rlcore.controller.builders import build_trainer
 from rlcore.interfaces import Placement
 from rlcore.plugins import get_plugin_manager
 
@@ -28,21 +28,21 @@ def test_a_cpu_run_with_the_key_stops_before_its_trainer_is_built(tmp_path):
     config = rlcore.build_config({
         "policy": {"model_name": str(tmp_path / "no-model")}, "algorithm": {"name": "grpo"},
         "data": {"name": "arithmetic"}, "env": {"name": "math"},
-        "cluster": {"trainer_mps_priority": "below_normal"},
+        "experimental": {"trainer_mps_priority": "below_normal"},
     })
     placement = Placement(device="cpu", trainer_ranks=1, use_ray=False, colocated=True, generator_gpus=0)
-    with pytest.raises(ConfigError, match=r"cluster\.trainer_mps_priority.*no GPU"):
+    with pytest.raises(ConfigError, match=r"experimental\.trainer_mps_priority.*no GPU"):
         build_trainer(config, get_plugin_manager(), placement)
 
 
 def test_ray_trainer_ranks_are_refused():
     ranks = Placement(device="cuda", trainer_ranks=2, use_ray=True, colocated=True, generator_gpus=0)
-    with pytest.raises(ConfigError, match=r"cluster\.trainer_mps_priority.*Ray workers"):
+    with pytest.raises(ConfigError, match=r"experimental\.trainer_mps_priority.*Ray workers"):
         enter_mps_client("below_normal", ranks)
 
 
 def test_an_unknown_priority_is_named():
-    with pytest.raises(ConfigError, match=r"cluster\.trainer_mps_priority.*'high'"):
+    with pytest.raises(ConfigError, match=r"experimental\.trainer_mps_priority.*'high'"):
         enter_mps_client("high", ONE_GPU)
 
 

@@ -1,17 +1,15 @@
-"""DAPO's dynamic sampling through ``GRPOLoop.collect``: groups whose rewards are all equal are
+"""DAPO's dynamic sampling through ``Rollouts.collect``: groups whose rewards are all equal are
 dropped and more rounds are generated until the step has its prompts' worth of trajectories.
 Generator and environment are plain fakes (no model): the environment rewards a response 1 when
 its text ends in an even digit, so whole groups can be made all-equal on purpose."""
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 from rlcore.algorithms import config as C
 from rlcore.algorithms.dapo import DAPO
-from rlcore.controller.batching import DataCursor
-from rlcore.controller.loop import GRPOLoop
+from rlcore.controller.rollouts import Rollouts
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import EnvStep, GenerationResult, Sample
 
@@ -39,25 +37,22 @@ class Environment:
         return [EnvStep(reward=float(int(r[0][-1]) % 2 == 0)) for r in responses]
 
 
-def refill_loop(texts: list[list[str]]) -> GRPOLoop:
-    loop = GRPOLoop.__new__(GRPOLoop)  # only what collect reads
-    loop.grpo = SimpleNamespace(num_prompts_per_step=2, num_generations_per_prompt=2, seed=0, deterministic=False)
-    loop.generation_cfg = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, stop_strings=(),
-                                          stop_token_ids=(), ignore_eos=False)
-    loop.cursor = DataCursor(8, seed=0)
-    loop.gen_lock, loop.score_lock, loop._producer = threading.Lock(), threading.Lock(), None
-    loop.c = SimpleNamespace(generator=Generator(texts), environment=Environment(), multi_turn=None,
-                             algorithm=DAPO(C.DAPOConfig()), config=SimpleNamespace(cluster=SimpleNamespace(timeout_s=30.0)),
-                             dataset=SimpleNamespace(train=[Sample(prompt=f"p{i}", prompt_ids=[i + 1]) for i in range(8)]))
-    return loop
+def refill_rollouts(texts: list[list[str]]) -> Rollouts:
+    generation = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, stop_strings=(),
+                                 stop_token_ids=(), ignore_eos=False)
+    config = SimpleNamespace(grpo=SimpleNamespace(num_prompts_per_step=2, num_generations_per_prompt=2, seed=0,
+                                                  deterministic=False),
+                             generation=generation, cluster=SimpleNamespace(timeout_s=30.0))
+    dataset = SimpleNamespace(train=[Sample(prompt=f"p{i}", prompt_ids=[i + 1]) for i in range(8)])
+    return Rollouts(config, Generator(texts), Environment(), DAPO(C.DAPOConfig()), dataset)
 
 
 def test_refill_rounds_replace_all_equal_groups_until_the_step_is_full():
     # round 0: prompt 0 mixed (kept), prompt 1 all correct (dropped); round 1: both mixed, so two
     # groups more than needed: the step keeps the first 4 trajectories (groups 0 and 2)
-    loop = refill_loop([[["1", "2"], ["2", "4"]], [["3", "6"], ["8", "5"]]])
-    kept, metrics, version = loop.collect(1, StepTimer())
-    assert loop.c.generator.calls == 2
+    rollouts = refill_rollouts([[["1", "2"], ["2", "4"]], [["3", "6"], ["8", "5"]]])
+    kept, metrics, version = rollouts.collect(1, StepTimer())
+    assert rollouts.generator.calls == 2
     assert [t.group for t in kept] == [0, 0, 2, 2]
     assert [t.reward for t in kept] == [0.0, 1.0, 0.0, 1.0]
     assert metrics["rollout/refill_rounds"] == 1.0 and metrics["rollout/kept_trajectories"] == 4.0
@@ -67,7 +62,7 @@ def test_refill_rounds_replace_all_equal_groups_until_the_step_is_full():
 
 
 def test_a_full_first_round_needs_no_refill():
-    loop = refill_loop([[["1", "2"], ["3", "4"]]])
-    kept, metrics, _ = loop.collect(1, StepTimer())
-    assert loop.c.generator.calls == 1
+    rollouts = refill_rollouts([[["1", "2"], ["3", "4"]]])
+    kept, metrics, _ = rollouts.collect(1, StepTimer())
+    assert rollouts.generator.calls == 1
     assert [t.group for t in kept] == [0, 0, 1, 1] and metrics["rollout/refill_rounds"] == 0.0

@@ -1,4 +1,4 @@
-"""The refit probe (in ``GRPOLoop.refit``): generator and trainer score the step's first sequences
+"""The refit probe (in ``Refitter.refit``): generator and trainer score the step's first sequences
 after a refit; a mean gap over the threshold stops the run with an error that says which side moved
 away from the rollout's own logprobs (a stale or corrupt generator, or a trainer whose logprob
 pass is off). The fault is injected: the generator scores with logprobs the trainer does not."""
@@ -14,8 +14,8 @@ import torch
 
 from rlcore.config.generation import RefitConfig
 from rlcore.controller.batching import Trajectory, to_sequence_batch
-from rlcore.controller.loop import GRPOLoop
 from rlcore.controller.refit_probe import RefitError
+from rlcore.controller.refitter import Refitter
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import GenerationResult, Sample
 
@@ -38,30 +38,29 @@ class Scorer:
         return [torch.tensor(row) for row in self.rows(len(batch))]
 
 
-def probe_loop(generator_shift: float, threshold: float = 0.15) -> tuple[GRPOLoop, object]:
+def probe_refitter(generator_shift: float, threshold: float = 0.15) -> tuple[Refitter, object]:
     trajs = [Trajectory(Sample(prompt="p"), 0, GenerationResult(prompt_ids=prompt, response_ids=response,
                                                                  response_logprobs=lps, finish_reason="stop"))
              for prompt, response, lps in [([1, 2], [3, 4, 5], RESPONSE_LOGPROBS[0]), ([1], [6, 7], RESPONSE_LOGPROBS[1])]]
     batch = to_sequence_batch(trajs, torch.zeros(2), max_len=16)
-    loop = GRPOLoop.__new__(GRPOLoop)  # only what refit reads: no model, no engine
-    loop.refit_cfg = RefitConfig(probe_threshold=threshold, probe_num_sequences=4)
-    loop.gen_lock, loop.step, loop._producer = threading.Lock(), 3, None
-    loop.c = SimpleNamespace(generator=Scorer([2, 1], generator_shift), trainer=Scorer([2, 1], 0.0),
-                             transport=SimpleNamespace(transfer=lambda trainer, generator: {}))
-    return loop, batch
+    refitter = Refitter(trainer=Scorer([2, 1], 0.0), generator=Scorer([2, 1], generator_shift),
+                        transport=SimpleNamespace(transfer=lambda trainer, generator: {}),
+                        config=RefitConfig(probe_threshold=threshold, probe_num_sequences=4),
+                        generator_lock=threading.Lock())
+    return refitter, batch
 
 
 def test_probe_passes_with_matching_weights_and_reports_the_gap():
-    loop, batch = probe_loop(generator_shift=0.01)
-    metrics = loop.refit(batch, StepTimer())
+    refitter, batch = probe_refitter(generator_shift=0.01)
+    metrics = refitter.refit(batch, StepTimer(), 3)
     assert metrics["refit/probe_mean_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
     assert metrics["refit/probe_max_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
 
 
 def test_probe_failure_names_the_gap_and_which_side_moved_from_the_rollout():
-    loop, batch = probe_loop(generator_shift=-2.0)
+    refitter, batch = probe_refitter(generator_shift=-2.0)
     with pytest.raises(RefitError) as info:
-        loop.refit(batch, StepTimer())
+        refitter.refit(batch, StepTimer(), 3)
     message = str(info.value)
     # five response tokens, mean rollout logprob (-0.5 - 1 - 1.5 - 0.25 - 0.75) / 5 = -0.8
     assert "at step 3" in message and "differ by 2 on average" in message and "over 5 probe tokens" in message
@@ -70,7 +69,7 @@ def test_probe_failure_names_the_gap_and_which_side_moved_from_the_rollout():
 
 
 class LockThatLetsWaitersIn:
-    """``gen_lock`` with a fair hand-over forced: each release pauses, so a thread waiting for the lock
+    """The generator's lock with a fair hand-over forced: each release pauses, so a thread waiting for the lock
     takes it before the releasing thread can take it again (a schedule CPython allows, rarely)."""
 
     def __init__(self):
@@ -87,14 +86,14 @@ class LockThatLetsWaitersIn:
 def test_the_probe_scores_before_a_waiting_rollout_thread_generates():
     """One step off: the rollout thread waits for the lock during the refit to start the next batch.
     The probe's generator pass must come before that generation, or the step waits for all of it."""
-    loop, batch = probe_loop(generator_shift=0.01)
-    loop.gen_lock = LockThatLetsWaitersIn()
+    refitter, batch = probe_refitter(generator_shift=0.01)
+    refitter.generator_lock = LockThatLetsWaitersIn()
     order: list[str] = []
     waiting = threading.Event()
 
     def rollout_thread():
         waiting.set()
-        with loop.gen_lock:
+        with refitter.generator_lock:
             order.append("generate")
 
     producer = threading.Thread(target=rollout_thread)
@@ -107,10 +106,10 @@ def test_the_probe_scores_before_a_waiting_rollout_thread_generates():
             order.append("transfer")
             return {"seconds": 0.1, "bytes": 1e8}
 
-    scorer = loop.c.generator
-    loop.c.transport = Transport()
-    loop.c.generator = SimpleNamespace(score=lambda sequences: (order.append("score"), scorer.score(sequences))[1])
-    metrics = loop.refit(batch, StepTimer())
+    scorer = refitter.generator
+    refitter.transport = Transport()
+    refitter.generator = SimpleNamespace(score=lambda sequences: (order.append("score"), scorer.score(sequences))[1])
+    metrics = refitter.refit(batch, StepTimer(), 3)
     producer.join(5)
     assert order == ["transfer", "score", "generate"]
     assert metrics["refit/probe_mean_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)

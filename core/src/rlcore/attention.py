@@ -14,9 +14,9 @@ A packed micro-batch is one stream of ``T`` tokens holding several sequences bac
   is exact and needs far less than a ``T x T`` block-diagonal mask.
 
 Every SDPA call here avoids the cuDNN backend on CUDA (:func:`sdpa`): cuDNN builds an execution
-plan for each new sequence length, which cost 3.5 ms of host time per call and stalled the GPU
-for ~70 ms per new shape on an H200 (measured: Megatron backend at 5% MFU with random lengths,
-``benchmarks/RESULTS.md``). RL batches have a new set of lengths at every step.
+plan for each new sequence length, which costs milliseconds of host time per call and stalls the
+GPU for tens of milliseconds per new shape (the Megatron backend fell to 5% MFU with random
+lengths). RL batches have a new set of lengths at every step.
 
 Written here rather than taken from a library because the library kernels (flash-attn,
 Transformer Engine) are not installable on every machine rlcore targets; torch's own varlen

@@ -171,9 +171,8 @@ def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:
 
     Called once the run has ended, finished or failed: what follows is only the interpreter's exit,
     which waits for every non-daemon thread and runs every atexit handler, and one that never returns
-    would keep an ended run's process (and its GPU memory) forever. A 200-step GPU run printed its
-    summary and then did not exit until it was killed (RESULTS.md, twenty-second session). The
-    stacks printed first show what it waited for; ``os._exit`` then skips the handlers that hang.
+    would keep an ended run's process (and its GPU memory) forever: a long GPU run can print its
+    summary and then never exit. The stacks printed first show what it waited for; ``os._exit`` then skips the handlers that hang.
     """
 
     def end_the_process() -> None:
@@ -281,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_eval)
+    from rlcore.planning.command import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
+    from rlcore.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

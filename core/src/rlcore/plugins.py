@@ -249,6 +249,18 @@ class PluginManager:
     def weight_transport(self, trainer: Any, generator: Any):
         return self.pm.hook.rlcore_weight_transport(trainer=trainer, generator=generator)
 
+    def benchmarks(self) -> dict[str, Any]:
+        """Every plugin's component benchmarks (``rlcore_benchmarks``), by name; a name given twice is an error."""
+        found: dict[str, Any] = {}
+        for answer in self.pm.hook.rlcore_benchmarks():
+            if not isinstance(answer, dict):
+                raise PluginError(f"rlcore_benchmarks returned {type(answer).__name__}; it returns a dict name -> benchmark")
+            for name, fn in answer.items():
+                if name in found:
+                    raise PluginError(f"duplicate component benchmark name '{name}'; benchmark names are unique")
+                found[name] = fn
+        return found
+
     def export_checkpoint(self, backend: str, checkpoint_dir: Any, config: Any, out_dir: Any):
         return self.pm.hook.rlcore_export_checkpoint(backend=backend, checkpoint_dir=checkpoint_dir, config=config,
                                                      out_dir=out_dir)

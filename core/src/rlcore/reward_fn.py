@@ -97,12 +97,3 @@ def as_environment(given: dict[str, Any]) -> dict[str, Any]:
         given["environment"] = FunctionEnvironment(fn)
     return given
 
-
-def build_environment(config: Any, manager: Any) -> tuple[Any, str, bool]:
-    """The recipe's environment: ``env.reward_fn``'s function when set, else the ``env.name`` plugin
-    built from ``env.<name>``. Returns it, its name and whether it is multi-turn."""
-    if config.env.reward_fn:
-        fn = load_reward_fn(config.env.reward_fn)
-        return FunctionEnvironment(fn, config.env.reward_fn), config.env.reward_fn, False
-    reg = manager.get("environment", config.env.name)
-    return reg.build(config.section(f"env.{config.env.name}")), config.env.name, bool(reg.capabilities.get("multi_turn"))

@@ -86,6 +86,7 @@ def test_lr_schedule():
 def test_empty_cache_after_train_follows_colocation_unless_set():
     from rlcore.interfaces import Placement, WorldInfo
     from rlcore_fsdp2.backend import _empty_cache_after_train
+    from rlcore_fsdp2.config import DTensorExperimentalConfig
 
     def world(colocated):
         return WorldInfo(device="cuda", placement=Placement(device="cuda", colocated=colocated))
@@ -93,5 +94,5 @@ def test_empty_cache_after_train_follows_colocation_unless_set():
     assert _empty_cache_after_train(WorldInfo(), DTensorConfig())  # default placement: colocated
     assert _empty_cache_after_train(world(True), DTensorConfig())
     assert not _empty_cache_after_train(world(False), DTensorConfig())
-    assert not _empty_cache_after_train(world(True), DTensorConfig(empty_cache_after_train=False))
-    assert _empty_cache_after_train(world(False), DTensorConfig(empty_cache_after_train=True))
+    assert not _empty_cache_after_train(world(True), DTensorConfig(experimental=DTensorExperimentalConfig(empty_cache_after_train=False)))
+    assert _empty_cache_after_train(world(False), DTensorConfig(experimental=DTensorExperimentalConfig(empty_cache_after_train=True)))

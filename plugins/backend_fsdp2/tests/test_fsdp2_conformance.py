@@ -225,6 +225,33 @@ def test_one_rank_replaces_what_this_torch_has():
     assert one_rank.install() is True
     assert hasattr(collectives.foreach_reduce_scatter_copy_in, one_rank._ORIGINAL_ATTR)
     assert hasattr(FSDPParamGroup.post_backward, one_rank._ORIGINAL_ATTR)
+    one_rank.uninstall()
+
+
+def test_one_rank_uninstall_restores_fsdp2_after_the_last_user(monkeypatch):
+    """The replacement is process-wide only while a backend that asked for it lives: the last
+    uninstall puts FSDP2's own functions back."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from rlcore_fsdp2 import one_rank
+
+    def originals():
+        return [getattr(f, one_rank._ORIGINAL_ATTR, f)
+                for f in (collectives.foreach_reduce_scatter_copy_in, FSDPParamGroup.post_backward)]
+
+    users, before = one_rank._users, originals()
+    monkeypatch.setattr(one_rank, "_users", 0)
+    try:
+        assert one_rank.install() and one_rank.install()
+        one_rank.uninstall()
+        assert hasattr(FSDPParamGroup.post_backward, one_rank._ORIGINAL_ATTR)  # one user left
+        one_rank.uninstall()
+        assert [collectives.foreach_reduce_scatter_copy_in, FSDPParamGroup.post_backward] == before
+    finally:
+        for _ in range(users):  # put back what backends still alive in this session installed
+            one_rank.install()
+    assert originals() == before
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -235,9 +262,12 @@ def test_one_rank_fast_paths_key_decides_the_replacement(single_process_group, t
     from rlcore_fsdp2.backend import FSDP2Backend
     from rlcore_fsdp2.config import SECTION
 
+    from rlcore_fsdp2.config import DTensorExperimentalConfig
+
     calls = []
-    monkeypatch.setattr(one_rank, "install", lambda: calls.append(1) or True)
-    config = run_config(tiny_model_dir, one_rank_fast_paths=enabled)
-    assert config.section(SECTION).one_rank_fast_paths is enabled
+    monkeypatch.setattr(one_rank, "install", lambda: calls.append("install") or True)
+    monkeypatch.setattr(one_rank, "uninstall", lambda: calls.append("uninstall"))
+    config = run_config(tiny_model_dir, experimental=DTensorExperimentalConfig(one_rank_fast_paths=enabled))
+    assert config.section(SECTION).experimental.one_rank_fast_paths is enabled
     FSDP2Backend(config, config.section(SECTION), WorldInfo()).shutdown()
-    assert calls == ([1] if enabled else [])
+    assert calls == (["install", "uninstall"] if enabled else [])

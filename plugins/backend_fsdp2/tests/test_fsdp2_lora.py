@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 @pytest.fixture(scope="module")
 def lora_trainer(single_process_group, tiny_model_dir):
     from rlcore.config import build_config
-    from rlcore.controller.workers import LocalTrainer
+    from rlcore.runtime import LocalTrainer
     from rlcore.plugins import get_plugin_manager
 
     config = build_config({"policy": {"model_name": str(tiny_model_dir), "precision": "float32",

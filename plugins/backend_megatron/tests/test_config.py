@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import attrs
 import pytest
 
 from rlcore.config import ConfigError, build_config, structure
@@ -83,10 +84,22 @@ def test_plugin_import_stays_torch_free():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_gemm_sm_margin_is_a_count_of_sms():
-    assert make().gemm_sm_margin == 0 and make(gemm_sm_margin=20).gemm_sm_margin == 20
+def test_gemm_sm_margin_is_an_experimental_count_of_sms():
+    assert make().experimental.gemm_sm_margin == 0
+    assert make(experimental={"gemm_sm_margin": 20}).experimental.gemm_sm_margin == 20
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.experimental\.gemm_sm_margin"):
+        make(experimental={"gemm_sm_margin": -1})
     with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.gemm_sm_margin"):
-        make(gemm_sm_margin=-1)
+        make(gemm_sm_margin=20)  # not a top-level key
+
+
+def test_cuda_graph_doc_agrees_with_its_fp8_refusal():
+    """The key's doc names FP8 as excluded, as the check refuses it."""
+    from rlcore_megatron.config import MegatronConfig as M
+
+    assert "no FP8" in attrs.fields(M).cuda_graph.metadata["doc"]
+    with pytest.raises(ConfigError, match=r"fp8_cfg\.enabled"):
+        make(cuda_graph="micro_batch", fp8_cfg={"enabled": True})
 
 
 def test_kernels_resolve_per_device_and_refuse_what_cannot_run():

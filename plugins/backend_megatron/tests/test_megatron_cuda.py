@@ -12,8 +12,9 @@ On the H200 machines, with the staged wheels and rlcore's own installed (benchma
   row multiple) and its logprobs stay near bf16's;
 - TE's own attention (cuDNN) gives the same logprobs as the flash path;
 - the MLP through TE's op fuser equals the module MLP;
-- ``gemm_sm_margin``: the backend's GEMMs (TE's and torch's) target fewer SMs and give the same
-  logprobs within bf16 rounding; a margin of every SM is refused by name;
+- ``experimental.gemm_sm_margin``: the backend's GEMMs (TE's and torch's) target fewer SMs and give
+  the same logprobs within bf16 rounding; a margin of every SM is refused by name; shutdown restores
+  the process-wide settings;
 - ``cuda_graph: micro_batch`` (bf16, ``sft`` and GRPO; FP8 is refused): graphed steps with replays
   over micro-batches of different lengths equal the same padded path run eagerly and Megatron's
   schedule within the stated tolerances, metrics included.
@@ -116,8 +117,10 @@ def test_te_spec_logprobs_bf16_and_te_attention(single_cuda_process_group, te_lo
     assert vs_hf[0] < 0.15 and vs_hf[1] < 0.02 and vs_attn[0] < 0.15 and vs_attn[1] < 0.02, (vs_hf, vs_attn)
 
 
-def test_gemm_sm_margin_sets_the_carveout_and_keeps_logprobs(single_cuda_process_group, te_loads, tiny_model_factory):
-    """The margin is process-wide (TE's env var, torch's BLAS library and carveout): restored after."""
+def test_gemm_sm_margin_sets_the_carveout_keeps_logprobs_and_is_restored(single_cuda_process_group, te_loads,
+                                                                         tiny_model_factory):
+    """The margin is process-wide (TE's env var, torch's BLAS library and carveout) while the backend
+    lives; its shutdown restores what was there before."""
     import os
 
     from rlcore.config import ConfigError
@@ -128,19 +131,18 @@ def test_gemm_sm_margin_sets_the_carveout_and_keeps_logprobs(single_cuda_process
     want = plain.logprobs(batch)
     plain.shutdown()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    library = torch.backends.cuda.preferred_blas_library()
-    try:
-        with pytest.raises(ConfigError, match=rf"policy\.megatron_cfg\.gemm_sm_margin.*{sms} SMs"):
-            cuda_backend(path, "bfloat16", transformer_impl="transformer_engine", gemm_sm_margin=sms)
-        margin = cuda_backend(path, "bfloat16", transformer_impl="transformer_engine", gemm_sm_margin=32)
-        assert torch._C._get_sm_carveout_experimental() == 32 and os.environ["NVTE_EXT_MARGIN_SM"] == "32"
-        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
-        got = margin.logprobs(batch)
-        margin.shutdown()
-    finally:
-        torch._C._set_sm_carveout_experimental(None)
-        os.environ.pop("NVTE_EXT_MARGIN_SM", None)
-        torch.backends.cuda.preferred_blas_library(library)
+    before = (os.environ.get("NVTE_EXT_MARGIN_SM"), torch.backends.cuda.preferred_blas_library(),
+              torch._C._get_sm_carveout_experimental())
+    with pytest.raises(ConfigError, match=rf"policy\.megatron_cfg\.experimental\.gemm_sm_margin.*{sms} SMs"):
+        cuda_backend(path, "bfloat16", transformer_impl="transformer_engine", experimental={"gemm_sm_margin": sms})
+    margin = cuda_backend(path, "bfloat16", transformer_impl="transformer_engine", experimental={"gemm_sm_margin": 32})
+    assert torch._C._get_sm_carveout_experimental() == 32 and os.environ["NVTE_EXT_MARGIN_SM"] == "32"
+    assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    got = margin.logprobs(batch)
+    margin.shutdown()
+    after = (os.environ.get("NVTE_EXT_MARGIN_SM"), torch.backends.cuda.preferred_blas_library(),
+             torch._C._get_sm_carveout_experimental())
+    assert after == before
     got, want = on_mask(got, batch), on_mask(want, batch)
     print(f"gemm_sm_margin 32 of {sms} SMs vs every SM, bf16 logprobs |diff| max {max_diff(got, want):.2e} mean {mean_diff(got, want):.2e}")
     assert max_diff(got, want) < 0.15 and mean_diff(got, want) < 0.02

@@ -40,7 +40,7 @@ def test_vllm_routing_reaches_the_trainer_aligned(single_cuda_process_group, tin
     pytest.importorskip("rlcore_vllm")
     from transformers import AutoConfig
 
-    from rlcore.controller.batching import Trajectory, to_sequence_batch
+    from rlcore.runtime import Trajectory, to_sequence_batch
     from rlcore.interfaces import Sample, SamplingParams
     from rlcore_vllm.config import VllmConfig
     from rlcore_vllm.generator import VllmGenerator

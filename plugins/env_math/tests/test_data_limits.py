@@ -10,7 +10,7 @@ import pytest
 
 from rlcore.config import ConfigError
 from rlcore.config.schema import PolicyConfig, RunConfig
-from rlcore.controller.preflight import check_prompt_lengths
+from rlcore.runtime import check_prompt_lengths
 from rlcore_math.prompts import DataError
 from test_datasets import GSM8K, build, write_jsonl
 

@@ -20,7 +20,7 @@ class StateDictBackend:
 
 def state_dict_trainer(state_dict: dict[str, torch.Tensor]):
     """A trainer handle over :class:`StateDictBackend` in this process (what transports get)."""
-    from rlcore.controller.workers import LocalTrainer
+    from rlcore.runtime import LocalTrainer
 
     return LocalTrainer(StateDictBackend(state_dict))
 

@@ -66,24 +66,19 @@ def test_engine_process_choice():
     assert own(None, device="cpu", colocated=True, async_grpo=True) is None
     assert own(True, device="cuda", colocated=True, async_grpo=False) is True
     assert own(False, device="cpu", colocated=True, async_grpo=True) is False
-    with pytest.raises(ConfigError, match=r"policy\.generation\.engine_process.*GPUs of its own"):
+    with pytest.raises(ConfigError, match=r"policy\.generation\.experimental\.engine_process.*GPUs of its own"):
         own(False, device="cuda", colocated=False, async_grpo=False)
 
 
-def test_rollout_stream_priority_choice():
-    """high only when asked for, and only where the sync engine's core is in this process on CUDA."""
-    from rlcore_vllm.generator import VllmGenerator, high_priority_rollouts as high
-
-    default, asked = VllmConfig(), structure(VllmConfig, {"rollout_stream_priority": "high"}, "policy.generation")
-    assert high(default, device="cuda", own_process=False) is False  # never chosen for the user
-    assert high(asked, device="cuda", own_process=False) is True
-    with pytest.raises(ConfigError, match=r"policy\.generation\.rollout_stream_priority.*own process"):
-        high(asked, device="cuda", own_process=True)
-    with pytest.raises(ConfigError, match=r"policy\.generation\.rollout_stream_priority"):
-        high(structure(VllmConfig, {"rollout_stream_priority": "high", "async_engine": True}, "policy.generation"),
-             device="cuda", own_process=False)
-    with pytest.raises(ConfigError, match=r"policy\.generation\.rollout_stream_priority.*CUDA"):
-        VllmGenerator("/nonexistent-model", VllmConfig(), device="cpu", high_priority_stream=True)
+def test_experimental_switches_live_in_their_own_section():
+    """The measured-alternative switches are under ``experimental``; at the top level they are unknown keys."""
+    cfg = structure(VllmConfig, {"experimental": {"executor": "uni", "engine_process": False}}, "policy.generation")
+    assert cfg.experimental.executor == "uni" and cfg.experimental.engine_process is False
+    assert VllmConfig().experimental.request_seeds is True and VllmConfig().experimental.engine_detokenize is False
+    for key in ("executor", "engine_process", "request_seeds", "engine_detokenize", "rollout_stream_priority"):
+        with pytest.raises(ConfigError) as err:
+            structure(VllmConfig, {key: True}, "policy.generation")
+        assert err.value.key == f"policy.generation.{key}"
 
 
 @pytest.mark.parametrize("colocated, device, sleeps", [
@@ -104,12 +99,12 @@ def test_sleep_level_0_keeps_a_colocated_engine_resident(colocated, device, slee
 
 @pytest.mark.parametrize("data, key", [
     ({"colocated": {"sleep_level": 3}}, "policy.generation.colocated.sleep_level"),
-    ({"rollout_stream_priority": "low"}, "policy.generation.rollout_stream_priority"),
     ({"quantization": "int4"}, "policy.generation.quantization"),
     ({"temprature": 0.5}, "policy.generation.temprature"),
     ({"refit": {"chunk_byte": 1}}, "policy.generation.refit.chunk_byte"),
     ({"prompt_overflow": "wrap"}, "policy.generation.prompt_overflow"),
-    ({"engine_process": "sometimes"}, "policy.generation.engine_process"),
+    ({"experimental": {"engine_process": "sometimes"}}, "policy.generation.experimental.engine_process"),
+    ({"experimental": {"executor": "ray"}}, "policy.generation.experimental.executor"),
     ({"top_p": 1.5}, "policy.generation.top_p"),
 ])
 def test_bad_keys_and_values_name_the_key(data, key):
@@ -145,5 +140,6 @@ def test_request_seeds_false_sends_requests_without_their_own_seed():
 
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=7, n=4)
     for request_seeds, expected in ((True, 7), (False, None)):
-        owner = SimpleNamespace(config=structure(VllmConfig, {"request_seeds": request_seeds}, "policy.generation"), max_model_len=64)
+        owner = SimpleNamespace(config=structure(VllmConfig, {"experimental": {"request_seeds": request_seeds}},
+                                                  "policy.generation"), max_model_len=64)
         assert VllmGenerator._vllm_params(owner, params, prompt_len=10, n=4).seed == expected

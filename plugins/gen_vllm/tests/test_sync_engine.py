@@ -117,7 +117,7 @@ def test_batched_decode_gives_the_engines_text_and_logprobs(sync_generator):
     original = sync_generator.config
     try:
         batched = sync_generator.generate(prompts, params)
-        sync_generator.config = attrs.evolve(original, engine_detokenize=True)
+        sync_generator.config = attrs.evolve(original, experimental=attrs.evolve(original.experimental, engine_detokenize=True))
         engine = sync_generator.generate(prompts, params)
     finally:
         sync_generator.config = original

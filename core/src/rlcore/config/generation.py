@@ -50,8 +50,8 @@ class ColocatedConfig:
     offload_trainer_state: bool = field(default=False, metadata=doc(
         "move the trainer's optimizer state and gradients to host memory while the engines are awake (after each "
         "training phase, back before the next), for models whose training state and engine do not fit one GPU "
-        "together; costs two host copies of that state a step (timed as timing/offload: 2.5 s a step for an 8-layer "
-        "Qwen3-MoE with 5.6B parameters on an H200, benchmarks/RESULTS.md); "
+        "together; costs two host copies of that state a step (timed as timing/offload: seconds a step for a "
+        "model of a few billion parameters); "
         "synchronous GRPO with colocated engines only"))
 
 

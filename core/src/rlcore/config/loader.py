@@ -90,7 +90,7 @@ def build_config(data: dict, overrides: list[str] = (), manager: PluginManager |
                     pass  # required keys without defaults: absent means "not used"
     return RunConfig(
         policy=config.policy, grpo=config.grpo, cluster=config.cluster, checkpointing=config.checkpointing,
-        env=config.env, logger=config.logger, sections=found,
+        env=config.env, logger=config.logger, experimental=config.experimental, sections=found,
     )
 
 

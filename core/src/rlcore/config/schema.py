@@ -123,10 +123,7 @@ class ClusterConfig:
     ray_address: str | None = field(default=None, metadata=doc("existing Ray cluster; None = RAY_ADDRESS or a local instance, which listens on 127.0.0.1 only, dashboard off (no other machine can join it; no job or state API)"))
     timeout_s: float = field(default=1800.0, validator=_positive, metadata=doc("limit of any single blocking wait"))
     exit_timeout_s: float = field(default=300.0, validator=_positive, metadata=doc("once `rlcore run` has ended (summary written, or failed): how long its process may take to exit (threads, atexit handlers) before it prints every thread's stack and exits with the run's status"))
-    gc_freeze_setup: bool = field(default=True, metadata=doc("as the run's loop starts, move every object alive (models, the engine's front end, imported modules) out of reach of Python's garbage collector (gc.freeze), so that a full collection, which stops every thread of the process, walks only what the run made since"))
-    manual_gc: bool = field(default=False, metadata=doc("no automatic garbage collection during the run; one full collection after each step's training instead (Megatron-LM's --manual-gc): every thread of the process then stops for the collector once a step, not at any time (one step off on an H200: 16 full collections a step otherwise)"))
-    gil_lag_probe: bool = field(default=False, metadata=doc("a thread that sleeps 5 ms at a time records how late it wakes, i.e. how long a thread of this process waits for the interpreter lock: time/gil_lag_mean_s and time/gil_lag_max_s with each step"))
-    trainer_mps_priority: Literal["normal", "below_normal"] | None = field(default=None, metadata=doc("one GPU shared by the trainer and a resident vLLM engine (one step off): the trainer's CUDA context is created as a client of the running MPS daemon (nvidia-cuda-mps-control -d) at this priority, the engine's at normal; below_normal with policy.megatron_cfg.gemm_sm_margin at half the SMs lets the engine keep its speed beside the trainer. None = CUDA as it comes (rlcore.controller.mps_client)"))
+    gc_period: int = field(default=1, validator=_non_negative, metadata=doc("Python's garbage collector during the run: N > 0 moves the objects alive at the start (models, the engine's front end, modules) out of its reach (gc.freeze), turns automatic collection off and runs one full collection after every N steps' training, so that the collection, which stops every thread of the process, comes where the run chooses (one step off's threads otherwise meet automatic collections many times a step); 0 leaves the collector as Python runs it. Restored when the run ends"))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = field(
         default="PACK", metadata=doc("Ray placement group of the trainer ranks (one bundle per rank): as few nodes as possible, as many, one node, one node per rank"),
     )
@@ -170,6 +167,15 @@ class LoggerConfig:
 
 
 @frozen
+class ExperimentalConfig:
+    """Experimental settings (section ``experimental``): measurement probes and GPU-sharing knobs whose
+    benefit is not established or depends on the host. They may change or go without notice."""
+
+    gil_lag_probe: bool = field(default=False, metadata=doc("a thread that sleeps 5 ms at a time records how late it wakes, i.e. how long a thread of this process waits for the interpreter lock: time/gil_lag_mean_s and time/gil_lag_max_s with each step"))
+    trainer_mps_priority: Literal["normal", "below_normal"] | None = field(default=None, metadata=doc("one GPU shared by the trainer and a resident vLLM engine (one step off): the trainer's CUDA context is created as a client of the running MPS daemon (nvidia-cuda-mps-control -d) at this priority, the engine's at normal; below_normal with policy.megatron_cfg.gemm_sm_margin at half the SMs lets the engine keep its speed beside the trainer. None = CUDA as it comes (rlcore.controller.mps_client)"))
+
+
+@frozen
 class RunConfig:
     """A whole run. Plugin-owned sections are in ``sections`` by dotted path."""
 
@@ -179,6 +185,7 @@ class RunConfig:
     checkpointing: CheckpointingConfig = field(factory=CheckpointingConfig)
     env: EnvConfig = field(factory=EnvConfig)
     logger: LoggerConfig = field(factory=LoggerConfig)
+    experimental: ExperimentalConfig = field(factory=ExperimentalConfig)
     sections: dict[str, Any] = field(factory=dict, metadata={**doc("plugin sections by dotted path"), "internal": True})
 
     def section(self, path: str, default: Any = None) -> Any:

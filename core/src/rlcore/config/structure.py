@@ -71,6 +71,11 @@ def doc(text: str) -> dict:
 SectionResolver = typing.Callable[[str, Any], Any]
 
 
+# A field of this name (internal, derived) receives the keys the recipe gave the section: a schema's way
+# to tell a value the user chose from its default.
+EXPLICIT_KEYS = "explicit_keys"
+
+
 def structure(cls: type, data: Any, path: str = "", sections: dict[str, SectionResolver] | None = None, found: dict | None = None) -> Any:
     """Build ``cls`` (an attrs class) from ``data`` (a mapping), validating every key.
 
@@ -106,6 +111,8 @@ def structure(cls: type, data: Any, path: str = "", sections: dict[str, SectionR
                 kwargs[name] = convert(tp, data[name], join(path, name))
         elif field.default is attrs.NOTHING:
             raise ConfigError(join(path, name), f"required key is missing ({field_doc(field) or 'no default'})")
+    if EXPLICIT_KEYS in attrs.fields_dict(cls):  # a schema that asks which keys the recipe set (layout: auto)
+        kwargs[EXPLICIT_KEYS] = frozenset(data)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -222,7 +229,7 @@ def _type_name(tp: Any) -> str:
 def unstructure(obj: Any) -> Any:
     """attrs config -> plain dicts/lists (for printing and saving the resolved config)."""
     if attrs.has(type(obj)):
-        return {f.name: unstructure(getattr(obj, f.name)) for f in attrs.fields(type(obj))}
+        return {f.name: unstructure(getattr(obj, f.name)) for f in attrs.fields(type(obj)) if f.name != EXPLICIT_KEYS}
     if isinstance(obj, dict):
         return {k: unstructure(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -157,6 +157,7 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "train/reward_mean": float(np.mean(rewards)),
         "train/accuracy": float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajectories])),
         "rollout/mean_response_tokens": float(np.mean(lengths)),
+        "rollout/mean_prompt_tokens": float(np.mean([len(t.result.prompt_ids) for t in trajectories])),
         "rollout/max_response_tokens": float(np.max(lengths)),
         "rollout/truncated_fraction": float(np.mean([t.truncated for t in trajectories])),
         "rollout/num_trajectories": float(len(trajectories)),

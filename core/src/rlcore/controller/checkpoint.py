@@ -40,14 +40,13 @@ LOOP_STATE = "loop_state.pt"
 INTERRUPTED = threading.Event()
 
 
-def run_catching_sigterm(loop: Any, body: Callable[[], Any]) -> Any:
+def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool = False) -> Any:
     """``body()`` with SIGTERM recorded in ``loop.stop_signal`` instead of ending the process: the
     loop ends its step, writes a checkpoint of it and stops (exit 143 in ``rlcore run``). The first
     Ctrl-C (SIGINT) does the same (exit 130); a second one stops at once (KeyboardInterrupt, which
-    ``rlcore run`` reports in one line). Off the main thread, where Python cannot catch signals,
-    ``body()`` runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        return body()
+    ``rlcore run`` reports in one line). ``loop`` has ``step`` and ``stop_signal``; ``checkpointed``
+    says whether the stop writes a checkpoint. Off the main thread, where Python cannot catch
+    signals, ``body()`` runs as it is."""
 
     def on_interrupt(signum, frame):
         if loop.stop_signal == signal.SIGINT:
@@ -55,9 +54,12 @@ def run_catching_sigterm(loop: Any, body: Callable[[], Any]) -> Any:
         INTERRUPTED.set()
         loop.stop_signal = signum
         print(f"\nCtrl-C: stopping after step {max(loop.step, 1)} ends"
-              f"{' and is checkpointed' if loop.ckpt is not None else ''} (Ctrl-C again stops at once)", flush=True)
+              f"{' and is checkpointed' if checkpointed else ''} (Ctrl-C again stops at once)", flush=True)
 
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(loop, "stop_signal", signum))
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(loop, "stop_signal", signum))
+    except ValueError:  # "signal only works in main thread of the main interpreter"
+        return body()
     previous_int = signal.signal(signal.SIGINT, on_interrupt)
     try:
         return body()

@@ -32,8 +32,17 @@ class GenerationTimeout(TimeoutError):
 
 def call_with_timeout(fn: Callable[[], Any], timeout_s: float, describe: Callable[[], str],
                       error: type[TimeoutError] = EnvironmentTimeout) -> Any:
-    in_main = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-    return (_with_alarm if in_main else _with_thread)(fn, timeout_s, lambda: error(describe()))
+    expired = lambda: error(describe())  # noqa: E731
+    if hasattr(signal, "setitimer"):
+        try:
+            return _with_alarm(fn, timeout_s, expired)
+        except _OffTheMainThread:  # only the main thread may take signals: bounded from another thread
+            pass
+    return _with_thread(fn, timeout_s, expired)
+
+
+class _OffTheMainThread(Exception):
+    """SIGALRM's handler could not be installed (not the main thread); ``fn`` has not run."""
 
 
 def _with_alarm(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
@@ -49,7 +58,10 @@ def _with_alarm(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
             return
         raise expired()
 
-    signal.signal(signal.SIGALRM, expire)
+    try:
+        signal.signal(signal.SIGALRM, expire)
+    except ValueError as exc:  # "signal only works in main thread of the main interpreter"
+        raise _OffTheMainThread from exc
     signal.setitimer(signal.ITIMER_REAL, outer_delay if outer_first else timeout_s)
     try:
         return fn()

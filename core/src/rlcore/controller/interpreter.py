@@ -4,23 +4,19 @@ A collection holds the interpreter lock from start to end, so every thread of th
 meanwhile: one step off's rollout thread, which feeds the engine, and the trainer launching its
 kernels. A full collection walks every object the collector tracks, and a process that holds a
 Megatron model, vLLM's front end and ``transformers`` tracks millions of them, almost all made
-during setup and alive for the whole run. ``gc.freeze()`` once the setup is done moves those to
-the permanent generation, which collections skip (``cluster.gc_freeze_setup``); vLLM freezes its
-engine's heap after start-up the same way (``freeze_gc_heap``). ``cluster.manual_gc`` goes further,
-as Megatron-LM's ``--manual-gc`` does: no automatic collections during the run, one after each
-step's training, at a time the run chooses.
+during setup and alive for the whole run. ``cluster.gc_period`` moves those to the permanent
+generation once the setup is done (``gc.freeze()``, as vLLM freezes its engine's heap after
+start-up), turns automatic collection off and collects after every N steps' training, as
+Megatron-LM's ``--manual-gc`` and torchtitan's ``gc_freq`` do.
 
 :class:`GCClock` records the collector's pauses with each step; :class:`LockLagProbe`
-(``cluster.gil_lag_probe``) how late a thread that sleeps 5 ms at a time wakes, which is how long
+(``experimental.gil_lag_probe``) how late a thread that sleeps 5 ms at a time wakes, which is how long
 a thread of the process waits for the interpreter lock.
 """
 
 from __future__ import annotations
 
-import collections
 import gc
-import os
-import sys
 import threading
 import time
 from typing import Self
@@ -29,16 +25,10 @@ from typing import Self
 class GCClock:
     """Seconds this process spent in the garbage collector, from ``gc.callbacks``: :meth:`take` gives
     what happened since its last call; the run loop records it with each step as ``time/gc_s``,
-    ``time/gc_longest_s`` and ``time/gc_full_collections``.
-
-    ``RLCORE_GC_DEBUG=1`` also prints a line per full collection: the thread whose allocation
-    started it, how long it took, and the commonest types among the objects it walked (counting
-    them costs about as much as the collection itself, so it is off by default)."""
+    ``time/gc_longest_s`` and ``time/gc_full_collections``."""
 
     def __init__(self) -> None:
         self._began: float | None = None
-        self._debug = os.environ.get("RLCORE_GC_DEBUG", "") not in ("", "0")
-        self._walked = ""
         self._reset()
 
     def _reset(self) -> None:
@@ -55,8 +45,6 @@ class GCClock:
 
     def _on_collection(self, phase: str, info: dict) -> None:
         full = info.get("generation") == 2
-        if phase == "start" and full and self._debug:
-            self._walked = _commonest_types(gc.get_objects())
         now = time.perf_counter()
         if phase == "start":
             self._began = now
@@ -65,9 +53,6 @@ class GCClock:
             self.seconds += took
             self.longest = max(self.longest, took)
             self.full += int(full)
-            if full and self._debug:
-                print(f"rlcore gc: full collection in thread {threading.current_thread().name!r} took {took * 1e3:.1f} ms, "
-                      f"collected {info.get('collected', '?')}; walked {self._walked}", file=sys.stderr, flush=True)
 
     def take(self) -> dict[str, float]:
         out = {"time/gc_s": self.seconds, "time/gc_longest_s": self.longest, "time/gc_full_collections": float(self.full)}
@@ -75,39 +60,37 @@ class GCClock:
         return out
 
 
-def _commonest_types(objects: list, top: int = 5) -> str:
-    counts = collections.Counter(type(o).__qualname__ for o in objects)
-    return f"{len(objects)} objects, most " + ", ".join(f"{name} {n}" for name, n in counts.most_common(top))
-
-
 class CollectorPolicy:
-    """``cluster.gc_freeze_setup`` and ``cluster.manual_gc`` for the length of a run (``with``)."""
+    """``cluster.gc_period`` for the length of a run (``with``): with a period, the objects alive at
+    the start frozen, automatic collection off, one full collection after every ``period`` steps'
+    training; without one (0), nothing changes. What it changes is restored on exit."""
 
-    def __init__(self, freeze_setup: bool, manual: bool):
-        self.freeze_setup, self.manual = freeze_setup, manual
+    def __init__(self, period: int):
+        self.period = period
         self._frozen_before = 0
         self._enabled_before = True
 
     def __enter__(self) -> Self:
-        self._enabled_before = gc.isenabled()
-        if self.freeze_setup:
+        if self.period:
+            self._enabled_before = gc.isenabled()
             self._frozen_before = gc.get_freeze_count()
             gc.collect()
             gc.freeze()
-        if self.manual:
             gc.disable()
         return self
 
-    def after_training(self) -> None:
-        """The step's one collection with ``manual``: the trainer is done, the engine may be generating."""
-        if self.manual:
+    def after_training(self, step: int) -> None:
+        """The collection of step ``step``, when due: the trainer is done, the engine may be generating."""
+        if self.period and step % self.period == 0:
             gc.collect()
 
     def __exit__(self, *exc) -> None:
-        if self.manual and self._enabled_before:
+        if not self.period:
+            return
+        if self._enabled_before:
             gc.enable()
         # Undone only when nothing else in the process had frozen objects (vLLM's engine does in its own process).
-        if self.freeze_setup and self._frozen_before == 0:
+        if self._frozen_before == 0:
             gc.unfreeze()
 
 

@@ -1,18 +1,17 @@
-"""``cluster.trainer_mps_priority``: the trainer's CUDA context as a client of an MPS daemon, at a priority.
+"""``experimental.trainer_mps_priority``: the trainer's CUDA context as a client of an MPS daemon, at a priority.
 
 One step off on one GPU keeps a vLLM engine resident beside the trainer; without MPS the two processes'
 kernels are time-sliced, under MPS they run side by side. MPS reads a client's priority
 (``CUDA_MPS_CLIENT_PRIORITY``: 0 normal, 1 below normal) once, when the process creates its CUDA context,
 so the context is created here with the variable set, and the variable removed again at once: the
 engine core vLLM starts later inherits this process's environment and keeps normal priority. With the
-trainer below normal and its GEMMs leaving half the SMs (``policy.megatron_cfg.gemm_sm_margin``), the
-1.2B engine kept about its own speed on half a GPU beside the trainer (benchmarks/RESULTS.md,
-twenty-seventh session).
+trainer below normal and its GEMMs leaving half the SMs (``policy.megatron_cfg.experimental.gemm_sm_margin``), a
+1.2B engine kept about its own speed on half a GPU beside the trainer.
 
 The MPS daemon is the user's to start (``nvidia-cuda-mps-control -d``): it is a user-space process,
 not a setting of the card. Without one CUDA ignores the variable, so its absence is an error here. An
-SM cap (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) is not offered: the trainer's losses came out non-finite at
-60% and its logprobs wrong at 70% (RESULTS.md, twenty-first and twenty-seventh sessions).
+SM cap (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) is not offered: under one, the trainer's losses came out
+non-finite (60% of the SMs) and its logprobs wrong (70%).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from pathlib import Path
 from rlcore.config import ConfigError
 from rlcore.interfaces import Placement
 
-KEY = "cluster.trainer_mps_priority"
+KEY = "experimental.trainer_mps_priority"
 PRIORITIES = {"normal": "0", "below_normal": "1"}
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # nvidia-cuda-mps-control's, when CUDA_MPS_PIPE_DIRECTORY is unset
 _entered: str | None = None  # the priority this process's context was created at here (a second run may follow)
@@ -40,7 +39,7 @@ def enter_mps_client(priority: str | None, placement: Placement) -> None:
 
     Called before the trainer is built in this process, so that its context is the first (a later run in the
     same process at the same priority finds it so); raises :class:`ConfigError` naming
-    ``cluster.trainer_mps_priority`` where that cannot hold.
+    ``experimental.trainer_mps_priority`` where that cannot hold.
     """
     if priority is None:
         return

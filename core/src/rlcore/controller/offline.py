@@ -107,7 +107,7 @@ class OfflineLoop:
         self.print_lines = print_lines
 
     def run(self) -> list[dict]:
-        return run_catching_sigterm(self, self._run)
+        return run_catching_sigterm(self, self._run, checkpointed=self.ckpt is not None)
 
     def _run(self) -> list[dict]:
         self.maybe_resume()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rlcore.config import ConfigError, RunConfig
+from rlcore.controller.builders import build_trainer, given_or_built_dataset, given_or_loaded_tokenizer
 from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline, trains_on
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name
@@ -70,16 +71,12 @@ class PolicyPairTrainer(BackendPolicy):
 
 
 def policy_pair_trainer(config: RunConfig, algorithm: Any, tokenizer: Any) -> PolicyPairTrainer:
-    from rlcore.controller.run import build_trainer
-
     manager = get_plugin_manager()
     trainer = build_trainer(config, manager, plan_placement(config))
     return PolicyPairTrainer(trainer, algorithm, config.policy.max_total_sequence_length)
 
 
 def build_pair_run(config: RunConfig, given: dict) -> tuple[PairTrainer, PreferenceDataset]:
-    from rlcore.controller.run import given_or_built_dataset, given_or_loaded_tokenizer
-
     manager = get_plugin_manager()
     check_model_name(config)  # the pair trainer is always built from policy.model_name
     tokenizer = given_or_loaded_tokenizer(config, given)

@@ -12,7 +12,7 @@ driver's remaining Ray processes as soon as the driver is gone.
 ``address="local"``: without it ``ray.init`` joins the latest cluster started on the machine
 (``/tmp/ray/ray_current_cluster``) when one is still up, and then refuses the CPU and GPU counts
 given here ("When connecting to an existing cluster, num_cpus and num_gpus must not be
-provided"; seen when another run's Ray instance outlived its killed driver). A run that means
+provided", as when another run's Ray instance outlived its killed driver). A run that means
 to join a cluster names it (``cluster.ray_address`` or ``RAY_ADDRESS``) and never comes here.
 """
 

@@ -30,6 +30,10 @@ import torch
 
 from rlcore.config import ConfigError, RunConfig
 from rlcore.controller.batching import Trajectory, is_correct, sampling_params, score
+from rlcore.controller.builders import (
+    build_algorithm, build_environment, build_generator, build_trainer, given_or_built_dataset, given_or_loaded_tokenizer,
+    pick_transport,
+)
 from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline, trains_on
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
@@ -112,11 +116,6 @@ class SFTTrainer(BackendPolicy):
 
 def build_sft_run(config: RunConfig, given: dict) -> tuple[SFTTrainer, Any]:
     """The trainer (and, with ``policy.generation``, generator and environment) and the dataset."""
-    from rlcore.controller.deadlines import TimedEnvironment
-    from rlcore.reward_fn import build_environment
-    from rlcore.controller.run import (build_algorithm, build_trainer, given_or_built_dataset, given_or_loaded_tokenizer,
-                                       pick_transport)
-
     manager = get_plugin_manager()
     if given.get("tokenizer") is None or given.get("backend") is None:
         check_model_name(config)
@@ -133,13 +132,8 @@ def build_sft_run(config: RunConfig, given: dict) -> tuple[SFTTrainer, Any]:
     trainer = build_trainer(config, manager, placement, given.get("backend"))
     generator = environment = transport = None
     if given.get("generator") is not None or config.section("policy.generation") is not None:
-        generator = given.get("generator")
-        if generator is None:
-            generator = manager.get("generator", config.generation.backend).build(config, config.generation, placement)
-        environment = given.get("environment")
-        if environment is None:
-            environment = build_environment(config, manager)[0]  # env.reward_fn or the env.name plugin
-        environment = TimedEnvironment(environment, config.env.name, config.cluster.timeout_s, config.env.on_timeout)
+        generator = build_generator(config, manager, placement, given)
+        environment, _ = build_environment(config, manager, given)
         transport = pick_transport(manager, trainer, generator, config)
     return SFTTrainer(config, trainer, algorithm, tokenizer, generator, environment, transport), dataset
 

@@ -29,8 +29,8 @@ from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
 from rlcore.ops import selected_token_logprobs, token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
-from rlcore_fsdp2 import attention, checkpoint, lora
-from rlcore_fsdp2.config import DTensorConfig
+from rlcore_fsdp2 import attention, checkpoint, lora, one_rank
+from rlcore_fsdp2.config import DTensorConfig, apply_auto_layout
 from rlcore_fsdp2.optim import ShardLocalAdamW
 from rlcore_fsdp2.parallel_dims import ParallelDims
 from rlcore_fsdp2.parallelize import defer_grad_sync, hf_name, parallelize
@@ -57,6 +57,9 @@ class FSDP2Backend:
         check_world(world, "fsdp2 backend")
         self.config, self.cfg, self.world, self.policy = config, cfg, world, config.policy
         self.device = self._init_device(world)
+        self.hf_config = self._load_hf_config(hf_config)
+        cfg = self.cfg = apply_auto_layout(cfg, config, self.hf_config.to_dict(), world.world_size, self.device.type,
+                                           report=print if world.rank == 0 else lambda _: None)
         self.dims = ParallelDims.from_config(cfg.tensor_parallel_size, cfg.context_parallel_size, world.world_size)
         if self.policy.precision == "float16":
             raise ConfigError("policy.precision", "float16 is not supported by the fsdp2 backend (it has no loss "
@@ -64,7 +67,6 @@ class FSDP2Backend:
         self.compute_dtype = torch_dtype(self.policy.precision)
         # Master weights and gradient reduction stay in fp32 (fp64 for float64 runs).
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
-        self.hf_config = self._load_hf_config(hf_config)
         self.dims.check_model(self.hf_config)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.mesh["dp_shard"].get_local_rank()
@@ -79,6 +81,9 @@ class FSDP2Backend:
         self.offloader = Offloader()
         self.step = 0
         self._empty_cache_after_train = self.device.type == "cuda" and _empty_cache_after_train(world, cfg)
+        # FSDP2's one-rank copy-in and accumulation, cheaper (process-wide until shutdown)
+        self._fast_paths = (cfg.experimental.one_rank_fast_paths and self.mesh["dp_shard"].size() == 1
+                            and one_rank.install())
         self._grad_sync: bool | None = None  # last value given to set_requires_gradient_sync (None: never set)
 
     # ---- construction ----------------------------------------------------------------------
@@ -190,9 +195,9 @@ class FSDP2Backend:
                                        lambda part: self._train_step(part, algorithm), "fsdp2 backend")
         if self._empty_cache_after_train:
             # Return the allocator's cached activation blocks: a colocated engine wakes up next and
-            # needs them (seen at 8B on 2 H200s: 96 GiB held after training, vLLM's wake-up ran out
-            # of memory). Not by default without colocation: re-allocating them next step costs
-            # host time (cudaMalloc/cudaFree, ~65 ms a step at 1.2B).
+            # needs them (at 8B the cache can hold most of the GPU, and the engine's wake-up then
+            # runs out of memory). Not by default without colocation: re-allocating them next step
+            # costs host time (cudaMalloc/cudaFree).
             torch.cuda.empty_cache()
         return out
 
@@ -264,7 +269,7 @@ class FSDP2Backend:
     def _set_grad_sync(self, sync: bool) -> None:
         """FSDP2's gradient sync and reshard-after-backward flags, set only when they change and
         only on the FSDP modules: the recursive setters walk every submodule (~4 ms of host time
-        per call at 16 layers, seen on an H200)."""
+        per call at 16 layers)."""
         if self._grad_sync != sync:
             for module in self.fsdp_modules:
                 module.set_requires_gradient_sync(sync, recurse=False)
@@ -300,7 +305,7 @@ class FSDP2Backend:
     def _scale_grads(self, coef: float) -> None:
         """Multiply all gradients by ``coef``: one foreach kernel per device over the local shards
         (a mul_ per DTensor gradient goes through DTensor dispatch, ~15 ms of host time a step at
-        1.2B on an H200)."""
+        1.2B)."""
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for p in self.params:
             if p.grad is not None:
@@ -368,6 +373,9 @@ class FSDP2Backend:
         self.params, self.fsdp_modules = [], []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        if getattr(self, "_fast_paths", False):
+            self._fast_paths = False
+            one_rank.uninstall()
 
     def _reshard(self) -> None:
         for module in self.fsdp_modules:
@@ -381,8 +389,8 @@ def _fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _empty_cache_after_train(world: WorldInfo, cfg: DTensorConfig) -> bool:
-    if cfg.empty_cache_after_train is not None:
-        return cfg.empty_cache_after_train
+    if cfg.experimental.empty_cache_after_train is not None:
+        return cfg.experimental.empty_cache_after_train
     return world.placement.colocated
 
 

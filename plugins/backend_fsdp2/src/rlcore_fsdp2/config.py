@@ -8,6 +8,8 @@ every error names the full key path.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 from attrs import field, frozen
 
@@ -18,11 +20,30 @@ _positive = attrs.validators.gt(0)
 
 
 @frozen
+class DTensorExperimentalConfig:
+    """Experimental: switches that exist to measure an alternative against the default. The
+    defaults are the settings measured best; these keys may change or go without notice."""
+
+    empty_cache_after_train: bool | None = field(default=None, metadata=doc(
+        "torch.cuda.empty_cache() at the end of each train(): hands the allocator's cached blocks to a colocated "
+        "generation engine; re-allocating them costs host time every step (about a tenth of a small model's step); "
+        "None = on when generation is colocated (policy.generation.colocated.enabled), off otherwise"))
+    one_rank_fast_paths: bool = field(default=True, metadata=doc(
+        "with one data-parallel rank, replace two private FSDP2 functions (the reduce buffer's copy-in and the "
+        "per-group post-backward accumulation) with cheaper equivalents (rlcore_fsdp2.one_rank) while the backend "
+        "lives; its shutdown restores them. false leaves FSDP2 as it is"))
+
+
+@frozen
 class DTensorConfig:
     """PyTorch-native parallelism: FSDP2 (``fully_shard``) over data-parallel ranks, DTensor
     tensor/sequence parallelism inside each layer."""
 
     enabled: bool = field(default=True, metadata=doc("use this backend (a higher-precedence enabled backend wins)"))
+    layout: Literal["manual", "auto"] = field(default="manual", metadata=doc(
+        "'auto': the parallel sizes, sequence parallelism, recompute and offload this section leaves out are chosen by "
+        "rlcore's planner (rlcore.planning: the fastest layout predicted to fit); the keys it sets are kept"))
+    explicit_keys: frozenset = field(factory=frozenset, metadata={**doc("the keys the recipe set (filled in when read)"), "internal": True})
     cpu_offload: bool = field(default=False, metadata=doc("keep sharded params, grads and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy; CUDA only)"))
     sequence_parallel: bool = field(default=False, metadata=doc("shard norms and residuals over the sequence on the tensor-parallel ranks (needs tensor_parallel_size > 1)"))
     activation_checkpointing: bool = field(default=False, metadata=doc("recompute each decoder layer's activations in the backward pass"))
@@ -38,16 +59,10 @@ class DTensorConfig:
         "accumulate unsharded fp32 gradients over a step's micro-batches and reduce-scatter once, after the last "
         "(fewer collectives and hook work per micro-batch, a full gradient copy more memory per rank); "
         "default: on with one data-parallel rank (no memory cost), off otherwise; never with cpu_offload"))
-    empty_cache_after_train: bool | None = field(default=None, metadata=doc(
-        "torch.cuda.empty_cache() at the end of each train(): hands the allocator's cached blocks to a colocated "
-        "generation engine; re-allocating them costs host time every step (~65 ms of a 0.5 s step, 1.2B on an H200); "
-        "default: on when generation is colocated (policy.generation.colocated.enabled), off otherwise"))
-    one_rank_fast_paths: bool = field(default=True, metadata=doc(
-        "with one data-parallel rank, replace two private FSDP2 functions process-wide (the reduce buffer's copy-in and "
-        "the per-group post-backward accumulation) with cheaper equivalents (rlcore_fsdp2.one_rank; checked on torch "
-        "2.11 and 2.13; ~36 ms less host time a step at 1.2B on an H200); false leaves FSDP2 as it is"))
     compile: bool = field(default=False, metadata=doc("torch.compile each decoder layer's forward (fuses norm/rotary/SwiGLU ops; the first steps compile)"))
     logprob_chunk_tokens: int = field(default=1024, validator=_positive, metadata=doc("rows of the logits turned into float32 log-softmax at a time"))
+    experimental: DTensorExperimentalConfig = field(factory=DTensorExperimentalConfig, metadata=doc(
+        "experimental: switches kept to measure alternatives; the defaults are the measured best"))
 
     def __attrs_post_init__(self) -> None:
         if self.context_parallel_size != 1:
@@ -60,3 +75,18 @@ class DTensorConfig:
             raise ConfigError(f"{SECTION}.sequence_parallel", "needs tensor_parallel_size > 1 (it shards over the tensor-parallel ranks)")
         if self.custom_parallel_plan is not None and ":" not in self.custom_parallel_plan:
             raise ConfigError(f"{SECTION}.custom_parallel_plan", f"expected 'module:attr', got {self.custom_parallel_plan!r}")
+
+
+def apply_auto_layout(cfg: DTensorConfig, run, hf_config: dict, world_size: int, device: str, *, local_ranks: int | None = None,
+                      report=print) -> DTensorConfig:
+    """``layout: auto``: the planner's fastest fitting layout (rlcore.planning.runtime) for ``world_size`` ranks;
+    the keys the section sets are kept. Rank-independent, so every rank takes the same one."""
+    if cfg.layout != "auto":
+        return cfg
+    from rlcore.planning.runtime import choose, describe
+
+    best, runner_up = choose(run, hf_config, world_size, device, local_ranks=local_ranks)
+    lay = best.layout
+    report(f"rlcore-fsdp2: {describe(best, runner_up, world_size)}")
+    return attrs.evolve(cfg, tensor_parallel_size=lay.tp, sequence_parallel=lay.sp, activation_checkpointing=lay.recompute != "none",
+                        cpu_offload=lay.offload)

@@ -15,7 +15,7 @@ from rlcore_fsdp2.config import SECTION
 def export_checkpoint(checkpoint_dir: str | Path, config: RunConfig, out_dir: str | Path) -> Path:
     from transformers import AutoConfig
 
-    from rlcore.controller.workers import init_distributed
+    from rlcore.runtime import init_distributed
     from rlcore.utils import free_port
     from rlcore_fsdp2 import checkpoint
     from rlcore_fsdp2.backend import FSDP2Backend

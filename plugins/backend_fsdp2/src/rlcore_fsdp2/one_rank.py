@@ -2,30 +2,30 @@
 
 **Copy-in.** Before each reduce-scatter FSDP2 copies a module's gradients into one flat buffer with
 ``torch._chunk_cat``. Its CUDA kernel builds its launch metadata on the host, one entry per
-block of the copy: for the 1.2B Llama of ``benchmarks/bench_train_fsdp2.py`` that is 31-38 ms of
-host time per optimizer step (one call, all parameters at the root), during which the H200 sat
-idle (a 36 ms gap in a profiled step of 290 ms; ``benchmarks/RESULTS.md``). With
+block of the copy: for the 1.2B Llama of ``benchmarks/bench_train_fsdp2.py`` that is tens of
+milliseconds of host time per optimizer step (one call, all parameters at the root), during which
+the GPU sits idle (about a tenth of the step). With
 one rank there is one chunk, and ``_chunk_cat`` with one chunk is ``torch.cat`` of the flattened
 gradients (same values, same dtype cast into the buffer), whose launch costs microseconds.
 
 **Accumulation.** With the gradient sync deferred over a step's micro-batches, FSDP2 keeps one
 float32 accumulator per parameter: it upcasts the first micro-batch's bf16 gradients and adds
 each later one with a ``+=`` per parameter. Mixed-dtype ``+=`` runs torch's non-vectorized
-element-wise kernel (~2.5 TB/s on an H200: 5 ms per micro-batch at 1.2B parameters, 7% of a
-16-micro-batch step). :func:`accumulate_group` does both for all of a module's parameters in one
+element-wise kernel (at 1.2B parameters, several percent of a 16-micro-batch step). :func:`accumulate_group` does both for all of a module's parameters in one
 ``torch.compile``'d foreach call before FSDP2's own post-backward runs, which then finds the
-gradients already folded in (measured on one H200, same machine: 0.283 -> 0.274-0.276 s a step at
-4 micro-batches). On CPU it runs torch's eager foreach ops (same values).
+gradients already folded in (about 3% less step time at 4 micro-batches). On CPU it runs torch's eager foreach ops (same values).
 
 :func:`install` wraps FSDP2's copy-in function (a module-level function that ``foreach_reduce``
 looks up at each call; one chunk goes through ``torch.cat``, several through FSDP2's own code)
 and ``FSDPParamGroup.post_backward`` (parameter groups on a one-rank mesh only). Written here
 because no FSDP2 option changes either.
 
-**Side effect and switch.** These are private FSDP2 names, replaced process-wide (every FSDP2
-model of the process goes through the wrappers; groups on meshes of more than one rank, or
-offloaded ones, take FSDP2's own path unchanged). ``policy.dtensor_cfg.one_rank_fast_paths``
-(default true) turns it off. Checked against :data:`CHECKED_TORCH`;
+**Side effect and switch.** These are private FSDP2 names, replaced process-wide while a backend
+that asked for them lives (every FSDP2 model of the process goes through the wrappers; groups on
+meshes of more than one rank, or offloaded ones, take FSDP2's own path unchanged): :func:`install`
+counts its callers and :func:`uninstall` puts FSDP2's own functions back when the last one has
+shut down. ``policy.dtensor_cfg.experimental.one_rank_fast_paths`` (default true) turns it off.
+Checked against :data:`CHECKED_TORCH`;
 ``tests/test_fsdp2_conformance.py::test_one_rank_replaces_what_this_torch_has`` fails when a torch
 release moves or changes them, and a torch without them is left alone (logged) at run time.
 """
@@ -41,8 +41,9 @@ from rlcore.compiling import CompiledOrEager
 log = logging.getLogger(__name__)
 
 _ORIGINAL_ATTR = "_rlcore_original"
+_users = 0  # backends that installed the wrappers and have not shut down
 # torch releases whose FSDP2 internals these wrappers were read against and measured on
-# (2.11.0+cu130 on H200, 2.13.0+cpu on the CPU machines).
+# (2.11 with CUDA, 2.13 on CPU).
 CHECKED_TORCH = ("2.11", "2.13")
 
 
@@ -109,8 +110,9 @@ def _on_one_rank(group: Any) -> bool:
 
 
 def install() -> bool:
-    """Wrap FSDP2's copy-in and post-backward (once per process); False where this torch has
-    neither."""
+    """Wrap FSDP2's copy-in and post-backward (once per process; each True call is paired with an
+    :func:`uninstall`); False where this torch has neither."""
+    global _users
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -121,7 +123,24 @@ def install() -> bool:
     copy_in_done = _wrap(collectives, "foreach_reduce_scatter_copy_in",
                          lambda current: lambda grads, buffer, world_size: copy_in(grads, buffer, world_size, current))
     accumulate_done = _wrap(FSDPParamGroup, "post_backward", _post_backward_accumulating_first)
-    return copy_in_done or accumulate_done
+    installed = copy_in_done or accumulate_done
+    _users += installed
+    return installed
+
+
+def uninstall() -> None:
+    """Release one :func:`install`; the last release puts FSDP2's own functions back."""
+    global _users
+    _users = max(0, _users - 1)
+    if _users:
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    for owner, name in ((collectives, "foreach_reduce_scatter_copy_in"), (FSDPParamGroup, "post_backward")):
+        original = getattr(getattr(owner, name, None), _ORIGINAL_ATTR, None)
+        if original is not None:
+            setattr(owner, name, original)
 
 
 def _post_backward_accumulating_first(current: Any) -> Any:

@@ -1,8 +1,8 @@
 """AdamW stepping the local shards of DTensor parameters, with clipping and skipping on the device.
 
 torch's :class:`~torch.optim.AdamW` hands FSDP2's DTensor parameters to its (fused) kernel, and
-DTensor dispatch of that one ``_fused_adamw_`` call over ~150 parameter lists cost ~15 ms of host
-time a step on an H200 (1.2B Llama; mostly placement checks of the plain ``step`` tensors). The
+DTensor dispatch of that one ``_fused_adamw_`` call over ~150 parameter lists costs ~15 ms of host
+time a step at 1.2B (mostly placement checks of the plain ``step`` tensors). The
 update is element-wise, so each rank updating its own shards *is* the whole update: this class
 runs torch's functional ``adam`` on the ``_local_tensor`` of every parameter, gradient and moment.
 The optimizer state stays DTensors, so ``state_dict`` and the DCP checkpoints are unchanged.

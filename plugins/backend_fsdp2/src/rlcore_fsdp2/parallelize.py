@@ -16,9 +16,9 @@ FSDP hooks sit outside the recomputed region):
    ``MixedPrecisionPolicy`` (params cast to the compute dtype, gradients reduced in fp32/fp64)
    and optional CPU offload. With one data-parallel rank, no resharding and no offload, nothing
    is freed or communicated per layer, so only the root is wrapped: the per-layer hooks took
-   ~20% of the profiled host time of a compiled step (1.2B Llama on an H200), and the host
-   bounds that step. With one rank, :mod:`rlcore_fsdp2.one_rank` replaces FSDP2's gradient
-   accumulation over micro-batches and its copy into the reduce buffer with cheaper equivalents.
+   a fifth of the host time of a compiled 1.2B step, and the host bounds that step. With one
+   rank, the backend has :mod:`rlcore_fsdp2.one_rank` replace FSDP2's gradient accumulation over
+   micro-batches and its copy into the reduce buffer with cheaper equivalents.
    Gradients are SUMMED over data-parallel ranks (divide factor 1): rlcore losses are already
    divided by global token counts.
 """
@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from rlcore.utils import resolve
-from rlcore_fsdp2 import one_rank
 from rlcore_fsdp2.config import SECTION, DTensorConfig
 from rlcore_fsdp2.parallel_dims import ParallelDims
 
@@ -155,8 +154,7 @@ def apply_ac(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               cpu_offload: bool, reshard_after_forward: bool, per_layer: bool = True,
-               one_rank_fast_paths: bool = True) -> None:
+               cpu_offload: bool, reshard_after_forward: bool, per_layer: bool = True) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(
@@ -169,8 +167,6 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype, redu
             fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     if dp_mesh.size() == 1:
-        if one_rank_fast_paths:  # policy.dtensor_cfg.one_rank_fast_paths
-            one_rank.install()  # FSDP2's one-rank gradient accumulation and copy-in, cheaper
         # One rank already sums (FSDP2's default divides by the world size, 1), and a factor set
         # anyway costs a division pass over all fp32 gradients in torch 2.11's single-rank path.
         return
@@ -207,8 +203,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: Any, cfg: DTensorCon
     cpu_offload = cfg.cpu_offload and device_type == "cuda"
     reshard = reshard_after_forward(cfg, dims)
     apply_fsdp(model, mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
-               reshard_after_forward=reshard, per_layer=dims.dp_shard > 1 or cpu_offload or reshard,
-               one_rank_fast_paths=cfg.one_rank_fast_paths)
+               reshard_after_forward=reshard, per_layer=dims.dp_shard > 1 or cpu_offload or reshard)
     return model
 
 

@@ -29,7 +29,7 @@ def gather_full(param: torch.Tensor, dtype: torch.dtype, device: torch.device) -
         return param.detach().to(device=device, dtype=dtype)
     if param.device_mesh.size() == 1:
         # One rank's shard is the whole tensor: DTensor's redistribute would cost ~0.5 ms of host
-        # time per parameter for nothing (a third of a tiny model's refit, seen on the CPU box).
+        # time per parameter for nothing (a third of a tiny model's refit on CPU).
         return param._local_tensor.detach().to(device=device, dtype=dtype)
     shard = DTensor.from_local(param._local_tensor.detach().to(device=device, dtype=dtype), param.device_mesh,
                                param.placements, shape=param.shape, stride=param.stride(), run_check=False)

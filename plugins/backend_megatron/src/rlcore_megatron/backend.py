@@ -35,7 +35,7 @@ from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.weights import chunked, gather_sequences_to_rank0
 from rlcore_megatron import checkpoint, context_parallel, cpu_shims, cuda_graph, kernels, output, parallel
-from rlcore_megatron.config import SECTION, MegatronConfig
+from rlcore_megatron.config import SECTION, MegatronConfig, apply_auto_layout
 from rlcore_megatron.convert import iter_hf_weights, load_hf_into_megatron
 from rlcore_megatron.model import packed_seq_params
 
@@ -71,13 +71,16 @@ class MegatronBackend:
 
         self.model_path = config.policy.model_name
         self.hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(self.model_path)
+        cfg = self.cfg = apply_auto_layout(cfg, config, self.hf_config.to_dict(), self.world.world_size, "cpu" if self.on_cpu else "cuda",
+                                           report=print if self.world.rank == 0 else lambda _: None)
         self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.grpo.seed if seed is None else seed)
         self.ranks = parallel.Ranks.current()
         self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu, bf16=parallel.params_dtype(cfg, config) == torch.bfloat16)
         if self.world.rank == 0:
             print(f"rlcore-megatron: {self.kernels.describe()}", flush=True)
-        if cfg.gemm_sm_margin and not self.on_cpu:
-            margin = kernels.leave_sms_free(cfg.gemm_sm_margin)
+        self._restore_sms = None  # undoes experimental.gemm_sm_margin's process-wide settings at shutdown
+        if cfg.experimental.gemm_sm_margin and not self.on_cpu:
+            margin, self._restore_sms = kernels.leave_sms_free(cfg.experimental.gemm_sm_margin)
             if self.world.rank == 0:
                 print(f"rlcore-megatron: {margin}", flush=True)
         if cfg.cuda_graph == "micro_batch":
@@ -401,4 +404,7 @@ class MegatronBackend:
         gc.collect()
         if not self.on_cpu:
             torch.cuda.empty_cache()
+        restore, self._restore_sms = getattr(self, "_restore_sms", None), None
+        if restore is not None:
+            restore()
 

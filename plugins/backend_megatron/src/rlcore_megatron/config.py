@@ -106,7 +106,7 @@ class MegatronFP8Config:
     fp8_param: bool = field(default=False, metadata=doc("keep the GEMM weights in FP8 (less memory; the main weights stay fp32)"))
     fp8_logprobs: bool = field(default=False, metadata=doc(
         "run the logprob passes (old, reference, refit probe) in FP8 too, the training forward's numerics; false: in bf16, "
-        "as the generator computes them (1.2B Llama on an H200: the refit probe's mean gap 0.23 in FP8, 0.02 in bf16)"))
+        "as the generator computes them (the refit probe's mean gap is about ten times larger in FP8 than in bf16)"))
 
     def __attrs_post_init__(self) -> None:
         if self.fp8_param and not self.fp8_logprobs:
@@ -120,10 +120,26 @@ class MegatronFP8Config:
 
 
 @frozen
+class MegatronExperimentalConfig:
+    """Experimental: switches that exist to measure an alternative against the default. The
+    defaults are the settings measured best; these keys may change or go without notice."""
+
+    gemm_sm_margin: int = field(default=0, validator=_non_negative, metadata=doc(
+        "SMs every GEMM of the trainer leaves free, for a process sharing the GPU (one step off with a vLLM engine "
+        "resident beside the trainer, under MPS): Transformer Engine's GEMMs through NVTE_EXT_MARGIN_SM, torch's (the "
+        "output layer) through cuBLASLt's SM-count target. Process-wide while the backend lives; its shutdown restores "
+        "the previous settings. 0 = every SM (CUDA only)"))
+
+
+@frozen
 class MegatronConfig:
     """``policy.megatron_cfg``: Megatron-Core training backend (selected by ``enabled: true``)."""
 
     enabled: bool = field(default=False, metadata=doc("train with Megatron-Core"))
+    layout: Literal["manual", "auto"] = field(default="manual", metadata=doc(
+        "'auto': the parallel sizes, sequence parallelism, recompute and offload this section leaves out are chosen by "
+        "rlcore's planner (rlcore.planning: the fastest layout predicted to fit); the keys it sets are kept"))
+    explicit_keys: frozenset = field(factory=frozenset, metadata={**doc("the keys the recipe set (filled in when read)"), "internal": True})
     activation_checkpointing: Literal[False, True, "full", "selective"] = field(
         default=False, metadata=doc("recompute activations in backward: true/'full' = whole layers, 'selective' = core attention"))
     tensor_model_parallel_size: int = field(default=1, validator=_positive, metadata=doc("TP: shard matmuls over this many ranks"))
@@ -183,15 +199,13 @@ class MegatronConfig:
         "'micro_batch': each training micro-batch replays a CUDA graph of its forward, output layer, loss and backward, "
         "captured once per shape bucket (micro-batches padded to the token budget; rlcore_megatron.cuda_graph). CUDA "
         "with Transformer Engine's fused RoPE, sequence packing, PP = CP = 1, dense models, no recompute, no fp16, "
-        "FP8 only with the tensorwise or blockwise recipe"))
-    gemm_sm_margin: int = field(default=0, validator=_non_negative, metadata=doc(
-        "SMs every GEMM of the trainer leaves free, for a process sharing the GPU (one step off with a vLLM engine "
-        "resident beside the trainer): Transformer Engine's GEMMs through NVTE_EXT_MARGIN_SM, torch's (the output "
-        "layer) through cuBLASLt's SM-count target; 0 = every SM (CUDA only)"))
+        "no FP8"))
     empty_unused_memory_level: Literal[0, 1, 2] = field(default=0, metadata=doc("torch.cuda.empty_cache: 0 never, 1 after each optimizer step, 2 also after each forward(-backward) pass over the micro-batches"))
     optimizer: MegatronOptimizerConfig = field(factory=MegatronOptimizerConfig, metadata=doc("optimizer"))
     scheduler: MegatronSchedulerConfig = field(factory=MegatronSchedulerConfig, metadata=doc("learning-rate/weight-decay schedule"))
     distributed_data_parallel_config: MegatronDDPConfig = field(factory=MegatronDDPConfig, metadata=doc("data-parallel gradient handling"))
+    experimental: MegatronExperimentalConfig = field(factory=MegatronExperimentalConfig, metadata=doc(
+        "experimental: switches kept to measure alternatives; the defaults are the measured best"))
 
     def __attrs_post_init__(self) -> None:
         if self.moe_token_dispatcher_type != "alltoall":
@@ -231,10 +245,9 @@ def _check_cuda_graph(cfg: MegatronConfig) -> None:
          "Megatron's recompute saves and restores the CUDA RNG state, which cannot be read while capturing; use false"),
         ("optimizer.fp16", cfg.optimizer.fp16, "fp16 loss scaling has not been checked under capture; use bf16"),
         ("fp8_cfg.enabled", cfg.fp8_cfg.enabled,
-         "on an H200 the fixed-shape path's FP8 steps, graphed or run eagerly alike, were 0.25-0.51 relative off "
-         "bf16's schedule on the step's metrics and 0.91-0.97 on the gradients after three SGD steps, where Megatron's "
-         "own FP8 schedule was 0.015-0.056 and 0.18-0.32 (benchmarks/RESULTS.md, thirteenth session); use false, or "
-         "cuda_graph 'none' with FP8"),
+         "the fixed-shape path's FP8 steps, graphed or run eagerly alike, move the step's metrics and gradients "
+         "several times further from bf16's than Megatron's own FP8 schedule does; use false, or cuda_graph 'none' "
+         "with FP8"),
         ("core_attention", cfg.core_attention == "transformer_engine",
          "Transformer Engine's attention plans cuDNN graphs per packing on the host; use 'flash' or 'auto'"),
         ("distributed_data_parallel_config.overlap_grad_reduce", ddp.overlap_grad_reduce,
@@ -311,3 +324,20 @@ def _validate_layers(cfg: MegatronConfig, num_layers: int) -> None:
                           f"num_layers_in_first_pipeline_stage={first}, num_layers_in_last_pipeline_stage={last} leave "
                           f"{rest} of the model's {num_layers} layers for {middle_stages} middle stage(s) of "
                           f"pipeline_model_parallel_size={pp}; they must divide evenly")
+
+
+def apply_auto_layout(cfg: MegatronConfig, run, hf_config: dict, world_size: int, device: str, *, local_ranks: int | None = None,
+                      report=print) -> MegatronConfig:
+    """``layout: auto``: the planner's fastest fitting layout (rlcore.planning.runtime) for ``world_size`` ranks;
+    the keys the section sets are kept. Rank-independent, so every rank takes the same one."""
+    if cfg.layout != "auto":
+        return cfg
+    from rlcore.planning.runtime import choose, describe
+
+    best, runner_up = choose(run, hf_config, world_size, device, local_ranks=local_ranks)
+    lay = best.layout
+    report(f"rlcore-megatron: {describe(best, runner_up, world_size)}")
+    recompute = {"none": False, "full": "full", "selective": "selective"}[lay.recompute]
+    return attrs.evolve(cfg, tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp, context_parallel_size=lay.cp,
+                        expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp if lay.ep > 1 or lay.etp != lay.tp else None,
+                        sequence_parallel=lay.sp, activation_checkpointing=recompute)

@@ -126,7 +126,7 @@ def cp_attention(query_THD: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torc
     query chunk (``c`` tokens at global chunk offset ``a``) is a segment whose keys are the
     sequence's first ``a + c`` keys, with the causal mask aligned to the bottom right. On CUDA in
     bf16 that is one FlashAttention varlen kernel (an explicit boolean mask instead sent SDPA to
-    its math backend: 122 GiB and minutes per step at 16k tokens, CP=2, on an H200).
+    its math backend: over a hundred GiB and minutes per step at 16k tokens, CP=2).
     """
     from rlcore.attention import packed_causal_attention
 

@@ -1,8 +1,8 @@
 """CUDA graphs for the training micro-batches (``policy.megatron_cfg.cuda_graph: micro_batch``).
 
-Why: on one H200 at the 1.2B Llama shape a 4-micro-batch step spends about 245 ms in GPU kernels
-of a 0.29 s span; the host launching Transformer Engine's modules (about 1,900 kernels a step)
-keeps the GPU idle the rest (``benchmarks/RESULTS.md``, eighth session). A graph replays a whole
+Why: at the 1.2B Llama shape a 4-micro-batch step spends about 85% of its span in GPU kernels;
+the host launching Transformer Engine's modules (about 1,900 kernels a step) keeps the GPU idle
+the rest. A graph replays a whole
 micro-batch's kernels from one launch.
 
 What one graph holds, per shape bucket: the model forward on the packed thd micro-batch, the
@@ -181,8 +181,8 @@ def capture_stream() -> torch.cuda.Stream:
     """The side stream that warm-up and capture run on. The backend wraps the model in Megatron's DDP
     under it: DDP holds the parameters' AccumulateGrad nodes, which remember the stream they were made
     on, and a backward captured on a different stream then waits on that one, which capture forbids
-    ("operation would make the legacy stream depend on a capturing blocking stream", seen on an H200
-    with DDP built on the default stream; torch's CUDA-graph notes ask the same for its own DDP)."""
+    ("operation would make the legacy stream depend on a capturing blocking stream" with DDP built
+    on the default stream; torch's CUDA-graph notes ask the same for its own DDP)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     return stream

@@ -16,7 +16,7 @@ from rlcore_megatron.config import SECTION
 def export_checkpoint(checkpoint_dir: str | Path, config: RunConfig, out_dir: str | Path) -> Path:
     from transformers import AutoConfig
 
-    from rlcore.controller.workers import init_distributed
+    from rlcore.runtime import init_distributed
     from rlcore.utils import free_port
     from rlcore_megatron import checkpoint, cpu_shims
     from rlcore_megatron.backend import MegatronBackend

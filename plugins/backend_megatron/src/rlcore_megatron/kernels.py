@@ -22,6 +22,7 @@ fp32 buffer Megatron's DDP attaches), marking ``grad_added_to_main_grad`` for DD
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -163,9 +164,10 @@ def fuse_weight_gradient_accumulation(model) -> int:
     return count
 
 
-def leave_sms_free(margin: int) -> str:
-    """Make every GEMM of this process target ``SM count - margin`` SMs (``gemm_sm_margin``); returns
-    what was set, for the log.
+def leave_sms_free(margin: int) -> tuple[str, Callable[[], None]]:
+    """Make every GEMM of this process target ``SM count - margin`` SMs (``experimental.gemm_sm_margin``);
+    returns what was set, for the log, and a function that restores the previous settings (the
+    backend's shutdown calls it: the settings are process-wide).
 
     Hopper's GEMM kernels are persistent: one CTA per SM loops over the output tiles for the kernel's
     whole length, so another process's kernel (a vLLM decode step beside the trainer, under MPS) waits
@@ -177,11 +179,23 @@ def leave_sms_free(margin: int) -> str:
     """
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if margin >= sms:
-        raise ConfigError(f"{SECTION}.gemm_sm_margin", f"is {margin}, but this GPU has {sms} SMs; leave fewer free")
+        raise ConfigError(f"{SECTION}.experimental.gemm_sm_margin", f"is {margin}, but this GPU has {sms} SMs; leave fewer free")
     if not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        raise ConfigError(f"{SECTION}.gemm_sm_margin", f"needs torch's SM carveout (torch._C._set_sm_carveout_experimental, "
+        raise ConfigError(f"{SECTION}.experimental.gemm_sm_margin", f"needs torch's SM carveout (torch._C._set_sm_carveout_experimental, "
                           f"torch >= 2.7); torch {torch.__version__} has none")
+    previous = (os.environ.get("NVTE_EXT_MARGIN_SM"), torch.backends.cuda.preferred_blas_library(),
+                torch._C._get_sm_carveout_experimental())
+
+    def restore() -> None:
+        env, library, carveout = previous
+        if env is None:
+            os.environ.pop("NVTE_EXT_MARGIN_SM", None)
+        else:
+            os.environ["NVTE_EXT_MARGIN_SM"] = env
+        torch.backends.cuda.preferred_blas_library(library)
+        torch._C._set_sm_carveout_experimental(carveout)
+
     os.environ["NVTE_EXT_MARGIN_SM"] = str(margin)
     torch.backends.cuda.preferred_blas_library("cublaslt")
     torch._C._set_sm_carveout_experimental(margin)
-    return f"every GEMM targets {sms - margin} of {sms} SMs (gemm_sm_margin {margin}; TE and torch through cuBLASLt)"
+    return f"every GEMM targets {sms - margin} of {sms} SMs (gemm_sm_margin {margin}; TE and torch through cuBLASLt)", restore

@@ -2,7 +2,7 @@
 
 Layer spec (:mod:`rlcore_megatron.kernels` decides): Transformer Engine's, or the local spec with
 :class:`SDPACoreAttention` in place of the local ``DotProductAttention`` (which materializes the
-s x s score matrix and ran out of memory at 4096 tokens on an H200) and :class:`RMSNorm`. With
+s x s score matrix and runs out of memory at a few thousand tokens) and :class:`RMSNorm`. With
 ``core_attention: flash`` the TE spec keeps :class:`SDPACoreAttention` too: FlashAttention's varlen
 kernel takes any packing, where cuDNN builds an execution plan per new (sequence count, longest
 sequence) pair.

@@ -4,9 +4,8 @@ Megatron-Core 0.16.1's ``TEGroupedMLP`` turns the tokens-per-expert counts into 
 (``tokens_per_expert.tolist()``), and its all-to-all dispatcher copies them to the host and waits
 for that copy in every MoE layer of every micro-batch. With a host list, TE's ``GroupedLinear``
 takes its split-quantize path, which prepares and launches each expert's GEMM from the host. For
-Qwen3-30B-A3B's 128 experts that took 11.3 ms of host time per forward call and 13.6 ms per
-backward call on an H200, which left the GPU idle 78% of a training step
-(``benchmarks/RESULTS.md``, tenth session). TE 2.20 has a native grouped path
+Qwen3-30B-A3B's 128 experts that is about 11 ms of host time per forward call and 14 ms per
+backward call, which leaves the GPU idle most of a training step. TE 2.20 has a native grouped path
 (``GroupedLinear.use_grouped_tensor``): one grouped GEMM whose split sizes stay in a CUDA tensor.
 Megatron-Core 0.16.1 has no switch for it, hence this module:
 

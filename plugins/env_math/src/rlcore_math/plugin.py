@@ -22,3 +22,8 @@ def rlcore_datasets(register):
     register("math_jsonl", "rlcore_math.files:build_math_files_dataset", MathFilesDatasetConfig,
              formats=("jsonl", "json", "parquet"), presets=("gsm8k", "math", "deepscaler", "custom"))
     register("arithmetic", "rlcore_math.arithmetic:build_arithmetic_dataset", ArithmeticDatasetConfig, synthetic=True)
+
+
+@hookimpl
+def rlcore_benchmarks():
+    return {"grading": "rlcore_math.benchmark:grading"}

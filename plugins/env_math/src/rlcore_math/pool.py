@@ -265,7 +265,7 @@ class RayGradingPool:
             if options.ray_address or os.environ.get("RAY_ADDRESS"):
                 ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
             else:  # a local instance listening on loopback only, as rlcore's own
-                from rlcore.controller.ray_local import start_local_ray
+                from rlcore.runtime import start_local_ray
 
                 start_local_ray(log_to_driver=False)
         self._ray = ray

@@ -18,7 +18,7 @@ SHAPES = {
 
 
 def gpu_env_defaults() -> None:
-    """Settings that were needed for vLLM 0.26.0 on the H200 (no flashinfer staged). It picks
+    """Settings vLLM 0.26.0 needs on Hopper GPUs without flashinfer installed. It picks
     FlashAttention 3 by itself there and no longer reads ``VLLM_ATTENTION_BACKEND`` (it warns of it)."""
     for key, value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
                        ("VLLM_HOST_IP", "127.0.0.1")):

@@ -13,8 +13,8 @@ from rlcore.config.generation import fraction
 
 _positive = attrs.validators.gt(0)
 
-# Probe thresholds on the mean |logprob gap| between engine and trainer. bf16: core's default (noise
-# measured on H200: mean 0.073 at 8B). FP8 rounds weights and activations (per-tensor scales), which
+# Probe thresholds on the mean |logprob gap| between engine and trainer. bf16: core's default (about
+# twice the noise measured between a bf16 engine and trainer at 8B). FP8 rounds weights and activations (per-tensor scales), which
 # widens the gap the same probe sees with correct weights; a wrong layout or a stale layer still
 # moves the mean to ~1, far above either threshold.
 BF16_PROBE_THRESHOLD = 0.15
@@ -29,7 +29,7 @@ class ColocatedConfig(core.ColocatedConfig):
         "vLLM sleep level while the trainer works: 0 keeps the engine resident (no sleep mode: weights and KV cache "
         "stay on the GPU beside the trainer, when both fit; several runs can then share one GPU), "
         "1 backs the weights up to host memory (any wake-up is safe; "
-        "an 8B model's first sleep took 7-15 s on an H200, later ones 0.4 s), 2 discards them (no copy; each wake-up must be followed by a "
+        "the first sleep of a large model takes seconds, later ones less than one), 2 discards them (no copy; each wake-up must be followed by a "
         "full refit, which the GRPO loop does)"))
 
 
@@ -46,6 +46,29 @@ class RefitConfig(core.RefitConfig):
         default=None, validator=attrs.validators.optional(_positive),
         metadata=doc(f"fail when the probe's mean |logprob gap| exceeds this; None = {BF16_PROBE_THRESHOLD} "
                      f"(bf16 engine) or {FP8_PROBE_THRESHOLD} (quantization: fp8)"))
+
+
+@frozen
+class VllmExperimentalConfig:
+    """Experimental: switches that exist to measure an alternative against the default. The
+    defaults are the settings measured best; these keys may change or go without notice."""
+
+    executor: Literal["auto", "uni", "mp"] = field(default="auto", metadata=doc(
+        "vLLM's executor (distributed_executor_backend): uni = the model runs in the engine process; mp = in a worker "
+        "process, which busy-waits for about a second after each engine call; auto = vLLM's choice"))
+    engine_process: bool | None = field(default=None, metadata=doc(
+        "run vLLM's engine core (scheduler and model runner) in its own process; None = on CUDA, in this process for "
+        "colocated sync runs (refit hands tensors over directly) and in its own process for async runs (the rollout "
+        "thread would share this process's interpreter lock with the trainer, and both launch kernels from Python) and "
+        "for engines on their own GPUs (which must pick their devices before CUDA starts here); on CPU, vLLM's default "
+        "(its own process)"))
+    request_seeds: bool = field(default=True, metadata=doc(
+        "give each request its own seed (from the run's seed), so a sample repeats whatever batch it was scheduled in; "
+        "false = only the engine's seed (vLLM draws a seeded request's sampling noise one request at a time in each "
+        "decode step, which costs host time with many short sequences)"))
+    engine_detokenize: bool = field(default=False, metadata=doc(
+        "decode text token by token in vLLM's output loop; false = one batched decode per response (always on with "
+        "stop strings)"))
 
 
 @frozen
@@ -72,21 +95,6 @@ class VllmConfig(GenerationConfig):
     seed: int | None = field(default=None, metadata=doc("engine seed; None = grpo.seed"))
     max_num_seqs: int = field(default=256, validator=_positive, metadata=doc("sequences batched at once per engine"))
     enable_prefix_caching: bool = field(default=True, metadata=doc("reuse KV of shared prefixes (multi-turn, n > 1)"))
-    executor: Literal["auto", "uni", "mp"] = field(default="auto", metadata=doc(
-        "vLLM's executor (distributed_executor_backend): uni = the model runs in the engine process; mp = in a worker "
-        "process, which busy-waits for about a second after each engine call (auto: vLLM's choice)"))
-    engine_process: bool | None = field(default=None, metadata=doc(
-        "run vLLM's engine core (scheduler and model runner) in its own process; None = on CUDA, in this process for "
-        "colocated sync runs (refit hands tensors over directly) and in its own process for async runs (the rollout "
-        "thread would share this process's interpreter lock with the trainer, and both launch kernels from Python) and "
-        "for engines on their own GPUs (which must pick their devices before CUDA starts here); on CPU, vLLM's default "
-        "(its own process)"))
-    rollout_stream_priority: Literal["default", "high"] = field(default="default", metadata=doc(
-        "CUDA stream priority of the engine's work when its engine core runs in this process (sync engine): high lets "
-        "the decode's kernels go first when a trainer in this process shares the GPU (one-step-off async on one GPU; "
-        "two processes would take turns on the GPU instead of sharing it), and the trainer's kernels fill the rest. "
-        "Experimental: its one GPU run (one step off beside graphed Megatron training on an H200) ended in an illegal "
-        "memory access; default = vLLM's own stream"))
     quantization: Literal["none", "fp8"] = field(default="none", metadata=doc(
         "fp8: vLLM's online FP8 quantization (per-tensor W8A8, CUDA only): the engine quantizes the bf16 weights as they load, "
         "at start and at every refit; pair it with algorithm.rollout_correction {preset: token_tis} (the probe threshold "
@@ -94,12 +102,8 @@ class VllmConfig(GenerationConfig):
     kv_cache_dtype: Literal["auto", "fp8"] = field(default="auto", metadata=doc(
         "KV cache storage: auto = the engine dtype; fp8 halves the cache's memory and the bytes each decode step reads "
         "(CUDA only; per-tensor scales of 1.0, as vLLM does without calibrated scales)"))
-    request_seeds: bool = field(default=True, metadata=doc(
-        "give each request its own seed (from the run's seed), so a sample repeats whatever batch it was scheduled in; "
-        "false = only the engine's seed. vLLM 0.26 draws a seeded request's noise one request at a time in every decode "
-        "step (a kernel launch per sequence, its sampler's own TODO): 1.08x tokens/s unseeded on the tiny CPU model, no "
-        "difference at 8B on an H200 (256 sequences)"))
-    engine_detokenize: bool = field(default=False, metadata=doc("decode text token by token in vLLM's output loop; false = one batched decode per response (always on with stop strings)"))
+    experimental: VllmExperimentalConfig = field(factory=VllmExperimentalConfig, metadata=doc(
+        "experimental: switches kept to measure alternatives; the defaults are the measured best"))
 
     def __attrs_post_init__(self):
         if self.backend != "vllm":

@@ -12,7 +12,6 @@ responses with ``finish_reason="truncated_prompt"``. Both are counted in :meth:`
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -24,22 +23,13 @@ from rlcore_vllm.config import VllmConfig
 EXTENSION = "rlcore_vllm.worker_ext.RlcoreWorkerExtension"
 
 
-# Checked by the factory (from the config) and again by the constructor (a generator built directly).
-HIGH_PRIORITY_NEEDS = ("high needs the sync engine's core in this process on CUDA (engine_process: false, async_engine: "
-                       "false): an engine core in its own process runs on streams this process cannot set")
-
-
 class VllmGenerator:
     """A :class:`rlcore.interfaces.Generator` backed by one vLLM engine (``num_replicas`` via vLLM DP)."""
 
     def __init__(self, model_path: str, config: VllmConfig | None = None, *, max_model_len: int = 1024,
                  dtype: str = "float32", seed: int = 0, device: str = "cpu", tokenizer_path: str | None = None,
-                 engine_kwargs: dict[str, Any] | None = None, high_priority_stream: bool = False):
-        """``high_priority_stream``: run the engine's GPU work on a stream of the highest priority
-        (``rollout_stream_priority``; the factory decides): needs the sync engine's core in this process on CUDA."""
+                 engine_kwargs: dict[str, Any] | None = None):
         self.config = config or VllmConfig()
-        if high_priority_stream and device != "cuda":
-            raise ConfigError("policy.generation.rollout_stream_priority", f"high needs CUDA (device: {device})")
         self.model_path = str(model_path)
         self.max_model_len = self.config.max_model_len or max_model_len
         self.device = device
@@ -61,34 +51,6 @@ class VllmGenerator:
 
             self.engine = SyncEngine(kwargs)
         self.tokenizer = _load_tokenizer(tokenizer_path or self.model_path)
-        self._stream = None  # torch.cuda.Stream of the engine's work (high_priority_stream), else vLLM's own
-        if high_priority_stream:
-            if not self.engine.in_process:
-                raise ConfigError("policy.generation.rollout_stream_priority", HIGH_PRIORITY_NEEDS)
-            import torch
-
-            self._stream = torch.cuda.Stream(priority=-(1 << 10))  # mapped to the device's highest priority
-
-    @contextlib.contextmanager
-    def _engine_stream(self, *, after_this_stream: bool = False):
-        """The engine's GPU work on ``self._stream`` when there is one. vLLM reads the stream to run on
-        from its own thread-local copy, which ``torch.cuda.stream`` sets (vLLM patches ``set_stream``).
-        Every call ends with the stream synchronized: tensors the caller frees afterwards (refit chunks)
-        and the engine's buffers the next call reuses from another thread are then no longer in use.
-        ``after_this_stream``: wait first for the work this thread queued (the trainer's refit chunks);
-        never from the rollout thread, where it would queue the decode behind the trainer's kernels."""
-        if self._stream is None:
-            yield
-            return
-        import torch
-
-        if after_this_stream:
-            self._stream.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(self._stream):
-                yield
-        finally:
-            self._stream.synchronize()
 
     def _engine_kwargs(self, dtype: str, seed: int, tokenizer_path: str | None) -> dict[str, Any]:
         cfg = self.config
@@ -100,8 +62,8 @@ class VllmGenerator:
         )
         if cfg.num_replicas > 1:
             kwargs["data_parallel_size"] = cfg.num_replicas
-        if cfg.executor != "auto":
-            kwargs["distributed_executor_backend"] = cfg.executor
+        if cfg.experimental.executor != "auto":
+            kwargs["distributed_executor_backend"] = cfg.experimental.executor
         for key, value, off in (("quantization", cfg.quantization, "none"), ("kv_cache_dtype", cfg.kv_cache_dtype, "auto")):
             if value != off:
                 if self.device == "cpu":
@@ -131,12 +93,12 @@ class VllmGenerator:
         return VSP(
             n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=max(1, min(params.max_new_tokens, room)), stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed if self.config.request_seeds else None,
+            stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed if self.config.experimental.request_seeds else None,
             ignore_eos=params.ignore_eos,
             logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
             # Stop strings need vLLM's incremental detokenizer; otherwise the text is decoded once
             # per response in _results (the engine's per-token decoding is host time per step).
-            detokenize=self.config.engine_detokenize or bool(params.stop),
+            detokenize=self.config.experimental.engine_detokenize or bool(params.stop),
         )
 
     def _fit_prompt(self, prompt_ids: list[int]) -> list[int] | None:
@@ -177,8 +139,7 @@ class VllmGenerator:
         # vLLM refuses n > 1 with greedy sampling: send n identical requests instead.
         copies, n = (params.n, 1) if params.temperature == 0 and params.n > 1 else (1, params.n)
         requests = [(p, self._vllm_params(params, len(p), n)) for p in fitted if p is not None for _ in range(copies)]
-        with self._engine_stream():
-            outputs = iter(self.engine.run(requests))
+        outputs = iter(self.engine.run(requests))
         results = []
         for orig, p in zip(prompts, fitted):
             if p is None:
@@ -205,8 +166,7 @@ class VllmGenerator:
             if not 2 <= len(seq) <= self.max_model_len - 1:
                 raise ValueError(f"score: sequence {i} has {len(seq)} tokens; need 2..{self.max_model_len - 1}")
         params = VSP(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        with self._engine_stream():
-            outputs = self.engine.run([(list(seq), params) for seq in sequences])
+        outputs = self.engine.run([(list(seq), params) for seq in sequences])
         scored = []
         for seq, out in zip(sequences, outputs):
             row = [0.0] + [float(step[token].logprob) for step, token in zip(out.prompt_logprobs[1:], seq[1:])]
@@ -247,13 +207,12 @@ class VllmGenerator:
         the mixed state if the error were swallowed. Senders keep their chunks alive until this returns."""
         if self.sleeping:
             self.wake_up()
-        with self._engine_stream(after_this_stream=True):
-            self.engine.rpc("rlcore_begin_update")
-            try:
-                for payload in payloads:
-                    self.engine.rpc("rlcore_load", payload)
-            finally:
-                self.engine.rpc("rlcore_finish_update")
+        self.engine.rpc("rlcore_begin_update")
+        try:
+            for payload in payloads:
+                self.engine.rpc("rlcore_load", payload)
+        finally:
+            self.engine.rpc("rlcore_finish_update")
         self._after_update()
 
     def _after_update(self) -> None:
@@ -343,7 +302,7 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         if not placement.colocated and placement.generator_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(placement.generator_gpus)
-    own_process = engine_in_own_process(section_config.engine_process, device=device, colocated=placement.colocated,
+    own_process = engine_in_own_process(section_config.experimental.engine_process, device=device, colocated=placement.colocated,
                                         async_grpo=config.grpo.async_grpo.enabled)
     if own_process is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"
@@ -352,29 +311,19 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
     return VllmGenerator(
         policy.model_name, section_config, max_model_len=policy.max_total_sequence_length, dtype=dtype, seed=seed,
         device=device, tokenizer_path=policy.tokenizer_name,
-        high_priority_stream=high_priority_rollouts(section_config, device=device, own_process=own_process),
         # vLLM's bar over checkpoint shards ignores the logging level: drawn only at logger.verbosity: verbose
         engine_kwargs={"use_tqdm_on_load": config.logger.verbosity == "verbose"},
     )
 
 
-def high_priority_rollouts(cfg: VllmConfig, *, device: str, own_process: bool | None) -> bool:
-    """``policy.generation.rollout_stream_priority: high``, checked: it needs the sync engine's core in
-    this process on CUDA. Never chosen by default: its one GPU run ended in an illegal memory access."""
-    in_process = device == "cuda" and own_process is False and not cfg.async_engine
-    if cfg.rollout_stream_priority == "high" and not in_process:
-        raise ConfigError("policy.generation.rollout_stream_priority", HIGH_PRIORITY_NEEDS)
-    return cfg.rollout_stream_priority == "high"
-
-
 def engine_in_own_process(choice: bool | None, *, device: str, colocated: bool, async_grpo: bool) -> bool | None:
-    """Whether vLLM's engine core gets its own process (``policy.generation.engine_process``); None
+    """Whether vLLM's engine core gets its own process (``policy.generation.experimental.engine_process``); None
     leaves vLLM's setting (``VLLM_ENABLE_V1_MULTIPROCESSING``) as it is."""
     needed = device == "cuda" and not colocated
     if choice is False and needed:
         # This process may have fixed its CUDA device list already (any torch.cuda.is_available()
-        # does): an in-process engine core would land on the trainer's GPU 0 (seen on nvidia-h200-x2).
-        raise ConfigError("policy.generation.engine_process", "false needs colocated generation on CUDA: an engine on "
+        # does): an in-process engine core would land on the trainer's first GPU.
+        raise ConfigError("policy.generation.experimental.engine_process", "false needs colocated generation on CUDA: an engine on "
                           "GPUs of its own must start in a fresh process that sees only those GPUs")
     if choice is not None:
         return choice

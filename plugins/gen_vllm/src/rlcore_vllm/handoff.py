@@ -7,7 +7,7 @@ local socket (``multiprocessing.connection``) to the driver, which passes it to 
 answers ``loaded``; rank 0 keeps every chunk alive until the engine has finished the whole
 layer-wise reload (``finished``). The weights never pass through Ray's object store nor the
 driver's memory: core's generic stream transport returns all of rank 0's chunks as one Ray
-result, which for an 8B model (16 GB) had not finished after 140 s on an H200.
+result, which for an 8B model (16 GB) takes minutes.
 
 Written by hand: vLLM and Ray have no API for "load these IPC handles from another process's
 export loop"; NeMo-RL does the same handoff over ZMQ.

@@ -1,0 +1,137 @@
+"""The current GRPO step-time and training-throughput tables, in NeMo-RL's step-time format, from
+``benchmarks/results.jsonl`` (the newest row of each configuration and variant), as Markdown with
+the command, date, machine and commit behind each row: what ``docs/performance.md`` shows.
+
+    python benchmarks/performance_tables.py                  # prints the tables
+    python benchmarks/performance_tables.py --results other.jsonl
+
+Reads only the JSONL the benchmarks append to; runs anywhere (no GPU, no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STEP_RE = re.compile(r"(\d+) prompts x (\d+) samples x (\d+) new tokens, (\d+)-token micro-batches, steps (\d+) \(summary after (\d+)\)")
+DEFAULTS = {"--prompts": "32", "--samples": "8", "--max-new-tokens": "1024", "--mb-tokens": "8192"}
+
+
+def newest(rows: list[dict], bench: str) -> list[dict]:
+    """The newest row of each (config, variant) of ``bench``, oldest first."""
+    keep: dict[tuple, dict] = {}
+    for row in rows:
+        if row.get("bench") != bench or row.get("transcribed") or "issue" in str(row.get("variant", "")):
+            continue
+        shape = re.sub(r",? steps \d+.*$", "", str(row.get("config")))  # the same work, however many steps
+        key = (row.get("variant"), shape, row.get("gpus"))
+        if key not in keep or row["date"] >= keep[key]["date"]:
+            keep[key] = row
+    return sorted(keep.values(), key=lambda r: r["date"])
+
+
+def grpo_command(row: dict) -> str:
+    """``bench_grpo_step.py`` arguments that reproduce a row (its variant name and shape string)."""
+    name, *extras = re.split(r" \[", str(row["variant"]))
+    args = [f"--config {name}"]
+    m = STEP_RE.match(row["config"])
+    if m:
+        for flag, value in zip(("--prompts", "--samples", "--max-new-tokens", "--mb-tokens"), m.groups()[:4]):
+            if DEFAULTS[flag] != value:
+                args.append(f"{flag} {value}")
+        args.append(f"--steps {m.group(5)} --warmup {m.group(6)}")
+    for extra in (e.rstrip("]") for e in extras):
+        if extra.startswith("mps trainer "):
+            args.append(f"--trainer-mps-priority {extra.split()[-1]}")
+        elif extra.startswith("trainer GEMMs leave "):
+            args.append(f"--trainer-sm-margin {extra.split()[3]}")
+        else:
+            args.append(f"--set {extra}")
+    return "python benchmarks/bench_grpo_step.py " + " ".join(args)
+
+
+TRAIN_RE = re.compile(r"(\w+)[^,]*, (\d+) x (\d+) tokens/step/DP rank, lengths \[(\d+), (\d+)\], steps (\d+) \(\+(\d+) warm-up\)")
+
+
+def train_command(row: dict) -> str:
+    """``bench_train_megatron.py`` arguments that reproduce a row."""
+    m = TRAIN_RE.match(row["config"])
+    if not m:
+        return ""
+    shape, mbs, tokens, lo, hi, steps, warmup = m.groups()
+    args = [f"--shape {shape}", f"--variants {row['variant']}", f"--micro-batches {mbs}", f"--mb-tokens {tokens}",
+            f"--min-len {lo} --max-len {hi}", f"--steps {steps} --warmup {warmup}"]
+    tp = re.search(r"TP=(\d+)", str(row.get("layout", "")))
+    if tp and tp.group(1) != "1":
+        args.append(f"--tp {tp.group(1)}")
+    if row.get("gpus", 1) > 1:
+        args.append(f"--gpus {row['gpus']}")
+    return "python benchmarks/bench_train_megatron.py " + " ".join(args)
+
+
+def machine(row: dict) -> str:
+    """The machine as the tables name it (rows written by different tools spell it differently)."""
+    name = re.sub(r"\s*\(nvidia-h200[^)]*\)", "", str(row.get("machine", "")))
+    return "1x NVIDIA H200" if name == "one H200" else name
+
+
+def learning_table(rows: list[dict]) -> str:
+    lines = ["| Recipe | Variant | Steps | Held-out accuracy | Mean step (s) | Date | Machine | Commit |",
+             "|---|---|---:|---|---:|---|---|---|"]
+    for r in rows:
+        lines.append(f"| `{r['config']}` | {r['variant']} | {r['steps']} | {r['val_accuracy_start']:.3f} -> "
+                     f"**{r['val_accuracy_end']:.3f}** | {_f(r.get('mean_step_s'))} | {r['date'][:10]} | {machine(r)} | "
+                     f"`{str(r['commit'])[:7]}` |")
+    return "\n".join(lines)
+
+
+def _f(value, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def grpo_table(rows: list[dict]) -> str:
+    lines = ["| Config | GPUs | Step (s) | Train | Refit | Generation | Logprobs | Tokens/sample | Gen tok/GPU-s | Train MFU | "
+             "Command | Date | Machine | Commit |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
+    for r in rows:
+        mfu = f"{100 * r['train_mfu']:.1f}%" if r.get("train_mfu") else ""
+        lines.append(f"| `{r['variant']}` | {r['gpus']} | **{_f(r['step_s'])}** | {_f(r['train_s'])} | {_f(r['refit_s'])} | "
+                     f"{_f(r['generation_s'])} | {_f(r.get('logprobs_s'))} | {_f(r.get('tokens_per_sample'), 0)} | "
+                     f"{_f(r.get('gen_tokens_per_gpu_s'), 0)} | {mfu} | `{grpo_command(r)}` | {r['date'][:10]} | "
+                     f"{machine(r)} | `{str(r['commit'])[:7]}` |")
+    return "\n".join(lines)
+
+
+def train_table(rows: list[dict]) -> str:
+    lines = ["| Variant | Shape | Layout | GPUs | Step (s) | Tokens/s | MFU | Peak GiB | Command | Date | Machine | Commit |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['config']} | {r.get('layout', '')} | {r['gpus']} | {_f(r['step_s'], 3)} | "
+                     f"{_f(r.get('tokens_per_s'), 0)} | {100 * r.get('mfu', 0):.1f}% | {_f(r.get('peak_mem_gib'), 1)} | "
+                     f"`{train_command(r)}` | "
+                     f"{r['date'][:10]} | {machine(r)} | `{str(r['commit'])[:7]}` |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=HERE / "results.jsonl")
+    args = parser.parse_args(argv)
+    rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    steps = newest(rows, "bench_grpo_step")
+    gpu = [r for r in steps if "cpu" not in r["machine"].lower()]
+    plain = [r for r in gpu if "[" not in r["variant"]]
+    print("### GRPO step, GPU\n\n" + grpo_table(plain) + "\n")
+    print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain]) + "\n")
+    print("### GRPO step, CPU (tiny shapes)\n\n" + grpo_table([r for r in steps if r not in gpu]) + "\n")
+    train = [r for r in newest(rows, "bench_train_megatron") if "cpu" not in r["machine"].lower()]
+    print("### Training step alone (`bench_train_megatron.py`)\n\n" + train_table(train) + "\n")
+    learned = [r for r in newest(rows, "learning") if r.get("steps")]
+    print("### Learning runs\n\n" + learning_table(learned))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

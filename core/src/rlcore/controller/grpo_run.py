@@ -1,0 +1,108 @@
+"""The GRPO-family run: rollouts from the policy, trained on their rewards (``trains_on`` prompts).
+
+:func:`build_components` builds every part (or takes the objects a user passed), :func:`run_grpo`
+runs the loop with the sync or the async driver and writes the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+from rlcore.config import RunConfig
+from rlcore.controller.async_driver import run_async
+from rlcore.controller.builders import (
+    build_algorithm, build_environment, build_generator, build_trainer, given_or_built_dataset, given_or_loaded_tokenizer,
+    pick_transport, resolve_old_logprobs,
+)
+from rlcore.controller.faults import wrap_from_env
+from rlcore.controller.given import check_given
+from rlcore.controller.loop import Components, GRPOLoop, run_sync
+from rlcore.controller.offline import build_loggers
+from rlcore.controller.placement import plan_placement
+from rlcore.controller.preflight import check_model_name, check_prompt_lengths
+from rlcore.controller.report import Reporter, plot_curves, summary_table
+from rlcore.controller.run_dir import RunDir
+from rlcore.controller.run_end import print_outputs, save_final_model
+from rlcore.controller.timing import summarize
+from rlcore.plugins import get_plugin_manager
+from rlcore.utils import resolve
+
+
+def build_components(config: RunConfig, **given) -> Components:
+    """Every part of the run: the objects in ``given`` as they are (checked against their
+    protocols first, :mod:`rlcore.controller.given`), the others built from the recipe."""
+    check_given(given)
+    manager = get_plugin_manager()
+    if not all(given.get(k) is not None for k in ("tokenizer", "backend", "generator")):
+        check_model_name(config)
+    tokenizer = given_or_loaded_tokenizer(config, given)
+    algorithm, algorithm_reg = given.get("algorithm"), None
+    if algorithm is None:  # a given algorithm replaces the lookup, as every given object does
+        algorithm_reg = manager.get("algorithm", config.require_section("algorithm").name)
+        algorithm = build_algorithm(config, manager, algorithm_reg)
+    else:  # decided like a built one (use_old_logprobs: auto on a passed GRPO object)
+        algorithm = resolve_old_logprobs(config, algorithm)
+    teacher = given.get("teacher")
+    if teacher is None and algorithm_reg is not None and "teacher" in algorithm_reg.capabilities:
+        teacher = resolve(algorithm_reg.capabilities["teacher"])(config.section("algorithm"))  # distillation: "module:attr"
+    environment, multi_turn_env = build_environment(config, manager, given)
+    dataset = given_or_built_dataset(config, manager, given, tokenizer)
+    check_prompt_lengths(dataset, config)
+    placement = plan_placement(config)
+    trainer = build_trainer(config, manager, placement, given.get("backend"))
+    generator = build_generator(config, manager, placement, given)
+    transport = pick_transport(manager, trainer, generator, config)
+    print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
+    trainer = wrap_from_env(trainer)  # tests' RLCORE_FAULT: from here on every call may hit a rank
+    multi_turn = None
+    if multi_turn_env:
+        from rlcore.rollout import make_multi_turn_runner
+
+        multi_turn = make_multi_turn_runner(generator, environment, tokenizer, config)
+    run_dir = Path(config.logger.log_dir)
+    loggers = given.get("loggers")
+    if loggers is None:
+        loggers = build_loggers(config, run_dir)
+    reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
+    return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
+                      teacher=teacher)
+
+
+def held_out_summary(records: list[dict]) -> dict:
+    """``val/<name>_first`` and ``_last`` of every held-out metric (``val/accuracy``'s always present)."""
+    out: dict = {"val/accuracy_first": None, "val/accuracy_last": None}
+    for key in sorted({k for r in records for k in r if k.startswith("val/")}):
+        seen = [r[key] for r in records if key in r]
+        out[f"{key}_first"], out[f"{key}_last"] = seen[0], seen[-1]
+    return out
+
+
+def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dict:
+    """The GRPO-family run in ``run_dir`` (opened by ``rlcore.run``); returns summary, records, run dir, plot."""
+    print(f"run {owner.run_id} in {run_dir}", flush=True)
+    components = build_components(config, **given)
+    components.run_identity = owner.identity()
+    loop = GRPOLoop(components)
+    try:
+        with components.reporter:
+            records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
+        save_final_model(loop.checkpoints, components.trainer, config, run_dir, given.get("tokenizer"))
+    finally:
+        for logger in components.loggers:
+            logger.close()
+        components.trainer.shutdown()
+        if "generator" not in given:
+            components.generator.shutdown()
+        if "environment" not in given and hasattr(components.environment, "close"):
+            components.environment.close()
+    summary = summarize([r for r in records if "timing/total" in r], config.grpo.summary_window)
+    summary.update(held_out_summary(records))
+    summary.update({"steps": loop.step, "run_id": owner.run_id,
+                    "stopped_by_signal": None if loop.stop_signal is None else signal.Signals(loop.stop_signal).name})
+    components.reporter.console.print(summary_table(summary, components.algorithm.name))
+    plot = plot_curves(records, run_dir / "curves.png") if config.logger.plot else None
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_outputs(run_dir, config, components.reporter.console)
+    return {"summary": summary, "records": records, "run_dir": str(run_dir), "plot": str(plot) if plot else None}

@@ -1,0 +1,99 @@
+"""The learner's step: advantages, the training batch, old/reference/teacher logprobs, the update.
+
+The learner owns the policy's version (one per optimizer step that happened) and the count of
+non-finite losses in a row, which stops a run that has diverged rather than skipping updates forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from rlcore.controller.batching import Trajectory, to_sequence_batch
+from rlcore.controller.rollouts import reward_tensors
+from rlcore.controller.timing import StepTimer
+from rlcore.interfaces import Algorithm, SequenceBatch, Teacher, TrainerHandle
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many non-finite losses in a row."""
+
+
+class Learner:
+    """Trains the policy on one step's trajectories through the trainer handle."""
+
+    def __init__(self, trainer: TrainerHandle, algorithm: Algorithm, max_length: int, max_consecutive_nonfinite: int,
+                 teacher: Teacher | None = None, offload_trainer_state: bool = False):
+        self.trainer, self.algorithm, self.teacher = trainer, algorithm, teacher
+        self.max_length, self.max_consecutive_nonfinite = max_length, max_consecutive_nonfinite
+        self.offload_trainer_state = offload_trainer_state
+        self.policy_version = 0  # optimizer steps taken (a skipped non-finite update is none)
+        self.nonfinite_in_a_row = 0
+
+    def batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
+        """The training batch: group-relative advantages of the shaped rewards; trajectories the
+        algorithm filters (overlong) keep their place in their group's baseline, with no loss."""
+        rewards_N, groups_N, truncated_N = reward_tensors(trajectories)
+        lengths_N = torch.tensor([len(t.result.response_ids) for t in trajectories])
+        shaped_N = self.algorithm.shape_rewards(rewards_N, lengths_N, truncated_N)
+        advantages_N = self.algorithm.advantages(shaped_N, groups_N)
+        batch = to_sequence_batch(trajectories, advantages_N, self.max_length)
+        keep_N = self.algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
+        for i in torch.nonzero(~keep_N).flatten().tolist():
+            batch.loss_mask[i] = torch.zeros_like(batch.loss_mask[i])
+        return batch
+
+    def add_logprobs(self, batch: SequenceBatch) -> None:
+        """The logprobs the algorithm's loss reads besides the rollout's own."""
+        if self.algorithm.uses_old_logprobs:
+            batch.token_fields["old_logprobs"] = self.trainer.logprobs(batch, what="'logprobs' (policy)")
+        if self.algorithm.uses_reference:
+            batch.token_fields["ref_logprobs"] = self.trainer.logprobs(batch, reference=True, what="'logprobs' (reference)")
+        if self.teacher is not None:
+            batch.token_fields["teacher_logprobs"] = self.teacher.logprobs(batch)
+
+    def train_on(self, trajectories: list[Trajectory], timer: StepTimer, step: int) -> tuple[dict, SequenceBatch | None]:
+        """One step's update: its metrics, and the batch (the refit probe's sequences come from it)."""
+        if not trajectories:
+            return {"train/skipped_empty": 1.0}, None
+        batch = self.batch(trajectories)
+        with timer.phase("logprobs"):
+            self.add_logprobs(batch)
+        with timer.phase("training"):
+            out = self.trainer.train(batch, self.algorithm)
+        self._count(out, step)
+        return {f"train/{k}": float(v) for k, v in out.items()}, batch
+
+    def _count(self, out: dict, step: int) -> None:
+        if out.get("skipped_nonfinite"):
+            self.nonfinite_in_a_row += 1
+            warnings.warn(f"step {step}: non-finite loss, update skipped ({self.nonfinite_in_a_row} in a row)")
+            if self.nonfinite_in_a_row >= self.max_consecutive_nonfinite:
+                raise NonFiniteLossError(
+                    f"{self.nonfinite_in_a_row} non-finite losses in a row (grpo.max_consecutive_nonfinite); stopping"
+                )
+        else:
+            self.nonfinite_in_a_row = 0
+            self.policy_version += 1
+
+    @contextlib.contextmanager
+    def state_on_device(self, timer: StepTimer | None = None) -> Iterator[None]:
+        """``policy.generation.colocated.offload_trainer_state``: the trainer's optimizer state and
+        gradients come back before the trainer works and leave before the engines wake; ``timer``
+        counts the moves as the step's "offload" phase."""
+        if not self.offload_trainer_state:
+            yield
+            return
+        self._move(out=False, timer=timer)
+        yield  # a failed step propagates as it is, the state left where it is
+        self._move(out=True, timer=timer)
+
+    def _move(self, out: bool, timer: StepTimer | None) -> None:
+        with timer.phase("offload") if timer is not None else contextlib.nullcontext():
+            if out:
+                self.trainer.offload(keep_weights=True)  # the refit that follows reads them on the GPU
+            else:
+                self.trainer.onload()

@@ -1,0 +1,65 @@
+"""The refitter: the trainer's weights to the generator, then the refit probe.
+
+The transfer and the probe's generator pass share one hold of the generator's lock. Released in
+between, a rollout thread waiting for the lock (async) could take it first and generate a whole
+batch, and the probe, and with it the trainer's next step, would wait for all of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from rlcore.config.generation import RefitConfig
+from rlcore.controller.refit_probe import compare_probe_logprobs, refit_probe_sequences
+from rlcore.controller.timing import StepTimer
+from rlcore.interfaces import Generator, SequenceBatch, TrainerHandle, WeightTransport
+
+
+class Refitter:
+    """Moves weights through ``transport`` and checks them with the probe (``policy.generation.refit``)."""
+
+    def __init__(self, trainer: TrainerHandle, generator: Generator, transport: WeightTransport, config: RefitConfig,
+                 generator_lock: threading.Lock):
+        self.trainer, self.generator, self.transport, self.config = trainer, generator, transport, config
+        self.generator_lock = generator_lock
+
+    def transfer(self) -> dict[str, float]:
+        """The weights alone, no probe (a resumed run's first refit)."""
+        return self.transport.transfer(self.trainer, self.generator)
+
+    def refit(self, probe_batch: SequenceBatch | None, timer: StepTimer, step: int,
+              generator_free: Callable[[], None] | None = None,
+              on_hold: Callable[[float], dict[str, float]] | None = None) -> dict[str, float]:
+        """Weights to the generator, then the probe. ``on_hold(held_from)`` runs with the generator held
+        (its metrics join the refit's); ``generator_free()`` once the generator is no longer needed (async:
+        the rollout thread may start the next batch while the trainer compares)."""
+        with timer.phase("refit"), self.generator_lock:
+            held_from = time.perf_counter()
+            extra = on_hold(held_from) if on_hold is not None else {}
+            moved = self.transfer()
+            probed = self._probe_generator(probe_batch) if probe_batch is not None else None
+            held_s = time.perf_counter() - held_from
+        if generator_free is not None:
+            generator_free()
+        metrics = {"refit/seconds": float(moved.get("seconds", 0.0)), "refit/bytes": float(moved.get("bytes", 0.0)),
+                   "refit/generator_hold_s": held_s, **extra}  # the generator's time taken by transfer and probe
+        if metrics["refit/seconds"] > 0:
+            metrics["refit/gb_per_s"] = metrics["refit/bytes"] / metrics["refit/seconds"] / 1e9
+        if probed is not None:
+            with timer.phase("refit"):
+                metrics.update(self._compare_probe(*probed, step))
+        return metrics
+
+    def _probe_generator(self, batch: SequenceBatch) -> tuple[SequenceBatch, list] | None:
+        """The probe's sequences and the generator's logprobs of them (the caller holds the lock)."""
+        count = self.config.probe_num_sequences
+        if count <= 0:
+            return None
+        probe = refit_probe_sequences(batch, count)
+        return probe, self.generator.score([ids.tolist() for ids in probe.input_ids])
+
+    def _compare_probe(self, probe: SequenceBatch, gen_lp: list, step: int) -> dict[str, float]:
+        train_lp = self.trainer.logprobs(probe, what="'logprobs' (refit probe)")
+        return compare_probe_logprobs(probe, gen_lp, train_lp, self.config.probe_threshold, step)

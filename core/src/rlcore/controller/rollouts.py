@@ -1,0 +1,183 @@
+"""Rollouts: draw prompts, generate each G times, score, keep or refill whole groups.
+
+Generation holds :attr:`Rollouts.generator_lock` for its whole length: the refit and a validation
+pass take the same lock, so the generator is never asked to generate while its weights change.
+Scoring holds :attr:`Rollouts.score_lock`: environments are not assumed thread-safe, and async
+scoring runs beside the trainer's validation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import attrs
+import torch
+
+from rlcore.controller.batching import DataCursor, Trajectory, apply_env_steps, rollout_metrics, sampling_params, score
+from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
+from rlcore.controller.timing import StepTimer
+from rlcore.interfaces import Algorithm, Environment, EnvStep, Generator, PromptDataset, Sample
+
+if TYPE_CHECKING:
+    from rlcore.config import RunConfig
+    from rlcore.rollout import MultiTurnRunner
+
+
+@attrs.define
+class GeneratedRound:
+    """One round of rollouts, generated and not yet scored."""
+
+    trajectories: list[Trajectory]
+    version: int  # the generator's weights version they were sampled with
+    final_steps: list | None  # multi-turn: the EnvSteps each rollout ended with (scored already)
+    began: float  # time.perf_counter() when the generation took the generator
+    env_metrics: dict = attrs.field(factory=dict)  # the environment's, once scored
+
+
+class GenerationObserver(Protocol):
+    """Told when a generation takes the generator and when it lets go (with the lock held)."""
+
+    def generation_began(self) -> None: ...
+
+    def generation_ended(self) -> None: ...
+
+
+class RolloutSource(Protocol):
+    """What the async driver's rollout thread asks of the rollouts."""
+
+    def refill_rounds(self) -> int: ...
+
+    def collect(self, step: int, timer: StepTimer,
+                observer: GenerationObserver | None = None) -> tuple[list[Trajectory], dict, int]: ...
+
+    def generate_round(self, step: int, round_: int, timer: StepTimer,
+                       observer: GenerationObserver | None = None) -> GeneratedRound: ...
+
+    def finish_collect(self, rounds: list[GeneratedRound], timer: StepTimer,
+                       score_last_only: bool = False) -> tuple[list[Trajectory], dict, int]: ...
+
+    def generator_metrics(self) -> dict[str, float]: ...
+
+    def data_position(self) -> int: ...
+
+
+def reward_tensors(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rewards, group ids and truncation flags of ``trajs``, one entry per trajectory."""
+    rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    groups_N = torch.tensor([t.group for t in trajs], dtype=torch.long)
+    truncated_N = torch.tensor([t.truncated for t in trajs], dtype=torch.bool)
+    return rewards_N, groups_N, truncated_N
+
+
+class Rollouts:
+    """The step's trajectories from the prompt cursor, the generator and the environment."""
+
+    def __init__(self, config: RunConfig, generator: Generator, environment: Environment, algorithm: Algorithm,
+                 dataset: PromptDataset, multi_turn: MultiTurnRunner | None = None):
+        self.grpo, self.generation_cfg = config.grpo, config.generation
+        self.timeout_s = config.cluster.timeout_s
+        self.generator, self.environment, self.algorithm = generator, environment, algorithm
+        self.dataset, self.multi_turn = dataset, multi_turn
+        self.cursor = DataCursor(len(dataset.train), config.grpo.seed)
+        self.generator_lock = threading.Lock()
+        self.score_lock = threading.Lock()
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(self, samples: list[Sample], n: int, seed: int | None, step: int, greedy: bool = False,
+                 observer: GenerationObserver | None = None):
+        """Results per sample, the weights version, for multi-turn environments the EnvSteps the rollouts
+        ended with (else None), and the ``time.perf_counter()`` at which the generation took the generator."""
+        params = sampling_params(self.generation_cfg, n, seed, greedy)
+        final_steps = None
+        with self.generator_lock:
+            began = time.perf_counter()
+            version = self.generator.weights_version
+            if observer is not None:
+                observer.generation_began()
+            if self.multi_turn is not None:
+                results = self._bounded(lambda: self.multi_turn(samples, params), "multi-turn rollouts", step)
+                final_steps = [[EnvStep(reward=t.reward, metrics=t.env_metrics) for t in group]
+                               for group in self.multi_turn.last_trajectories]
+            else:
+                results = self._bounded(lambda: self.generator.generate([s.prompt_ids for s in samples], params),
+                                        "generate", step)
+            if observer is not None:
+                observer.generation_ended()
+        return results, version, final_steps, began
+
+    def _bounded(self, fn, what: str, step: int):
+        limit = self.timeout_s
+        return call_with_timeout(fn, limit, lambda: f"timeout: the generator's '{what}' did not finish within {limit:g}s "
+                                                    f"(cluster.timeout_s) at step {step}", GenerationTimeout)
+
+    def score(self, trajs: list[Trajectory], final_steps) -> dict[str, float]:
+        """Multi-turn rollouts were scored turn by turn already; single-turn ones are scored now."""
+        if final_steps is None:
+            with self.score_lock:
+                return score(self.environment, trajs)
+        return apply_env_steps(trajs, [step for group in final_steps for step in group])
+
+    def _rollout_group(self, step: int, round_: int, observer: GenerationObserver | None = None) -> GeneratedRound:
+        G = self.grpo.num_generations_per_prompt
+        samples = [self.dataset.train[i] for i in self.cursor.take(self.grpo.num_prompts_per_step)]
+        seed = (self.grpo.seed * 1_000_003 + step * 101 + round_) if self.grpo.deterministic else None
+        results, version, final_steps, began = self.generate(samples, G, seed, step, observer=observer)
+        first_group = round_ * len(samples)  # unique group ids across refill rounds
+        trajectories = [Trajectory(s, first_group + g, r) for g, (s, rs) in enumerate(zip(samples, results)) for r in rs]
+        return GeneratedRound(trajectories, version, final_steps, began)
+
+    def generate_round(self, step: int, round_: int, timer: StepTimer,
+                       observer: GenerationObserver | None = None) -> GeneratedRound:
+        with timer.phase("generation"):
+            return self._rollout_group(step, round_, observer)
+
+    def data_position(self) -> int:
+        """Prompts drawn so far (the cursor's position): a checkpoint's place in the data."""
+        return self.cursor.position
+
+    def generator_metrics(self) -> dict[str, float]:
+        generator_metrics = getattr(self.generator, "metrics", None)
+        return {k: float(v) for k, v in generator_metrics().items()} if callable(generator_metrics) else {}
+
+    # ---- keeping whole groups ---------------------------------------------------------------
+    def refill_rounds(self) -> int:
+        """DAPO-style refill rounds the algorithm may ask for after dropping groups (0: none)."""
+        return int(getattr(self.algorithm, "max_refill_rounds", 0) or 0)
+
+    def collect(self, step: int, timer: StepTimer,
+                observer: GenerationObserver | None = None) -> tuple[list[Trajectory], dict, int]:
+        """Trajectories for one step, with DAPO-style refill when the algorithm drops groups."""
+        rounds = self.refill_rounds()
+        target = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        generated: list[GeneratedRound] = []
+        for round_ in range(rounds + 1):
+            generated.append(self.generate_round(step, round_, timer, observer))
+            kept, metrics, version = self.finish_collect(generated, timer, score_last_only=True)
+            if len(kept) >= target or rounds == 0:
+                break
+        metrics.update(self.generator_metrics())
+        return kept, metrics, version
+
+    def finish_collect(self, rounds: list[GeneratedRound], timer: StepTimer,
+                       score_last_only: bool = False) -> tuple[list[Trajectory], dict, int]:
+        """Score ``rounds`` (only the last when the earlier ones were scored already) and keep whole
+        groups: the step's trajectories, its rollout metrics (from the first round) and weights version."""
+        for generated in rounds[-1:] if score_last_only else rounds:
+            with timer.phase("reward"):
+                generated.env_metrics = self.score(generated.trajectories, generated.final_steps)
+        metrics: dict[str, float] = {**rounds[0].env_metrics, **rollout_metrics(rounds[0].trajectories)}
+        kept: list[Trajectory] = []
+        for generated in rounds:
+            trajs = generated.trajectories
+            rewards_N, groups_N, truncated_N = reward_tensors(trajs)
+            # Whole groups are kept or dropped here (dynamic sampling); single trajectories the
+            # algorithm filters (overlong) stay in their group's baseline and are masked by the learner.
+            keep_N = self.algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
+            kept_groups = set(groups_N[keep_N].tolist())
+            kept.extend(t for t in trajs if t.group in kept_groups)
+        metrics["rollout/refill_rounds"] = float(len(rounds) - 1)
+        kept = kept[: self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt]
+        metrics["rollout/kept_trajectories"] = float(len(kept))
+        return kept, metrics, rounds[-1].version

@@ -1,0 +1,170 @@
+"""Memory per GPU by part, for the busiest GPU of a layout (GiB).
+
+Training phase: weights, gradients and optimizer state of the rank's shard; the activations kept for
+backward of the micro-batches in flight (one, or a pipeline's ``pp`` on its first stage); the logits of
+one micro-batch (last stage); collective buffers; a sleeping colocated engine's remainder. Generation
+phase (colocated): the trainer's resident state (its gradients and optimizer state leave for host memory
+with ``offload``) beside the engine's weights, KV cache and overhead. Logprob passes hold a forward's
+activations only and never exceed training. Activation bytes per token and layer follow the tensors
+Megatron-Core keeps for backward (its paper's count, with flash attention's linear memory):
+``8h`` replicated over tensor-parallel ranks without sequence parallelism, ``2(q+2kv) + 2q + 6f`` split.
+"""
+
+from __future__ import annotations
+
+import math
+
+from attrs import frozen
+
+from rlcore.planning.calibration import Calibration
+from rlcore.planning.hardware import Cluster
+from rlcore.planning.layout import Layout, Workload, micro_batches
+from rlcore.planning.shapes import ModelShape
+
+GIB = float(2**30)
+
+
+@frozen
+class Memory:
+    parts: dict  # name -> GiB at the peak phase
+    phase: str  # "training" or "generation"
+    peak_gib: float
+    limit_gib: float
+    engine_kv_gib: float  # KV cache the engine gets (colocated or its own GPUs)
+    engine_fraction: float  # the engine's share of a GPU (vLLM gpu_memory_utilization)
+    problem: str | None  # why it does not fit, None when it does
+    train_parts: dict  # the training phase's parts (GiB)
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+    @property
+    def largest(self) -> str:
+        return max(self.parts, key=self.parts.get)
+
+
+def _local_params(shape: ModelShape, lay: Layout, stage: str) -> tuple[float, float]:
+    """(dense, expert) parameters on one rank of the first or last pipeline stage."""
+    layers = shape.layers / (lay.pp * 1.0)
+    dense = layers * shape.dense_layer_params
+    embed = shape.vocab * shape.hidden
+    if lay.pp == 1:
+        dense += shape.embedding_params
+    elif stage == "first" or not shape.tied:
+        dense += embed
+    expert = layers * shape.experts * shape.expert_params / (lay.ep * lay.etp)
+    return dense / lay.tp, expert
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, lay: Layout) -> float:
+    h, tp = shape.hidden, lay.tp
+    replicated = 8 * h / (tp if lay.sp else 1)
+    attention = 2 * (shape.q_dim + 2 * shape.kv_dim) + 2 * shape.q_dim
+    if lay.recompute == "selective":  # core attention recomputed: its inputs are not kept
+        attention = 2 * shape.q_dim
+    if shape.moe:  # each token's top-k copies (permuted input, expert MLP, output), split over expert-TP ranks
+        mlp = shape.topk * (4 * h + 6 * shape.moe_ffn) / lay.etp
+    else:
+        mlp = 6 * shape.ffn / tp
+    return replicated + attention / tp + mlp
+
+
+def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration, stage: str) -> dict:
+    world = lay.train_world(cluster.world)
+    dp = lay.dp(cluster.world)
+    dense, expert = _local_params(shape, lay, stage)
+    local = dense + expert
+    b = work.dtype_bytes
+    master = 4 if b < 4 else 0  # fp32 main weights beside bf16 ones
+    opt_per_param = master + 4 * work.optimizer_states
+    if lay.backend == "fsdp2":
+        shard = dp
+        gathered = 0.0 if lay.offload else (local * b if dp == 1 else 2 * local / shape.layers * b)
+        weights = gathered + (0 if lay.offload else local * 4 / shard)
+        grads = 0 if lay.offload else local * 4 / shard
+        optimizer = 0 if lay.offload else local * 4 * work.optimizer_states / shard
+    else:
+        expert_dp = max(1, world // (lay.ep * lay.etp * lay.pp))
+        weights = local * b
+        grads = local * work.grad_bytes
+        optimizer = opt_per_param * (dense / dp + expert / expert_dp)
+    _, mb_tokens = micro_batches(work, lay.train_mb_tokens, work.tokens / dp)
+    tokens = mb_tokens / lay.cp
+    layers = shape.layers / lay.pp
+    in_flight = lay.pp if (stage == "first" and lay.pp > 1) else 1
+    if lay.pp > 1 and lay.vpp > 1 and stage == "first":
+        in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
+    per_layer = activation_bytes_per_token_layer(shape, lay) * cal.activation_factor
+    if lay.recompute == "full":
+        acts = tokens * (layers * in_flight * 2 * shape.hidden / (lay.tp if lay.sp else 1) + per_layer)
+    else:
+        acts = tokens * layers * in_flight * per_layer
+    logits = tokens * shape.vocab / lay.tp * cal.logits_bytes if (stage == "last" or lay.pp == 1) else 0.0
+    parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts, "logits": logits}
+    parts = {k: v / GIB for k, v in parts.items()}
+    parts["comm_buffers"] = cal.comm_buffer_gib * (1 if world > 1 else 0) + (0.25 if lay.ep > 1 else 0.0)
+    parts["other"] = cal.fixed_gib + (cal.engine_asleep_gib if lay.colocated and work.generation else 0.0)
+    return parts
+
+
+def kv_bytes_per_gpu(shape: ModelShape, work: Workload, gen_tp: int) -> float:
+    """KV bytes per token on one engine GPU: key-value heads split over TP ranks, replicated past their count."""
+    return shape.kv_bytes_per_token(work.dtype_bytes) / min(gen_tp, shape.kv_heads)
+
+
+def engine_need(shape: ModelShape, work: Workload, lay: Layout, cal: Calibration, replicas: int) -> tuple[float, float]:
+    """(weights, KV cache for every sequence an engine decodes at once) per engine GPU, GiB."""
+    weights = shape.total_params * work.dtype_bytes / lay.gen_tp / GIB
+    concurrent = min(work.max_num_seqs, math.ceil(work.samples / max(replicas, 1)))
+    kv = concurrent * work.seq_tokens * kv_bytes_per_gpu(shape, work, lay.gen_tp) / GIB
+    return weights, kv
+
+
+def estimate(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration) -> Memory:
+    limit = cluster.gpu.memory_gib * (1 - cal.headroom)  # what a fitting layout may use
+    stages = ["first", "last"] if lay.pp > 1 else ["last"]
+    train = max((training_parts(shape, work, lay, cluster, cal, s) for s in stages), key=lambda p: sum(p.values()))
+    train_total = sum(train.values())
+    if not work.generation:
+        return Memory(train, "training", train_total, limit, 0.0, 0.0, _too_big(train, train_total, limit, "training"), train)
+    replicas = lay.gen_replicas(cluster.world)
+    eng_weights, kv_need = engine_need(shape, work, lay, cal, replicas)
+    if lay.colocated:
+        resident = {k: train[k] for k in ("weights", "gradients", "optimizer")}
+        if lay.offload and lay.backend == "megatron":
+            resident["gradients"] = resident["optimizer"] = 0.0
+        base = sum(resident.values()) + train["comm_buffers"] + cal.fixed_gib
+    else:
+        resident, base = {}, cal.fixed_gib
+    room = limit - base - eng_weights - cal.engine_overhead_gib
+    if lay.gen_memory_fraction > 0:  # the engine's share is set (vLLM's gpu_memory_utilization): it takes all of it
+        room = min(room, lay.gen_memory_fraction * cluster.gpu.memory_gib - eng_weights - cal.engine_overhead_gib)
+        kv = max(0.0, room)
+    else:
+        kv = max(0.0, min(kv_need * 1.05, room))
+    gen = {**resident, "engine_weights": eng_weights, "kv_cache": kv, "engine_other": cal.engine_overhead_gib,
+           "comm_buffers": train["comm_buffers"] if lay.colocated else 0.0, "other": cal.fixed_gib}
+    fraction = min(1.0, (eng_weights + kv + cal.engine_overhead_gib) / cluster.gpu.memory_gib)
+    gen_total = sum(gen.values())
+    problem = None
+    if lay.gen_memory_fraction > 0 and base + lay.gen_memory_fraction * cluster.gpu.memory_gib > limit:
+        problem = (f"generation: the trainer keeps {base:.1f} GiB while the engine takes gpu_memory_utilization "
+                   f"{lay.gen_memory_fraction:g} x {cluster.gpu.memory_gib:.0f} GiB")
+    elif room <= 0.02 * kv_need or room <= 0.5:
+        problem = (f"generation: the engine's weights ({eng_weights:.1f} GiB) leave no room for a KV cache"
+                   + (f" beside the trainer's {base:.1f} GiB" if lay.colocated else ""))
+    if lay.colocated:
+        peak_parts, phase = (train, "training") if train_total >= gen_total else (gen, "generation")
+        problem = _too_big(train, train_total, limit, "training") or problem
+    else:
+        peak_parts, phase = train, "training"
+        problem = _too_big(train, train_total, limit, "training") or problem
+    return Memory(peak_parts, phase, max(train_total, gen_total if lay.colocated else 0.0), limit, kv, round(fraction, 3), problem, train)
+
+
+def _too_big(parts: dict, total: float, limit: float, phase: str) -> str | None:
+    if total <= limit:
+        return None
+    name = max(parts, key=parts.get)
+    return f"{phase}: {total:.1f} GiB > {limit:.1f} GiB (largest: {name} {parts[name]:.1f} GiB)"

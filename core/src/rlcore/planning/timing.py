@@ -1,0 +1,134 @@
+"""Step time by phase for one layout: generation, refit, logprobs, training, offload (seconds).
+
+Training and logprobs: FLOPs (``6 N_active T`` plus causal attention ``6 L q T s``; forward a third)
+over the GPUs at a calibrated efficiency, a pipeline's bubble ``(pp-1)/(vpp m)``, a host cost per
+micro-batch, and the bytes of the collectives over the link they cross (NVLink inside a node, the
+network across): tensor-parallel all-reduces, expert all-to-alls, context-parallel KV exchange, the
+data-parallel gradient reduce-scatter and parameter all-gather (FSDP: per micro-batch), the part of
+the overlappable ones not hidden behind compute. Generation: each decode step reads the engine's weights
+and the KV cache of the sequences in flight from memory (or computes their GEMMs, whichever is
+slower) plus a host cost per step; prefill is FLOPs. Refit: bytes into the engine plus a fixed cost.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rlcore.planning.calibration import Calibration
+from rlcore.planning.hardware import Cluster
+from rlcore.planning.layout import Layout, Workload, micro_batches
+from rlcore.planning.memory import Memory, kv_bytes_per_gpu
+from rlcore.planning.shapes import ModelShape
+
+
+def _ring(bytes_: float, group: int, gbps: float, cal: Calibration) -> float:
+    """Seconds of a ring all-reduce (or reduce-scatter + all-gather) of ``bytes_`` over ``group`` ranks."""
+    return 0.0 if group <= 1 else 2 * (group - 1) / group * bytes_ / (gbps * 1e9 * cal.comm_efficiency)
+
+
+def _flops(shape: ModelShape, work: Workload, forward_only: bool) -> float:
+    mult = 2 if forward_only else 6
+    return mult * shape.active_matmul_params * work.tokens + mult * shape.layers * shape.q_dim * work.sum_sq
+
+
+def _pass_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration, *, forward_only: bool) -> float:
+    world, dp = lay.train_world(cluster.world), lay.dp(cluster.world)
+    budget = lay.logprob_mb_tokens if forward_only else lay.train_mb_tokens
+    n_mb, mb_tokens = micro_batches(work, budget, work.tokens / dp)
+    flops = _flops(shape, work, forward_only)
+    if lay.recompute == "full" and not forward_only:
+        flops *= 4 / 3
+    elif lay.recompute == "selective" and not forward_only:
+        flops += 2 * shape.layers * shape.q_dim * work.sum_sq
+    moe_eff = cal.fsdp2_moe_efficiency if lay.backend == "fsdp2" else cal.moe_efficiency
+    eff = cal.forward_efficiency if forward_only else (moe_eff if shape.moe else cal.train_efficiency)
+    compute = flops / world / (cluster.gpu.peak_tflops * 1e12 * eff)
+    if lay.pp > 1:
+        compute *= 1 + (lay.pp - 1) / (lay.vpp * n_mb)
+    host = n_mb * cal.per_microbatch_s * (1 if lay.pp == 1 else 1 + (lay.pp - 1) / n_mb)
+    return compute + host + _comm_s(shape, work, lay, cluster, cal, n_mb, mb_tokens, forward_only)
+
+
+def _comm_s(shape, work, lay, cluster, cal, n_mb, mb_tokens, forward_only) -> float:
+    b, layers = work.dtype_bytes, shape.layers / lay.pp
+    tokens = mb_tokens / lay.cp
+    directions = 1 if forward_only else (3 if lay.recompute == "full" else 2)
+    tp_bytes = tokens * shape.hidden * b
+    tp = n_mb * layers * 2 * directions * _ring(tp_bytes, lay.tp, cluster.bandwidth_gbps(lay.tp), cal) / 2
+    ep = 0.0
+    if shape.moe and lay.ep > 1:
+        a2a = tokens * shape.topk * shape.hidden * b * (lay.ep - 1) / lay.ep
+        ep = n_mb * layers * 2 * directions * a2a / (cluster.bandwidth_gbps(lay.ep * lay.etp) * 1e9 * cal.comm_efficiency)
+    cp = 0.0
+    if lay.cp > 1:
+        kv = tokens * 2 * shape.kv_dim * b * (lay.cp - 1)
+        cp = n_mb * layers * directions * kv / (cluster.bandwidth_gbps(lay.cp, lay.tp) * 1e9 * cal.comm_efficiency)
+    overlappable = cp
+    dp = lay.dp(cluster.world)
+    if not forward_only and dp > 1:
+        local = shape.total_params / (lay.tp * lay.pp)
+        if shape.moe:
+            local = (shape.total_params - shape.expert_total_params) / (lay.tp * lay.pp)
+        dp_gbps = cluster.bandwidth_gbps(dp, lay.tp * lay.cp)
+        if lay.backend == "fsdp2":  # per micro-batch: gather bf16 params (forward, backward), reduce-scatter fp32 grads
+            overlappable += n_mb * _ring(local * (2 * b + 4) / 2, dp, dp_gbps, cal)
+        else:
+            overlappable += _ring(local * work.grad_bytes / 2 + local * b / 2, dp, dp_gbps, cal)
+    expert_dp = lay.train_world(cluster.world) // (lay.ep * lay.etp * lay.pp)
+    if not forward_only and shape.moe and expert_dp > 1:  # expert gradients over the ranks holding the same experts
+        local = shape.expert_total_params / (lay.ep * lay.etp * lay.pp)
+        gbps = cluster.bandwidth_gbps(expert_dp, lay.ep * lay.etp)
+        overlappable += _ring(local * work.grad_bytes / 2 + local * b / 2, expert_dp, gbps, cal)
+    hidden = cal.comm_overlap if (lay.backend == "fsdp2" or work.overlap_grad_reduce or lay.cp > 1) else 0.0
+    return tp + ep + overlappable * (1 - hidden)
+
+
+def generation_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration, mem: Memory) -> tuple[float, int]:
+    """(seconds, sequences an engine decodes at once) for a step's ``samples`` over the engine replicas."""
+    replicas = lay.gen_replicas(cluster.world)
+    per_replica = math.ceil(work.samples / replicas)
+    kv_token = kv_bytes_per_gpu(shape, work, lay.gen_tp)
+    fits = int(mem.engine_kv_gib * 2**30 / max(kv_token * work.seq_tokens, 1))
+    concurrent = max(1, min(work.max_num_seqs, per_replica, fits))
+    rounds = math.ceil(per_replica / concurrent)
+    gpu = cluster.gpu
+    weights = shape.total_params * work.dtype_bytes / lay.gen_tp
+    if shape.moe:  # a decode step touches the experts its tokens chose: at most all of them
+        touched = min(1.0, concurrent * shape.topk / shape.experts)
+        weights = (shape.total_params - shape.expert_total_params * (1 - touched)) * work.dtype_bytes / lay.gen_tp
+    kv_read = concurrent * (work.prompt_tokens + work.response_tokens / 2) * kv_token
+    memory_s = (weights + kv_read) / (gpu.hbm_tbps * 1e12 * cal.decode_bandwidth_efficiency)
+    compute_s = 2 * shape.active_matmul_params * concurrent / lay.gen_tp / (gpu.peak_tflops * 1e12 * cal.decode_flops_efficiency)
+    tp_s = 0.0 if lay.gen_tp == 1 else 2 * shape.layers * 8e-6  # two small all-reduces a layer, latency-bound
+    step = cal.decode_host_ms / 1e3 + max(memory_s, compute_s) + tp_s
+    prefill = 2 * shape.active_matmul_params * per_replica * work.prompt_tokens / lay.gen_tp / (gpu.peak_tflops * 1e12 * cal.prefill_efficiency)
+    return rounds * work.response_tokens * step + prefill, concurrent
+
+
+def refit_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration) -> float:
+    per_engine = shape.total_params * work.dtype_bytes / lay.gen_tp
+    if lay.colocated:
+        return cal.refit_fixed_s + per_engine / (cal.refit_gbps * 1e9)
+    gbps = cluster.gpu.network_gbps if cluster.nodes > 1 else cluster.gpu.link_gbps
+    return cal.refit_fixed_s + shape.total_params * work.dtype_bytes / (gbps * 1e9 * cal.comm_efficiency)
+
+
+def offload_s(mem: Memory, lay: Layout, work: Workload, cal: Calibration) -> float:
+    """Colocated Megatron with ``offload``: gradients and optimizer state to host and back each step."""
+    if not (lay.offload and lay.colocated and lay.backend == "megatron" and work.generation):
+        return 0.0
+    moved = (mem.train_parts["optimizer"] + mem.train_parts["gradients"]) * 2**30
+    return 2 * moved / (cal.offload_gbps * 1e9)
+
+
+def phases(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration, mem: Memory) -> dict:
+    out = {"training": _pass_s(shape, work, lay, cluster, cal, forward_only=False)}
+    out["logprobs"] = work.logprob_passes * _pass_s(shape, work, lay, cluster, cal, forward_only=True) if work.logprob_passes else 0.0
+    if lay.backend == "fsdp2" and lay.offload:  # every step's state crosses PCIe (FSDP2 CPU offload)
+        local = shape.total_params / (lay.tp * lay.dp(cluster.world))
+        out["training"] += local * 16 / (cal.offload_gbps * 1e9)
+    if work.generation:
+        out["generation"], _ = generation_s(shape, work, lay, cluster, cal, mem)
+        out["refit"] = refit_s(shape, work, lay, cluster, cal)
+        out["offload"] = offload_s(mem, lay, work, cal)
+    return out

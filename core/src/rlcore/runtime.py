@@ -1,0 +1,69 @@
+"""The public runtime: what plugins, examples and benchmarks may use of how rlcore runs things.
+
+``rlcore.controller`` is the core's own machinery and changes without notice; this module is the
+stable face of the parts of it that plugin code needs:
+
+- processes: :func:`init_distributed` (one rank's ``torch.distributed`` group, the device bound),
+  :func:`start_local_ray` (a loopback-only Ray instance that ends with its driver);
+- worker pools: :class:`LocalTrainer` (a backend's ranks in this process) and
+  :class:`RayTrainerGroup` (one Ray actor per rank), both :class:`~rlcore.interfaces.TrainerHandle`;
+  :func:`plan_placement` (where trainer ranks and generator go, from the run's config);
+- refit and data helpers: :class:`StreamTransport` (weights streamed chunk by chunk into a
+  generator), :func:`sampling_params`, :class:`Trajectory`, :func:`to_sequence_batch`;
+- checkpoints and checks: :class:`CheckpointManager`, :func:`check_prompt_lengths`;
+- timing: :class:`StepTimer`, :func:`summarize` (the step-time means ``summary.json`` reports).
+
+:data:`PUBLIC_MODULES` lists every ``rlcore`` module that plugins and examples may import (a test
+checks theirs); everything else in ``rlcore`` is internal.
+"""
+
+from __future__ import annotations
+
+from rlcore.controller.batching import Trajectory, sampling_params, to_sequence_batch
+from rlcore.controller.builders import StreamTransport
+from rlcore.controller.checkpoint import CheckpointManager
+from rlcore.controller.placement import plan_placement
+from rlcore.controller.preflight import check_prompt_lengths
+from rlcore.controller.ray_local import start_local_ray
+from rlcore.controller.timing import StepTimer, summarize
+from rlcore.controller.workers import LocalTrainer, RayTrainerGroup, init_distributed
+
+__all__ = [
+    "PUBLIC_MODULES", "CheckpointManager", "LocalTrainer", "RayTrainerGroup", "StepTimer", "StreamTransport", "Trajectory",
+    "check_prompt_lengths", "init_distributed", "plan_placement", "sampling_params", "start_local_ray", "summarize",
+    "to_sequence_batch",
+]
+
+# Modules (and, with a trailing ".", packages with all their modules) that plugin and example code may import.
+PUBLIC_MODULES = (
+    "rlcore",  # run, load_config, build_config, hookimpl, get_plugin_manager
+    "rlcore.interfaces",  # the protocols at every boundary
+    "rlcore.hookspecs",  # the hooks a plugin implements
+    "rlcore.plugins",  # registration helpers and the plugin manager
+    "rlcore.runtime",  # this module
+    "rlcore.config.",  # configs, loaders, ConfigError, doc()
+    "rlcore.algorithms.",  # the registered algorithms, their configs and shared pieces
+    "rlcore.testing.",  # conformance suites and tiny-model fixtures
+    "rlcore.errors",  # DataError and the other errors a plugin may raise
+    "rlcore.utils",  # resolve, torch_dtype, free_port, local_model_dir
+    "rlcore.ops",  # token logprobs
+    "rlcore.attention",  # packed causal attention
+    "rlcore.packing",  # micro-batch planning and layout
+    "rlcore.training",  # optimizer-step loop shared by the backends
+    "rlcore.schedule",  # learning-rate schedules
+    "rlcore.weights",  # HF-named weight streaming and checkpoints
+    "rlcore.safe_load",  # checkpoint loading that runs no code
+    "rlcore.compiling",  # torch.compile with an eager fallback
+    "rlcore.hf_generator",  # the built-in transformers generator
+    "rlcore.rollout",  # multi-turn rollouts through a generator and an environment
+    "rlcore.export",  # a run's checkpoint to a Hugging Face model directory
+    "rlcore.doctor",  # environment checks (Transformer Engine)
+    "rlcore.demo",  # the demo's model and data builders
+    "rlcore.bench",  # the benchmark runner
+    "rlcore.planning.runtime",  # layout: auto, the planner's choice for a backend section
+)
+
+
+def is_public(module: str) -> bool:
+    """Whether ``module`` (a dotted name inside ``rlcore``) is one plugin code may import."""
+    return any(module == p or (p.endswith(".") and (module == p[:-1] or module.startswith(p))) for p in PUBLIC_MODULES)
