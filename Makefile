@@ -17,7 +17,7 @@ $(STAMP): $(PYPROJECTS)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q \
-		-e 'core[testing,ray,tensorboard,plot,preference,docs]' \
+		-e 'core[testing,ray,tensorboard,plot,preference,docs,agents]' \
 		-e 'plugins/backend_fsdp2[lora]' \
 		-e plugins/backend_megatron \
 		-e 'plugins/gen_vllm[cpu]' \

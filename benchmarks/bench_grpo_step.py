@@ -11,6 +11,7 @@ model scores about 0, which changes nothing in the work a step does (responses r
     python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --config llama1b-megatron   # one H200
     python benchmarks/bench_grpo_step.py --tiny                                              # CPU check
     python benchmarks/bench_grpo_step.py --config llama1b-tool-sync --config llama1b-tool-async  # multi-turn
+    python benchmarks/bench_grpo_step.py --config llama1b-tool-async --config llama1b-tool-agent  # the agents' endpoint
     python benchmarks/bench_grpo_step.py --config llama1b-megatron --set policy.generation.experimental.engine_detokenize=true
     python benchmarks/bench_grpo_step.py --config llama1b-megatron-cp2 --max-new-tokens 16384 --mb-tokens 16448 --prompts 8
 
@@ -58,6 +59,9 @@ MOE_RUN = {"policy.train_global_batch_size": 128, "policy.megatron_cfg.empty_unu
            "policy.generation.gpu_memory_utilization": 0.3, "policy.generation.colocated.offload_trainer_state": True}
 TWO_CPU_RANKS = {"cluster.cpu_workers": 2, "cluster.use_ray": True, "policy.train_global_batch_size": 8}
 TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "grpo.val_period": 0}
+# The same workload as an agent through the OpenAI-compatible endpoint (bench_agent.py): against *-tool-async, the endpoint's overhead.
+TOOL_AGENT = {"env": {"name": "agent", "agent": {"function": f"{Path(__file__).with_name('bench_agent.py')}:agent", "max_turns": 3}},
+              "grpo.val_period": 0, "policy.generation.async_engine": True}
 
 ONE_STEP_OFF = {"algorithm.rollout_correction": {"preset": "token_tis"}}
 
@@ -67,6 +71,12 @@ CONFIGS = {
     "tiny-megatron": ("tiny", "megatron", {}),
     "llama1b-fsdp2": ("llama1b", "fsdp2", {}),
     "llama1b-megatron": ("llama1b", "megatron", {}),
+    # PPO (rlcore.algorithms.ppo): the same step with a critic of the policy's shape on the trainer's
+    # ranks, its values and critic-training phases timed beside the policy's (values_s, critic_train_s)
+    "tiny-fsdp2-ppo": ("tiny", "fsdp2", {"algorithm.name": "ppo"}),
+    "tiny-megatron-ppo": ("tiny", "megatron", {"algorithm.name": "ppo"}),
+    "llama1b-fsdp2-ppo": ("llama1b", "fsdp2", {"algorithm.name": "ppo"}),
+    "llama1b-megatron-ppo": ("llama1b", "megatron", {"algorithm.name": "ppo"}),
     "llama1b-fsdp2-compile": ("llama1b", "fsdp2", {"policy.dtensor_cfg.compile": True}),
     "llama1b-megatron-fp8": ("llama1b", "megatron", {"policy.megatron_cfg.fp8_cfg.enabled": True,
                                                      "policy.megatron_cfg.fp8_cfg.fp8_recipe": "delayed"}),
@@ -131,6 +141,8 @@ CONFIGS = {
     "tiny-tool-async": ("tiny", "fsdp2", {**TOOL_ENV, "policy.generation.async_engine": True}),
     "llama1b-tool-sync": ("llama1b", "megatron", TOOL_ENV),
     "llama1b-tool-async": ("llama1b", "megatron", {**TOOL_ENV, "policy.generation.async_engine": True}),
+    "tiny-tool-agent": ("tiny", "fsdp2", TOOL_AGENT),
+    "llama1b-tool-agent": ("llama1b", "megatron", TOOL_AGENT),
     # Long context (issue 9): context parallelism 2 over the two GPUs of nvidia-h200-x2; run with
     # --max-new-tokens 16384 --mb-tokens 16448 --prompts 8 (16k-token sequences, 64 samples a step).
     # fsdp2 has no context parallelism (its config rejects context_parallel_size > 1).
@@ -280,6 +292,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         "config": name, "gpus": gpus, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
         "refit_s": s.get("timing/refit"), "generation_s": s.get("timing/generation"), "logprobs_s": s.get("timing/logprobs"),
         "offload_s": s.get("timing/offload"),  # colocated.offload_trainer_state: both directions
+        "values_s": s.get("timing/values"), "critic_train_s": s.get("timing/critic_train"),  # ppo's critic phases
         "tokens_per_sample": tokens_per_sample,
         "gen_tokens_per_gpu_s": gen_tokens / (s["timing/total"] * gpus),
         "train_mfu": train_flops / (s["timing/training"] * (train_gpus or gpus) * PEAK_FLOPS) if s.get("timing/training") else None,
@@ -393,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             get_plugin_manager().register_module(bench_multiturn_env)
             turns = tree["env"]["bench_tool"]["max_turns"]
             tree["policy"]["max_total_sequence_length"] = turns * (args.max_new_tokens + 64) + 64
+        if tree["env"]["name"] == "agent":
+            tree["policy"]["max_total_sequence_length"] = tree["env"]["agent"]["max_turns"] * (args.max_new_tokens + 64) + 64
         # A run directory holds one run (rlcore refuses to mix a second one in): each call is new.
         shutil.rmtree(tree["logger"]["log_dir"], ignore_errors=True)
         gpus = tree["cluster"]["gpus_per_node"] or 1

@@ -93,15 +93,40 @@ def _f(value, digits: int = 2) -> str:
 
 
 def grpo_table(rows: list[dict]) -> str:
-    lines = ["| Config | GPUs | Step (s) | Train | Refit | Generation | Logprobs | Tokens/sample | Gen tok/GPU-s | Train MFU | "
-             "Command | Date | Machine | Commit |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
+    """NeMo-RL's step-time columns; PPO rows (a critic's ``values_s``) add Values and Critic after Logprobs."""
+    critic = any(r.get("values_s") is not None for r in rows)
+    extra = "Values | Critic | " if critic else ""
+    lines = [f"| Config | GPUs | Step (s) | Train | Refit | Generation | Logprobs | {extra}Tokens/sample | Gen tok/GPU-s | "
+             "Train MFU | Command | Date | Machine | Commit |",
+             "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if critic else "") + "---:|---:|---:|---|---|---|---|"]
     for r in rows:
         mfu = f"{100 * r['train_mfu']:.1f}%" if r.get("train_mfu") else ""
+        phases = f"{_f(r.get('values_s'))} | {_f(r.get('critic_train_s'))} | " if critic else ""
         lines.append(f"| `{r['variant']}` | {r['gpus']} | **{_f(r['step_s'])}** | {_f(r['train_s'])} | {_f(r['refit_s'])} | "
-                     f"{_f(r['generation_s'])} | {_f(r.get('logprobs_s'))} | {_f(r.get('tokens_per_sample'), 0)} | "
+                     f"{_f(r['generation_s'])} | {_f(r.get('logprobs_s'))} | {phases}{_f(r.get('tokens_per_sample'), 0)} | "
                      f"{_f(r.get('gen_tokens_per_gpu_s'), 0)} | {mfu} | `{grpo_command(r)}` | {r['date'][:10]} | "
                      f"{machine(r)} | `{str(r['commit'])[:7]}` |")
     return "\n".join(lines)
+
+
+def endpoint_table(rows: list[dict]) -> str:
+    """Each ``*-tool-agent`` row (an agent through the OpenAI-compatible endpoint) beside the
+    ``*-tool-async`` row of the same work and machine (``rlcore.rollout``): the endpoint's overhead."""
+    lines = ["| Config | Rollouts through | Step (s) | Generation | Endpoint overhead (step) | Command | Date | Machine | Commit |",
+             "|---|---|---:|---:|---:|---|---|---|---|"]
+    for agent in (r for r in rows if str(r["variant"]).endswith("-tool-agent")):
+        base_name = str(agent["variant"])[: -len("agent")] + "async"
+        same = [r for r in rows if r["variant"] == base_name and r["config"] == agent["config"] and machine(r) == machine(agent)]
+        if not same:
+            continue
+        base = same[-1]
+        for r, via in ((base, "`rlcore.rollout`"), (agent, "the endpoint")):
+            extra = ""
+            if r is agent:
+                extra = f"{agent['step_s'] - base['step_s']:+.2f} s ({100 * (agent['step_s'] / base['step_s'] - 1):+.1f}%)"
+            lines.append(f"| `{r['variant']}` | {via} | **{_f(r['step_s'])}** | {_f(r['generation_s'])} | {extra} | "
+                         f"`{grpo_command(r)}` | {r['date'][:10]} | {machine(r)} | `{str(r['commit'])[:7]}` |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def train_table(rows: list[dict]) -> str:
@@ -121,11 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     steps = newest(rows, "bench_grpo_step")
+    ppo = [r for r in steps if r.get("values_s") is not None]  # a critic's phases: PPO's own table
+    steps = [r for r in steps if r not in ppo]
     gpu = [r for r in steps if "cpu" not in r["machine"].lower()]
     plain = [r for r in gpu if "[" not in r["variant"]]
     print("### GRPO step, GPU\n\n" + grpo_table(plain) + "\n")
+    print("### PPO step (a critic beside the policy)\n\n" + grpo_table(ppo) + "\n")
     print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain]) + "\n")
     print("### GRPO step, CPU (tiny shapes)\n\n" + grpo_table([r for r in steps if r not in gpu]) + "\n")
+    endpoint = endpoint_table(steps)
+    if endpoint:
+        print("### Agents through the endpoint (3-turn tool workload)\n\n" + endpoint + "\n")
     train = [r for r in newest(rows, "bench_train_megatron") if "cpu" not in r["machine"].lower()]
     print("### Training step alone (`bench_train_megatron.py`)\n\n" + train_table(train) + "\n")
     learned = [r for r in newest(rows, "learning") if r.get("steps")]

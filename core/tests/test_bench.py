@@ -24,10 +24,13 @@ def test_peak_flops_are_keyed_by_the_devices_name():
     assert peak_flops("cpu (x86_64)") is None
 
 
-def test_the_shape_comes_from_the_recipes_model_name(tmp_path):
+def test_the_shape_comes_from_the_recipes_model_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a checkout where the demo ran has a real runs/demo/sft, which is a local model
     assert shape_of("runs/demo/sft") == "demo" and shape_of("meta-llama/Llama-3.2-1B") == "llama1b"
-    (tmp_path / "config.json").write_text("{}")
-    assert shape_of(str(tmp_path)) is None  # a local directory: its own config
+    local = tmp_path / "model"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    assert shape_of(str(local)) is None  # a local directory: its own config
     with pytest.raises(SystemExit, match="--shape"):
         shape_of("someone/unknown-model")
     # Llama-3.2-1B's published size with untied embeddings: 1.50B

@@ -55,6 +55,10 @@ def build_batch(model) -> SequenceBatch:
             "old_logprobs": [lp + noise(lp.numel(), 0.3) for lp in current],
             "ref_logprobs": [lp + noise(lp.numel(), 0.2) for lp in current],
             "gen_logprobs": [lp + noise(lp.numel(), 0.5) for lp in current],
+            # PPO's critic fields: old values near the "values" the value loss gets (the current
+            # logprobs stand in for them there), so the value clip binds on some tokens
+            "values": [lp + noise(lp.numel(), 0.3) for lp in current],
+            "returns": [lp + noise(lp.numel(), 1.0) for lp in current],
         },
         seq_fields={"advantages": adv},
     )
@@ -74,6 +78,9 @@ ALGORITHMS = {
     "rloo": ("rloo", C.RLOOConfig(loss_level="sequence")),
     "reinforce_pp": ("reinforce_pp", C.ReinforcePPConfig()),
     "sft": ("sft", C.SFTConfig()),
+    "ppo": ("ppo", C.PPOConfig(kl_coef=0.05, ratio_clip_c=3.0)),
+    "ppo_value_loss": ("value", 0.2),  # the critic's loss, the leaves standing for values
+    "ppo_value_loss_unclipped": ("value", None),
 }
 # Through the whole model (the other losses share their reductions; they are checked on the
 # logprob gradient below, which is what the model's backward consumes).
@@ -84,6 +91,10 @@ def build_algorithm(key: str):
     from rlcore.plugins import get_plugin_manager
 
     name, cfg = ALGORITHMS[key]
+    if name == "value":
+        from rlcore.algorithms.value_loss import ValueLoss
+
+        return ValueLoss(cfg)
     return get_plugin_manager().get("algorithm", name).build(cfg)
 
 

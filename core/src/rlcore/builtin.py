@@ -13,6 +13,7 @@ from rlcore.algorithms.config import (
     DrGRPOConfig,
     GRPOConfig,
     GSPOConfig,
+    PPOConfig,
     ReinforcePPConfig,
     RewardModelConfig,
     RLOOConfig,
@@ -47,6 +48,7 @@ def rlcore_algorithms(register):
     register("reinforce_pp", "rlcore.algorithms.reinforce_pp:ReinforcePP", ReinforcePPConfig, loss_level="token|sequence")
     register("sft", "rlcore.algorithms.sft:SFT", SFTConfig, loss_level="token", trains_on="answers")
     register("cispo", "rlcore.algorithms.cispo:CISPO", CISPOConfig, loss_level="token|sequence")
+    register("ppo", "rlcore.algorithms.ppo:PPO", PPOConfig, loss_level="token|sequence", critic=True)
     register("dpo", "rlcore.algorithms.dpo:DPO", DPOConfig, loss_level="sequence", trains_on="pairs",
              pair_trainer="rlcore.controller.pairs:policy_pair_trainer")
     register("reward_model", "rlcore.algorithms.reward_model:RewardModel", RewardModelConfig, loss_level="sequence",
@@ -65,6 +67,9 @@ def rlcore_datasets(register):
 
 @hookimpl
 def rlcore_environments(register):
+    from rlcore.agents.config import AgentEnvConfig
     from rlcore.reward_model.config import RewardModelEnvConfig
 
     register("reward_model", "rlcore.reward_model.env:build", RewardModelEnvConfig, devices=("cpu", "cuda"))
+    register("agent", "rlcore.agents.environment:build", AgentEnvConfig, multi_turn=True, endpoint="openai",
+             requires=("fastapi", "uvicorn", "openai"))

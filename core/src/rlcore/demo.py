@@ -12,6 +12,8 @@
 
 Any recipe override can follow: ``python -m rlcore.demo policy.megatron_cfg.enabled=true``.
 
+``--ppo``: the RL stage is PPO with a learned critic (``recipes/ppo_arith_tiny_cpu.yaml``), in ``<out>/ppo``.
+
 ``--lora``: the GRPO stage trains LoRA adapters (``policy.lora``, :data:`LORA_OVERRIDES`) on top of
 the same full-parameter SFT warm start, as a user adapts a pretrained model; refits send the merged
 weights and the probe checks each one. Its run goes to ``<out>/grpo-lora``.
@@ -43,6 +45,11 @@ MODEL_SHAPES = {
 # fine-tuning at one learning rate, so it takes 10x the recipe's 5e-5 (on the CPU demo lr 5e-4 gains
 # about as much as full fine-tuning; 1e-3 no more). Overrides given after these replace them.
 LORA_OVERRIDES = ("policy.lora.enabled=true", "policy.lora.rank=16", "policy.lora.alpha=32", "policy.optimizer.lr=5e-4")
+
+
+# --ppo: the recipe of PPO with a learned critic (rlcore.algorithms.ppo), the GRPO recipe's other keys the same;
+# the same SFT warm start. Its run goes to <out>/ppo.
+PPO_RECIPE = RECIPE.with_name("ppo_arith_tiny_cpu.yaml")
 
 
 # The demo's own SFT warm start (``make demo``): its data draws the 200 held-out problems it stops
@@ -166,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--recipe", default=str(RECIPE))
     parser.add_argument("--lora", action="store_true",
                         help=f"GRPO trains LoRA adapters on the SFT warm start ({' '.join(LORA_OVERRIDES)}), in <out>/grpo-lora")
+    parser.add_argument("--ppo", action="store_true",
+                        help=f"PPO with a learned critic instead of GRPO (recipe {PPO_RECIPE.name} unless --recipe is given), in <out>/ppo")
     parser.add_argument("--require-gain", type=float, default=None, metavar="G",
                         help="exit with an error unless held-out accuracy rose by at least G (CI)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, dotted.key=value")
@@ -180,14 +189,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     out = Path(args.out)
     base, sft = out / "base", out / "sft"
-    grpo_dir = out / ("grpo-lora" if args.lora else "grpo")
+    grpo_dir = out / (("ppo" if args.ppo else "grpo") + ("-lora" if args.lora else ""))
     overrides = [*LORA_OVERRIDES, *args.overrides] if args.lora else list(args.overrides)
+    if args.ppo and Path(args.recipe).resolve() == RECIPE:
+        args.recipe = str(PPO_RECIPE)
     if not (base / "config.json").is_file():
         build_tiny_model(base, "llama", seed=0, **MODEL_SHAPES[args.shape])
     recipe = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", *overrides])
     if not (sft / "config.json").is_file():
         print(f"SFT warm start of {base} (target held-out accuracy {args.sft_target:.0%})", flush=True)
-        own = Path(args.recipe).resolve() == RECIPE  # the demo's recipe: the demo's own warm start
+        own = Path(args.recipe).resolve() in (RECIPE, PPO_RECIPE)  # the demo's recipes: the demo's own warm start
         sft_warm_start(base, sft, args.sft_target, args.sft_max_steps, args.sft_batch_size, args.sft_lr,
                        recipe=None if own else recipe, warmup=args.sft_warmup, eval_every=args.sft_eval_every)
     if args.sft_only:
@@ -201,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     result = rlcore.run(config)
     summary = result["summary"]
-    print(f"GRPO took {time.perf_counter() - started:.0f}s; held-out accuracy "
+    print(f"{'PPO' if args.ppo else 'GRPO'} took {time.perf_counter() - started:.0f}s; held-out accuracy "
           f"{change(summary['val/accuracy_first'], summary['val/accuracy_last'])}")
     if args.require_gain is not None:
         first, last = summary["val/accuracy_first"], summary["val/accuracy_last"]

@@ -60,9 +60,9 @@ def _components(config):
     generator = manager.get("generator", config.generation.backend).build(config, config.generation, plan_placement(config))
     multi_turn = None
     if multi_turn_env:
-        from rlcore.rollout import make_multi_turn_runner
+        from rlcore.controller.builders import build_multi_turn_runner
 
-        multi_turn = make_multi_turn_runner(generator, environment, tokenizer, config)
+        multi_turn = build_multi_turn_runner(generator, environment, tokenizer, config)
     return samples, environment, generator, multi_turn
 
 

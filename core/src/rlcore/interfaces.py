@@ -85,6 +85,10 @@ class GenerationResult:
     # [len(prompt_ids) + len(response_ids) - 1, MoE layers, top-k], the experts each MoE layer chose
     # for every token fed to the model (the last sampled token never is). None: not reported.
     routed_experts: Any = None
+    # Earlier segments of an agent's trajectory whose history the agent rewrote (compaction, edits,
+    # a dropped ``<think>``): sequences of their own that train with this trajectory's reward and
+    # advantage (:mod:`rlcore.agents`). None: one sequence.
+    segments: list[GenerationResult] | None = None
 
 
 @attrs.define
@@ -316,6 +320,61 @@ class TrainerHandle(Protocol):
 
 
 @runtime_checkable
+class CriticHandle(Protocol):
+    """A value model trained beside the policy (PPO's critic), wherever its ranks run.
+
+    A training backend provides one through its registration's ``critic`` capability, a
+    ``"module:attr"`` factory ``(config, section_config, world) -> critic`` called in every trainer
+    rank's process with a :class:`~rlcore.config.RunConfig` whose ``policy`` keys are the critic's
+    (:func:`rlcore.controller.critic_step.critic_run_config`); the run reaches it through this
+    protocol (:class:`rlcore.controller.critic_step.RankCritic`). Every method runs on every rank
+    and returns rank 0's result, as :class:`TrainerHandle`'s do.
+
+    Values are token-aligned like logprobs: ``values(batch)[i][t]`` is the critic's estimate of
+    the return from token t of sequence i on, read from the prefix ``ids[:t]`` (the hidden state
+    of token t-1); index 0 is 0. They are required where ``loss_mask > 0``."""
+
+    def values(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        """Token-aligned float32 values [L_i] of each sequence (CPU), in batch order."""
+
+    def train(self, batch: SequenceBatch, loss: Any) -> dict[str, float]:
+        """Optimizer step(s) of the critic on ``loss.loss(values_T, mb, totals)`` (global
+        normalization, as :meth:`Algorithm.loss`); metrics as :meth:`TrainingBackend.train`."""
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer, scheduler and RNG into the new directory ``path`` (resumable)."""
+
+    def load_checkpoint(self, path: str) -> None: ...
+
+    def export_hf(self, path: str) -> None:
+        """The critic as a Hugging Face ``*ForTokenClassification`` checkpoint with one label."""
+
+    def offload(self) -> None:
+        """Optimizer state, gradients and weights to host memory (a no-op on CPU)."""
+
+    def onload(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class CriticAlgorithm(Protocol):
+    """An :class:`Algorithm` that trains with a critic (``ppo``): the run builds a
+    :class:`CriticHandle` for it and :mod:`rlcore.controller.critic_step` calls these."""
+
+    uses_critic: bool
+    value_loss: Any  # what CriticHandle.train gets: loss(values_T, mb, totals) -> (loss, metrics)
+
+    def token_targets(self, batch: SequenceBatch, values: list[torch.Tensor],
+                      rewards_N: torch.Tensor) -> tuple[dict[str, list[torch.Tensor]], dict[str, float]]:
+        """Token fields (``advantages``, ``returns``, ``values``) from the critic's values and the
+        shaped rewards, and their metrics."""
+
+    def trains_policy(self, step: int) -> bool:
+        """Whether run-loop step ``step`` (from 1) trains the policy (not during a critic warm-up)."""
+
+
+@runtime_checkable
 class Generator(Protocol):
     """Samples responses. ``weights_version`` counts refits."""
 
@@ -338,6 +397,16 @@ class Generator(Protocol):
     def wake_up(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncTokenGenerator(Protocol):
+    """What the agents' endpoint (:mod:`rlcore.agents`) needs of a generator: token ids in, token ids
+    and their sampling logprobs out, many requests in flight. Every :class:`Generator` is one (vLLM's
+    async engine; the ``hf`` generator through a thread)."""
+
+    async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """One response to ``prompt_ids`` (``params.n`` is 1), with ``response_logprobs`` of the sampled tokens."""
 
 
 @runtime_checkable

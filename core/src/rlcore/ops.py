@@ -258,3 +258,13 @@ def _at_next_tokens(next_R: torch.Tensor, input_ids_T: torch.Tensor, rows_R: tor
     """The token-aligned [T] vector: row r's value at token ``rows_R[r] + 1``, 0 elsewhere."""
     out_T = torch.zeros(input_ids_T.shape[0], dtype=next_R.dtype, device=next_R.device)
     return out_T.index_put((rows_R + 1,), next_R)
+
+
+def token_aligned_values(rows_T: torch.Tensor, position_ids_T: torch.Tensor, seq_index_T: torch.Tensor) -> torch.Tensor:
+    """A value head's per-row outputs [T] of a packed micro-batch, made token-aligned as logprobs
+    are (:mod:`rlcore.interfaces`): ``out[t] = rows[t - 1]``, the value read from the prefix before
+    token t, and 0 on each sequence's first token (position 0) and on padding (sequence index -1).
+    Differentiable; no host reads (the masks come from the micro-batch's device tensors)."""
+    shifted_T = torch.cat([rows_T.new_zeros(1), rows_T[:-1]])
+    keep_T = (position_ids_T > 0) & (seq_index_T >= 0)
+    return torch.where(keep_T, shifted_T, torch.zeros_like(shifted_T))

@@ -90,11 +90,19 @@ class ChatSuffixes:
 
     def observation_ids(self, observation: str) -> list[int]:
         """The ids that follow a closed assistant turn: the observation turn and the generation prompt."""
-        full = self._render(self._base + [{"role": self.role, "content": observation}], add_generation_prompt=True)
+        return self.messages_ids([{"role": self.role, "content": observation}])
+
+    def messages_ids(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+        """The ids the template renders for ``messages`` (any roles: tool results, user turns) after a
+        closed assistant turn, and the generation prompt. ``template_kwargs`` go to the template
+        (``tools``, ``enable_thinking``, ...)."""
+        full = self.tokenizer.apply_chat_template(self._base + list(messages), tokenize=False, add_generation_prompt=True,
+                                                  **template_kwargs)
         after = self._after_mark(full)
         if not after.startswith(self.end_of_turn_text):
+            roles = ", ".join(repr(m.get("role")) for m in messages)
             raise ValueError(f"the chat template closes an assistant turn with {self.end_of_turn_text!r} when it is the last "
-                             f"message but follows it with {after[:40]!r} before a {self.role!r} message; "
+                             f"message but follows it with {after[:40]!r} before a {roles} message; "
                              "multi-turn rollouts need one end-of-turn text")
         return self._encode(after[len(self.end_of_turn_text) :])
 
@@ -206,14 +214,23 @@ class MultiTurnRunner:
         self.last_trajectories = asyncio.run(self.arun(samples, params))
         return [[t.result for t in group] for group in self.last_trajectories]
 
+    def metrics(self) -> dict[str, float]:
+        """Counters of the last call, merged into the step's metrics (the agent runner's failures)."""
+        return {}
+
 
 def make_multi_turn_runner(generator, environment, tokenizer, config: Any) -> MultiTurnRunner:
     """Build a runner from a :class:`rlcore.config.RunConfig`: the turn settings are the
-    environment section's (:class:`rlcore.config.environment.MultiTurnEnvConfig`)."""
+    environment section's (:class:`rlcore.config.environment.MultiTurnEnvConfig`). The ``agent``
+    environment is rolled out by its agent instead (``rlcore.agents.runner.make_agent_runner``)."""
+    from rlcore.agents.config import AgentEnvConfig
     from rlcore.config.environment import MultiTurnEnvConfig
 
     path = f"env.{config.env.name}"
     turns = config.section(path)
+    if isinstance(turns, AgentEnvConfig):
+        raise TypeError(f"{path}: the agent environment is rolled out through rlcore's endpoint by its agent, "
+                        "not turn by turn: build its runner with rlcore.agents.runner.make_agent_runner")
     if turns is None:
         turns = MultiTurnEnvConfig()
     elif not isinstance(turns, MultiTurnEnvConfig):

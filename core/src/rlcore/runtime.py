@@ -52,6 +52,7 @@ PUBLIC_MODULES = (
     "rlcore.training",  # optimizer-step loop shared by the backends
     "rlcore.schedule",  # learning-rate schedules
     "rlcore.weights",  # HF-named weight streaming and checkpoints
+    "rlcore.value_model",  # a critic's Hugging Face shape (one-label token classification), shared by the backends
     "rlcore.safe_load",  # checkpoint loading that runs no code
     "rlcore.compiling",  # torch.compile with an eager fallback
     "rlcore.hf_generator",  # the built-in transformers generator

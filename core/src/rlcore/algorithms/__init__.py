@@ -11,6 +11,7 @@ rloo       :mod:`rlcore.algorithms.rloo`           leave-one-out baseline
 reinforce_pp :mod:`rlcore.algorithms.reinforce_pp` batch-level advantage normalization
 sft        :mod:`rlcore.algorithms.sft`            masked negative log-likelihood
 cispo      :mod:`rlcore.algorithms.cispo`          clipped detached IS weight, no token cut
+ppo        :mod:`rlcore.algorithms.ppo`            learned critic, GAE per token, clipped value loss
 ========== ======================================= ======================================
 
 Importing this package imports no torch; the algorithm modules do.

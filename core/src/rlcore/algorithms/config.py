@@ -220,6 +220,59 @@ class CISPOConfig(GroupAdvantageConfig):
 
 
 
+@frozen(kw_only=True)
+class CriticConfig:
+    """``algorithm.critic``: the value model PPO trains beside the policy, on the policy's training
+    backend and ranks (its layout section), with its own optimizer, scheduler and micro-batches.
+    Unset (None) keys take the policy's values."""
+
+    model_name: str | None = field(
+        default=None, metadata=doc("the critic's Hugging Face checkpoint (a causal LM gets a fresh value head, zero-"
+                                   "initialized; a *ForTokenClassification one with one label keeps its head); None = "
+                                   "the policy's"))
+    lr: float = field(default=1e-5, validator=_positive, metadata=doc("the critic's peak learning rate"))
+    weight_decay: float | None = field(default=None, validator=_optional(_non_negative),
+                                       metadata=doc("decoupled weight decay; None = policy.optimizer.weight_decay"))
+    max_grad_norm: float | None = field(default=None, validator=_optional(_non_negative),
+                                        metadata=doc("gradient-norm clip; None = policy.max_grad_norm"))
+    warmup_steps: int | None = field(default=None, validator=_optional(_non_negative),
+                                     metadata=doc("linear learning-rate warmup steps; None = policy.scheduler.warmup_steps"))
+    train_mb_tokens: int | None = field(default=None, validator=_optional(_positive),
+                                        metadata=doc("token budget of a packed training micro-batch; None = the policy's"))
+    values_mb_tokens: int | None = field(default=None, validator=_optional(_positive),
+                                         metadata=doc("token budget of a packed micro-batch of the values pass; None = "
+                                                      "policy.sequence_packing.logprob_mb_tokens"))
+
+
+def _check_unit(instance, attribute, value):
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
+
+
+@frozen(kw_only=True)
+class PPOConfig(PolicyGradientConfig):
+    """PPO with a learned critic and GAE (:mod:`rlcore.algorithms.ppo`)."""
+
+    name: Literal["ppo"] = field(default="ppo", metadata=doc("algorithm"))
+    gamma: float = field(default=1.0, validator=_check_unit, metadata=doc("discount per generated token"))
+    gae_lambda: float = field(default=1.0, validator=_check_unit,
+                              metadata=doc("GAE's lambda: 1 = Monte-Carlo returns minus values, 0 = one-step TD"))
+    whiten_advantages: bool = field(default=True, metadata=doc("advantages to zero mean, unit variance over the step's valid tokens"))
+    kl_penalty_coef: float = field(
+        default=0.0, validator=_non_negative,
+        metadata=doc("beta of the per-token KL penalty in the reward, -beta * KL(p_old || p_ref) on every token; 0 "
+                     "skips it (kl_coef is the loss term, as in grpo)"))
+    kl_penalty_estimator: Literal["k1", "k2", "k3"] = field(
+        default="k1", metadata=doc("estimator of the reward's per-token KL (k1 = log p_old - log p_ref, as InstructGPT)"))
+    value_clip: float | None = field(
+        default=0.2, validator=_optional(_positive),
+        metadata=doc("eps_v: the critic's new values are clipped to old +- eps_v in the value loss; None disables"))
+    critic_warmup_steps: int = field(
+        default=0, validator=_non_negative, metadata=doc("steps that train the critic alone before the policy trains"))
+    loss_level: Literal["token", "sequence"] = field(default="token", metadata=doc("token or sequence mean (see grpo)"))
+    critic: CriticConfig = field(factory=CriticConfig, metadata=doc("the value model"))
+
+
 def _check_label_smoothing(instance, attribute, value):
     if not 0.0 <= value < 0.5:
         raise ValueError(f"{attribute.name} must be in [0, 0.5) (the probability that a pair's label is flipped), got {value}")
@@ -271,5 +324,5 @@ class DistillationConfig(PolicyGradientConfig):
 ALGORITHM_CONFIGS = {
     c.__attrs_attrs__.name.default: c
     for c in (GRPOConfig, DAPOConfig, GSPOConfig, DrGRPOConfig, RLOOConfig, ReinforcePPConfig, SFTConfig, CISPOConfig,
-              DPOConfig, RewardModelConfig)
+              DPOConfig, RewardModelConfig, PPOConfig)
 }

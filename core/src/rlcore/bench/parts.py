@@ -54,6 +54,8 @@ def time_part(args) -> int:
     try:
         row = _measure(args.part, GRPOLoop(components), args, info, gpus)
     finally:
+        if components.critic is not None:  # ppo: the critic lives on the trainer's ranks
+            components.critic.shutdown()
         components.trainer.shutdown()
         components.generator.shutdown()
         if hasattr(components.environment, "close"):

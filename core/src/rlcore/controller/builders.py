@@ -15,11 +15,12 @@ import numpy as np
 import torch
 
 from rlcore.config import ConfigError, RefitConfig, RunConfig
+from rlcore.controller import critic_step
 from rlcore.controller.deadlines import TimedEnvironment
 from rlcore.controller.mps_client import enter_mps_client
 from rlcore.controller.ray_local import start_local_ray
 from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
-from rlcore.interfaces import Generator, OldLogprobsChoice, Placement, TrainerHandle, WeightTransport
+from rlcore.interfaces import CriticHandle, Generator, OldLogprobsChoice, Placement, TrainerHandle, WeightTransport
 from rlcore.weights import stream_into
 
 
@@ -36,7 +37,7 @@ class StreamTransport:
         return stream_into(generator, trainer.export_chunks(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
 
 
-def select_backend(config: RunConfig, manager):
+def select_backend(config: RunConfig, manager, announce: bool = True):
     enabled = []
     for reg in manager.registry["training_backend"].values():
         section = config.section(reg.section)
@@ -50,7 +51,8 @@ def select_backend(config: RunConfig, manager):
     if len(ties) > 1:
         raise ConfigError("policy", f"several training backends are enabled with equal precedence: {ties}; disable all but one")
     others = [f"{r.name} ({r.section})" for r in enabled[1:]]
-    print(f"training backend: {top.name} ({top.section})" + (f"; also enabled but of lower precedence: {', '.join(others)}" if others else ""), flush=True)
+    if announce:
+        print(f"training backend: {top.name} ({top.section})" + (f"; also enabled but of lower precedence: {', '.join(others)}" if others else ""), flush=True)
     return top
 
 
@@ -83,6 +85,16 @@ def build_trainer(config: RunConfig, manager, placement: Placement, backend=None
             kwargs = {"num_gpus": world} if placement.device == "cuda" and not placement.colocated else {}
             start_local_ray(num_cpus=max(world + 1, os.cpu_count() or 1), **kwargs)
     return RayTrainerGroup(reg, config, section, placement, config.cluster.timeout_s)
+
+
+def build_critic(config: RunConfig, manager, algorithm: Any, trainer: TrainerHandle, placement: Placement,
+                 backend=None) -> CriticHandle | None:
+    """The value model of an algorithm that trains one (ppo), on the trainer's ranks; else None.
+    A backend passed as an object (``backend``) has no registration, hence no critic factory."""
+    if not critic_step.trains_critic(algorithm):
+        return None
+    registration = None if backend is not None else select_backend(config, manager, announce=False)
+    return critic_step.build_critic(config, algorithm, trainer, registration, placement)
 
 
 def pick_transport(manager, trainer: TrainerHandle, generator: Generator, config: RunConfig) -> WeightTransport:
@@ -171,3 +183,18 @@ def build_environment(config: RunConfig, manager, given: dict) -> tuple[TimedEnv
         name, multi_turn = config.env.name, bool(reg.capabilities.get("multi_turn"))
     timed = TimedEnvironment(environment, name or type(environment).__name__, config.cluster.timeout_s, config.env.on_timeout)
     return timed, multi_turn
+
+
+def build_multi_turn_runner(generator, environment, tokenizer, config: RunConfig):
+    """The rollouts of a multi-turn environment: the ``agent`` environment's agents through the
+    endpoint (:mod:`rlcore.agents.runner`), any other turn by turn (:mod:`rlcore.rollout`)."""
+    from rlcore.agents.config import AgentEnvConfig
+
+    section = config.section(f"env.{config.env.name}")
+    if isinstance(section, AgentEnvConfig):
+        from rlcore.agents.runner import make_agent_runner
+
+        return make_agent_runner(generator, tokenizer, config, section)
+    from rlcore.rollout import make_multi_turn_runner
+
+    return make_multi_turn_runner(generator, environment, tokenizer, config)

@@ -11,10 +11,11 @@ import signal
 from pathlib import Path
 
 from rlcore.config import RunConfig
+from rlcore.controller import critic_step
 from rlcore.controller.async_driver import run_async
 from rlcore.controller.builders import (
-    build_algorithm, build_environment, build_generator, build_trainer, given_or_built_dataset, given_or_loaded_tokenizer,
-    pick_transport, resolve_old_logprobs,
+    build_algorithm, build_critic, build_environment, build_generator, build_multi_turn_runner, build_trainer,
+    given_or_built_dataset, given_or_loaded_tokenizer, pick_transport, resolve_old_logprobs,
 )
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
@@ -52,22 +53,36 @@ def build_components(config: RunConfig, **given) -> Components:
     check_prompt_lengths(dataset, config)
     placement = plan_placement(config)
     trainer = build_trainer(config, manager, placement, given.get("backend"))
+    critic = build_critic(config, manager, algorithm, trainer, placement, given.get("backend"))  # ppo's value model
     generator = build_generator(config, manager, placement, given)
     transport = pick_transport(manager, trainer, generator, config)
     print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
     trainer = wrap_from_env(trainer)  # tests' RLCORE_FAULT: from here on every call may hit a rank
     multi_turn = None
     if multi_turn_env:
-        from rlcore.rollout import make_multi_turn_runner
-
-        multi_turn = make_multi_turn_runner(generator, environment, tokenizer, config)
+        multi_turn = build_multi_turn_runner(generator, environment, tokenizer, config)
     run_dir = Path(config.logger.log_dir)
     loggers = given.get("loggers")
     if loggers is None:
         loggers = build_loggers(config, run_dir)
     reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
-                      teacher=teacher)
+                      teacher=teacher, critic=critic)
+
+
+def export_critic(components: Components, run_dir: Path) -> None:
+    """ppo: the critic as a Hugging Face checkpoint in ``<run_dir>/critic``; with
+    ``offload_trainer_state`` its state comes back for it while the engines sleep."""
+    if components.critic is None:
+        return
+    offloaded = components.config.generation.colocated.offload_trainer_state
+    if offloaded:
+        components.generator.sleep()
+    try:
+        critic_step.export_at_end(components.critic, run_dir, offloaded)
+    finally:
+        if offloaded:
+            components.generator.wake_up()
 
 
 def held_out_summary(records: list[dict]) -> dict:
@@ -89,9 +104,12 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
         with components.reporter:
             records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
         save_final_model(loop.checkpoints, components.trainer, config, run_dir, given.get("tokenizer"))
+        export_critic(components, run_dir)
     finally:
         for logger in components.loggers:
             logger.close()
+        if components.critic is not None:
+            components.critic.shutdown()
         components.trainer.shutdown()
         if "generator" not in given:
             components.generator.shutdown()

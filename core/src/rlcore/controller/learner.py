@@ -1,4 +1,6 @@
-"""The learner's step: advantages, the training batch, old/reference/teacher logprobs, the update.
+"""The learner's step: advantages, the training batch, old/reference/teacher logprobs, the update
+(and, for an algorithm that trains a critic, the critic's values, per-token targets and update,
+:mod:`rlcore.controller.critic_step`).
 
 The learner owns the policy's version (one per optimizer step that happened) and the count of
 non-finite losses in a row, which stops a run that has diverged rather than skipping updates forever.
@@ -12,10 +14,12 @@ from collections.abc import Iterator
 
 import torch
 
+from rlcore.agents.segments import with_segments
+from rlcore.controller import critic_step
 from rlcore.controller.batching import Trajectory, to_sequence_batch
 from rlcore.controller.rollouts import reward_tensors
 from rlcore.controller.timing import StepTimer
-from rlcore.interfaces import Algorithm, SequenceBatch, Teacher, TrainerHandle
+from rlcore.interfaces import Algorithm, CriticHandle, SequenceBatch, Teacher, TrainerHandle
 
 
 class NonFiniteLossError(RuntimeError):
@@ -26,8 +30,8 @@ class Learner:
     """Trains the policy on one step's trajectories through the trainer handle."""
 
     def __init__(self, trainer: TrainerHandle, algorithm: Algorithm, max_length: int, max_consecutive_nonfinite: int,
-                 teacher: Teacher | None = None, offload_trainer_state: bool = False):
-        self.trainer, self.algorithm, self.teacher = trainer, algorithm, teacher
+                 teacher: Teacher | None = None, offload_trainer_state: bool = False, critic: CriticHandle | None = None):
+        self.trainer, self.algorithm, self.teacher, self.critic = trainer, algorithm, teacher, critic
         self.max_length, self.max_consecutive_nonfinite = max_length, max_consecutive_nonfinite
         self.offload_trainer_state = offload_trainer_state
         self.policy_version = 0  # optimizer steps taken (a skipped non-finite update is none)
@@ -35,7 +39,13 @@ class Learner:
 
     def batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
         """The training batch: group-relative advantages of the shaped rewards; trajectories the
-        algorithm filters (overlong) keep their place in their group's baseline, with no loss."""
+        algorithm filters (overlong) keep their place in their group's baseline, with no loss. An agent's
+        earlier segments (a rewritten history) follow as rows of their own with their trajectory's advantage."""
+        return self.batch_and_rewards(trajectories)[0]
+
+    def batch_and_rewards(self, trajectories: list[Trajectory]) -> tuple[SequenceBatch, torch.Tensor]:
+        """:meth:`batch`, and each row's shaped sequence reward (a critic's per-token targets start
+        from them; an agent's earlier segments carry their trajectory's)."""
         rewards_N, groups_N, truncated_N = reward_tensors(trajectories)
         lengths_N = torch.tensor([len(t.result.response_ids) for t in trajectories])
         shaped_N = self.algorithm.shape_rewards(rewards_N, lengths_N, truncated_N)
@@ -44,7 +54,9 @@ class Learner:
         keep_N = self.algorithm.keep_trajectories(rewards_N, groups_N, truncated_N)
         for i in torch.nonzero(~keep_N).flatten().tolist():
             batch.loss_mask[i] = torch.zeros_like(batch.loss_mask[i])
-        return batch
+        batch = with_segments(batch, trajectories, advantages_N, keep_N, self.max_length)
+        segment_of = [i for i, t in enumerate(trajectories) for _ in (t.result.segments or ())]  # appended in this order
+        return batch, torch.cat([shaped_N, shaped_N[segment_of]]) if segment_of else shaped_N
 
     def add_logprobs(self, batch: SequenceBatch) -> None:
         """The logprobs the algorithm's loss reads besides the rollout's own."""
@@ -59,13 +71,18 @@ class Learner:
         """One step's update: its metrics, and the batch (the refit probe's sequences come from it)."""
         if not trajectories:
             return {"train/skipped_empty": 1.0}, None
-        batch = self.batch(trajectories)
+        batch, shaped_N = self.batch_and_rewards(trajectories)
         with timer.phase("logprobs"):
             self.add_logprobs(batch)
+        # ppo: the critic's values, per-token advantages and returns, the critic's update
+        critic = critic_step.before_training(self.critic, self.algorithm, batch, shaped_N, step, timer,
+                                             self.offload_trainer_state)
+        if not critic.trains_policy:  # the critic's warm-up: no policy update, the policy's version stays
+            return critic.metrics, batch
         with timer.phase("training"):
             out = self.trainer.train(batch, self.algorithm)
         self._count(out, step)
-        return {f"train/{k}": float(v) for k, v in out.items()}, batch
+        return {**{f"train/{k}": float(v) for k, v in out.items()}, **critic.metrics}, batch
 
     def _count(self, out: dict, step: int) -> None:
         if out.get("skipped_nonfinite"):

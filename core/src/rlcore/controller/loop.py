@@ -27,7 +27,7 @@ from rlcore.controller.run_dir import checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
 from rlcore.controller.validation import Validator
 from rlcore.interfaces import (
-    Algorithm, Environment, Generator, MetricLogger, PromptDataset, Teacher, TrainerHandle, WeightTransport,
+    Algorithm, CriticHandle, Environment, Generator, MetricLogger, PromptDataset, Teacher, TrainerHandle, WeightTransport,
 )
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ class Components:
     multi_turn: MultiTurnRunner | None = None  # rollouts of multi-turn environments
     run_identity: dict | None = None  # RunDir.identity(): run id, log dir, fingerprint (checkpoints record it)
     teacher: Teacher | None = None  # scores rollouts for algorithms registered with a teacher (distillation)
+    critic: CriticHandle | None = None  # the value model of algorithms that train one (ppo)
 
 
 class GRPOLoop:
@@ -66,7 +67,7 @@ class GRPOLoop:
         self.rollouts = Rollouts(cfg, c.generator, c.environment, c.algorithm, c.dataset, c.multi_turn)
         self.learner = Learner(c.trainer, c.algorithm, cfg.policy.max_total_sequence_length,
                                cfg.grpo.max_consecutive_nonfinite, c.teacher,
-                               cfg.generation.colocated.offload_trainer_state)
+                               cfg.generation.colocated.offload_trainer_state, c.critic)
         self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock)
         self.validator = Validator(self.rollouts, c.trainer, cfg.grpo.max_val_samples, cfg.grpo.seed,
                                    cfg.policy.max_total_sequence_length, c.teacher)

@@ -29,6 +29,17 @@ STEP_LEGEND = ("reward: mean train reward; val acc: held-out greedy accuracy; to
                "(gen: generation, logprobs: old/reference logprob passes, scoring: the environment's reward); "
                "tok/sample: mean response tokens; probe mean/max: |generator - trainer| token logprob after the refit")
 
+# A critic's phases (ppo), after the logprobs as in the summary table; shown when the run has them.
+CRITIC_COLUMNS = [("values", "timing/values", "{:.2f}"), ("critic", "timing/critic_train", "{:.2f}")]
+
+
+def step_columns(record: dict) -> list[tuple[str, str, str]]:
+    """The per-step table's columns for a run whose first record is ``record``."""
+    if "timing/values" not in record:
+        return STEP_COLUMNS
+    at = [name for name, _, _ in STEP_COLUMNS].index("logprobs") + 1
+    return [*STEP_COLUMNS[:at], *CRITIC_COLUMNS, *STEP_COLUMNS[at:]]
+
 
 class Reporter:
     def __init__(self, total_steps: int, enabled: bool = True, console: Console | None = None, label: str = "steps"):
@@ -39,7 +50,7 @@ class Reporter:
             console=self.console, transient=True,
         )
         self.task = self.progress.add_task("steps", total=total_steps)
-        self._header_printed = False
+        self._columns: list[tuple[str, str, str]] | None = None  # chosen at the first step's record
 
     def __enter__(self):
         if self.enabled:
@@ -53,12 +64,13 @@ class Reporter:
         self.progress.update(self.task, completed=completed)
         if not self.enabled:
             return
-        if not self._header_printed:
-            self.console.print(" ".join(f"{name:>10}" for name, _, _ in STEP_COLUMNS), style="bold", highlight=False, soft_wrap=True)
-            self.console.print(STEP_LEGEND, style="dim", highlight=False, soft_wrap=True)
-            self._header_printed = True
+        if self._columns is None:
+            self._columns = step_columns(record)
+            self.console.print(" ".join(f"{name:>10}" for name, _, _ in self._columns), style="bold", highlight=False, soft_wrap=True)
+            legend = STEP_LEGEND + ("; values, critic: the critic's passes (ppo)" if self._columns is not STEP_COLUMNS else "")
+            self.console.print(legend, style="dim", highlight=False, soft_wrap=True)
         cells = []
-        for _, key, fmt in STEP_COLUMNS:
+        for _, key, fmt in self._columns:
             value = record.get(key)
             cells.append(f"{fmt.format(value) if value is not None else '-':>10}")
         self.console.print(" ".join(cells), highlight=False, soft_wrap=True)
@@ -69,18 +81,24 @@ def summary_table(summary: dict, algorithm: str) -> Group:
     titled with the run's ``algorithm``; then a line with the held-out metrics' first and last values."""
     title = f"{algorithm} summary: mean seconds per step, steps {summary.get('window_first', '?')}-{summary.get('window_last', '?')}"
     table = Table(title=title)
-    # Short headers: the table must fit 80 columns (rich's width when output is not a terminal).
-    # "Scoring" is the environment's time to compute rewards, not a reward.
-    for column in ("steps", "Step", "Train", "Refit", "Gen", "Logprobs", "Scoring", "Tok/sample"):
+    # A critic's phases (ppo) get columns of their own after Logprobs, as NeMo-RL's PPO table has them.
+    critic = ["Values", "Critic"] if "timing/values" in summary else []
+    # Short headers: the table must fit 80 columns (rich's width when output is not a terminal),
+    # shorter still with the critic's two. "Scoring"/"Score" is the environment's time to compute
+    # rewards, not a reward.
+    headers = ("steps", "Step", "Train", "Refit", "Gen", "LP", *critic, "Score", "Tok") if critic else \
+        ("steps", "Step", "Train", "Refit", "Gen", "Logprobs", "Scoring", "Tok/sample")
+    for column in headers:
         table.add_column(column, justify="right")
 
     def cell(key, fmt="{:.2f}"):
         return fmt.format(summary[key]) if key in summary else "-"
 
+    critic_cells = [cell("timing/values"), cell("timing/critic_train")] if critic else []
     table.add_row(
         f"{summary.get('window_first', '?')}-{summary.get('window_last', '?')}",
         cell("timing/total"), cell("timing/training"), cell("timing/refit"), cell("timing/generation"),
-        cell("timing/logprobs"), cell("timing/reward"), cell("rollout/mean_response_tokens", "{:.1f}"),
+        cell("timing/logprobs"), *critic_cells, cell("timing/reward"), cell("rollout/mean_response_tokens", "{:.1f}"),
     )
     line = held_out_line(summary)
     return Group(table, Text(line)) if line else Group(table)

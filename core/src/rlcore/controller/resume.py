@@ -1,6 +1,6 @@
 """Where a GRPO run stands (step, records, wall time, a stop signal), and its checkpoints.
 
-A checkpoint holds the backend's state and the loop's: step, policy version, the prompt cursor's
+A checkpoint holds the backend's state (and a critic's, beside it), and the loop's: step, policy version, the prompt cursor's
 position, the records so far, the count of non-finite losses in a row, the driver's RNG and the
 run's identity. Resuming restores all of it and refits the generator, so the next step is the one
 the uninterrupted run would have taken.
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import attrs
 
+from rlcore.controller import critic_step
 from rlcore.controller.batching import DataCursor
 from rlcore.controller.checkpoint import CheckpointManager, rng_state, set_rng_state, stop_after_step
 from rlcore.controller.learner import Learner
@@ -70,7 +71,7 @@ class LoopCheckpoints:
         if self.ckpt is None or not enabled:
             return
         found = self.ckpt.resume(lambda path, state: check_owner(state.get("run"), self.identity, path),
-                                 lambda path: self.trainer.load_checkpoint(str(path)))
+                                 self._load_backend)
         if found is None:
             return
         latest, state = found
@@ -95,8 +96,17 @@ class LoopCheckpoints:
             "nonfinite_in_a_row": self.learner.nonfinite_in_a_row, "rng": rng_state(), "run": self.identity,
         }
         with self._training_state_on_device():
-            self.ckpt.save(self.progress.step, self.trainer.save_checkpoint, state)
+            self.ckpt.save(self.progress.step, self._save_backend, state)
         self.saved_step = self.progress.step
+
+    def _save_backend(self, path: str) -> None:
+        self.trainer.save_checkpoint(path)
+        # ppo: the critic beside the policy (saves come after the step, the critic's state offloaded when the policy's is)
+        critic_step.save_critic(self.learner.critic, path, offloaded=self.learner.offload_trainer_state)
+
+    def _load_backend(self, path) -> None:
+        self.trainer.load_checkpoint(str(path))
+        critic_step.load_critic(self.learner.critic, str(path))
 
     @contextlib.contextmanager
     def _training_state_on_device(self) -> Iterator[None]:

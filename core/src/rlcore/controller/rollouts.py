@@ -139,7 +139,10 @@ class Rollouts:
 
     def generator_metrics(self) -> dict[str, float]:
         generator_metrics = getattr(self.generator, "metrics", None)
-        return {k: float(v) for k, v in generator_metrics().items()} if callable(generator_metrics) else {}
+        metrics = {k: float(v) for k, v in generator_metrics().items()} if callable(generator_metrics) else {}
+        if self.multi_turn is not None:  # the agent runner's failures, by cause
+            metrics.update(self.multi_turn.metrics())
+        return metrics
 
     # ---- keeping whole groups ---------------------------------------------------------------
     def refill_rounds(self) -> int:

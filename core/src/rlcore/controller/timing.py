@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-PHASES = ("generation", "reward", "refit", "logprobs", "training", "validation", "checkpoint")
+PHASES = ("generation", "reward", "refit", "logprobs", "values", "critic_train", "training", "validation", "checkpoint")
 
 
 class StepTimer:
@@ -40,7 +40,8 @@ def summarize(records: list[dict], window: tuple[int, int] | None = None) -> dic
         window = (first, records[-1]["step"])
     chosen = [r for r in records if window[0] <= r["step"] <= window[1]] or records
     keys = ["timing/total", "timing/training", "timing/refit", "timing/generation", "timing/logprobs",
-            "timing/reward", "timing/offload", "rollout/mean_response_tokens", "train/reward_mean", "val/accuracy"]
+            "timing/reward", "timing/offload", "timing/values", "timing/critic_train", "rollout/mean_response_tokens",
+            "train/reward_mean", "val/accuracy"]
     summary = {"window_first": window[0], "window_last": window[1], "num_steps": len(chosen)}
     for key in keys:
         values = [r[key] for r in chosen if key in r]

@@ -210,6 +210,12 @@ def make_algorithm_batch(algorithm, *, num_groups: int = 3, group_size: int = 4,
         token_fields={"old_logprobs": old, "ref_logprobs": ref, "gen_logprobs": gen, "teacher_logprobs": teacher},
         seq_fields={"rewards": shaped_N, "advantages": advantages_N.double()},
     )
+    from rlcore.interfaces import CriticAlgorithm
+
+    if isinstance(algorithm, CriticAlgorithm) and algorithm.uses_critic:  # ppo: per-token targets from a critic's values
+        values = [near(torch.zeros(length, dtype=torch.float64), 0.5).float() for length in lengths]
+        fields, _ = algorithm.token_targets(batch, values, shaped_N)
+        batch.token_fields.update(fields)
     return batch, logprobs
 
 

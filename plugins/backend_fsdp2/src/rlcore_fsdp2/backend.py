@@ -51,6 +51,8 @@ def build_backend(config: RunConfig, section_config: DTensorConfig | None, world
 class FSDP2Backend:
     """Implements :class:`rlcore.interfaces.TrainingBackend`."""
 
+    keeps_reference = True  # a host copy of the initial weights for reference logprobs (a critic has none)
+
     def __init__(self, config: RunConfig, cfg: DTensorConfig, world: WorldInfo, *, hf_config: Any = None, seed: int | None = None):
         """``hf_config``: build a random-init model from this transformers config instead of
         loading ``policy.model_name`` (benchmarks)."""
@@ -77,7 +79,7 @@ class FSDP2Backend:
         self.fsdp_modules = _fsdp_modules(self.model)  # the root (and each decoder layer, see apply_fsdp)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config))
-        self.reference = ReferencePolicy(self.params)
+        self.reference = ReferencePolicy(self.params) if self.keeps_reference else None
         self.offloader = Offloader()
         self.step = 0
         self._empty_cache_after_train = self.device.type == "cuda" and _empty_cache_after_train(world, cfg)

@@ -23,6 +23,7 @@ def rlcore_training_backends(register):
         packing=True,
         architectures=("llama", "qwen2", "qwen3", "qwen3_moe"),
         requires=("torch", "transformers"),
+        critic="rlcore_fsdp2.critic:build_critic",  # PPO's value model on the same ranks (rlcore.interfaces.CriticHandle)
     )
 
 

@@ -48,6 +48,8 @@ def build_backend(config: RunConfig, section_config: MegatronConfig, world: Worl
 class MegatronBackend:
     """Trains the policy with Megatron-Core; see the module docstring."""
 
+    keeps_reference = True  # a host copy of the initial weights for reference logprobs (a critic has none)
+
     def __init__(self, config: RunConfig, cfg: MegatronConfig, world: WorldInfo, *, hf_config=None, seed: int | None = None,
                  cuda_graph_capture: bool = True):
         """``hf_config``: build a random-init model from this transformers config instead of
@@ -85,9 +87,7 @@ class MegatronBackend:
                 print(f"rlcore-megatron: {margin}", flush=True)
         if cfg.cuda_graph == "micro_batch":
             cuda_graph.check_supported(cfg, config, self.hf_config, self.kernels, on_cpu=self.on_cpu, capture=self.cuda_graph_capture)
-        model = parallel.build_model(cfg, self.hf_config, config, self.kernels, on_cpu=self.on_cpu, return_hidden_states=True)
-        if hf_config is None:
-            load_hf_into_megatron(model, self.model_path, self.hf_config)
+        model = self._build_model(cfg, config, load=hf_config is None)
         graph_stream = None
         if cfg.cuda_graph == "micro_batch" and self.cuda_graph_capture and not self.on_cpu:
             graph_stream = cuda_graph.capture_stream()
@@ -111,9 +111,16 @@ class MegatronBackend:
             self.graphs = cuda_graph.MicroBatchGraphs(self.model, tokens=tokens, stream=graph_stream,
                                                       log=lambda line: print(line, flush=True) if self.world.rank == 0 else None)
         # The reference policy is the initial one: a host copy of this rank's shard.
-        self._reference = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()}
+        self._reference = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()} if self.keeps_reference else {}
         self.step = 0
         self._offloaded = False
+
+    def _build_model(self, cfg: MegatronConfig, config: RunConfig, *, load: bool):
+        """This rank's model, with the checkpoint's weights when ``load`` (else random init)."""
+        model = parallel.build_model(cfg, self.hf_config, config, self.kernels, on_cpu=self.on_cpu, return_hidden_states=True)
+        if load:
+            load_hf_into_megatron(model, self.model_path, self.hf_config)
+        return model
 
     # ---- helpers -----------------------------------------------------------------------------
     @property

@@ -196,10 +196,25 @@ def load_hf_into_megatron(model, hf_path_or_getter, hf_config) -> None:
     for name, tensor in model.state_dict(keep_vars=True).items():
         if _skip(name, tensor):
             continue
+        if name.startswith(VALUE_HEAD):  # a critic's head (rlcore_megatron.critic), replicated on its ranks
+            tensor.data.copy_(value_head_value(name, get, tensor))
+            continue
         value = megatron_value(name, get, s, layer, offset)
         if tuple(value.shape) != tuple(tensor.shape):
             raise ValueError(f"shape mismatch for {name}: Megatron {tuple(tensor.shape)} vs converted {tuple(value.shape)}")
         tensor.data.copy_(value.to(tensor.dtype))
+
+
+VALUE_HEAD = "value_head."  # a critic's value head; transformers names it ``score`` (rlcore.value_model)
+
+
+def value_head_value(name: str, get: Callable[[str], torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's ``score.*`` tensor for a critic's ``value_head.*``; zeros when it has none
+    (a causal-LM checkpoint: a fresh head starts at 0, as on the fsdp2 backend)."""
+    try:
+        return get("score." + name[len(VALUE_HEAD):]).to(tensor.dtype)
+    except KeyError:
+        return torch.zeros_like(tensor)
 
 
 # ---- Megatron -> Hugging Face ----------------------------------------------------------------
@@ -230,6 +245,9 @@ def stage_hf_weights(model, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         if _skip(name, t):
             continue
         t = t.detach()
+        if name.startswith(VALUE_HEAD):
+            yield "score." + name[len(VALUE_HEAD):], t
+            continue
         if name == "embedding.word_embeddings.weight":
             yield "model.embed_tokens.weight", _gather(t, tpg, 0)
             continue

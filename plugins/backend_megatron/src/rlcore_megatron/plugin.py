@@ -22,6 +22,7 @@ def rlcore_training_backends(register):
         packing=True,
         architectures=("llama", "qwen2", "qwen3", "qwen3_moe"),
         requires=("megatron.core",),
+        critic="rlcore_megatron.critic:build_critic",  # PPO's value model on the same ranks (rlcore.interfaces.CriticHandle)
     )
 
 

@@ -1,0 +1,303 @@
+"""The OpenAI-compatible endpoint agents talk to during rollouts: ``/v1/chat/completions`` and
+``/v1/completions`` on 127.0.0.1, backed by the run's generator (:class:`rlcore.interfaces.AsyncTokenGenerator`).
+
+FastAPI serves it, under uvicorn, in the event loop the agents run in (so that a generator bound
+to that loop, such as vLLM's async engine, serves its requests directly). Each trajectory has a key:
+the ``api_key`` its client sends (``Authorization: Bearer <key>``), or the path prefix
+``/trajectories/<key>/v1``. A request for a key not open now is refused (401).
+
+Limits, per trajectory: the request body (``max_request_bytes``, 413), model requests
+(``max_turns``, 429), requests in flight or waiting (``max_concurrent_requests``, 429; they are
+served one after another, so the recorded conversation is a sequence), and tokens: each reply is
+cut to what ``policy.max_total_sequence_length`` leaves (``finish_reason: length``; a prompt that
+no longer fits gets an empty ``length`` reply).
+
+Sampling follows the run (temperature, top-p/k: the policy's rollout distribution, whose logprobs
+train), whatever a request asks; a request's ``max_tokens`` (at most the run's ``max_new_tokens``),
+``stop`` and ``seed`` apply. Replies carry the engine's token ids and logprobs as well
+(``token_ids``, ``prompt_token_ids``; ``logprobs`` when asked).
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) at runtime.
+
+import asyncio
+import contextlib
+import socket
+import time
+import attrs
+
+from rlcore.agents.recorder import RequestError, TrajectoryRecorder, parse_tool_calls
+from rlcore.interfaces import AsyncTokenGenerator, SamplingParams
+
+HOST = "127.0.0.1"
+
+
+class LimitError(RuntimeError):
+    """A trajectory went over one of its limits (HTTP 413/429); counted as cause ``limit``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@attrs.define
+class OpenTrajectory:
+    recorder: TrajectoryRecorder
+    seed: int | None
+    lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
+    waiting: int = 0
+    errors: list[str] = attrs.field(factory=list)  # what the endpoint refused or failed on, for the failure's cause
+    causes: list[str] = attrs.field(factory=list)
+
+
+class Endpoint:
+    """Open trajectories by key and serve their requests through the generator."""
+
+    def __init__(self, generator: AsyncTokenGenerator, tokenizer, suffixes, *, max_total_tokens: int, max_turns: int,
+                 max_request_bytes: int, max_concurrent_requests: int):
+        self.generator, self.tokenizer, self.suffixes = generator, tokenizer, suffixes
+        self.max_total_tokens, self.max_turns = max_total_tokens, max_turns
+        self.max_request_bytes, self.max_concurrent = max_request_bytes, max_concurrent_requests
+        self.params = SamplingParams()
+        self.trajectories: dict[str, OpenTrajectory] = {}
+        self.port: int | None = None
+        self._server = None
+        self._task: asyncio.Task | None = None
+
+    # ---- trajectories -------------------------------------------------------------------------
+    def open(self, key: str, seed: int | None) -> OpenTrajectory:
+        traj = OpenTrajectory(TrajectoryRecorder(key, self.tokenizer, self.suffixes), seed)
+        self.trajectories[key] = traj
+        return traj
+
+    def close(self, key: str) -> None:
+        self.trajectories.pop(key, None)
+
+    def base_url(self, key: str | None = None) -> str:
+        return f"http://{HOST}:{self.port}" + (f"/trajectories/{key}/v1" if key else "/v1")
+
+    # ---- serving ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, 0))  # loopback only: nothing off this machine can reach it
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(build_app(self), log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
+        self._server = _quiet_server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped the server
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+        self._server = self._task = None
+        self.trajectories.clear()
+
+    # ---- one request --------------------------------------------------------------------------
+    def trajectory(self, key: str | None) -> OpenTrajectory:
+        traj = self.trajectories.get(key or "")
+        if traj is None:
+            raise PermissionError("unknown trajectory key: send the key rlcore gave this trajectory's client "
+                                  "(its api_key, or the /trajectories/<key>/v1 base URL)")
+        return traj
+
+    async def serve(self, traj: OpenTrajectory, body: dict, chat: bool) -> dict:
+        rec = traj.recorder
+        if traj.waiting >= self.max_concurrent:
+            raise LimitError(429, f"trajectory {rec.key}: more than {self.max_concurrent} requests at once "
+                                  "(env.agent.max_concurrent_requests)")
+        traj.waiting += 1
+        try:
+            async with traj.lock:
+                if rec.requests >= self.max_turns:
+                    raise LimitError(429, f"trajectory {rec.key}: more than {self.max_turns} model requests (env.agent.max_turns)")
+                return await (self._chat(traj, body) if chat else self._completion(traj, body))
+        finally:
+            traj.waiting -= 1
+
+    def _params(self, traj: OpenTrajectory, body: dict, room: int) -> SamplingParams:
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        if asked is not None and (not isinstance(asked, int) or asked < 1):
+            raise RequestError(f"trajectory {traj.recorder.key}: max_tokens must be a positive integer, got {asked!r}")
+        if body.get("n", 1) != 1:
+            raise RequestError(f"trajectory {traj.recorder.key}: n must be 1 (each sample of a group is a trajectory of its own)")
+        stop = body.get("stop") or ()
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        seed = None if traj.seed is None else traj.seed + 7919 * traj.recorder.requests
+        limit = min(self.params.max_new_tokens, asked or self.params.max_new_tokens, room)
+        return attrs.evolve(self.params, n=1, max_new_tokens=limit, seed=seed, stop=tuple(dict.fromkeys(self.params.stop + stop)))
+
+    async def _generate(self, traj: OpenTrajectory, seg, new_ids: list[int], body: dict):
+        """Append the prompt's new tokens and generate; None when nothing fits any more."""
+        room = self.max_total_tokens - seg.total() - len(new_ids)
+        if room <= 0:
+            seg.finish_reason = "length"
+            return None
+        params = self._params(traj, body, room)
+        traj.recorder.commit_prompt(seg, new_ids)
+        try:
+            return await self.generator.agenerate(seg.prompt_ids + seg.ids, params)
+        except Exception as exc:  # noqa: BLE001 - the agent gets a 500; the trajectory fails with cause 'endpoint'
+            traj.causes.append("endpoint")
+            raise RuntimeError(f"trajectory {traj.recorder.key}: the generator failed: {exc!r}") from exc
+
+    async def _chat(self, traj: OpenTrajectory, body: dict) -> dict:
+        rec = traj.recorder
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise RequestError(f"trajectory {rec.key}: 'messages' must be a list of messages")
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        if body.get("tools"):
+            kwargs["tools"] = body["tools"]
+        seg, new_ids = rec.chat_prompt(messages, kwargs)
+        prompt_len = seg.total() + len(new_ids)
+        out = await self._generate(traj, seg, new_ids, body)
+        if out is None:
+            return _chat_reply(rec.key, {"role": "assistant", "content": ""}, "length", [], [], prompt_len, body)
+        content, calls = parse_tool_calls(out.text, f"call-{rec.key}-{rec.requests}") if body.get("tools") else (out.text, [])
+        reply = {"role": "assistant", "content": content}
+        if calls:
+            reply["tool_calls"] = calls
+        rec.record(seg, out, messages, reply)
+        finish = "tool_calls" if calls and out.finish_reason == "stop" else _finish(out.finish_reason)
+        return _chat_reply(rec.key, reply, finish, out.response_ids, out.response_logprobs, prompt_len, body,
+                           prompt_ids=seg.prompt_ids + seg.ids[: len(seg.ids) - len(out.response_ids)])
+
+    async def _completion(self, traj: OpenTrajectory, body: dict) -> dict:
+        rec = traj.recorder
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of one
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))):
+            raise RequestError(f"trajectory {rec.key}: 'prompt' must be one text or one list of token ids")
+        seg, new_ids = rec.completion_prompt(prompt)
+        prompt_len = seg.total() + len(new_ids)
+        out = await self._generate(traj, seg, new_ids, body)
+        if out is None:
+            return _completion_reply(rec.key, "", "length", [], [], prompt_len, body)
+        rec.record(seg, out, None, None, prompt_text=prompt if isinstance(prompt, str) else None)
+        return _completion_reply(rec.key, out.text, _finish(out.finish_reason), out.response_ids, out.response_logprobs,
+                                 prompt_len, body)
+
+
+def _finish(reason: str) -> str:
+    return "length" if reason in ("length", "truncated_prompt") else "stop"
+
+
+def _logprobs(ids: list[int], logprobs: list[float]) -> dict:
+    return {"content": [{"token": str(t), "logprob": float(lp), "bytes": None, "top_logprobs": []} for t, lp in zip(ids, logprobs)]}
+
+
+def _usage(prompt_len: int, ids: list[int]) -> dict:
+    return {"prompt_tokens": prompt_len, "completion_tokens": len(ids), "total_tokens": prompt_len + len(ids)}
+
+
+def _chat_reply(key, message, finish, ids, logprobs, prompt_len, body, prompt_ids=None) -> dict:
+    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": _logprobs(ids, logprobs) if body.get("logprobs") else None,
+              "token_ids": list(ids)}
+    return {"id": f"chatcmpl-{key}-{time.monotonic_ns()}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model") or "policy", "choices": [choice], "usage": _usage(prompt_len, ids),
+            "prompt_token_ids": prompt_ids}
+
+
+def _completion_reply(key, text, finish, ids, logprobs, prompt_len, body) -> dict:
+    lp = None
+    if body.get("logprobs") is not None:
+        lp = {"tokens": [str(t) for t in ids], "token_logprobs": [float(x) for x in logprobs], "top_logprobs": None, "text_offset": None}
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp, "token_ids": list(ids)}
+    return {"id": f"cmpl-{key}-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
+            "model": body.get("model") or "policy", "choices": [choice], "usage": _usage(prompt_len, ids)}
+
+
+def _quiet_server(config):
+    """uvicorn's server without its signal handlers: the run loop owns SIGINT, SIGTERM and SIGALRM."""
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return QuietServer(config)
+
+
+def _error(status: int, message: str, kind: str):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def build_app(endpoint: Endpoint):
+    """The FastAPI app: the two OpenAI routes, at ``/v1`` (key in the bearer token) and at
+    ``/trajectories/<key>/v1``, and ``/v1/models``."""
+    import json
+
+    from fastapi import FastAPI, Request
+
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+    async def handle(request: Request, key: str | None, chat: bool):
+        if key is None:
+            auth = request.headers.get("authorization", "")
+            key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        try:
+            traj = endpoint.trajectory(key)
+        except PermissionError as exc:
+            return _error(401, str(exc), "authentication_error")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > endpoint.max_request_bytes:
+            return _refuse(traj, 413, f"trajectory {key}: request of {declared} bytes, over env.agent.max_request_bytes "
+                                      f"({endpoint.max_request_bytes})")
+        raw = await request.body()
+        if len(raw) > endpoint.max_request_bytes:
+            return _refuse(traj, 413, f"trajectory {key}: request of {len(raw)} bytes, over env.agent.max_request_bytes "
+                                      f"({endpoint.max_request_bytes})")
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise RequestError("the request body must be a JSON object")
+            return await endpoint.serve(traj, body, chat)
+        except LimitError as exc:
+            return _refuse(traj, exc.status, str(exc))
+        except (RequestError, json.JSONDecodeError) as exc:
+            traj.errors.append(str(exc))
+            traj.causes.append("request")
+            return _error(400, f"trajectory {key}: {exc}" if key not in str(exc) else str(exc), "invalid_request_error")
+        except Exception as exc:  # noqa: BLE001 - a generator failure: 500, and the trajectory's cause is 'endpoint'
+            traj.errors.append(str(exc))
+            if "endpoint" not in traj.causes:
+                traj.causes.append("endpoint")
+            return _error(500, str(exc), "server_error")
+
+    def _refuse(traj: OpenTrajectory, status: int, message: str):
+        traj.errors.append(message)
+        traj.causes.append("limit")
+        return _error(status, message, "rate_limit_error" if status == 429 else "invalid_request_error")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, None, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, None, False)
+
+    @app.post("/trajectories/{key}/v1/chat/completions")
+    async def chat_at(key: str, request: Request):
+        return await handle(request, key, True)
+
+    @app.post("/trajectories/{key}/v1/completions")
+    async def completions_at(key: str, request: Request):
+        return await handle(request, key, False)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlcore"}]}
+
+    return app

@@ -1,0 +1,63 @@
+"""A GRPO run whose rollouts are an agent's, through the endpoint (fsdp2 backend, hf generator, tiny
+Llama): 5% of agent attempts fail and are retried, the groups of problems whose answer ends in 7
+always fail and are dropped; the step's advantages cover exactly the surviving groups."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlcore
+from rlcore.algorithms.config import GRPOConfig
+from rlcore.algorithms.grpo import GRPO
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("fastapi")
+
+AGENT = Path(__file__).with_name("_flaky_agent.py")
+
+
+class RecordingGRPO(GRPO):
+    """GRPO that keeps what each step's advantages were computed on."""
+
+    def __init__(self):
+        super().__init__(GRPOConfig())
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def advantages(self, rewards_N, group_ids_N):
+        self.seen.append((rewards_N.clone(), group_ids_N.clone()))
+        return super().advantages(rewards_N, group_ids_N)
+
+
+def test_agent_failures_are_retried_dropped_counted_and_kept_out_of_advantages(tiny_model_dir, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(AGENT.parent))
+    import _flaky_agent
+
+    config = rlcore.build_config({
+        "policy": {"model_name": str(tiny_model_dir), "precision": "float32", "max_total_sequence_length": 48,
+                   "optimizer": {"lr": 1e-3, "weight_decay": 0.0}, "dtensor_cfg": {"enabled": True},
+                   "generation": {"backend": "hf", "max_new_tokens": 3, "temperature": 1.0}},
+        "algorithm": {"name": "grpo"},
+        "data": {"name": "arithmetic", "digits": 1, "num_validation": 8, "num_train": 64},
+        "env": {"name": "agent", "agent": {"function": "_flaky_agent:agent", "max_turns": 1, "max_retries": 2}},
+        "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4, "max_num_steps": 2, "val_period": 0,
+                 "val_at_start": False, "seed": 3},
+        "logger": {"log_dir": str(tmp_path / "run"), "print_table": False, "plot": False},
+    })
+    algorithm = RecordingGRPO()
+    out = rlcore.run(config, algorithm=algorithm)
+    records = [json.loads(line) for line in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "rollout/infra_failures" in r]
+    assert len(steps) == 2 and len(algorithm.seen) == 2
+    assert sum(r["rollout/infra_failures"] for r in steps) == len(_flaky_agent.FAILED)
+    assert all(r.get("rollout/infra_failures/agent_error", 0.0) == r["rollout/infra_failures"] for r in steps)
+    dropped = sum(r["rollout/dropped_groups"] for r in steps)
+    assert dropped >= 1  # answers ending in 7 are common among 1-digit sums
+    for record, (rewards_N, groups_N) in zip(steps, algorithm.seen):
+        surviving = 8 - record["rollout/dropped_groups"]
+        assert len(groups_N.unique()) == surviving and len(rewards_N) == 4 * surviving == record["rollout/num_trajectories"]
