@@ -59,6 +59,15 @@ MOE_RUN = {"policy.train_global_batch_size": 128, "policy.megatron_cfg.empty_unu
            "policy.generation.gpu_memory_utilization": 0.3, "policy.generation.colocated.offload_trainer_state": True}
 TWO_CPU_RANKS = {"cluster.cpu_workers": 2, "cluster.use_ray": True, "policy.train_global_batch_size": 8}
 TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "grpo.val_period": 0}
+# The realistic multi-turn workload (bench_multiturn_env.py, heavy_tailed): 3 to 5 turns, each turn's
+# length lognormal in 32..2048 tokens (enforced as its max_tokens: ignore_eos, no stop strings), tool
+# latencies lognormal with median 0.5 s and p99 8 s, all seeded per (sample, trajectory, turn).
+HEAVY_TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {
+    "workload": "heavy_tailed", "min_turns": 3, "max_turns": 5, "turn_stop_strings": [], "turn_tokens_median": 192,
+    "turn_tokens_sigma": 1.0, "turn_tokens_range": [32, 2048], "latency_median_s": 0.5, "latency_p99_s": 8.0}},
+    "grpo.val_period": 0, "policy.generation.max_new_tokens": 2048}
+BARRIER = {"env.bench_tool.turn_barrier": True}
+ASYNC_ENGINE = {"policy.generation.async_engine": True}
 # The same workload as an agent through the OpenAI-compatible endpoint (bench_agent.py): against *-tool-async, the endpoint's overhead.
 TOOL_AGENT = {"env": {"name": "agent", "agent": {"function": f"{Path(__file__).with_name('bench_agent.py')}:agent", "max_turns": 3}},
               "grpo.val_period": 0, "policy.generation.async_engine": True}
@@ -141,6 +150,13 @@ CONFIGS = {
     "tiny-tool-async": ("tiny", "fsdp2", {**TOOL_ENV, "policy.generation.async_engine": True}),
     "llama1b-tool-sync": ("llama1b", "megatron", TOOL_ENV),
     "llama1b-tool-async": ("llama1b", "megatron", {**TOOL_ENV, "policy.generation.async_engine": True}),
+    # The heavy-tailed workload (issue 58), each engine with and without the turn barrier (every
+    # trajectory's next turn waits for all trajectories' current one: the batched synchronous baseline).
+    # 32 prompts x 8 samples = 256 trajectories; run the four in one call.
+    **{f"{shape}-multiturn-{engine}{'-barrier' if barrier else ''}": (
+        shape, "megatron" if shape == "llama1b" else "fsdp2",
+        {**HEAVY_TOOL_ENV, **(ASYNC_ENGINE if engine == "async" else {}), **(BARRIER if barrier else {})})
+       for shape in ("tiny", "llama1b") for engine in ("sync", "async") for barrier in (False, True)},
     "tiny-tool-agent": ("tiny", "fsdp2", TOOL_AGENT),
     "llama1b-tool-agent": ("llama1b", "megatron", TOOL_AGENT),
     # Long context (issue 9): context parallelism 2 over the two GPUs of nvidia-h200-x2; run with
@@ -289,7 +305,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
     periods = [ended[r["step"]] - ended[r["step"] - 1] for r in records if r["step"] - 1 in ended and r["step"] in ended]
     refit_gbps = [r["refit/gb_per_s"] for r in records if "refit/gb_per_s" in r]
     return {
-        "config": name, "gpus": gpus, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
+        "config": name, "gpus": gpus, "samples": samples, "max_new_tokens": args.max_new_tokens, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
         "refit_s": s.get("timing/refit"), "generation_s": s.get("timing/generation"), "logprobs_s": s.get("timing/logprobs"),
         "offload_s": s.get("timing/offload"),  # colocated.offload_trainer_state: both directions
         "values_s": s.get("timing/values"), "critic_train_s": s.get("timing/critic_train"),  # ppo's critic phases
@@ -320,7 +336,10 @@ MEAN_KEYS = ("train/gen_kl_error", "train/rollout_kl_k3", "train/moe/routing_mis
              "async/generator_idle_s", "async/generator_waits_for_trainer_s", "async/generator_start_s",
              "async/generator_wake_after_done_s", "async/generator_wake_after_credit_s", "async/refit_after_generation_s",
              "async/batch_wait_s", "refit/generator_hold_s", "timing/reward",
-             "time/gc_s", "time/gc_longest_s", "time/gc_full_collections", "time/gil_lag_mean_s", "time/gil_lag_max_s")
+             "time/gc_s", "time/gc_longest_s", "time/gc_full_collections", "time/gil_lag_mean_s", "time/gil_lag_max_s",
+             "rollout/generated_tokens", "rollout/longest_trajectory_model_tokens", "rollout/longest_trajectory_env_s",
+             "rollout/max_trajectory_env_s",
+             "rollout/turn_barrier_rounds")
 
 
 def _mean(values: list[float]) -> float | None:
@@ -405,7 +424,16 @@ def main(argv: list[str] | None = None) -> int:
 
             get_plugin_manager().register_module(bench_multiturn_env)
             turns = tree["env"]["bench_tool"]["max_turns"]
-            tree["policy"]["max_total_sequence_length"] = turns * (args.max_new_tokens + 64) + 64
+            turn_tokens = tree["policy"]["generation"]["max_new_tokens"]
+            if args.tiny:  # the CPU check: short turns
+                turn_tokens = tree["policy"]["generation"]["max_new_tokens"] = args.max_new_tokens
+                if tree["env"]["bench_tool"].get("workload") == "heavy_tailed":
+                    tree["env"]["bench_tool"].update(turn_tokens_median=8, turn_tokens_range=[4, args.max_new_tokens],
+                                                     latency_median_s=0.01, latency_p99_s=0.1)
+            longest = tree["policy"]["max_total_sequence_length"] = turns * (turn_tokens + 64) + 64
+            packing = tree["policy"]["sequence_packing"]  # a micro-batch holds at least the longest trajectory
+            packing["train_mb_tokens"] = max(packing["train_mb_tokens"], longest)
+            packing["logprob_mb_tokens"] = max(packing["logprob_mb_tokens"], longest)
         if tree["env"]["name"] == "agent":
             tree["policy"]["max_total_sequence_length"] = tree["env"]["agent"]["max_turns"] * (args.max_new_tokens + 64) + 64
         # A run directory holds one run (rlcore refuses to mix a second one in): each call is new.
@@ -435,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "window_last": last}
         rlcore.run(rlcore.build_config(tree))
         print(f"{label}: wall {time.perf_counter() - started:.0f}s with the shutdown", flush=True)
+    add_bounds(rows)
     print_table(rows)
     return 0
 
@@ -451,6 +480,27 @@ def keep_rows(rows: list[dict], args) -> None:
         out.write_text(json.dumps(kept + rows, indent=2))
 
 
+def add_bounds(rows: list[dict]) -> None:
+    """Each multi-turn row gets the two floors of its generation phase from the first single-turn row of the
+    same call (its samples all run to --max-new-tokens): the token bound (the row's generated tokens at the
+    single-turn row's rate) and the critical path (the trajectory with the most model tokens: its tokens times
+    the single-turn row's decode step, its generation phase over --max-new-tokens, plus its tool seconds);
+    ``generation_over_bound`` is the generation phase over the larger one."""
+    single = [r for r in rows if r.get("rollout/generated_tokens") is None and r.get("generation_s")]
+    if not single:
+        return
+    ref = single[0]
+    rate = ref["samples"] * ref["tokens_per_sample"] / ref["generation_s"]
+    decode_step_s = ref["generation_s"] / ref["max_new_tokens"]
+    for r in rows:
+        if r.get("rollout/generated_tokens") is None or r.get("generation_s") is None:
+            continue
+        r["token_bound_s"] = r["rollout/generated_tokens"] / rate
+        r["critical_path_bound_s"] = r["rollout/longest_trajectory_model_tokens"] * decode_step_s + r["rollout/longest_trajectory_env_s"]
+        r["generation_over_bound"] = r["generation_s"] / max(r["token_bound_s"], r["critical_path_bound_s"])
+        r["bounds_from"] = ref["config"]
+
+
 def print_table(rows: list[dict]) -> None:
     print("\n| config | GPUs | step (s) | train | refit | generation | logprobs | tokens/sample | gen tok/GPU-s | train MFU | refit GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -460,6 +510,16 @@ def print_table(rows: list[dict]) -> None:
               f"{fmt(r['generation_s'])} | {fmt(r['logprobs_s'])} | {fmt(r['tokens_per_sample'], '{:.0f}')} | "
               f"{fmt(r['gen_tokens_per_gpu_s'], '{:.0f}')} | {fmt(r['train_mfu'], '{:.1%}')} | {fmt(r['refit_gb_per_s'], '{:.1f}')} |",
               flush=True)
+    turns = [r for r in rows if r.get("rollout/generated_tokens") is not None]
+    if turns:
+        print("\n| multi-turn config | generation (s) | generated tokens | longest trajectory (tokens, tool s) | token bound (s) "
+              "| critical path (s) | generation / bound | GC (s, full) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in turns:
+            print(f"| {r['config']} | {fmt(r['generation_s'])} | {fmt(r['rollout/generated_tokens'], '{:.0f}')} | "
+                  f"{fmt(r['rollout/longest_trajectory_model_tokens'], '{:.0f}')}, {fmt(r['rollout/longest_trajectory_env_s'])} | "
+                  f"{fmt(r.get('token_bound_s'))} | {fmt(r.get('critical_path_bound_s'))} | {fmt(r.get('generation_over_bound'))} | "
+                  f"{fmt(r.get('time/gc_s'))}, {fmt(r.get('time/gc_full_collections'), '{:.1f}')} |", flush=True)
 
 
 def run_each_in_own_process(configs: list[str], argv: list[str], json_out: str | None) -> int:
@@ -483,6 +543,7 @@ def run_each_in_own_process(configs: list[str], argv: list[str], json_out: str |
                 failed.append(f"{name} (exit {proc.returncode})")
                 continue
             rows.extend(json.loads(out.read_text()))
+    add_bounds(rows)
     print_table(rows)
     if failed:
         print("failed configurations: " + ", ".join(failed), file=sys.stderr)

@@ -101,3 +101,18 @@ def test_a_later_outer_timer_is_rearmed_after_a_bounded_call():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_bounded_calls_off_the_main_thread_reuse_their_helper_thread():
+    from rlcore.controller.deadlines import call_with_timeout
+
+    helpers = []
+
+    def calls():  # as the multi-turn runner's environment threads call it: one bounded call per turn
+        for _ in range(50):
+            helpers.append(call_with_timeout(threading.current_thread, 30.0, lambda: "hung"))  # kept: no id reused
+
+    worker = threading.Thread(target=calls)
+    worker.start()
+    worker.join(timeout=60)
+    assert len(helpers) == 50 and len(set(map(id, helpers))) == 1 and worker not in helpers

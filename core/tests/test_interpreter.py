@@ -105,3 +105,42 @@ def test_lock_lag_probe_sees_a_thread_that_keeps_the_interpreter_lock():
     assert loaded["time/gil_lag_max_s"] > 0.04, loaded
     assert LockLagProbe(enabled=False).take() == {}
 
+
+
+def _collections_while_a_loop_thread_allocates(period: int) -> int:
+    """Collections of any generation while an event loop on its own thread (as the async vLLM engine's
+    front end runs) makes objects at a high rate, inside ``CollectorPolicy(period)``."""
+    import asyncio
+
+    seen = []
+
+    def count(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    async def engine_like_outputs():
+        kept = []
+        for _ in range(200):
+            kept.append([{"token_ids": [i], "logprobs": [0.0]} for i in range(500)])  # per request, per engine step
+            await asyncio.sleep(0)
+        return len(kept)
+
+    with CollectorPolicy(period=period):
+        gc.callbacks.append(count)
+        try:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="engine-loop", daemon=True)
+            thread.start()
+            assert asyncio.run_coroutine_threadsafe(engine_like_outputs(), loop).result(timeout=60) == 200
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+            loop.close()
+        finally:
+            gc.callbacks.remove(count)
+    return len(seen)
+
+
+def test_gc_period_keeps_automatic_collections_off_every_thread_of_the_process():
+    gc.unfreeze()
+    assert _collections_while_a_loop_thread_allocates(period=0) > 0  # 300,000 containers: many automatic ones
+    assert _collections_while_a_loop_thread_allocates(period=1) == 0  # none until the step's own collection

@@ -59,10 +59,13 @@ def rlcore_algorithms(register):
 
 @hookimpl
 def rlcore_datasets(register):
+    from rlcore.config.images import CountingTaskConfig, ImageDataConfig
     from rlcore.preference.config import PreferenceDataConfig
 
     register("preference", "rlcore.preference.data:build_preference_dataset", PreferenceDataConfig,
              provides="pairs", requires=("datasets",))
+    register("images", "rlcore.image_data:build_from_config", ImageDataConfig, requires=("PIL",))
+    register("image_counting", "rlcore.image_data:build_counting", CountingTaskConfig, requires=("PIL",))
 
 
 @hookimpl
@@ -71,5 +74,6 @@ def rlcore_environments(register):
     from rlcore.reward_model.config import RewardModelEnvConfig
 
     register("reward_model", "rlcore.reward_model.env:build", RewardModelEnvConfig, devices=("cpu", "cuda"))
+    register("counting", "rlcore.image_data:counting_env", None)
     register("agent", "rlcore.agents.environment:build", AgentEnvConfig, multi_turn=True, endpoint="openai",
              requires=("fastapi", "uvicorn", "openai"))

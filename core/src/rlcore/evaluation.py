@@ -71,9 +71,14 @@ def _scored(samples, params, environment, generator, multi_turn) -> list[list]:
     from rlcore.controller.batching import Trajectory, apply_env_steps, score
     from rlcore.interfaces import EnvStep
 
+    from rlcore.controller.rollouts import image_generator, no_images_in_multi_turn
+
     if multi_turn is not None:
+        no_images_in_multi_turn(samples)
         results = multi_turn(samples, params)
         steps = [EnvStep(reward=t.reward, metrics=t.env_metrics) for group in multi_turn.last_trajectories for t in group]
+    elif any(s.images is not None for s in samples):
+        results = image_generator(generator).generate_with_images([s.prompt_ids for s in samples], [s.images for s in samples], params)
     else:
         results = generator.generate([s.prompt_ids for s in samples], params)
     trajs = [[Trajectory(s, i, r) for r in rs] for i, (s, rs) in enumerate(zip(samples, results))]

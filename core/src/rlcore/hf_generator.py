@@ -7,6 +7,11 @@ all rows; each row samples with its own seed (when given), so a deterministic ru
 exactly and a row draws what it would draw alone. Written here rather than through
 ``model.generate`` because that draws every row from one random stream and returns no per-token
 logprobs of the sampling distribution.
+
+Vision-language models (a config with a ``vision_config``: Qwen2.5-VL, Qwen3-VL) take prompts
+with images (:class:`rlcore.interfaces.ImageGenerator`): the first forward gets the batch's
+pixel values and each row's multimodal rotary positions (:func:`rlcore.multimodal.mrope_positions`);
+each new token's position follows its row's last one.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from rlcore.config import ConfigError
 from rlcore.config.hf_generation import HFGenerationConfig
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
+from rlcore.multimodal import ImageInputs, is_vision_language, mrope_positions
 from rlcore.utils import torch_dtype
 
 
@@ -30,22 +36,31 @@ class HFGenerator:
         """``device``: where the model runs. The registered generator runs in the driver on the CPU
         (:func:`build`); an evaluator of the driver's own, such as the demo's SFT warm start on a GPU,
         may put it on ``cuda``."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         self.config = config
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(config.dtype)).to(self.device).eval()
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        self.vision = is_vision_language(hf_config)
+        loader = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
+        self.model = loader.from_pretrained(model_dir, dtype=torch_dtype(config.dtype)).to(self.device).eval()
+        self.image_token = int(hf_config.image_token_id) if self.vision else -1
+        # The vision placeholders are never text a model writes: a response holding one would not match
+        # its images in the trainer's forward. Left out of sampling (their logits set to -inf).
+        self.never_sample = ([int(getattr(hf_config, k)) for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")
+                              if getattr(hf_config, k, None) is not None] if self.vision else [])
         self.max_model_len = max_model_len
         self.weights_version = 0
 
     def _sample_one(self, prompt_ids: list[int], params: SamplingParams, seed: int | None) -> GenerationResult:
         return self._sample_batch([prompt_ids], params, [seed])[0]
 
-    def _sample_batch(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int | None]) -> list[GenerationResult]:
+    def _sample_batch(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int | None],
+                      images: list[ImageInputs | None] | None = None) -> list[GenerationResult]:
         """Every prompt decoded together: left-padded, one forward over the whole batch per new token,
         KV cache kept. Each row samples with its own seeded generator, so a row draws the same tokens
-        as it would alone (up to the batch's float rounding)."""
+        as it would alone (up to the batch's float rounding). ``images[r]``: row r's prompt images."""
         stops = set(params.stop_token_ids) | set(self.config.stop_token_ids)
         if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
             stops.add(self.tokenizer.eos_token_id)
@@ -62,14 +77,27 @@ class HFGenerator:
         inputs = torch.tensor([[pad] * (width - n) + list(p) for p, n in zip(prompts, lengths)], device=self.device)
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        vision: dict = {}
+        next_position = torch.tensor(lengths, device=self.device)  # of each row's first new token
+        if images is not None:
+            positions, next_position = self._mrope_rows(prompts, images, width)
+            batch_images = ImageInputs.concat(images)
+            if batch_images is not None:
+                batch_images = batch_images.to(self.device)
+                vision = dict(pixel_values=batch_images.pixel_values_PD.to(self.model.dtype),
+                              image_grid_thw=batch_images.image_grid_thw_I3)
         past = None
         with torch.no_grad():
             for step in range(max(budgets, default=0)):
                 if not any(live):
                     break
-                out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+                out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=past,
+                                 use_cache=True, **(vision if step == 0 else {}))
                 past = out.past_key_values
-                tokens, token_logprobs = self._pick(out.logits[:, -1].float(), params, generators)
+                logits_BV = out.logits[:, -1].float()
+                if self.never_sample:
+                    logits_BV[:, self.never_sample] = float("-inf")
+                tokens, token_logprobs = self._pick(logits_BV, params, generators)
                 next_tokens = []
                 for r in range(rows):
                     if not live[r]:
@@ -85,10 +113,23 @@ class HFGenerator:
                         live[r] = False
                 inputs = torch.tensor(next_tokens, device=self.device)[:, None]
                 mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=self.device)], dim=1)
-                positions = torch.tensor([[n + step] for n in lengths], device=self.device)
+                positions = (next_position + step)[:, None]
+                if images is not None:
+                    positions = positions[None].expand(3, -1, -1)
         return [GenerationResult(list(prompt), response, lps, reason, policy_version=self.weights_version,
                                  text=self.tokenizer.decode(response, skip_special_tokens=True))
                 for prompt, response, lps, reason in zip(prompts, responses, logprobs, finish)]
+
+    def _mrope_rows(self, prompts: list[list[int]], images: list[ImageInputs | None], width: int):
+        """Left-padded multimodal positions [3, rows, width] and each row's next position [rows]."""
+        positions = torch.zeros(3, len(prompts), width, dtype=torch.long, device=self.device)
+        following = []
+        for r, (prompt, row_images) in enumerate(zip(prompts, images)):
+            ids_L = torch.tensor(prompt, device=self.device)
+            row_3L = mrope_positions(self.model, ids_L, row_images, self.image_token)
+            positions[:, r, width - len(prompt) :] = row_3L
+            following.append(int(row_3L.max()) + 1)
+        return positions, torch.tensor(following, device=self.device)
 
     @staticmethod
     def _pick(logits_BV: torch.Tensor, params: SamplingParams, generators: list) -> tuple[list[int], list[float]]:
@@ -127,6 +168,38 @@ class HFGenerator:
             flat += self._sample_batch([prompts[p] for p, _ in part], params, seeds[start : start + self.BATCH_ROWS])
         return [flat[p * params.n : (p + 1) * params.n] for p in range(len(prompts))]
 
+    def generate_with_images(self, prompts: list[list[int]], images: list[ImageInputs | None],
+                             params: SamplingParams) -> list[list[GenerationResult]]:
+        """:meth:`generate` with each prompt's images (a vision-language model)."""
+        if not self.vision:
+            raise ValueError("the hf generator's model has no vision tower; it cannot take prompts with images")
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} images entries")
+        rows = [(p, k) for p in range(len(prompts)) for k in range(params.n)]
+        seeds = [None if params.seed is None else params.seed + 1_000_003 * p + k for p, k in rows]
+        flat: list[GenerationResult] = []
+        for start in range(0, len(rows), self.BATCH_ROWS):
+            part = rows[start : start + self.BATCH_ROWS]
+            flat += self._sample_batch([prompts[p] for p, _ in part], params, seeds[start : start + self.BATCH_ROWS],
+                                       images=[images[p] for p, _ in part])
+        return [flat[p * params.n : (p + 1) * params.n] for p in range(len(prompts))]
+
+    def score_with_images(self, sequences: list[list[int]], images: list[ImageInputs | None]) -> list[list[float]]:
+        from rlcore.ops import token_logprobs
+
+        out = []
+        with torch.no_grad():
+            for seq, seq_images in zip(sequences, images):
+                ids_T = torch.tensor(seq, device=self.device)
+                extra: dict = {"position_ids": mrope_positions(self.model, ids_T, seq_images, self.image_token)[:, None]}
+                if seq_images is not None:
+                    seq_images = seq_images.to(self.device)
+                    extra.update(pixel_values=seq_images.pixel_values_PD.to(self.model.dtype),
+                                 image_grid_thw=seq_images.image_grid_thw_I3)
+                logits_TV = self.model(input_ids=ids_T[None], **extra).logits[0]
+                out.append(token_logprobs(logits_TV, ids_T).tolist())
+        return out
+
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         return await asyncio.to_thread(self._sample_one, prompt_ids, params, params.seed)
 
@@ -144,6 +217,8 @@ class HFGenerator:
     def update_weights(self, chunks: Iterable[NamedTensors]) -> None:
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
+        if self.vision:
+            params.update(_checkpoint_names(self.model))
         with torch.no_grad():
             for chunk in chunks:
                 for name, tensor in chunk:
@@ -163,6 +238,20 @@ class HFGenerator:
 
     def shutdown(self) -> None:
         pass
+
+
+def _checkpoint_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters under their checkpoint names where those differ from the in-memory
+    ones (Qwen2.5-VL: ``visual.*`` and ``model.layers.*`` for ``model.visual.*`` and
+    ``model.language_model.layers.*``): refits stream checkpoint names."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = {}
+    for name, param in model.named_parameters():
+        names = list(revert_weight_conversion(model, {name: param}))
+        if len(names) == 1:
+            out[names[0]] = param
+    return out
 
 
 _EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -22,6 +22,7 @@ backends :mod:`rlcore.packing` (``make_micro_batches``, ``step_totals``, ``unpac
 (``policy.scheduler`` as a ``LambdaLR`` factor), :func:`rlcore.algorithms.base.merge_metrics` and
 :func:`rlcore.algorithms.base.token_advantages` (a backend that captures the loss runs its finiteness check on the host);
 :mod:`rlcore.weights` (chunks, the gather to rank 0, ``stream_into``, the Hugging Face writer);
+:mod:`rlcore.multimodal` (``ImageInputs``, image prompts, multimodal positions) for vision-language models;
 :mod:`rlcore.testing` in tests. Names starting with ``_`` and :mod:`rlcore.controller` are not.
 
 This module imports no torch at import time.
@@ -37,6 +38,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
+    from rlcore.multimodal import ImageInputs
     from rlcore.packing import MicroBatch
 
 NamedTensors = list[tuple[str, "torch.Tensor"]]
@@ -53,6 +55,9 @@ class Sample:
     metadata: dict[str, Any] = attrs.field(factory=dict)
     index: int = -1  # position in its dataset (data-order resume)
     response: str | None = None  # a reference response (the ``sft`` loop's target); None: ``str(answer)``
+    # The prompt's processed images (vision-language models, :mod:`rlcore.multimodal`): ``prompt_ids``
+    # then hold each image's placeholder tokens. None: a text-only prompt.
+    images: ImageInputs | None = None
 
 
 @attrs.define
@@ -130,6 +135,9 @@ class SequenceBatch:
     # The generator's MoE routing per sequence (routing replay R3): int16 [len, MoE layers, top-k],
     # -1 where it reported none; None when the generator reported no routing.
     routed_experts: list[torch.Tensor] | None = None
+    # Each sequence's prompt images (vision-language models), None where it has none; None: a
+    # text-only batch. A sequence's image placeholder tokens in ``input_ids`` match its images.
+    images: list[ImageInputs | None] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -144,6 +152,7 @@ class SequenceBatch:
             token_fields={k: [v[i] for i in indices] for k, v in self.token_fields.items()},
             seq_fields={k: v[list(indices)] for k, v in self.seq_fields.items()},
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in indices],
+            images=None if self.images is None else [self.images[i] for i in indices],
         )
 
 
@@ -400,6 +409,20 @@ class Generator(Protocol):
 
 
 @runtime_checkable
+class ImageGenerator(Protocol):
+    """A :class:`Generator` that takes prompts with images (vision-language models). The run loop
+    calls these methods for a batch whose samples carry :attr:`Sample.images`, and fails naming
+    the generator when it lacks them."""
+
+    def generate_with_images(self, prompts: list[list[int]], images: list[ImageInputs | None],
+                             params: SamplingParams) -> list[list[GenerationResult]]:
+        """As :meth:`Generator.generate`; ``images[i]`` are prompt i's (None: none)."""
+
+    def score_with_images(self, sequences: list[list[int]], images: list[ImageInputs | None]) -> list[list[float]]:
+        """As :meth:`Generator.score`, with each sequence's prompt images."""
+
+
+@runtime_checkable
 class AsyncTokenGenerator(Protocol):
     """What the agents' endpoint (:mod:`rlcore.agents`) needs of a generator: token ids in, token ids
     and their sampling logprobs out, many requests in flight. Every :class:`Generator` is one (vLLM's
@@ -415,6 +438,20 @@ class Environment(Protocol):
 
     def step(self, samples: list[Sample], histories: list[list[str]]) -> list[EnvStep]:
         """``histories[i]`` is every model turn of trajectory i so far (newest last)."""
+
+
+@runtime_checkable
+class TrajectoryTurns(Protocol):
+    """A multi-turn environment that knows which trajectory of a sample it answers, and may set each
+    model turn's token budget (budget forcing; a benchmark's seeded workload). :class:`rlcore.rollout.MultiTurnRunner`
+    then calls these instead of :meth:`Environment.step`; ``trajectory`` is 0..n-1 among a sample's ``n``,
+    ``turn`` counts model turns from 0."""
+
+    def turn_max_new_tokens(self, sample: Sample, trajectory: int, turn: int) -> int | None:
+        """The budget of model turn ``turn`` (capped by ``max_new_tokens`` and the room left); None: no budget of its own."""
+
+    def step_trajectory(self, sample: Sample, trajectory: int, history: list[str]) -> EnvStep:
+        """As :meth:`Environment.step` for one trajectory: ``history`` is its model turns so far (newest last)."""
 
 
 @runtime_checkable

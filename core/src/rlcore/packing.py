@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from rlcore.interfaces import SequenceBatch, StepTotals
+from rlcore.multimodal import ImageInputs
 
 PAD_TOKEN_ID = 0
 KEEP_TOGETHER_FIELD = "pack_group"  # seq field: sequences with equal values share a micro-batch
@@ -58,6 +59,9 @@ class MicroBatch:
     # int64 [R]: the rows whose next-token logprob a loss reads (row t-1 for each t with
     # loss_mask_T[t] > 0), ascending: a backend may compute logits on these rows only. None: unknown.
     logprob_rows_R: torch.Tensor | None = None
+    # Each of these sequences' prompt images, in ``seq_ids`` order (None where one has none): a
+    # sequence's images always travel in its micro-batch. None: a text-only batch.
+    images: list[ImageInputs | None] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -80,7 +84,9 @@ class MicroBatch:
             seq_index_T=to(self.seq_index_T), loss_mask_T=to(self.loss_mask_T),
             logprob_rows_R=None if self.logprob_rows_R is None else to(self.logprob_rows_R),
             token_fields={k: to(v) for k, v in self.token_fields.items()},
-            seq_fields={k: to(v) for k, v in self.seq_fields.items()})
+            seq_fields={k: to(v) for k, v in self.seq_fields.items()},
+            images=None if self.images is None else [None if i is None else i.to(device, non_blocking=non_blocking)
+                                                     for i in self.images])
 
 
 # ---- planning --------------------------------------------------------------------------------
@@ -230,6 +236,8 @@ def _check_batch(batch: SequenceBatch) -> None:
                 raise ValueError(
                     f"token field '{name}'[{i}] has shape {tuple(values[i].shape)}, input_ids[{i}] has {tuple(ids.shape)}"
                 )
+    if batch.images is not None and len(batch.images) != n:
+        raise ValueError(f"SequenceBatch has {n} input_ids but {len(batch.images)} images entries")
     for name, values in batch.seq_fields.items():
         if values.shape[:1] != (n,):
             raise ValueError(f"seq field '{name}' has shape {tuple(values.shape)}, expected [{n}] (one per sequence)")
@@ -265,6 +273,7 @@ def _layout(batch: SequenceBatch, seq_ids: list[int], pad_to_multiple: int) -> M
         seq_fields={name: values[list(seq_ids)] for name, values in batch.seq_fields.items()},
         num_padding=num_padding,
         logprob_rows_R=torch.nonzero(loss_mask_T[1:] > 0).flatten(),
+        images=None if batch.images is None else [batch.images[i] for i in seq_ids],
     )
 
 

@@ -24,7 +24,14 @@ its rendering lacks the earlier turns' ``<think>`` blocks, which the trajectory 
 saw them); with ``observation_role: tool`` (tool responses are not user queries) it keeps them too.
 
 Every trajectory runs as its own coroutine (``asyncio.gather``), so with an async engine many
-are in flight at once and each turn is scheduled as soon as its observation is ready.
+are in flight at once and each turn is scheduled as soon as its observation is ready. With
+``turn_barrier`` (``env.<name>.turn_barrier``) no trajectory's turn k+1 is asked for before every
+trajectory still going has its turn k generated and answered, as a batched synchronous rollout
+does: the baseline against which continuous multi-turn scheduling is measured, and a rollout whose
+batches are the same whatever the tool latencies. Each trajectory's tokens are the same either way
+(for a generator whose samples do not depend on what else is in flight, such as ``hf`` with seeds).
+An environment that implements :class:`rlcore.interfaces.TrajectoryTurns` is told which trajectory
+and turn it answers, and may set each turn's token budget.
 Limits: ``max_turns`` model turns, ``max_total_tokens`` prompt + response tokens.
 Environment steps run in a thread pool of their own with one thread per trajectory (up to
 ``max_env_concurrency``): ``asyncio.to_thread``'s default pool has ``cpu_count + 4`` threads,
@@ -38,13 +45,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from rlcore.controller.deadlines import EnvironmentTimeout
-from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams
+from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, TrajectoryTurns
 
 _MARK = "\u2063rlcore-turn\u2063"  # content no real turn contains, to cut template renderings
 
@@ -58,6 +66,7 @@ class MultiTurnTrajectory:
     turns: list[str] = attrs.field(factory=list)  # each model turn's text
     observations: list[str] = attrs.field(factory=list)  # the environment's reply to each turn but the last
     env_metrics: dict[str, float] = attrs.field(factory=dict)
+    env_s: float = 0.0  # seconds its environment steps took (tool calls), from the runner's side
 
 
 class ChatSuffixes:
@@ -138,11 +147,37 @@ class _State:
         return len(self.prompt_ids) + len(self.ids)
 
 
+class TurnBarrier:
+    """Holds each trajectory before its next turn until every trajectory still going has arrived;
+    a trajectory that ends :meth:`leave` s instead. ``rounds`` counts the releases."""
+
+    def __init__(self, parties: int):
+        self.parties, self.arrived, self.rounds = parties, 0, 0
+        self._gate = asyncio.Event()
+
+    async def wait(self) -> None:
+        gate = self._gate
+        self.arrived += 1
+        self._release_if_full()
+        await gate.wait()
+
+    def leave(self) -> None:
+        self.parties -= 1
+        self._release_if_full()
+
+    def _release_if_full(self) -> None:
+        if self.arrived and self.arrived >= self.parties:
+            self._gate.set()
+            self._gate, self.arrived = asyncio.Event(), 0
+            self.rounds += 1
+
+
 class MultiTurnRunner:
     """Runs ``n`` multi-turn trajectories per sample concurrently; callable like ``generator.generate``."""
 
     def __init__(self, generator, environment, tokenizer, *, max_turns: int = 3, max_total_tokens: int = 1024,
-                 observation_role: str = "user", turn_stop_strings: Sequence[str] = (), max_env_concurrency: int = 256):
+                 observation_role: str = "user", turn_stop_strings: Sequence[str] = (), max_env_concurrency: int = 256,
+                 turn_barrier: bool = False):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if max_env_concurrency < 1:
@@ -152,16 +187,22 @@ class MultiTurnRunner:
         self.generator, self.environment = generator, environment
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.turn_stop = tuple(turn_stop_strings)
+        self.turn_barrier = turn_barrier
+        self._turns = environment if isinstance(environment, TrajectoryTurns) else None
+        self.last_barrier_rounds = 0
         self.suffixes = ChatSuffixes(tokenizer, observation_role)
         self.last_trajectories: list[list[MultiTurnTrajectory]] = []
 
-    def _turn_params(self, params: SamplingParams, room: int, seed: int | None) -> SamplingParams:
-        return attrs.evolve(params, n=1, max_new_tokens=min(params.max_new_tokens, room), seed=seed,
+    def _turn_params(self, params: SamplingParams, room: int, seed: int | None, budget: int | None = None) -> SamplingParams:
+        limit = min(params.max_new_tokens, room) if budget is None else min(params.max_new_tokens, room, max(1, budget))
+        return attrs.evolve(params, n=1, max_new_tokens=limit, seed=seed,
                             stop=tuple(dict.fromkeys(tuple(params.stop) + self.turn_stop)))
 
-    async def _env_step(self, sample: Sample, history: list[str]) -> EnvStep:
+    async def _env_step(self, sample: Sample, trajectory: int, history: list[str]) -> EnvStep:
         try:
             loop = asyncio.get_running_loop()
+            if self._turns is not None:
+                return await loop.run_in_executor(self._env_pool, self._turns.step_trajectory, sample, trajectory, list(history))
             (step,) = await loop.run_in_executor(self._env_pool, self.environment.step, [sample], [list(history)])
         except EnvironmentTimeout:
             raise
@@ -169,9 +210,19 @@ class MultiTurnRunner:
             return EnvStep(reward=0.0, done=True, metrics={"error": 1.0})
         return step
 
-    async def run_one(self, sample: Sample, params: SamplingParams, seed: int | None = None) -> MultiTurnTrajectory:
+    async def run_one(self, sample: Sample, params: SamplingParams, seed: int | None = None, trajectory: int = 0,
+                      barrier: TurnBarrier | None = None) -> MultiTurnTrajectory:
+        """Trajectory ``trajectory`` (0..n-1) of ``sample``; with a ``barrier``, each turn after the first waits at it."""
         if sample.prompt_ids is None:
             raise ValueError(f"sample {sample.index} has no prompt_ids (the dataset must tokenize prompts)")
+        try:
+            return await self._turns_of(sample, params, seed, trajectory, barrier)
+        finally:
+            if barrier is not None:
+                barrier.leave()
+
+    async def _turns_of(self, sample: Sample, params: SamplingParams, seed: int | None, trajectory: int,
+                        barrier: TurnBarrier | None) -> MultiTurnTrajectory:
         state = _State(list(sample.prompt_ids))
         traj = MultiTurnTrajectory(sample, result=None)  # type: ignore[arg-type]
         for turn in range(self.max_turns):
@@ -179,13 +230,18 @@ class MultiTurnRunner:
             if room <= 0:
                 state.finish_reason = "length"
                 break
+            if barrier is not None and turn > 0:
+                await barrier.wait()
             turn_seed = None if seed is None else seed + 7919 * turn
-            out = await self.generator.agenerate(state.prompt_ids + state.ids, self._turn_params(params, room, turn_seed))
+            budget = None if self._turns is None else self._turns.turn_max_new_tokens(sample, trajectory, turn)
+            out = await self.generator.agenerate(state.prompt_ids + state.ids, self._turn_params(params, room, turn_seed, budget))
             state.version = out.policy_version if state.version is None else min(state.version, out.policy_version)
             state.append(out.response_ids, out.response_logprobs, model=True)
             state.finish_reason = out.finish_reason
             traj.turns.append(out.text)
-            step = await self._env_step(sample, traj.turns)
+            began = time.perf_counter()
+            step = await self._env_step(sample, trajectory, traj.turns)
+            traj.env_s += time.perf_counter() - began
             traj.reward, traj.done, traj.env_metrics = float(step.reward), bool(step.done), dict(step.metrics)
             if step.done or turn == self.max_turns - 1 or out.finish_reason in ("abort", "truncated_prompt"):
                 break
@@ -203,20 +259,33 @@ class MultiTurnRunner:
         return traj
 
     async def arun(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[MultiTurnTrajectory]]:
-        jobs = [self.run_one(s, params, None if params.seed is None else params.seed + 104729 * (i * params.n + k))
+        barrier = TurnBarrier(len(samples) * params.n) if self.turn_barrier else None
+        jobs = [self.run_one(s, params, None if params.seed is None else params.seed + 104729 * (i * params.n + k), k, barrier)
                 for i, s in enumerate(samples) for k in range(params.n)]
         flat = await asyncio.gather(*jobs)
+        self.last_barrier_rounds = 0 if barrier is None else barrier.rounds
         return [list(flat[i * params.n : (i + 1) * params.n]) for i in range(len(samples))]
+
+    def metrics(self) -> dict[str, float]:
+        """Merged into the step's metrics: the last call's model tokens, its critical path (the model tokens and tool seconds of
+        the trajectory with the most model tokens, the most tool seconds of any trajectory) and the turn
+        barrier's rounds."""
+        flat = [t for group in self.last_trajectories for t in group if t.result is not None]
+        if not flat:
+            return {}
+        tokens = [sum(t.result.response_mask or ()) for t in flat]
+        longest = max(range(len(flat)), key=tokens.__getitem__)
+        return {"rollout/generated_tokens": float(sum(tokens)),
+                "rollout/longest_trajectory_model_tokens": float(tokens[longest]),
+                "rollout/longest_trajectory_env_s": flat[longest].env_s,
+                "rollout/max_trajectory_env_s": max(t.env_s for t in flat),
+                "rollout/turn_barrier_rounds": float(self.last_barrier_rounds)}
 
     def __call__(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[GenerationResult]]:
         """``params.n`` results per sample (the loop's contract); trajectories with rewards are kept
         in ``last_trajectories``."""
         self.last_trajectories = asyncio.run(self.arun(samples, params))
         return [[t.result for t in group] for group in self.last_trajectories]
-
-    def metrics(self) -> dict[str, float]:
-        """Counters of the last call, merged into the step's metrics (the agent runner's failures)."""
-        return {}
 
 
 def make_multi_turn_runner(generator, environment, tokenizer, config: Any) -> MultiTurnRunner:
@@ -238,5 +307,5 @@ def make_multi_turn_runner(generator, environment, tokenizer, config: Any) -> Mu
     return MultiTurnRunner(
         generator, environment, tokenizer, max_turns=turns.max_turns, max_total_tokens=config.policy.max_total_sequence_length,
         observation_role=turns.observation_role, turn_stop_strings=tuple(turns.turn_stop_strings),
-        max_env_concurrency=turns.max_env_concurrency,
+        max_env_concurrency=turns.max_env_concurrency, turn_barrier=turns.turn_barrier,
     )

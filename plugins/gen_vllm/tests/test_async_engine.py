@@ -177,3 +177,47 @@ class TestAsyncConformance(GeneratorConformance):
     @pytest.fixture
     def generator_model_dir(self, vllm_model_dir):
         return vllm_model_dir
+
+
+class BudgetedEnv:
+    """:class:`rlcore.interfaces.TrajectoryTurns`: three turns per trajectory, each with its own budget;
+    records when each turn is asked for and answered."""
+
+    def __init__(self):
+        self.events, self._lock = [], threading.Lock()
+
+    @staticmethod
+    def budget(index: int, trajectory: int, turn: int) -> int:
+        return 1 + (5 * index + 3 * trajectory + 2 * turn) % 9
+
+    def turn_max_new_tokens(self, sample, trajectory, turn):
+        with self._lock:
+            self.events.append(("generate", turn))
+        return self.budget(sample.index, trajectory, turn)
+
+    def step_trajectory(self, sample, trajectory, history):
+        time.sleep(0.05 * ((sample.index + trajectory) % 3))  # tools of different lengths
+        with self._lock:
+            self.events.append(("answered", len(history) - 1))
+        return EnvStep(reward=1.0, done=len(history) >= 3, observation="ok")
+
+    def step(self, samples, histories):
+        raise AssertionError("answered through step_trajectory")
+
+
+def test_turn_barrier_and_per_turn_budgets_on_the_async_engine(async_generator):
+    tok = async_generator.tokenizer
+    samples = [Sample(prompt=f"{i}*2=", prompt_ids=tok.apply_chat_template(
+        [{"role": "user", "content": f"{i}*2="}], add_generation_prompt=True, return_dict=False), index=i) for i in range(4)]
+    env = BudgetedEnv()
+    runner = MultiTurnRunner(async_generator, env, tok, max_turns=3, max_total_tokens=async_generator.max_model_len,
+                             turn_barrier=True)
+    runner(samples, SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=3, ignore_eos=True))
+    for turn in (1, 2):  # every turn k+1 asked for only once every turn k was answered
+        last_answer = max(i for i, e in enumerate(env.events) if e == ("answered", turn - 1))
+        assert last_answer < min(i for i, e in enumerate(env.events) if e == ("generate", turn))
+    assert runner.metrics()["rollout/turn_barrier_rounds"] == 2
+    for s, group in zip(samples, runner.last_trajectories):
+        for k, t in enumerate(group):  # each turn exactly its budget long (per-request max_tokens, ignore_eos)
+            runs = [len(run) for run in "".join(map(str, t.result.response_mask)).split("0") if run]
+            assert runs == [BudgetedEnv.budget(s.index, k, turn) for turn in range(3)]

@@ -25,7 +25,7 @@ class AgentEnvConfig(MultiTurnEnvConfig):
 
     ``max_turns`` bounds the model requests of one trajectory; ``max_env_concurrency`` the agents
     running at once. ``observation_role`` and ``turn_stop_strings`` are not read: the agent sends
-    its own messages and stop strings."""
+    its own messages and stop strings; ``turn_barrier`` must stay false."""
 
     max_turns: int = field(default=3, validator=_positive, metadata=doc("model requests per trajectory; more are refused (HTTP 429)"))
     max_env_concurrency: int = field(default=256, validator=_positive, metadata=doc("agents (trajectories) running at once"))

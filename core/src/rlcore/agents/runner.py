@@ -239,5 +239,8 @@ class AgentRunner:
 
 
 def make_agent_runner(generator, tokenizer, config, section: AgentEnvConfig) -> AgentRunner:
+    if section.turn_barrier:
+        raise ValueError("env.agent.turn_barrier: an agent sends its requests when it chooses, so its turns cannot wait for "
+                         "the other trajectories'; set it false (or use a turn-by-turn multi-turn environment)")
     return AgentRunner(generator, tokenizer, resolve_agent(section.function), section,
                        max_total_tokens=config.policy.max_total_sequence_length, timeout_s=config.cluster.timeout_s)

@@ -23,3 +23,7 @@ class MultiTurnEnvConfig:
     observation_role: str = field(default="user", metadata=doc("chat role of the environment's observations"))
     turn_stop_strings: tuple[str, ...] = field(default=(), metadata=doc("end a model turn (besides EOS)"))
     max_env_concurrency: int = field(default=256, validator=_positive, metadata=doc("environment steps in flight at once"))
+    turn_barrier: bool = field(default=False, metadata=doc(
+        "every trajectory's next turn waits until all trajectories still going have their current turn generated and "
+        "answered, as a batched synchronous rollout does (the baseline of continuous multi-turn scheduling, and the "
+        "same batches whatever the tool latencies); false: each trajectory goes on as soon as its observation is ready"))

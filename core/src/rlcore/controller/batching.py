@@ -117,10 +117,12 @@ def to_sequence_batch(trajectories: list[Trajectory], advantages_N: torch.Tensor
         adv_tok.append(torch.full((len(ids),), float(advantages_N[i]), dtype=torch.float32))
         if routed is not None:
             routed.append(routed_experts_for(traj.result.routed_experts, len(ids)))
+    images = [t.sample.images for t in trajectories]
     return SequenceBatch(
         input_ids=input_ids,
         loss_mask=loss_mask,
         routed_experts=routed,
+        images=images if any(i is not None for i in images) else None,
         token_fields={"gen_logprobs": gen_lp, "advantages": adv_tok},
         seq_fields={
             "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),

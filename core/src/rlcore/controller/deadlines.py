@@ -3,7 +3,8 @@
 Environments and generators are plugin code that may hang (a remote grader, a sandbox, an engine
 process). Each call is bounded: in the main thread by a ``SIGALRM`` interval timer (so that an
 environment's own main-thread deadlines, such as rlcore-math's inline grader, keep working: that
-grader suspends and re-arms an outer timer), elsewhere by waiting on a helper thread. A timer
+grader suspends and re-arms an outer timer), elsewhere by waiting on a helper thread (reused once
+free: a multi-turn step makes one bounded call per trajectory turn, hundreds of them). A timer
 someone else armed (pytest-timeout, say) still fires on time. A call in the main thread that sits
 in one long C call is interrupted only when it returns to Python.
 
@@ -14,6 +15,7 @@ the stuck call is abandoned, not killed).
 
 from __future__ import annotations
 
+import queue
 import signal
 import threading
 import time
@@ -72,19 +74,43 @@ def _with_alarm(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
             signal.setitimer(signal.ITIMER_REAL, max(outer_delay - (time.monotonic() - started), 1e-3), outer_interval)
 
 
-def _with_thread(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
-    box: dict[str, Any] = {}
-    done = threading.Event()
+class _Helpers:
+    """Daemon threads that run bounded calls, each reused once its call returns. A call that never
+    returns keeps its thread (abandoned, as before); the next call gets another."""
 
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            box["error"] = exc
-        finally:
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], Any]) -> tuple[threading.Event, dict[str, Any]]:
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="rlcore-bounded-call", daemon=True).start()
+        inbox.put((fn, box, done))
+        return done, box
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            fn, box, done = inbox.get()
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = exc
+            del fn
+            with self._lock:
+                self._idle.append(inbox)
             done.set()
 
-    threading.Thread(target=target, name="rlcore-bounded-call", daemon=True).start()
+
+_HELPERS = _Helpers()
+
+
+def _with_thread(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
+    done, box = _HELPERS.submit(fn)
     if not done.wait(timeout_s):
         raise expired()
     if "error" in box:
@@ -116,3 +142,14 @@ class TimedEnvironment:
                 raise
             print(f"warning: {exc}; the batch of {len(samples)} scores 0 (env.on_timeout=zero)", flush=True)
             return [EnvStep(reward=0.0, done=True, metrics={"timeout": 1.0}) for _ in samples]
+
+    def step_trajectory(self, sample, trajectory: int, history):
+        """:meth:`rlcore.interfaces.TrajectoryTurns.step_trajectory`, bounded as ``step`` is."""
+        try:
+            return call_with_timeout(lambda: self.inner.step_trajectory(sample, trajectory, history), self.timeout_s,
+                                     self._describe)
+        except EnvironmentTimeout as exc:
+            if self.on_timeout == "stop":
+                raise
+            print(f"warning: {exc}; the trajectory scores 0 (env.on_timeout=zero)", flush=True)
+            return EnvStep(reward=0.0, done=True, metrics={"timeout": 1.0})

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from rlcore.config.generation import RefitConfig
 from rlcore.controller.refit_probe import compare_probe_logprobs, refit_probe_sequences
 from rlcore.controller.timing import StepTimer
+from rlcore.controller.rollouts import image_generator
 from rlcore.interfaces import Generator, SequenceBatch, TrainerHandle, WeightTransport
 
 
@@ -58,7 +59,10 @@ class Refitter:
         if count <= 0:
             return None
         probe = refit_probe_sequences(batch, count)
-        return probe, self.generator.score([ids.tolist() for ids in probe.input_ids])
+        sequences = [ids.tolist() for ids in probe.input_ids]
+        if probe.images is not None:  # image prompts: the generator scores them with their images
+            return probe, image_generator(self.generator).score_with_images(sequences, probe.images)
+        return probe, self.generator.score(sequences)
 
     def _compare_probe(self, probe: SequenceBatch, gen_lp: list, step: int) -> dict[str, float]:
         train_lp = self.trainer.logprobs(probe, what="'logprobs' (refit probe)")

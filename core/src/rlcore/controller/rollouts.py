@@ -18,7 +18,7 @@ import torch
 from rlcore.controller.batching import DataCursor, Trajectory, apply_env_steps, rollout_metrics, sampling_params, score
 from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.timing import StepTimer
-from rlcore.interfaces import Algorithm, Environment, EnvStep, Generator, PromptDataset, Sample
+from rlcore.interfaces import Algorithm, Environment, EnvStep, Generator, ImageGenerator, PromptDataset, Sample
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
@@ -63,6 +63,22 @@ class RolloutSource(Protocol):
     def data_position(self) -> int: ...
 
 
+def image_generator(generator: Generator) -> ImageGenerator:
+    """``generator`` as an :class:`ImageGenerator`, or an error naming it: prompts with images need one."""
+    if not isinstance(generator, ImageGenerator):
+        raise TypeError(f"the dataset's prompts carry images but the generator {type(generator).__name__} takes none "
+                        "(it has no generate_with_images); use the hf generator, or a text-only dataset")
+    return generator
+
+
+def no_images_in_multi_turn(samples: list[Sample]) -> None:
+    """Multi-turn rollouts take token ids only: prompts with images are an error, not images dropped."""
+    with_images = [s.index for s in samples if s.images is not None]
+    if with_images:
+        raise ValueError(f"samples {with_images[:5]} carry images, but multi-turn rollouts take text prompts only; "
+                         "use a single-turn environment with image datasets")
+
+
 def reward_tensors(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rewards, group ids and truncation flags of ``trajs``, one entry per trajectory."""
     rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
@@ -97,9 +113,14 @@ class Rollouts:
             if observer is not None:
                 observer.generation_began()
             if self.multi_turn is not None:
+                no_images_in_multi_turn(samples)
                 results = self._bounded(lambda: self.multi_turn(samples, params), "multi-turn rollouts", step)
                 final_steps = [[EnvStep(reward=t.reward, metrics=t.env_metrics) for t in group]
                                for group in self.multi_turn.last_trajectories]
+            elif any(s.images is not None for s in samples):
+                generator = image_generator(self.generator)
+                results = self._bounded(lambda: generator.generate_with_images(
+                    [s.prompt_ids for s in samples], [s.images for s in samples], params), "generate", step)
             else:
                 results = self._bounded(lambda: self.generator.generate([s.prompt_ids for s in samples], params),
                                         "generate", step)

@@ -38,6 +38,7 @@ from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline, 
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
 from rlcore.controller.run_dir import RunDir
+from rlcore.controller.rollouts import image_generator
 from rlcore.interfaces import Environment, Generator, Sample, SamplingParams, SequenceBatch, TrainerHandle, WeightTransport
 from rlcore.plugins import get_plugin_manager
 
@@ -58,12 +59,16 @@ def answer_batch(samples: Sequence[Sample], tokenizer: Any, max_length: int | No
             response, cut = response[: max(0, max_length - len(prompt))], cut + 1
         ids.append(torch.tensor(prompt + response))
         masks.append(torch.tensor([0.0] * len(prompt) + [1.0] * len(response)))
-    return SequenceBatch(input_ids=ids, loss_mask=masks), cut
+    images = [s.images for s in samples]
+    return SequenceBatch(input_ids=ids, loss_mask=masks, images=images if any(i is not None for i in images) else None), cut
 
 
 def greedy_accuracy(generator: Generator, environment: Environment, samples: Sequence[Sample], params: SamplingParams) -> float:
     """Fraction of ``samples`` whose decoded response (``params``: greedy) the environment scores correct."""
-    results = generator.generate([s.prompt_ids for s in samples], params)
+    if any(s.images is not None for s in samples):
+        results = image_generator(generator).generate_with_images([s.prompt_ids for s in samples], [s.images for s in samples], params)
+    else:
+        results = generator.generate([s.prompt_ids for s in samples], params)
     trajs = [Trajectory(s, i, r[0]) for i, (s, r) in enumerate(zip(samples, results))]
     score(environment, trajs)
     return float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajs]))

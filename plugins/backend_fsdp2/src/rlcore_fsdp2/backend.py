@@ -27,6 +27,7 @@ from rlcore.algorithms.base import merge_metrics
 from rlcore.config.schema import RunConfig
 from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
+from rlcore.multimodal import ImageInputs, is_vision_language, mrope_positions
 from rlcore.ops import selected_token_logprobs, token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore_fsdp2 import attention, checkpoint, lora, one_rank
@@ -70,6 +71,7 @@ class FSDP2Backend:
         # Master weights and gradient reduction stay in fp32 (fp64 for float64 runs).
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         self.dims.check_model(self.hf_config)
+        self.vision = is_vision_language(self.hf_config)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.mesh["dp_shard"].get_local_rank()
         self.model = self._build_model(hf_config is not None, seed if seed is not None else config.grpo.seed)
@@ -110,18 +112,23 @@ class FSDP2Backend:
         return AutoConfig.from_pretrained(self.policy.model_name)  # a directory, or a hub id as transformers takes it
 
     def _build_model(self, random_init: bool, seed: int) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         impl = attention.register()
+        loader = AutoModelForCausalLM
+        if self.vision:
+            # Packed causal attention in the decoder; the vision tower's own (bidirectional, per image) SDPA.
+            loader, impl = AutoModelForImageTextToText, {"text_config": impl, "vision_config": "sdpa", "": impl}
         if random_init:
             torch.manual_seed(seed)
             with torch.device(self.device):
-                model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.master_dtype, attn_implementation=impl)
+                model = loader.from_config(self.hf_config, dtype=self.master_dtype, attn_implementation=impl)
         else:
-            model = AutoModelForCausalLM.from_pretrained(self.policy.model_name, dtype=self.master_dtype,
-                                                         attn_implementation=impl)
+            model = loader.from_pretrained(self.policy.model_name, dtype=self.master_dtype, attn_implementation=impl)
             model.to(self.device)
         model.config.use_cache = False
+        if self.vision and self.cfg.freeze_vision_tower:
+            model.model.visual.requires_grad_(False)
         if self.policy.lora.enabled:
             if self.dims.tp > 1:
                 raise ConfigError("policy.lora.enabled", "LoRA on the fsdp2 backend needs tensor_parallel_size 1 (the "
@@ -159,7 +166,8 @@ class FSDP2Backend:
         cu, max_len = attention.attention_cu_seqlens(mb.cu_seqlens, mb.num_tokens, self.device)
         rows_R = mb.logprob_rows_R
         select = rows_R is not None and rows_R.numel() > 0 and not self.cfg.sequence_parallel and self.dims.cp == 1
-        out = self.model(input_ids=mb.input_ids_T[None], position_ids=mb.position_ids_T[None], use_cache=False,
+        inputs = self._vision_inputs(mb) if self.vision else {"position_ids": mb.position_ids_T[None]}
+        out = self.model(input_ids=mb.input_ids_T[None], use_cache=False, **inputs,
                          cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
                          logits_to_keep=rows_R if select else 0)
         # squeeze, not [0]: indexing's backward would fill a zero [T, V] tensor
@@ -167,6 +175,21 @@ class FSDP2Backend:
             return selected_token_logprobs(out.logits.squeeze(0), mb.input_ids_T, rows_R,
                                            chunk_tokens=self.cfg.logprob_chunk_tokens)
         return token_logprobs(out.logits.squeeze(0), mb.input_ids_T, mb.cu_seqlens, chunk_tokens=self.cfg.logprob_chunk_tokens)
+
+    def _vision_inputs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """A vision-language model's inputs: the micro-batch's pixels and positions [4, 1, T]: the packed
+        text positions (restarting per sequence), then each sequence's multimodal rotary positions."""
+        ids_T, cu = mb.input_ids_T, mb.cu_seqlens.tolist()
+        token = int(self.hf_config.image_token_id)
+        per_seq = mb.images if mb.images is not None else [None] * mb.num_seqs
+        rope_3T = torch.cat([mrope_positions(self.model, ids_T[a:b], images, token)
+                             for a, b, images in zip(cu[:-1], cu[1:], per_seq)]
+                            + [torch.arange(mb.num_padding, device=ids_T.device).expand(3, -1)], dim=1)
+        inputs = {"position_ids": torch.cat([mb.position_ids_T[None], rope_3T])[:, None]}
+        images = ImageInputs.concat(per_seq)
+        if images is not None:
+            inputs.update(pixel_values=images.pixel_values_PD.to(self.compute_dtype), image_grid_thw=images.image_grid_thw_I3)
+        return inputs
 
     # ---- TrainingBackend -------------------------------------------------------------------
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:

@@ -44,6 +44,9 @@ class DTensorConfig:
         "'auto': the parallel sizes, sequence parallelism, recompute and offload this section leaves out are chosen by "
         "rlcore's planner (rlcore.planning: the fastest layout predicted to fit); the keys it sets are kept"))
     explicit_keys: frozenset = field(factory=frozenset, metadata={**doc("the keys the recipe set (filled in when read)"), "internal": True})
+    freeze_vision_tower: bool = field(default=False, metadata=doc(
+        "vision-language models: keep the vision tower (and its merger) at its initial weights; only the language "
+        "model trains. Ignored for text-only models"))
     cpu_offload: bool = field(default=False, metadata=doc("keep sharded params, grads and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy; CUDA only)"))
     sequence_parallel: bool = field(default=False, metadata=doc("shard norms and residuals over the sequence on the tensor-parallel ranks (needs tensor_parallel_size > 1)"))
     activation_checkpointing: bool = field(default=False, metadata=doc("recompute each decoder layer's activations in the backward pass"))

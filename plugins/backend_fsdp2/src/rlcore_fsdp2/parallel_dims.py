@@ -9,7 +9,8 @@ import attrs
 from rlcore.config.structure import ConfigError
 from rlcore_fsdp2.config import SECTION
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl")
+VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl")  # trained with tensor_parallel_size 1 only
 
 
 @attrs.frozen
@@ -67,6 +68,9 @@ class ParallelDims:
             )
         if self.tp == 1:
             return
+        if model_type in VISION_LANGUAGE:
+            raise ConfigError(f"{SECTION}.tensor_parallel_size", f"vision-language models ({model_type}) train with "
+                              "tensor_parallel_size 1 on the fsdp2 backend (no tensor-parallel plan covers the vision tower)")
         counts = {
             "num_attention_heads": hf_config.num_attention_heads,
             "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,

@@ -38,7 +38,9 @@ AC_PREFIX = "_checkpoint_wrapped_module."
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.model.layers
+    inner = model.model
+    language_model = getattr(inner, "language_model", None)  # vision-language models: the text decoder's
+    return (language_model if language_model is not None else inner).layers
 
 
 def tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:

@@ -73,6 +73,10 @@ class MegatronBackend:
 
         self.model_path = config.policy.model_name
         self.hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(self.model_path)
+        if getattr(self.hf_config, "vision_config", None) is not None:
+            raise ConfigError(f"{SECTION}.enabled", f"{self.model_path!r} is a vision-language model "
+                              f"({self.hf_config.model_type}); the megatron backend trains text-only models. Use the "
+                              "fsdp2 backend (policy.dtensor_cfg.enabled: true, policy.megatron_cfg.enabled: false)")
         cfg = self.cfg = apply_auto_layout(cfg, config, self.hf_config.to_dict(), self.world.world_size, "cpu" if self.on_cpu else "cuda",
                                            report=print if self.world.rank == 0 else lambda _: None)
         self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.grpo.seed if seed is None else seed)

@@ -1,0 +1,159 @@
+"""Images in prompts: loading them, turning chat messages with images into token ids and pixel
+values, and the multimodal rotary positions a Qwen2.5-VL-style model needs.
+
+A prompt with images is its token ids, in which the model's image placeholder
+(``<|image_pad|>``) is already repeated once per image token, plus :class:`ImageInputs`: the
+image processor's ``pixel_values`` (one row per vision patch) and ``image_grid_thw`` (one row
+per image: temporal, height and width patch counts). The ids and the pixels travel together
+from the dataset (:attr:`rlcore.interfaces.Sample.images`) through generation, the training
+batch (:attr:`rlcore.interfaces.SequenceBatch.images`) and packing
+(:attr:`rlcore.packing.MicroBatch.images`, per sequence), so the trainer scores exactly what the generator saw.
+
+Prompts are built the way the model's processor builds them (chat template rendered with an
+image entry per image, each placeholder expanded to ``grid_t * grid_h * grid_w / merge_size**2``
+tokens), from the tokenizer and the image processor saved in the model directory. The image
+processor is loaded with its PIL backend: the torchvision one is not installed with rlcore.
+
+This module imports torch and PIL lazily.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from rlcore.config.images import MAX_IMAGE_PIXELS
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image as PILImage
+
+IMAGE_TOKEN = "<|image_pad|>"
+
+
+class ImageError(ValueError):
+    """An image of a dataset that cannot be used; the message names the file and row."""
+
+
+@attrs.define
+class ImageInputs:
+    """The processed images of one prompt (or of several, concatenated in order).
+
+    ``pixel_values_PD``: float [patches, patch dim]; ``image_grid_thw_I3``: int64 [images, 3].
+    Patches of image i are rows ``sum(prod(grid[:i])) ..`` of ``pixel_values_PD``."""
+
+    pixel_values_PD: torch.Tensor
+    image_grid_thw_I3: torch.Tensor
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw_I3.shape[0])
+
+    def to(self, device: Any, non_blocking: bool = False) -> ImageInputs:
+        return ImageInputs(self.pixel_values_PD.to(device, non_blocking=non_blocking),
+                           self.image_grid_thw_I3.to(device, non_blocking=non_blocking))
+
+    @staticmethod
+    def concat(parts: Sequence[ImageInputs | None]) -> ImageInputs | None:
+        """The images of several prompts, in order (None: none had any)."""
+        import torch
+
+        present = [p for p in parts if p is not None and p.num_images]
+        if not present:
+            return None
+        return ImageInputs(torch.cat([p.pixel_values_PD for p in present]),
+                           torch.cat([p.image_grid_thw_I3 for p in present]))
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def load_image(ref: str, base_dir: str | Path, source: str, max_pixels: int = MAX_IMAGE_PIXELS) -> PILImage.Image:
+    """An RGB image from ``ref``: a path relative to ``base_dir`` (the data file's directory) or
+    ``data:image/...;base64,...``. ``source`` (``file:row``) is named in every error."""
+    from PIL import Image, UnidentifiedImageError
+
+    if ref.startswith("data:"):
+        try:
+            raw = base64.b64decode(ref.split(",", 1)[1], validate=True)
+        except (IndexError, ValueError) as exc:
+            raise ImageError(f"{source}: the image is not valid base64 data ({exc})") from None
+        what, opener = "the base64 image", lambda: io.BytesIO(raw)
+    else:
+        path = Path(base_dir) / ref
+        if not path.is_file():
+            raise ImageError(f"{source}: image file {str(path)!r} does not exist")
+        what, opener = f"image file {str(path)!r}", lambda: open(path, "rb")  # noqa: SIM115 - closed below
+    try:
+        with opener() as handle, Image.open(handle) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ImageError(f"{source}: {what} is {width}x{height}, more than the {max_pixels} pixels allowed")
+            image.load()  # decodes now: a truncated file fails here, not in the middle of a step
+            return image.convert("RGB")
+    except ImageError:
+        raise
+    except UnidentifiedImageError:
+        raise ImageError(f"{source}: {what} is not an image PIL can read") from None
+    except (OSError, SyntaxError) as exc:  # PIL reports truncated or corrupt data as OSError
+        raise ImageError(f"{source}: {what} is truncated or corrupt ({exc})") from None
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+def load_image_processor(model_dir: str | Path) -> Any:
+    """The image processor saved in ``model_dir`` (``preprocessor_config.json``), PIL backend."""
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+
+
+class ImagePromptProcessor:
+    """Chat messages with images -> (prompt ids with expanded placeholders, :class:`ImageInputs`).
+
+    Messages follow the transformers convention: a message's ``content`` is a string or a list of
+    ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` entries, one per image, in order."""
+
+    def __init__(self, tokenizer: Any, image_processor: Any):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no {IMAGE_TOKEN} token: it is not a Qwen-VL-style model's tokenizer")
+        self.merge_size = int(getattr(image_processor, "merge_size", 2))
+
+    def __call__(self, messages: list[dict], images: Sequence[PILImage.Image]) -> tuple[list[int], ImageInputs | None]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if text.count(IMAGE_TOKEN) != len(images):
+            raise ValueError(f"the messages hold {text.count(IMAGE_TOKEN)} image entries but {len(images)} images were given")
+        if not images:
+            return list(self.tokenizer.encode(text, add_special_tokens=False)), None
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        grid_I3 = out["image_grid_thw"].long()
+        pieces = text.split(IMAGE_TOKEN)
+        ids: list[int] = list(self.tokenizer.encode(pieces[0], add_special_tokens=False))
+        for grid_3, piece in zip(grid_I3.tolist(), pieces[1:]):
+            ids += [self.image_token_id] * (grid_3[0] * grid_3[1] * grid_3[2] // self.merge_size**2)
+            ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        return ids, ImageInputs(out["pixel_values"].float(), grid_I3)
+
+
+# ---- models ----------------------------------------------------------------------------------
+def is_vision_language(hf_config: Any) -> bool:
+    """Whether a transformers config is a vision-language model's (it has a vision tower)."""
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+def mrope_positions(model: Any, ids_L: torch.Tensor, images: ImageInputs | None, image_token: int) -> torch.Tensor:
+    """Multimodal rotary positions [3, L] of one sequence (temporal, height, width), from the
+    model's own ``get_rope_index``: text tokens count up on all three, an image's tokens take its
+    grid coordinates. Without images: ``arange(L)`` three times."""
+    import torch
+
+    if images is None or images.num_images == 0:
+        return torch.arange(ids_L.numel(), device=ids_L.device).expand(3, -1)
+    base = getattr(model, "model", model)
+    positions_3BL, _ = base.get_rope_index(ids_L[None], mm_token_type_ids=(ids_L == image_token).int()[None],
+                                           image_grid_thw=images.image_grid_thw_I3.to(ids_L.device))
+    return positions_3BL[:, 0]
