@@ -12,6 +12,7 @@ watches ``metrics.jsonl``, and the loop's handler ends the step as a scheduler's
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import threading
@@ -109,6 +110,8 @@ def test_sft_lowers_the_held_out_loss_and_writes_the_model(straight_runs):
     assert by_step[1]["train/num_optimizer_steps"] == 1.0 and by_step[1]["train/response_tokens"] > 8
     summary = json.loads((straight_runs["sft"] / "summary.json").read_text())
     assert summary["val/loss_last"] == by_step[4]["val/loss"] and summary["stopped_by_signal"] is None
+    # save_period 1000: the last step is checkpointed all the same
+    assert sorted(p.name for p in (straight_runs["sft"] / "checkpoints").iterdir()) == ["step_000004"]
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(straight_runs["sft"] / "model").config.num_hidden_layers > 0
@@ -126,7 +129,11 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(name, straight_runs, t
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{last:06d}"]
     assert not (run_dir / "model").exists()  # a signalled run's model is in its checkpoint
     assert cli_run(recipe, tmp_path / "recipe.yaml") == 0
-    assert f"resumed from {run_dir / 'checkpoints' / f'step_{last:06d}'} at step {last}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{last:06d}'} at step {last}" in out
+    # the end of the run says where its outputs went: the model and the last step's checkpoint
+    assert f"outputs of this run in {run_dir}" in out and f"{run_dir / 'model'}" in out
+    assert re.search(rf"checkpoint +{re.escape(str(run_dir / 'checkpoints' / 'step_000004'))}", out), out[-1500:]
     resumed, straight = records(run_dir), records(straight_runs[name])
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4], "each step once"
     assert len({r["run_id"] for r in resumed}) == 1

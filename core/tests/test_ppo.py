@@ -169,8 +169,8 @@ def test_step_and_summary_tables_show_the_critic_phases():
         return out.getvalue()
 
     ppo = printed({"step": 1, "timing/total": 3.0, "timing/logprobs": 0.5, "timing/values": 0.25, "timing/critic_train": 0.75})
-    header, cells = ppo.splitlines()[:2]
-    assert header.split()[header.split().index("lp") + 1:][:2] == ["values", "critic"]
+    header, _legend, cells = ppo.splitlines()[:3]
+    assert header.split()[header.split().index("logprobs") + 1:][:2] == ["values", "critic"]
     assert cells.split().index("0.50") + 1 == cells.split().index("0.25") == cells.split().index("0.75") - 1  # lp, values, critic
     assert "Values" in ppo and "Critic" in ppo
     grpo = printed({"step": 1, "timing/total": 3.0, "timing/logprobs": 0.5})

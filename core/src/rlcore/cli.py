@@ -13,6 +13,7 @@ callers that pass ``argv``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
@@ -24,6 +25,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from rlcore.checks import check_before_start
 from rlcore.config import ConfigError, load_config, to_dict
 from rlcore.errors import CheckpointError, DataError
 from rlcore.plugins import PluginError, get_plugin_manager
@@ -55,15 +57,18 @@ def cmd_plugins(args) -> int:
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
-    table = Table(title="rlcore plugins")
-    for column in ("distribution", "version", "kind", "name", "section", "capabilities"):
-        table.add_column(column)
+    # One table per distribution, three columns that fold rather than cut: readable at 80 columns.
+    # Capabilities (long, internal: import paths, precedences) are in --json.
     for dist in data:
+        table = Table(title=f"{dist['distribution']} {dist['version']}", title_justify="left", expand=False)
+        table.add_column("kind", overflow="fold")
+        table.add_column("name", overflow="fold")
+        table.add_column("recipe section", overflow="fold")
         for kind, items in dist["provides"].items():
             for item in items:
-                caps = ", ".join(f"{k}={v}" for k, v in item["capabilities"].items())
-                table.add_row(dist["distribution"], dist["version"], kind, item["name"], item["section"] or "", caps)
-    console.print(table)
+                table.add_row(kind.replace("_", " "), item["name"], item["section"] or "")
+        console.print(table)
+    console.print("capabilities and config classes: rlcore plugins --json", highlight=False, style="dim")
     return 0
 
 
@@ -71,14 +76,18 @@ def cmd_config(args) -> int:
     import yaml
 
     if args.defaults:
-        from rlcore.config.defaults import format_defaults, run_defaults
+        from rlcore.config.defaults import format_defaults, format_described, run_defaults
 
         defaults = run_defaults(get_plugin_manager())
-        print(json.dumps(defaults, indent=2, default=str) if args.json else format_defaults(defaults), end="")
+        if args.json:
+            print(json.dumps(defaults, indent=2, default=str))
+        else:
+            print(format_defaults(defaults) if args.no_descriptions else format_described(defaults, get_plugin_manager()), end="")
         return 0
     if args.recipe is None:
         raise ConfigError("", "rlcore config needs a recipe (or --defaults for the defaults of rlcore run)")
     config = load_config(args.recipe, args.overrides)
+    check_before_start(config)  # what rlcore run refuses before it starts, refused here too
     resolved = to_dict(config)
     if args.json:
         print(json.dumps(resolved, indent=2, default=str))
@@ -115,8 +124,10 @@ def cmd_doctor(args) -> int:
 
 
 def run_overrides(args) -> list[str]:
-    """The recipe overrides of ``rlcore run``, with ``--resume/--no-resume`` last (they win)."""
+    """The recipe overrides of ``rlcore run``, with ``--resume/--no-resume`` and ``--verbose`` last (they win)."""
     extra = [] if args.resume is None else [f"checkpointing.resume={'true' if args.resume else 'false'}"]
+    if getattr(args, "verbose", False):
+        extra.append("logger.verbosity=verbose")
     return list(args.overrides) + extra
 
 
@@ -125,9 +136,34 @@ def cmd_run(args) -> int:
 
     config = load_config(args.recipe, run_overrides(args))
     args.exit_timeout_s = config.cluster.exit_timeout_s  # from here on the run may leave threads behind (main)
-    result = rlcore.run(config)
+    try:
+        result = rlcore.run(config)
+    except KeyboardInterrupt:
+        return interrupted(config)
+    except Exception:
+        from rlcore.controller.checkpoint import INTERRUPTED
+
+        if INTERRUPTED.is_set():  # a child process the terminal's Ctrl-C ended too: the interruption, not a failure
+            return interrupted(config)
+        raise
     stopped = result["summary"].get("stopped_by_signal")
     return 128 + signal.Signals[stopped].value if stopped else 0  # a shell's status for a run a signal ended
+
+
+def interrupted(config) -> int:
+    """One line for a run Ctrl-C stopped at once: what it saved and how to go on; exit 130."""
+    from rlcore.controller.checkpoint import CheckpointManager
+    from rlcore.controller.run_dir import checkpoint_root
+
+    latest = CheckpointManager(checkpoint_root(config), keep_last_k=1).latest() if config.checkpointing.enabled else None
+    if latest is not None:
+        saved = f"newest checkpoint {latest}; run the same command again to resume from it"
+    elif config.checkpointing.enabled:
+        saved = "no checkpoint was written yet; run the same command again to start afresh"
+    else:
+        saved = "nothing saved (checkpointing.enabled is false); run the same command again to start afresh"
+    err_console.print(f"interrupted (Ctrl-C): {saved}", highlight=False, markup=False, soft_wrap=True)
+    return 128 + signal.SIGINT.value
 
 
 def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:
@@ -157,8 +193,11 @@ def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:
 
 def cmd_export(args) -> int:
     from rlcore.export import export_checkpoint
+    from rlcore.verbosity import apply_verbosity
 
-    done = export_checkpoint(args.checkpoint, args.out, args.overrides)
+    apply_verbosity("verbose" if args.verbose else "quiet")
+    with stdout_to_stderr():
+        done = export_checkpoint(args.checkpoint, args.out, args.overrides)
     if args.json:
         print(json.dumps(done, indent=2))
     else:
@@ -169,12 +208,35 @@ def cmd_export(args) -> int:
 
 def cmd_eval(args) -> int:
     from rlcore.evaluation import check_eval_options, evaluate, write_summary
+    from rlcore.verbosity import apply_verbosity
 
     check_eval_options(args.batch_size, args.out)  # before the evaluation, whose result a bad --out would lose
-    summary = evaluate(args.model, args.recipe, args.overrides, k=args.k, num_samples=args.samples,
-                       batch_size=args.batch_size, progress=not args.no_progress)
-    print(write_summary(summary, args.out))
+    apply_verbosity("verbose" if args.verbose else "quiet")
+    with stdout_to_stderr():  # `rlcore eval ... > eval.json`: the JSON summary is all stdout gets
+        summary = evaluate(args.model, args.recipe, args.overrides, k=args.k, num_samples=args.samples,
+                           batch_size=args.batch_size, progress=not args.no_progress)
+    print(write_summary(summary, args.out), flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Everything written to stdout meanwhile goes to stderr: Python's ``print``, the libraries'
+    log handlers bound to ``sys.stdout``, and the processes started meanwhile (vLLM's engine core
+    writes to the file descriptor it inherits). Keeps stdout for a command's machine-readable result."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+VERBOSE_HELP = "also print the INFO logs and progress bars of vLLM, transformers, Ray (logger.verbosity=verbose)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                    help="continue from this run's newest checkpoint (checkpointing.resume; default: the recipe's)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plugins", help="list installed plugins and what they provide")
     p.add_argument("--json", action="store_true")
@@ -192,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved config of a recipe")
     p.add_argument("recipe", nargs="?")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--defaults", action="store_true", help="print the defaults of rlcore run (core keys, each plugin's section)")
+    p.add_argument("--defaults", action="store_true",
+                   help="print the defaults of rlcore run (core keys, each plugin's section), each with its description")
+    p.add_argument("--no-descriptions", action="store_true", help="with --defaults: the values only")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("doctor", help="check installed versions")
@@ -203,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="new or empty directory for the Hugging Face model")
     p.add_argument("overrides", nargs="*", help="dotted.key=value applied to the run's config (e.g. a moved policy.model_name)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on a recipe's validation set (JSON summary)")
     p.add_argument("model", help="a Hugging Face model directory, or an rlcore checkpoint (exported first)")
@@ -213,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256, help="prompts per generate call")
     p.add_argument("--out", default=None, help="also write the JSON summary to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_eval)
     from rlcore.planning.command import add_parser as add_plan_parser
 
@@ -238,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     status = 1  # an exception this does not catch
     try:
         status = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that left (BrokenPipeError) is handled below
+        return status
+    except BrokenPipeError:
+        # `rlcore plugins --json | head`: the reader left; say nothing more (and let Python's
+        # flush at exit find nothing to write: stdout now points at /dev/null).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 0
         return status
     except (ConfigError, PluginError, CheckpointError, DataError) as exc:
         # soft_wrap: never break the message (key paths, file paths) at the terminal width.

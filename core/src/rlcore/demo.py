@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -141,6 +139,24 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     return history[-1] if history else {}
 
 
+def move_aside(run_dir: Path) -> Path | None:
+    """Rename an existing ``run_dir`` to ``<run_dir>-<its run id>`` (its ``run.json``; else the
+    directory's modification time), so a new demo never deletes the previous one's model and
+    metrics. Returns where it went, or None when there was nothing to move."""
+    if not run_dir.exists():
+        return None
+    try:
+        tag = str(json.loads((run_dir / "run.json").read_text())["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        tag = time.strftime("%Y%m%d-%H%M%S", time.localtime(run_dir.stat().st_mtime))
+    target, n = run_dir.with_name(f"{run_dir.name}-{tag}"), 1
+    while target.exists():
+        n += 1
+        target = run_dir.with_name(f"{run_dir.name}-{tag}-{n}")
+    run_dir.rename(target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo", help="working directory")
@@ -164,10 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*", help="recipe overrides, dotted.key=value")
     args = parser.parse_args(argv)
 
-    # vLLM logs a line per refit (prefix-cache reset, rotary buffers it does not reload); keep
-    # the per-step table readable. Set VLLM_LOGGING_LEVEL=INFO to see them.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from rlcore.verbosity import apply_verbosity
+
+    apply_verbosity("quiet")  # the libraries' INFO logs off, as in rlcore run (logger.verbosity)
     import rlcore
+    from rlcore.controller.report import change
     from rlcore.testing.tiny import build_tiny_model
 
     out = Path(args.out)
@@ -187,15 +204,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sft_only:
         return {"sft": str(sft)}
     # Each demo is a new GRPO run in <out>/grpo (or grpo-lora; a run directory holds one run); the
-    # SFT warm start above is what is cached between demos.
-    shutil.rmtree(grpo_dir, ignore_errors=True)
+    # SFT warm start above is what is cached between demos, and a previous run is kept beside it.
+    kept = move_aside(grpo_dir)
+    if kept is not None:
+        print(f"the previous demo run was moved to {kept}", flush=True)
     config = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", f"logger.log_dir={grpo_dir}", *overrides])
     started = time.perf_counter()
     result = rlcore.run(config)
     summary = result["summary"]
     print(f"{'PPO' if args.ppo else 'GRPO'} took {time.perf_counter() - started:.0f}s; held-out accuracy "
-          f"{summary['val/accuracy_first']} -> {summary['val/accuracy_last']}")
-    print(f"metrics: {Path(result['run_dir']) / 'metrics.jsonl'}  curve: {result['plot']}")
+          f"{change(summary['val/accuracy_first'], summary['val/accuracy_last'])}")
     if args.require_gain is not None:
         first, last = summary["val/accuracy_first"], summary["val/accuracy_last"]
         if first is None or last is None or last - first < args.require_gain:

@@ -42,7 +42,7 @@ def _components(config):
     """Tokenizer, validation samples, environment, generator and multi-turn runner, as ``rlcore.run`` builds them."""
     from transformers import AutoTokenizer
 
-    from rlcore.controller.deadlines import TimedEnvironment
+    from rlcore.controller.builders import build_environment
     from rlcore.controller.placement import plan_placement
     from rlcore.controller.preflight import check_model_name, check_prompt_lengths
     from rlcore.plugins import get_plugin_manager
@@ -56,13 +56,11 @@ def _components(config):
     if not getattr(dataset, "validation", None):
         raise ConfigError("data", f"the dataset '{data_cfg.name}' of this recipe has no validation split to evaluate on")
     samples = list(dataset.validation[: config.grpo.max_val_samples])
-    env_reg = manager.get("environment", config.env.name)
-    environment = TimedEnvironment(env_reg.build(config.section(f"env.{config.env.name}")), config.env.name,
-                                   config.cluster.timeout_s, config.env.on_timeout)
+    environment, multi_turn_env = build_environment(config, manager, {})  # env.reward_fn or the env.name plugin
     config.require_section("policy.generation")
     generator = manager.get("generator", config.generation.backend).build(config, config.generation, plan_placement(config))
     multi_turn = None
-    if env_reg.capabilities.get("multi_turn"):
+    if multi_turn_env:
         from rlcore.controller.builders import build_multi_turn_runner
 
         multi_turn = build_multi_turn_runner(generator, environment, tokenizer, config)
@@ -149,10 +147,15 @@ def evaluate_model(model_dir: str, recipe: str, overrides: list[str] = (), *, k:
 
 def evaluate(model: str, recipe: str, overrides: list[str] = (), **kwargs) -> dict:
     """:func:`evaluate_model` on a Hugging Face directory, or on an rlcore checkpoint exported first."""
-    from rlcore.export import export_checkpoint, is_hf_model_dir
+    from rlcore.export import export_checkpoint, final_model, is_hf_model_dir
 
     if is_hf_model_dir(model):
         return evaluate_model(model, recipe, overrides, **kwargs)
+    final = final_model(model)
+    if final is not None:  # a run directory without checkpoints: its final model, as it is
+        summary = evaluate_model(str(final), recipe, overrides, **kwargs)
+        summary.update(model=str(model), final_model=str(final))
+        return summary
     if not Path(model).expanduser().exists():
         raise ConfigError("MODEL", f"{model!r}: no such directory (a Hugging Face model directory or an rlcore checkpoint)")
     with tempfile.TemporaryDirectory(prefix="rlcore-eval-") as tmp:

@@ -14,6 +14,7 @@ with, and writes safetensors, ``config.json`` and the tokenizer.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import yaml
@@ -28,6 +29,16 @@ RUN_CONFIG = "config.yaml"
 def is_hf_model_dir(path: str | Path) -> bool:
     path = Path(path)
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def final_model(path: str | Path) -> Path | None:
+    """``<run dir>/model``, the final model a run writes, when ``path`` is a run directory that
+    holds no checkpoint (a run with checkpoints exports from its newest, as before)."""
+    path = Path(path).expanduser()
+    if is_hf_model_dir(path / "model") and CheckpointManager(path / "checkpoints", keep_last_k=1).latest() is None \
+            and not (path / "loop_state.pt").is_file():
+        return path / "model"
+    return None
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -45,7 +56,13 @@ def find_checkpoint(path: str | Path) -> Path:
         if latest is not None:
             return latest
     raise CheckpointError(f"{path} holds no complete rlcore checkpoint (a step_N directory with loop_state.pt, "
-                          "or a run directory whose checkpoints/ has one)")
+                          "or a run directory whose checkpoints/ has one). " + HOW_TO_GET_ONE)
+
+
+HOW_TO_GET_ONE = ("Every run writes its final model to <logger.log_dir>/model (a Hugging Face directory that "
+                  "rlcore eval and transformers read as it is); checkpoints come with checkpointing.enabled=true "
+                  "(every checkpointing.save_period steps and at the last step), e.g. rlcore run RECIPE "
+                  "checkpointing.enabled=true")
 
 
 def run_config_for(step_dir: Path, overrides: list[str] = ()) -> RunConfig:
@@ -96,9 +113,14 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[s
     from rlcore.controller.builders import select_backend
     from rlcore.plugins import get_plugin_manager
 
-    step_dir = find_checkpoint(checkpoint)
     out = Path(out).expanduser()
     check_writable_target(out)
+    final = final_model(checkpoint)
+    if final is not None:  # a run without checkpoints: its final model is already in Hugging Face format
+        shutil.copytree(final, out, dirs_exist_ok=True)
+        return {"checkpoint": str(final), "backend": "final model", "out": str(out), "model_name": str(final),
+                "precision": "as saved"}
+    step_dir = find_checkpoint(checkpoint)
     config = run_config_for(step_dir, overrides)
     check_model_name(config)  # its config.json and tokenizer are the export's; moved? override policy.model_name
     manager = get_plugin_manager()

@@ -63,3 +63,48 @@ def format_defaults(defaults: dict[str, Any]) -> str:
         parts.append(f"# {section['path']}: {section['kind']} '{section['name']}' ({section['distribution']})")
         parts.append(dump(tree))
     return "\n".join(parts)
+
+
+def field_docs(cls: type) -> dict[str, Any]:
+    """Each field's one-line documentation (``doc(...)`` metadata), nested as :func:`field_defaults`."""
+    out: dict[str, Any] = {}
+    for f in attrs.fields(attrs.resolve_types(cls)):
+        if f.metadata.get("internal"):
+            continue
+        nested = f.type if isinstance(f.type, type) and attrs.has(f.type) else None
+        out[f.name] = field_docs(nested) if nested is not None else f.metadata.get("doc", "")
+    return out
+
+
+def _described(tree: dict[str, Any], docs: dict[str, Any], indent: str = "") -> list[str]:
+    """YAML lines of ``tree`` with each leaf's description as a trailing comment."""
+    import yaml
+
+    lines = []
+    for key, value in tree.items():
+        doc_ = docs.get(key) if isinstance(docs, dict) else None
+        if isinstance(value, dict) and value and isinstance(doc_, dict):
+            lines.append(f"{indent}{key}:")
+            lines += _described(value, doc_, indent + "  ")
+            continue
+        text = yaml.safe_dump({key: value}, default_flow_style=True, width=10**6).strip()[1:-1]
+        lines.append(f"{indent}{text}" + (f"  # {doc_}" if isinstance(doc_, str) and doc_ else ""))
+    return lines
+
+
+def format_described(defaults: dict[str, Any], manager: Any) -> str:
+    """:func:`format_defaults` with each key's description as a YAML comment (``rlcore config --defaults``)."""
+    from rlcore.config.loader import set_dotted
+
+    parts = ["# rlcore run: the defaults of every key a recipe leaves out, each with what it does",
+             *_described(defaults["core"], field_docs(RunConfig))]
+    docs = {(reg.section, reg.name): field_docs(reg.config_cls) for reg in manager.iter_registrations()
+            if reg.section is not None and reg.config_cls is not None and attrs.has(reg.config_cls)}
+    for section in defaults["sections"]:
+        tree: dict[str, Any] = {}
+        doc_tree: dict[str, Any] = {}
+        set_dotted(tree, section["path"], section["defaults"])
+        set_dotted(doc_tree, section["path"], docs.get((section["path"], section["name"]), {}))
+        parts += ["", f"# {section['path']}: {section['kind']} '{section['name']}' ({section['distribution']})",
+                  *_described(tree, doc_tree)]
+    return "\n".join(parts) + "\n"

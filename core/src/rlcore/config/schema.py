@@ -154,7 +154,11 @@ class CheckpointingConfig:
 class EnvConfig:
     """Which environment scores the rollouts; its settings live in ``env.<name>``."""
 
-    name: str = field(default="math", metadata=doc("registered environment"))
+    name: str = field(default="math", metadata=doc("registered environment (unused when env.reward_fn is set)"))
+    reward_fn: str | None = field(
+        default=None, metadata=doc("'module:function': a plain reward function fn(prompts, completions, **kwargs) -> "
+                                   "list[float] (TRL's signature) scores the rollouts instead of env.name (rlcore.reward_fn)"),
+    )
     on_timeout: Literal["stop", "zero"] = field(
         default="stop", metadata=doc("an environment call over cluster.timeout_s stops the run, or scores the batch 0 (counted in env/timeouts)"),
     )
@@ -168,6 +172,10 @@ class LoggerConfig:
     print_table: bool = field(default=True, metadata=doc("print the per-step timing table"))
     plot: bool = field(default=True, metadata=doc("write curves.png (train reward and held-out accuracy by step) when the run ends; "
                                                    "needs matplotlib (about 1 s)"))
+    verbosity: Literal["quiet", "verbose"] = field(
+        default="quiet", metadata=doc("quiet: the libraries underneath (vLLM, transformers, Ray, torch.distributed) print "
+                                      "errors only; verbose: their own INFO logs and progress bars too (rlcore run --verbose)"),
+    )
 
 
 @frozen

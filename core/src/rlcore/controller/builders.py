@@ -169,9 +169,14 @@ def build_generator(config: RunConfig, manager, placement: Placement, given: dic
 
 
 def build_environment(config: RunConfig, manager, given: dict) -> tuple[TimedEnvironment, bool]:
-    """The environment (passed, else ``env.name``'s plugin), every call bounded by ``cluster.timeout_s``;
-    and whether the plugin registered it as multi-turn."""
+    """The environment (passed, else ``env.reward_fn``'s function, else ``env.name``'s plugin), every
+    call bounded by ``cluster.timeout_s``; and whether the plugin registered it as multi-turn."""
     environment, name, multi_turn = given.get("environment"), None, False
+    if environment is None and config.env.reward_fn:  # a plain function scores single-turn rollouts
+        from rlcore.reward_fn import FunctionEnvironment, load_reward_fn
+
+        environment = FunctionEnvironment(load_reward_fn(config.env.reward_fn), config.env.reward_fn)
+        name = config.env.reward_fn
     if environment is None:  # a given environment replaces the lookup: no plugin of that name is needed
         reg = manager.get("environment", config.env.name)
         environment = reg.build(config.section(f"env.{config.env.name}"))

@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import signal
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -41,18 +42,37 @@ LOOP_STATE = "loop_state.pt"
 OWNER = "owner"  # the run id of the run that wrote the checkpoint (text)
 
 
-def run_catching_sigterm(loop: Any, body: Callable[[], Any]) -> Any:
+# Set by the first Ctrl-C of a run: ``rlcore run`` then reports an error that follows it (a child
+# process the terminal's SIGINT also ended) as the interruption it is, in one line.
+INTERRUPTED = threading.Event()
+
+
+def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool = False) -> Any:
     """``body()`` with SIGTERM recorded in ``loop.stop_signal`` instead of ending the process: the
-    loop ends its step, writes a checkpoint of it and stops (exit 143 in ``rlcore run``). Off the
-    main thread, where Python cannot catch signals, ``body()`` runs as it is."""
+    loop ends its step, writes a checkpoint of it and stops (exit 143 in ``rlcore run``). The first
+    Ctrl-C (SIGINT) does the same (exit 130); a second one stops at once (KeyboardInterrupt, which
+    ``rlcore run`` reports in one line). ``loop`` has ``step`` and ``stop_signal``; ``checkpointed``
+    says whether the stop writes a checkpoint. Off the main thread, where Python cannot catch
+    signals, ``body()`` runs as it is."""
+
+    def on_interrupt(signum, frame):
+        if loop.stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt
+        INTERRUPTED.set()
+        loop.stop_signal = signum
+        print(f"\nCtrl-C: stopping after step {max(loop.step, 1)} ends"
+              f"{' and is checkpointed' if checkpointed else ''} (Ctrl-C again stops at once)", flush=True)
+
     try:
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(loop, "stop_signal", signum))
     except ValueError:  # "signal only works in main thread of the main interpreter"
         return body()
+    previous_int = signal.signal(signal.SIGINT, on_interrupt)
     try:
         return body()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def stop_after_step(loop: Any, checkpoint_dir: Any) -> bool:
@@ -60,11 +80,12 @@ def stop_after_step(loop: Any, checkpoint_dir: Any) -> bool:
     through ``loop.save()`` unless that was just done, and say where it went."""
     if loop.stop_signal is None:
         return False
-    where = "no checkpoint (checkpointing.enabled is false)"
+    where = ("no checkpoint (checkpointing.enabled is false): the model of this step goes to <logger.log_dir>/model, "
+             "and running the command again starts afresh")
     if loop.ckpt is not None:
         if loop.saved_step != loop.step:
             loop.save()
-        where = f"checkpoint of step {loop.step} in {checkpoint_dir}; the run resumes from it when started again"
+        where = f"checkpoint of step {loop.step} in {checkpoint_dir}; the same command resumes from it"
     print(f"{signal.Signals(loop.stop_signal).name} received: stopped after step {loop.step}, {where}", flush=True)
     return True
 

@@ -25,6 +25,7 @@ from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_run_sizes
 from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
+from rlcore.controller.run_end import print_outputs, save_final_model
 from rlcore.controller.timing import summarize
 from rlcore.plugins import get_plugin_manager
 from rlcore.utils import resolve
@@ -65,7 +66,7 @@ def build_components(config: RunConfig, **given) -> Components:
     loggers = given.get("loggers")
     if loggers is None:
         loggers = build_loggers(config, run_dir)
-    reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table)
+    reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
                       teacher=teacher, critic=critic)
 
@@ -85,6 +86,15 @@ def export_critic(components: Components, run_dir: Path) -> None:
             components.generator.wake_up()
 
 
+def held_out_summary(records: list[dict]) -> dict:
+    """``val/<name>_first`` and ``_last`` of every held-out metric (``val/accuracy``'s always present)."""
+    out: dict = {"val/accuracy_first": None, "val/accuracy_last": None}
+    for key in sorted({k for r in records for k in r if k.startswith("val/")}):
+        seen = [r[key] for r in records if key in r]
+        out[f"{key}_first"], out[f"{key}_last"] = seen[0], seen[-1]
+    return out
+
+
 def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> dict:
     """The GRPO-family run in ``run_dir`` (opened by ``rlcore.run``); returns summary, records, run dir, plot."""
     print(f"run {owner.run_id} in {run_dir}", flush=True)
@@ -94,6 +104,7 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
     try:
         with components.reporter:
             records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
+        save_final_model(loop.checkpoints, components.trainer, config, run_dir, given.get("tokenizer"))
         export_critic(components, run_dir)
     finally:
         for logger in components.loggers:
@@ -106,11 +117,11 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
         if "environment" not in given and hasattr(components.environment, "close"):
             components.environment.close()
     summary = summarize([r for r in records if "timing/total" in r], config.grpo.summary_window)
-    first_val = next((r["val/accuracy"] for r in records if "val/accuracy" in r), None)
-    last_val = next((r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r), None)
-    summary.update({"val/accuracy_first": first_val, "val/accuracy_last": last_val, "steps": loop.step, "run_id": owner.run_id,
+    summary.update(held_out_summary(records))
+    summary.update({"steps": loop.step, "run_id": owner.run_id,
                     "stopped_by_signal": None if loop.stop_signal is None else signal.Signals(loop.stop_signal).name})
-    components.reporter.console.print(summary_table(summary, f"{components.algorithm.name.upper()} summary (mean of steps {summary.get('window_first')}-{summary.get('window_last')})"))
+    components.reporter.console.print(summary_table(summary, components.algorithm.name))
     plot = plot_curves(records, run_dir / "curves.png") if config.logger.plot else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_outputs(run_dir, config, components.reporter.console)
     return {"summary": summary, "records": records, "run_dir": str(run_dir), "plot": str(plot) if plot else None}

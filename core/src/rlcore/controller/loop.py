@@ -100,7 +100,7 @@ class GRPOLoop:
             return self.progress.records
 
         with self.collector, self.gc_clock, self.lock_lag:
-            return run_catching_sigterm(self.progress, body)
+            return run_catching_sigterm(self.progress, body, checkpointed=self.checkpoints.ckpt is not None)
 
     def _start(self) -> None:
         self.checkpoints.resume(self.c.config.checkpointing.resume)

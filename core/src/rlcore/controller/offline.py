@@ -31,6 +31,7 @@ from rlcore.controller.checkpoint import (
     CheckpointManager, resume_loggers, rng_state, run_catching_sigterm, set_rng_state, stop_after_step,
 )
 from rlcore.controller.run_dir import check_owner, checkpoint_root
+from rlcore.controller.run_end import print_outputs, save_final_checkpoint
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import MetricLogger, TrainerHandle
 from rlcore.plugins import get_plugin_manager
@@ -108,7 +109,7 @@ class OfflineLoop:
         self.print_lines = print_lines
 
     def run(self) -> list[dict]:
-        return run_catching_sigterm(self, self._run)
+        return run_catching_sigterm(self, self._run, checkpointed=self.ckpt is not None)
 
     def _run(self) -> list[dict]:
         self.maybe_resume()
@@ -208,7 +209,8 @@ def run_offline(config: Any, owner: Any, run_dir: Any, given: dict, trainer: Any
     started = time.perf_counter()
     try:
         loop.run()
-        if loop.stop_signal is None:
+        save_final_checkpoint(loop)  # the last step's, when save_period did not fall on it
+        if loop.stop_signal is None or loop.ckpt is None:
             trainer.save(str(run_dir / "model"))
     finally:
         for logger in loggers:
@@ -218,4 +220,5 @@ def run_offline(config: Any, owner: Any, run_dir: Any, given: dict, trainer: Any
     for key in summary_keys:
         summary.setdefault(key, None)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_outputs(run_dir, config)
     return {"summary": summary, "records": loop.records, "run_dir": str(run_dir), "model_dir": str(run_dir / "model")}

@@ -19,6 +19,22 @@ def check_model_name(config: RunConfig) -> None:
     _check_hf_dir("policy.model_name", policy.model_name, need="config.json")
     if policy.tokenizer_name:
         _check_hf_dir("policy.tokenizer_name", policy.tokenizer_name, need=None)
+    else:
+        _check_tokenizer_files("policy.model_name", policy.model_name)
+
+
+# Files one of which a saved tokenizer has (fast, sentencepiece, BPE vocab, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def _check_tokenizer_files(key: str, name: str) -> None:
+    """A local model directory read for its tokenizer must hold one: without, transformers guesses
+    a slow tokenizer class and asks to install sentencepiece or tiktoken, naming neither the key
+    nor the directory."""
+    path = Path(name).expanduser()
+    if path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(key, f"{name!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the tokenizer "
+                          "beside the model (tokenizer.save_pretrained) or set policy.tokenizer_name")
 
 
 def _check_hf_dir(key: str, name: str, need: str | None) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from rlcore.checks import check_before_start
 from rlcore.config import ConfigError, RunConfig, to_dict
 from rlcore.controller.builders import seed_everything
 from rlcore.controller.given import check_given
@@ -21,6 +22,8 @@ from rlcore.controller.offline import trains_on
 from rlcore.controller.pairs import run_pairs
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.sft import run_sft
+from rlcore.reward_fn import as_environment
+from rlcore.verbosity import apply_verbosity
 
 # What the algorithm trains on (its registration's ``trains_on``) -> the loop that runs it.
 LOOPS = {
@@ -34,7 +37,10 @@ LOOPS = {
 def run(config: RunConfig, **given) -> dict:
     if config is None:
         raise ConfigError("", "rlcore.run needs a RunConfig (rlcore.load_config(path) or rlcore.build_config(dict))")
+    given = as_environment(given)  # reward_fn=fn: a plain function scores the rollouts
     check_given(given)  # before the run directory is claimed: a wrong object fails at once
+    apply_verbosity(config.logger.verbosity)  # before vLLM, transformers or Ray is imported
+    check_before_start(config, given)  # names, env.reward_fn, the enabled loggers' packages
     seed_everything(config.grpo.seed, config.grpo.deterministic)
     run_dir = Path(config.logger.log_dir)
     owner = RunDir(config).open()

@@ -327,6 +327,8 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
     return VllmGenerator(
         policy.model_name, section_config, max_model_len=policy.max_total_sequence_length, dtype=dtype, seed=seed,
         device=device, tokenizer_path=policy.tokenizer_name,
+        # vLLM's bar over checkpoint shards ignores the logging level: drawn only at logger.verbosity: verbose
+        engine_kwargs={"use_tqdm_on_load": config.logger.verbosity == "verbose"},
     )
 
 

@@ -9,6 +9,14 @@ without it fails on CPU (weights were repacked after loading).
 
 Older vLLM builds without ``model_loader.reload`` fall back to collecting the chunks and calling
 ``model_runner.reload_weights(weights_iterator=...)`` once at the end.
+
+Layers that hold no weights, only state derived from the config (a ``RotaryEmbedding``'s
+``cos_sin_cache``, a non-persistent buffer no checkpoint carries: Hugging Face models drop their
+``rotary_emb.inv_freq`` from checkpoints, and vLLM's ``load_weights`` skips the name), are kept out
+of the reload (:func:`keep_derived_layers_out`). vLLM's layer-wise reload counts every buffer as
+loadable, so otherwise it expects tensors for them that no refit can send, puts their kept tensors
+back at the end and logs "RotaryEmbedding: Failed to load weights" after every refit: a false
+alarm that reads as a failed weight sync.
 """
 
 from __future__ import annotations
@@ -69,6 +77,29 @@ def _layerwise():
     return initialize_layerwise_reload, finalize_layerwise_reload
 
 
+def keep_derived_layers_out(model) -> list[str]:
+    """After ``initialize_layerwise_reload(model)``: give back, as they were, the layers whose only
+    tensors are non-persistent buffers (derived from the config, never in a checkpoint), and mark
+    them as not reloading, so the reload waits for no tensor of theirs. Returns their class names."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    kept = []
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if not info.can_load() or info.kernel_tensors is None:
+            continue
+        params, buffers = info.kernel_tensors
+        if params or not buffers or not set(buffers) <= set(info.kernel_non_persistent_buffers):
+            continue
+        for name in list(layer._parameters) + list(layer._buffers):  # the meta placeholders of the reload
+            delattr(layer, name)
+        for name, buffer in buffers.items():
+            layer.register_buffer(name, buffer, persistent=False)
+        info.reset()  # not loading: the finalize pass leaves it alone
+        kept.append(type(layer).__name__)
+    return kept
+
+
 class RlcoreWorkerExtension:
     """Mixed into vLLM's worker class; every name starts with ``rlcore_`` to avoid clashes."""
 
@@ -81,7 +112,9 @@ class RlcoreWorkerExtension:
         self.rlcore_layerwise = fns is not None
         if fns is not None:
             with set_current_vllm_config(self.vllm_config):
-                fns[0](self.model_runner.get_model())
+                model = self.model_runner.get_model()
+                fns[0](model)
+                keep_derived_layers_out(model)
 
     def rlcore_load_tensors(self, named_tensors: list[tuple[str, Any]]) -> int:
         from vllm.config import set_current_vllm_config

@@ -1,0 +1,54 @@
+"""Checks of a run's settings that need no model, made before anything heavy starts.
+
+``rlcore.run`` calls :func:`check_before_start` before it claims the run directory, imports
+torch's distributed parts, loads a model or starts an engine; ``rlcore config`` calls it too, so a
+recipe it prints is one ``rlcore run`` accepts. Each failure names the key and the fix: a logger
+whose client is not installed (``logger.wandb.enabled`` without wandb would otherwise fail after
+the model loaded and vLLM started), a registered name that no installed plugin provides, an
+``env.reward_fn`` that does not import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from rlcore.config import ConfigError, RunConfig
+from rlcore.plugins import PluginError, get_plugin_manager
+
+
+def check_requirements(config: RunConfig, manager: Any) -> None:
+    """Each enabled logger's ``requires`` (its registration's capability) must be importable."""
+    for reg in manager.registry["logger"].values():
+        section = config.section(reg.section)
+        if section is None or not getattr(section, "enabled", False):
+            continue
+        for module in reg.capabilities.get("requires", ()):
+            if importlib.util.find_spec(module) is None:
+                raise ConfigError(f"{reg.section}.enabled", f"is true but {module} is not installed: pip install {module} "
+                                  f"(or set {reg.section}.enabled=false)")
+
+
+def check_names(config: RunConfig, manager: Any, given: dict | None = None) -> None:
+    """``env.name`` (unless ``env.reward_fn`` or a given environment replaces it) names an installed
+    environment; ``env.reward_fn`` imports."""
+    given = given or {}
+    if given.get("environment") is not None or given.get("reward_fn") is not None:
+        return
+    if config.env.reward_fn:
+        from rlcore.reward_fn import load_reward_fn
+
+        load_reward_fn(config.env.reward_fn)
+        return
+    try:
+        manager.get("environment", config.env.name)
+    except PluginError as exc:
+        raise ConfigError("env.name", str(exc)) from None
+
+
+def check_before_start(config: RunConfig, given: dict | None = None) -> None:
+    """Every check above, for ``config`` run with ``given`` objects (``rlcore.run``'s keywords)."""
+    manager = get_plugin_manager()
+    check_names(config, manager, given)
+    if given is None or given.get("loggers") is None:
+        check_requirements(config, manager)

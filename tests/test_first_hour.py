@@ -1,0 +1,138 @@
+"""What a new user meets following the README, as subprocesses of the installed ``rlcore``.
+
+One 5-step ``rlcore run`` of the tiny recipe (its vLLM generator, a plain reward function from
+``env.reward_fn``, checkpoints every 3 steps, TensorBoard on) is shared by the tests below: its
+console, its final model and last-step checkpoint, then ``rlcore export`` and ``rlcore eval`` on
+its run directory. Ctrl-C has its own run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "grpo_arith_tiny_cpu.yaml"
+REWARDS = '''
+def exact_sum(prompts, completions, **kwargs):
+    """TRL's reward-function signature: one float per completion; the dataset's answers come as a column."""
+    return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, kwargs["answer"])]
+'''
+# Lines of a third party: log records (vLLM's "INFO 12-04 ...", Python's "WARNING:..."), progress bars, warnings.
+THIRD_PARTY = re.compile(r"^(\(\w+ pid=\d+\) |\[rank\d+\]:)|^(INFO|WARNING|DEBUG|ERROR)[ :]|it/s\]|s/it\]|Warning:|warn\(")
+
+
+def rlcore(*args, env=None, timeout=600, cwd=None) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).parent / "rlcore"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RLCORE_", "VLLM_LOGGING", "TRANSFORMERS_VERB"))},
+           "COLUMNS": "80", **(env or {})}
+    return subprocess.run([str(script), *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+
+
+def overrides(model_dir: Path, run_dir: Path, generator: str = "hf", **extra) -> list[str]:
+    settings = {"policy.model_name": model_dir, "policy.generation.backend": generator, "policy.max_total_sequence_length": 48,
+                "grpo.max_num_steps": 5, "grpo.num_prompts_per_step": 4, "grpo.num_generations_per_prompt": 4,
+                "grpo.val_period": 5, "grpo.max_val_samples": 8, "data.num_validation": 8, "logger.log_dir": run_dir,
+                "logger.plot": "false", **extra}
+    return [f"{k}={v}" for k, v in settings.items()]
+
+
+@pytest.fixture(scope="module")
+def rewards_site(tmp_path_factory) -> Path:
+    site = tmp_path_factory.mktemp("rewards")
+    (site / "my_rewards.py").write_text(REWARDS)
+    return site
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_model_dir, rewards_site, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("first-hour") / "run"
+    # the recipe's own generator, vLLM: the libraries' lines counted below are mostly its
+    done = rlcore("run", RECIPE, *overrides(tiny_model_dir, run_dir, generator="vllm", **{
+        "env.reward_fn": "my_rewards:exact_sum", "checkpointing.enabled": "true", "checkpointing.save_period": 3,
+        "logger.tensorboard.enabled": "true"}), env={"PYTHONPATH": str(rewards_site)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return run_dir, done
+
+
+def test_a_run_prints_its_own_lines_and_few_of_the_libraries(tiny_run):
+    """At the default verbosity the libraries' INFO logs and progress bars are off: no more than 15
+    lines that rlcore did not print, and nothing on stderr."""
+    _, done = tiny_run
+    lines = (done.stdout + done.stderr).splitlines()
+    noise = [line for line in done.stderr.splitlines() if line.strip()] + [l for l in done.stdout.splitlines() if THIRD_PARTY.search(l)]
+    assert len(noise) <= 15, noise
+    assert "Loading weights" not in done.stderr, done.stderr[-2000:]
+    assert sum(1 for line in lines if line.strip()) > 10  # the step table, the summary, the outputs
+
+
+def test_every_run_writes_its_final_model_and_a_last_step_checkpoint(tiny_run):
+    run_dir, done = tiny_run
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "model").config.num_hidden_layers > 0
+    assert AutoTokenizer.from_pretrained(run_dir / "model").eos_token_id is not None
+    # save_period 3 of 5 steps: step 3 by the period, step 5 because it is the last
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000003", "step_000005"]
+    # where the outputs went: model, checkpoint, metrics, TensorBoard's event files
+    tail = done.stdout[done.stdout.index("outputs of this run"):]
+    for what, path in (("model", run_dir / "model"), ("checkpoint", run_dir / "checkpoints" / "step_000005"),
+                       ("TensorBoard", run_dir / "tensorboard"), ("metrics", run_dir / "metrics.jsonl")):
+        assert re.search(rf"{what}.*{re.escape(str(path))}", tail), (what, tail)
+
+
+def test_the_summary_says_what_it_shows(tiny_run):
+    run_dir, done = tiny_run
+    assert "grpo summary: mean seconds per step" in done.stdout
+    assert "Scoring" in done.stdout and "Reward " not in done.stdout
+    assert re.search(r"held-out accuracy \d\.\d{3} -> \d\.\d{3} \([+-]\d\.\d{3}\)", done.stdout), done.stdout[-1500:]
+    assert "probe mean/max:" in done.stdout  # the per-step table's legend
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["env/reward_fn_errors"] == 0.0 for r in records if "env/reward_fn_errors" in r)
+    assert any("env/reward_fn_errors" in r for r in records), "the plain reward function scored the rollouts"
+
+
+def test_export_and_eval_work_on_the_run_directory(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    exported = rlcore("export", run_dir, tmp_path / "hf", "--json")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert json.loads(exported.stdout)["checkpoint"].endswith("step_000005")  # stdout: the JSON and nothing else
+    evaluated = rlcore("eval", run_dir, RECIPE, *overrides(run_dir / "model", tmp_path / "unused"), "--no-progress")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    summary = json.loads(evaluated.stdout)  # `rlcore eval ... > eval.json` is valid JSON
+    assert summary["num_prompts"] == 8 and 0.0 <= summary["greedy_accuracy"] <= 1.0
+    assert "Loading weights" not in evaluated.stderr  # transformers' progress bar: off unless --verbose
+
+
+def test_ctrl_c_ends_the_step_and_says_how_to_resume(tiny_model_dir, tmp_path):
+    """A terminal's Ctrl-C: SIGINT to the whole foreground process group (here, one process: the hf generator)."""
+    run_dir = tmp_path / "run"
+    args = overrides(tiny_model_dir, run_dir, **{
+        "grpo.max_num_steps": 500, "checkpointing.enabled": "true", "checkpointing.save_period": 1000})
+    script = Path(sys.executable).parent / "rlcore"
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.Popen([str(script), "run", str(RECIPE), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)  # its own group, as a terminal's job
+    deadline = time.monotonic() + 480
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGINT, out[-2000:] + err[-3000:]
+    assert "Traceback" not in out + err, err[-3000:]
+    match = re.search(r"SIGINT received: stopped after step (\d+), checkpoint of step \1 in (\S+); the same command resumes", out)
+    assert match, out[-2000:]
+    step = int(match.group(1))
+    assert step < 500 and (run_dir / "checkpoints" / f"step_{step:06d}" / "loop_state.pt").is_file()
+    assert "Ctrl-C: stopping after step" in out
