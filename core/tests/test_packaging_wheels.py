@@ -33,6 +33,7 @@ DISTRIBUTIONS = {
     "plugins/backend_megatron": ("rlcore-megatron", "rlcore_megatron", "megatron = rlcore_megatron.plugin"),
     "plugins/gen_vllm": ("rlcore-vllm", "rlcore_vllm", "vllm = rlcore_vllm.plugin"),
     "plugins/env_math": ("rlcore-math", "rlcore_math", "math = rlcore_math.plugin"),
+    "plugins/envs": ("rlcore-envs", "rlcore_envs", "envs = rlcore_envs.plugin"),
 }
 OUR_DISTS = {canonicalize_name(d) for d, _, _ in DISTRIBUTIONS.values()}
 # Versions each range must admit: CPU machines and GPU machines (DESIGN.md).

@@ -49,15 +49,16 @@ class Case:
     measured: dict  # quantity -> value
 
 
-def _shape(name: str) -> ModelShape:
-    return resolve_shape("", "qwen3moe", MOE_LAYERS) if "moe" in name else resolve_shape("", "llama-3.2-1b")
+def _shape(name: str, layers: int | None = None) -> ModelShape:
+    return resolve_shape("", "qwen3moe", layers or MOE_LAYERS) if "moe" in name else resolve_shape("", "llama-3.2-1b")
 
 
 def _train_case(i: int, r: dict) -> Case | None:
-    m = re.match(r"(\w+)(?: x\d+ layers)?, (\d+) x (\d+) tokens", r["config"])
+    m = re.match(r"(\w+)(?: x(\d+) layers)?, (\d+) x (\d+) tokens", r["config"])
     if not m or r.get("peak_mem_gib") is None:
         return None
-    shape, budget = _shape(m.group(1)), int(m.group(3))
+    layers = int(m.group(2)) if m.group(2) else None
+    shape, budget = _shape(m.group(1), layers), int(m.group(4))
     backend = "fsdp2" if r["variant"].startswith("fsdp2") else "megatron"
     work = training_alone(r["tokens_per_step"])
     measured = {"peak_mem_gib": r["peak_mem_gib"]}

@@ -131,8 +131,11 @@ class PidsCgroup:
                                  f"was found under {[str(r) for r in self.ROOTS]}: the sandbox cannot limit processes. "
                                  "Run as a non-root user or give the process a writable pids cgroup")
 
-    def enter(self) -> None:  # in the child, before exec: bwrap and all it starts stay inside
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """``cmd`` started by a shell that first moves itself into the cgroup, then execs ``cmd`` (same pid):
+        bwrap and all it starts stay inside. Not a ``preexec_fn``: Python code between fork and exec in a
+        process with other threads (a training run's) can crash or deadlock the child."""
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *cmd]
 
     def close(self) -> None:
         _rmdir(self.path)
@@ -162,8 +165,8 @@ def run_in_sandbox(config: SandboxConfig, solution: str, entry_point: str, input
     except SandboxUnavailable as exc:
         return SandboxResult("infra", infra=True, detail=str(exc))
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=cgroup.enter if cgroup else None)
+        proc = subprocess.Popen(cgroup.wrap(cmd) if cgroup else cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         if cgroup:
             cgroup.close()
