@@ -21,7 +21,7 @@ def check_requirements(config: RunConfig, manager: Any) -> None:
     """Each enabled logger's ``requires`` (its registration's capability) must be importable."""
     for reg in manager.registry["logger"].values():
         section = config.section(reg.section)
-        if section is None or not getattr(section, "enabled", False):
+        if section is None or not section.enabled:  # a logger's section has `enabled` (build_loggers reads it too)
             continue
         for module in reg.capabilities.get("requires", ()):
             if importlib.util.find_spec(module) is None:
