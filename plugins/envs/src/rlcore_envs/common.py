@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from rlcore.errors import DataError
-from rlcore.interfaces import Sample
+from rlcore.interfaces import EnvStep, Sample
 
 log = logging.getLogger("rlcore_envs")
 
@@ -76,3 +76,22 @@ def require(module: str, extra: str):
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(f"{module} is not installed: pip install 'rlcore-envs[{extra}]' ({exc})") from exc
+
+
+def replay_in_sessions(environment: Any, samples: Sequence[Sample], histories: Sequence[list[str]]) -> list[EnvStep]:
+    """``step(samples, histories)`` of a session environment: each whole history replayed, turn by turn, in a
+    fresh session of its own (closed after), until the environment says done; an empty history sends one
+    empty turn."""
+    steps = []
+    for sample, history in zip(samples, histories):
+        session = environment.open_session(sample)
+        try:
+            step = EnvStep(reward=0.0, done=True)
+            for turn in history or [""]:
+                step = session.step(turn)
+                if step.done:
+                    break
+        finally:
+            session.close()
+        steps.append(step)
+    return steps

@@ -34,7 +34,7 @@ from typing import Any
 
 from rlcore.interfaces import EnvStep, Sample
 
-from rlcore_envs.common import EnvDataset, build_splits, messages_for, require
+from rlcore_envs.common import EnvDataset, build_splits, messages_for, replay_in_sessions, require
 from rlcore_envs.config import OpenEnvDatasetConfig, OpenEnvEnvConfig, OpenEnvServerKeys
 
 
@@ -186,19 +186,7 @@ class OpenEnvEnvironment:
     def step(self, samples: list[Sample], histories: list[list[str]]) -> list[EnvStep]:
         if len(samples) != len(histories):
             raise ValueError(f"step() got {len(samples)} samples but {len(histories)} histories")
-        steps = []
-        for sample, history in zip(samples, histories):
-            session = self.open_session(sample)
-            try:
-                step = EnvStep(reward=0.0, done=True)
-                for turn in history or [""]:
-                    step = session.step(turn)
-                    if step.done:
-                        break
-            finally:
-                session.close()
-            steps.append(step)
-        return steps
+        return replay_in_sessions(self, samples, histories)
 
     def close(self) -> None:
         self.server.stop()

@@ -37,7 +37,7 @@ from typing import Any
 
 from rlcore.interfaces import EnvStep, Sample
 
-from rlcore_envs.common import EnvDataset, build_splits, require
+from rlcore_envs.common import EnvDataset, build_splits, replay_in_sessions, require
 from rlcore_envs.config import VerifiersDatasetConfig, VerifiersEnvConfig
 
 
@@ -154,19 +154,7 @@ class VerifiersEnvironment:
             raise ValueError(f"step() got {len(samples)} samples but {len(histories)} histories")
         if self.env_cls is None:
             return [self.score(s, list(h) if isinstance(h, (list, tuple)) else []) for s, h in zip(samples, histories)]
-        steps = []
-        for sample, history in zip(samples, histories):
-            session = self.open_session(sample)
-            try:
-                step = EnvStep(reward=0.0, done=True)
-                for turn in history or [""]:
-                    step = session.step(turn)
-                    if step.done:
-                        break
-            finally:
-                session.close()
-            steps.append(step)
-        return steps
+        return replay_in_sessions(self, samples, histories)
 
 
 class _ScoreAtEnd:
