@@ -1,21 +1,19 @@
 """The trainer side of the non-colocated refit test, run as its own process.
 
-Builds the FSDP2 backend (1 rank, gloo) from a Hugging Face checkpoint, joins the weight
-broadcast group as rank 0 and streams ``backend.export_weights()`` to the engine's worker.
-Prints one JSON line with what was sent.
+Holds a port for the weight broadcast group's store and prints it (one JSON line), builds the
+FSDP2 backend (1 rank, gloo) from a Hugging Face checkpoint, joins the group as rank 0 and
+streams ``backend.export_weights()`` to the engine's worker. Prints one JSON line with what was sent.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--chunk-bytes", type=int, default=64 << 10)
@@ -28,15 +26,14 @@ def main() -> None:
     from rlcore.interfaces import WorldInfo
     from rlcore_fsdp2.backend import FSDP2Backend
     from rlcore_fsdp2.config import SECTION, DTensorConfig
-    from rlcore.utils import free_port
-    from rlcore_vllm.broadcast import WeightGroup
+    from rlcore_vllm.broadcast import WeightGroup, reserve_listener
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    port = reserve_listener(args.host)
+    print(json.dumps({"port": port}), flush=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port needed
     config = RunConfig(policy=PolicyConfig(model_name=args.model_dir, precision="float32"), sections={SECTION: DTensorConfig()})
     backend = FSDP2Backend(config, DTensorConfig(), WorldInfo())
-    group = WeightGroup(args.host, args.port, args.world_size, 0, "gloo", timeout_s=120.0)
+    group = WeightGroup(args.host, port, args.world_size, 0, "gloo", timeout_s=120.0)
     sent = group.send(backend.export_weights(dtype=torch.float32, chunk_bytes=args.chunk_bytes))
     print(json.dumps(sent), flush=True)
     group.close()

@@ -107,8 +107,6 @@ def test_multi_turn_32_trajectories_3_turns_concurrently(async_generator):
 
 
 def test_non_colocated_refit_from_a_trainer_process_over_gloo(async_generator, hf_model, tmp_path):
-    from rlcore.utils import free_port
-
     pytest.importorskip("rlcore_fsdp2", reason="the trainer process runs the FSDP2 backend (rlcore-fsdp2)")
 
     new_weights = perturbed_state_dict(hf_model, seed=21)
@@ -119,11 +117,13 @@ def test_non_colocated_refit_from_a_trainer_process_over_gloo(async_generator, h
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     before = [r[0].response_ids for r in async_generator.generate(prompts, greedy)]
 
-    port = free_port()
-    joining = async_generator.join_weight_group("127.0.0.1", port, 2, "gloo", timeout_s=120.0)
-    sender = subprocess.Popen([sys.executable, str(HERE / "_broadcast_sender.py"), "--port", str(port), "--world-size", "2",
+    # the sender holds its store's port before printing it, so nothing can take the port meanwhile
+    sender = subprocess.Popen([sys.executable, str(HERE / "_broadcast_sender.py"), "--world-size", "2",
                                "--model-dir", str(tmp_path / "trained")], stdout=subprocess.PIPE, text=True)
     try:
+        first = sender.stdout.readline()
+        assert first, f"the sender exited before holding a port (exit code {sender.wait(timeout=30)})"
+        joining = async_generator.join_weight_group("127.0.0.1", json.loads(first)["port"], 2, "gloo", timeout_s=120.0)
         joining.result(timeout=150)
         version = async_generator.weights_version
         received = async_generator.receive_weights()

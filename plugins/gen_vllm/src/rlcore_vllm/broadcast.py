@@ -25,7 +25,6 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from rlcore.utils import free_port
 from rlcore_vllm.codecs import buffer_size, layout, pack_into, unpack
 
 END = "__rlcore_end__"
@@ -46,7 +45,8 @@ class WeightGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         listen_fd = None
         if rank == 0:  # torch's own store server would listen on every interface; this one only at ``host``
-            listen_fd = socket.create_server((host, port), backlog=max(128, world_size)).detach()
+            listener = _LISTENERS.pop((host, port), None) or _listen(host, port, world_size)
+            listen_fd = listener.detach()
         self._store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False,
                                     master_listen_fd=listen_fd)
         store = dist.PrefixStore("rlcore-weights", self._store)
@@ -122,23 +122,42 @@ class WeightGroup:
 
 # Sending groups this process has joined, by (host, port): a trainer rank keeps its group between refits.
 _SENDERS: dict[tuple[str, int], WeightGroup] = {}
+# Listening sockets for stores this process will host, by (host, port). The port is held from the
+# moment it is handed out: the engines start connecting before the sender builds its group, and a
+# port that is merely free then can be taken meanwhile (by another process, or by an engine's own
+# connection attempt, which on loopback can connect to itself).
+_LISTENERS: dict[tuple[str, int], socket.socket] = {}
+
+
+def _listen(host: str, port: int = 0, world_size: int = 1) -> socket.socket:
+    return socket.create_server((host, port), backlog=max(128, world_size))
+
+
+def reserve_listener(host: str) -> int:
+    """Bind and listen on a free port at ``host`` for a store this process will host as rank 0;
+    the next :class:`WeightGroup` of rank 0 at that address serves on this very socket."""
+    listener = _listen(host)
+    port = listener.getsockname()[1]
+    _LISTENERS[(host, port)] = listener
+    return port
 
 
 def sender_port(backend, rank: int, world_size: int) -> int | None:
-    """A free port on rank 0's host for the group's store (rank 0 hosts it); None on other ranks."""
-    return free_port() if rank == 0 else None
+    """A port held on loopback for the group's store (rank 0 hosts it); None on other ranks."""
+    return reserve_listener("127.0.0.1") if rank == 0 else None
 
 
 def sender_address(backend, rank: int, world_size: int, host: str | None = None) -> tuple[str, int] | None:
     """Where rank 0 hosts the group's store: ``host`` (``refit.group_host``) or, when None, the
     address of the Ray node this rank runs on (so engines on other nodes reach it; loopback on a
-    local instance and for a trainer outside Ray), and a port free there. None on other ranks."""
+    local instance and for a trainer outside Ray), and a port held there for the group's store
+    (:func:`reserve_listener`). None on other ranks."""
     if rank != 0:
         return None
     if host is None:
         ray = sys.modules.get("ray")  # imported by any Ray worker; a trainer outside Ray never needs it
         host = ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
-    return host, free_port(host)
+    return host, reserve_listener(host)
 
 
 def send_from_trainer(backend, rank: int, world_size: int, host: str, port: int, group_size: int,
