@@ -89,8 +89,9 @@ def build_config(data: dict, overrides: list[str] = (), manager: PluginManager |
                 except ConfigError:
                     pass  # required keys without defaults: absent means "not used"
     return RunConfig(
-        policy=config.policy, train=config.train, grpo=config.grpo, cluster=config.cluster, checkpointing=config.checkpointing,
-        env=config.env, logger=config.logger, experimental=config.experimental, sections=found,
+        policy=config.policy, train=config.train, grpo=config.grpo, cluster=config.cluster,
+        checkpointing=config.checkpointing, env=config.env, logger=config.logger, experimental=config.experimental,
+        sections=found,
     )
 
 
