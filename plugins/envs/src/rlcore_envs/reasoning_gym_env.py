@@ -23,8 +23,8 @@ import random
 from typing import Any
 
 from rlcore.interfaces import EnvStep, Sample
-
-from rlcore_envs.common import EnvDataset, build_splits, messages_for, require
+from rlcore.prompts import PromptSplits, messages_for
+from rlcore_envs.common import build_splits, require
 from rlcore_envs.config import ReasoningGymDatasetConfig, ReasoningGymEnvConfig
 
 _ANSWER_TAGS = ("<answer>", "</answer>")
@@ -74,7 +74,7 @@ def generate(config: ReasoningGymDatasetConfig) -> tuple[list[Sample], list[Samp
     return train, validation
 
 
-def build_dataset(config: ReasoningGymDatasetConfig, tokenizer: Any) -> EnvDataset:
+def build_dataset(config: ReasoningGymDatasetConfig, tokenizer: Any) -> PromptSplits:
     train, validation = generate(config or ReasoningGymDatasetConfig())
     return build_splits(train, validation, tokenizer, config)
 
