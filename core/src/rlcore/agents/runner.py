@@ -40,7 +40,7 @@ import attrs
 from rlcore.agents.config import AgentEnvConfig
 from rlcore.agents.server import Endpoint
 from rlcore.config import ConfigError
-from rlcore.controller.deadlines import GenerationTimeout
+from rlcore.controller.deadlines import GenerationTimeout, batch_margin_s
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
 from rlcore.rollout import ChatSuffixes
 
@@ -206,7 +206,7 @@ class AgentRunner:
         self._http = httpx.AsyncClient(limits=limits, timeout=self.cfg.request_timeout_s, trust_env=False)
         try:
             tasks = [asyncio.ensure_future(self._group(i, s, params)) for i, s in enumerate(samples)]
-            limit = self.timeout_s - min(5.0, 0.05 * self.timeout_s)
+            limit = self.timeout_s - batch_margin_s(self.timeout_s)
             done, pending = await asyncio.wait(tasks, timeout=limit)
             if pending:
                 open_now = [f"{key} ({name}; {self.endpoint.trajectories[key].recorder.requests} requests served)"
