@@ -69,7 +69,7 @@ class GRPOLoop:
                                cfg.grpo.max_consecutive_nonfinite, c.teacher,
                                cfg.generation.colocated.offload_trainer_state, c.critic)
         self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock,
-                                 cfg.policy.max_total_sequence_length)
+                                 cfg.policy.max_total_sequence_length, cfg.cluster.timeout_s)
         self.validator = Validator(self.rollouts, c.trainer, cfg.grpo.max_val_samples, cfg.grpo.seed,
                                    cfg.policy.max_total_sequence_length, c.teacher)
         identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
