@@ -193,3 +193,18 @@ def test_multi_turn_rollouts_with_zero_score_the_hung_trajectories_0_and_the_res
     assert [(s.reward, s.metrics.get("timeout")) for s in final_steps[0]] == [(1.0, None)] * 2
     assert [(s.reward, s.metrics.get("timeout")) for s in final_steps[1]] == [(0.0, 1.0)] * 2
     assert env.closed.count(0) == 2  # the played sessions are closed (a hung one is closed beside its stuck call, or late)
+
+
+def test_a_timed_session_environment_pickles_as_its_kind(game):
+    import pickle
+
+    timed = pickle.loads(pickle.dumps(_timed(SessionOnly(), "zero")))
+    assert isinstance(timed, SessionEnvironment) and timed.on_timeout == "zero" and timed.current_step == 3
+
+
+class SessionOnly:
+    def open_session(self, sample):
+        return GameSession(HangingGame(), sample)
+
+    def step(self, samples, histories):
+        return []

@@ -138,8 +138,8 @@ class TimedEnvironment:
     :class:`rlcore.interfaces.SessionEnvironment`); other attributes pass through.
     ``current_step`` is set by the run loop, for the message."""
 
-    def __new__(cls, environment, *args, **kwargs):
-        if cls is TimedEnvironment:
+    def __new__(cls, environment=None, *args, **kwargs):  # no arguments: unpickling
+        if cls is TimedEnvironment and environment is not None:
             cls = _timed_kind(isinstance(environment, TrajectoryTurns), isinstance(environment, SessionEnvironment))
         return super().__new__(cls)
 
@@ -149,6 +149,8 @@ class TimedEnvironment:
         self.current_step = 0
 
     def __getattr__(self, attr: str) -> Any:
+        if attr == "inner":  # not set yet (unpickling): no recursion
+            raise AttributeError(attr)
         return getattr(self.inner, attr)
 
     def _step(self, samples, responses):
@@ -264,6 +266,8 @@ class TimedSession:
         self.inner, self.environment, self.timed_out = session, environment, False
 
     def __getattr__(self, attr: str) -> Any:
+        if attr == "inner":
+            raise AttributeError(attr)
         return getattr(self.inner, attr)
 
     def step(self, turn: str) -> EnvStep:
@@ -284,17 +288,23 @@ class TimedSession:
             self.environment._zero_or_raise(exc, "the trajectory keeps its score")
 
 
-_KINDS: dict[tuple[bool, bool], type] = {}
+class TimedTurnsEnvironment(_BoundedTurns, TimedEnvironment):
+    """A :class:`TimedEnvironment` of a :class:`rlcore.interfaces.TrajectoryTurns` environment."""
+
+
+class TimedSessionEnvironment(_BoundedSessions, TimedEnvironment):
+    """A :class:`TimedEnvironment` of a :class:`rlcore.interfaces.SessionEnvironment`."""
+
+
+class TimedTurnsSessionEnvironment(_BoundedTurns, _BoundedSessions, TimedEnvironment):
+    """A :class:`TimedEnvironment` of an environment that is both."""
 
 
 def _timed_kind(turns: bool, sessions: bool) -> type:
     """The :class:`TimedEnvironment` class with exactly the environment's protocols: a class of its own,
     since a runtime protocol check may look at the class only (Python 3.12's does)."""
-    key = (turns, sessions)
-    if key not in _KINDS:
-        mixins = tuple(m for m, wanted in ((_BoundedTurns, turns), (_BoundedSessions, sessions)) if wanted)
-        _KINDS[key] = type("TimedEnvironment", (*mixins, TimedEnvironment), {"__module__": __name__}) if mixins else TimedEnvironment
-    return _KINDS[key]
+    return {(False, False): TimedEnvironment, (True, False): TimedTurnsEnvironment,
+            (False, True): TimedSessionEnvironment, (True, True): TimedTurnsSessionEnvironment}[turns, sessions]
 
 
 # ---- a batch's deadline ----------------------------------------------------------------------
