@@ -116,3 +116,16 @@ def test_bounded_calls_off_the_main_thread_reuse_their_helper_thread():
     worker.start()
     worker.join(timeout=60)
     assert len(helpers) == 50 and len(set(map(id, helpers))) == 1 and worker not in helpers
+
+
+def test_an_environment_close_that_hangs_as_the_run_ends_is_named_and_left_behind(capsys):
+    class HangsOnClose(HungEnvironment):
+        def close(self):
+            time.sleep(60)
+
+    env = TimedEnvironment(HangsOnClose(0), "sticky", timeout_s=0.3, on_timeout="stop")
+    began = time.monotonic()
+    env.close()
+    assert time.monotonic() - began < 5
+    assert "timeout: environment 'sticky' (close) did not finish within 0.3s (cluster.timeout_s) as the run ended" in capsys.readouterr().out
+    TimedEnvironment(object.__new__(type("NoClose", (), {"step": HungEnvironment.step})), "plain", 0.3, "stop").close()

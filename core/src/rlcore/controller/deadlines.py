@@ -44,6 +44,20 @@ class GenerationTimeout(TimeoutError):
     """A generator call took longer than ``cluster.timeout_s``."""
 
 
+class TeardownTimeout(TimeoutError):
+    """A component's close or shutdown at the run's end took longer than ``cluster.timeout_s``."""
+
+
+def bounded_teardown(fn: Callable[[], Any], what: str, timeout_s: float) -> None:
+    """``fn()`` (a close or shutdown as the run ends), bounded by ``timeout_s``: on expiry a warning naming
+    ``what``, and the run ends as it would have (the stuck call is left behind)."""
+    try:
+        call_with_timeout(fn, timeout_s, lambda: f"timeout: {what} did not finish within {timeout_s:g}s "
+                                                 "(cluster.timeout_s) as the run ended; left behind", TeardownTimeout)
+    except TeardownTimeout as exc:
+        print(f"warning: {exc}", flush=True)
+
+
 def call_with_timeout(fn: Callable[[], Any], timeout_s: float, describe: Callable[[], str],
                       error: type[TimeoutError] = EnvironmentTimeout) -> Any:
     expired = lambda: error(describe())  # noqa: E731
@@ -181,6 +195,12 @@ class TimedEnvironment:
         if self.on_timeout == "stop":
             raise exc
         print(f"warning: {exc}; {what} (env.on_timeout=zero)", flush=True)
+
+    def close(self) -> None:
+        """The environment's own ``close`` (if it has one) as the run ends, bounded (:func:`bounded_teardown`)."""
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            bounded_teardown(close, f"environment '{self.name}' (close)", self.timeout_s)
 
     def step(self, samples, responses):
         try:
