@@ -129,3 +129,22 @@ def test_an_environment_close_that_hangs_as_the_run_ends_is_named_and_left_behin
     assert time.monotonic() - began < 5
     assert "timeout: environment 'sticky' (close) did not finish within 0.3s (cluster.timeout_s) as the run ended" in capsys.readouterr().out
     TimedEnvironment(object.__new__(type("NoClose", (), {"step": HungEnvironment.step})), "plain", 0.3, "stop").close()
+
+
+def test_a_hung_logger_or_teacher_call_stops_the_run_naming_it():
+    from rlcore.controller.deadlines import CallTimeout, TimedTeacher, bounded_call
+
+    with pytest.raises(CallTimeout, match=r"timeout: logger Mlflow \(log\) did not return within 0.3s \(cluster.timeout_s\) at step 4"):
+        bounded_call(lambda: time.sleep(60), "logger Mlflow (log)", 0.3, step=4)
+
+    class Teacher:
+        name = "frozen"
+
+        def logprobs(self, batch):
+            time.sleep(60 if batch == "hangs" else 0)
+            return ["lp"]
+
+    teacher = TimedTeacher(Teacher(), 0.3)
+    assert teacher.logprobs("batch") == ["lp"] and teacher.name == "frozen"
+    with pytest.raises(CallTimeout, match=r"the teacher Teacher \(logprobs\) did not return within 0.3s"):
+        teacher.logprobs("hangs")

@@ -44,6 +44,36 @@ class GenerationTimeout(TimeoutError):
     """A generator call took longer than ``cluster.timeout_s``."""
 
 
+class CallTimeout(TimeoutError):
+    """A call of the run loop into a plugin other than the environment and the generator (a metric
+    logger, a distillation teacher) took longer than ``cluster.timeout_s``."""
+
+
+def bounded_call(fn: Callable[[], Any], what: str, timeout_s: float | None, step: int | None = None) -> Any:
+    """``fn()`` bounded by ``timeout_s`` (None: unbounded); on expiry a :class:`CallTimeout` naming ``what`` and the step."""
+    if timeout_s is None:
+        return fn()
+    at = "" if step is None else f" at step {step}"
+    return call_with_timeout(fn, timeout_s, lambda: f"timeout: {what} did not return within {timeout_s:g}s "
+                                                    f"(cluster.timeout_s){at}", CallTimeout)
+
+
+class TimedTeacher:
+    """A :class:`rlcore.interfaces.Teacher` whose ``logprobs`` is bounded (:func:`bounded_call`); other attributes pass through."""
+
+    def __init__(self, teacher, timeout_s: float):
+        self.inner, self.timeout_s = teacher, timeout_s
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def logprobs(self, batch):
+        return bounded_call(lambda: self.inner.logprobs(batch), f"the teacher {type(self.inner).__name__} (logprobs)",
+                            self.timeout_s)
+
+
 class TeardownTimeout(TimeoutError):
     """A component's close or shutdown at the run's end took longer than ``cluster.timeout_s``."""
 
