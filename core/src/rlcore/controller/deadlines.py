@@ -21,6 +21,7 @@ and the batch ends within ``cluster.timeout_s``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import queue
@@ -134,9 +135,10 @@ class _Helpers:
     """Daemon threads that run bounded calls, each reused once its call returns. A call that never
     returns keeps its thread (abandoned, as before); the next call gets another."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "rlcore-bounded-call") -> None:
         self._idle: list[queue.SimpleQueue] = []
         self._lock = threading.Lock()
+        self.name = name
 
     def submit(self, fn: Callable[[], Any]) -> tuple[threading.Event, dict[str, Any]]:
         box: dict[str, Any] = {}
@@ -145,7 +147,7 @@ class _Helpers:
             inbox = self._idle.pop() if self._idle else None
         if inbox is None:
             inbox = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), name="rlcore-bounded-call", daemon=True).start()
+            threading.Thread(target=self._serve, args=(inbox,), name=self.name, daemon=True).start()
         inbox.put((fn, box, done))
         return done, box
 
@@ -163,6 +165,29 @@ class _Helpers:
 
 
 _HELPERS = _Helpers()
+
+
+class DaemonThreads(concurrent.futures.Executor):
+    """An executor whose threads are daemons, reused once free, started on demand (no bound of its own:
+    the caller bounds how many calls run at once). A call that never returns keeps its thread, as a
+    timed-out bounded call does, and nothing joins it at exit, as ``ThreadPoolExecutor``'s workers are."""
+
+    def __init__(self, name: str):
+        self._helpers = _Helpers(name)
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting side
+                future.set_exception(exc)
+
+        self._helpers.submit(run)
+        return future
 
 
 def _with_thread(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
