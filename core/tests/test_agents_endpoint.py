@@ -184,7 +184,7 @@ def test_a_hung_plain_function_agent_is_left_on_a_daemon_thread(generator):
             released.wait(60)
         return 1.0 if client.chat.completions.create(model="policy", messages=sample.prompt, max_tokens=3) else 0.0
 
-    runner = runner_for(generator, blocking, attempt_timeout_s=0.5, max_retries=0)
+    runner = runner_for(generator, blocking, attempt_timeout_s=3.0, max_retries=0)
     try:
         results = runner(samples(2), PARAMS)
         assert [len(g) for g in results] == [2, 0]
