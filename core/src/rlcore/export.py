@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from rlcore.config import ConfigError, RunConfig, build_config, load_config
+from rlcore.config import ConfigError, RunConfig, build_config
+from rlcore.config.loader import read_recipe_yaml, upgrade_saved_config
 from rlcore.controller.checkpoint import CheckpointManager
 from rlcore.errors import CheckpointError
 
@@ -80,12 +81,18 @@ def run_config_for(step_dir: Path, overrides: list[str] = ()) -> RunConfig:
         if not isinstance(data, dict):
             raise CheckpointError(f"{step_dir / 'loop_state.pt'}: the run config it carries is not a mapping")
         try:
-            return build_config(data, list(overrides))
+            return build_config(upgrade_saved_config(data), list(overrides))
         except ConfigError as exc:
             raise ConfigError(exc.key, f"{exc.message} (the run config carried by {step_dir})") from exc
     beside = step_dir.parent.parent / RUN_CONFIG
     if beside.is_file():
-        return load_config(beside, list(overrides))
+        data = read_recipe_yaml(beside)
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{beside}: the run config is not a mapping")
+        try:
+            return build_config(upgrade_saved_config(data), list(overrides))
+        except ConfigError as exc:
+            raise ConfigError(exc.key, f"{exc.message} (in {beside})") from exc
     raise CheckpointError(f"the run config of {step_dir} was not found: its loop state carries none (written by an older "
                           f"rlcore) and there is no {beside}; copy the run's config.yaml there")
 

@@ -67,7 +67,7 @@ def build_components(config: RunConfig, **given) -> Components:
     loggers = given.get("loggers")
     if loggers is None:
         loggers = build_loggers(config, run_dir)
-    reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
+    reporter = Reporter(config.train.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
                       teacher=teacher, critic=critic)
 

@@ -92,11 +92,11 @@ class Rollouts:
 
     def __init__(self, config: RunConfig, generator: Generator, environment: Environment, algorithm: Algorithm,
                  dataset: PromptDataset, multi_turn: MultiTurnRunner | None = None):
-        self.grpo, self.generation_cfg = config.grpo, config.generation
+        self.train_cfg, self.grpo, self.generation_cfg = config.train, config.grpo, config.generation
         self.timeout_s = config.cluster.timeout_s
         self.generator, self.environment, self.algorithm = generator, environment, algorithm
         self.dataset, self.multi_turn = dataset, multi_turn
-        self.cursor = DataCursor(len(dataset.train), config.grpo.seed)
+        self.cursor = DataCursor(len(dataset.train), config.train.seed)
         self.generator_lock = threading.Lock()
         self.score_lock = threading.Lock()
 
@@ -154,8 +154,8 @@ class Rollouts:
 
     def _rollout_group(self, step: int, round_: int, observer: GenerationObserver | None = None) -> GeneratedRound:
         G = self.grpo.num_generations_per_prompt
-        samples = [self.dataset.train[i] for i in self.cursor.take(self.grpo.num_prompts_per_step)]
-        seed = (self.grpo.seed * 1_000_003 + step * 101 + round_) if self.grpo.deterministic else None
+        samples = [self.dataset.train[i] for i in self.cursor.take(self.train_cfg.num_prompts_per_step)]
+        seed = (self.train_cfg.seed * 1_000_003 + step * 101 + round_) if self.train_cfg.deterministic else None
         results, version, final_steps, began = self.generate(samples, G, seed, step, observer=observer)
         first_group = round_ * len(samples)  # unique group ids across refill rounds
         trajectories = [Trajectory(s, first_group + g, r) for g, (s, rs) in enumerate(zip(samples, results)) for r in rs]
@@ -186,7 +186,7 @@ class Rollouts:
                 observer: GenerationObserver | None = None) -> tuple[list[Trajectory], dict, int]:
         """Trajectories for one step, with DAPO-style refill when the algorithm drops groups."""
         rounds = self.refill_rounds()
-        target = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        target = self.train_cfg.num_prompts_per_step * self.grpo.num_generations_per_prompt
         generated: list[GeneratedRound] = []
         for round_ in range(rounds + 1):
             generated.append(self.generate_round(step, round_, timer, observer))
@@ -214,6 +214,6 @@ class Rollouts:
             kept_groups = set(groups_N[keep_N].tolist())
             kept.extend(t for t in trajs if t.group in kept_groups)
         metrics["rollout/refill_rounds"] = float(len(rounds) - 1)
-        kept = kept[: self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt]
+        kept = kept[: self.train_cfg.num_prompts_per_step * self.grpo.num_generations_per_prompt]
         metrics["rollout/kept_trajectories"] = float(len(kept))
         return kept, metrics, rounds[-1].version

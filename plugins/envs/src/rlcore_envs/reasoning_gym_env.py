@@ -69,7 +69,7 @@ def generate(config: ReasoningGymDatasetConfig) -> tuple[list[Sample], list[Samp
                              f"lower data.num_validation or widen its data.task_configs")
         train += [_sample(task, e, config, "train") for e in entries[:count]]
     random.Random(config.seed).shuffle(train)
-    # mixed too: a run that validates on the first grpo.max_val_samples sees every task, not the first one's block
+    # mixed too: a run that validates on the first train.max_val_samples sees every task, not the first one's block
     random.Random(config.seed + 1).shuffle(validation)
     return train, validation
 

@@ -339,7 +339,7 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
     dtype = policy.precision if section_config.dtype == "auto" else section_config.dtype
     if device == "cpu" and dtype == "float16":
         raise ValueError("policy.generation.dtype: float16 is not supported by vLLM on CPU; use bfloat16 or float32")
-    seed = section_config.seed if section_config.seed is not None else config.grpo.seed
+    seed = section_config.seed if section_config.seed is not None else config.train.seed
     if device == "cuda":
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         if not placement.colocated and placement.generator_gpus:
