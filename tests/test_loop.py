@@ -239,6 +239,45 @@ def test_multi_turn_environment_runs_through_the_loop(tiny_model_dir, tmp_path):
     assert "env/correct" in records[2] and "train/loss" in records[2]
 
 
+HUNG_SESSIONS = """
+    import itertools, threading
+    from rlcore.interfaces import EnvStep
+    from rlcore_math.envs import MathToolEnvironment
+
+    opened = itertools.count()
+
+    class Session:  # injected fault: every other session never answers
+        def __init__(self):
+            self.hangs = next(opened) % 2 == 0
+        def step(self, turn):
+            if self.hangs:
+                threading.Event().wait()
+            return EnvStep(reward=1.0, done=True, metrics={"correct": 1.0})
+        def close(self):
+            pass
+
+    MathToolEnvironment.open_session = lambda self, sample: Session()
+"""
+
+
+def test_hung_environment_sessions_score_0_and_the_run_ends(tiny_model_dir, tmp_path):
+    """A session environment whose sessions hang (env.on_timeout=zero): every step ends within
+    cluster.timeout_s, the hung trajectories score 0 and count in env/timeout, and the process exits
+    (no environment thread is left to join)."""
+    run_dir = tmp_path / "hung"
+    recipe = tiny_recipe(tiny_model_dir, run_dir, **{
+        "env": {"name": "math_tool", "math_tool": {"executor": "inline", "max_turns": 2}, "on_timeout": "zero"},
+        "cluster.timeout_s": 4, "checkpointing.enabled": False, "train.max_num_steps": 2, "train.val_period": 0,
+    })
+    done = run_recipe(recipe, tmp_path, prelude=HUNG_SESSIONS, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "environment 'math_tool' (session step) did not answer within" in done.stdout
+    records = load_records(run_dir)
+    for step in (1, 2):
+        assert records[step]["env/timeout"] == 0.5 and records[step]["env/correct"] == 0.5
+        assert records[step]["rollout/num_trajectories"] == 16
+
+
 def test_rlcore_run_whose_process_would_not_exit_ends_with_the_runs_status(tiny_model_dir, tmp_path):
     """`rlcore run` with a thread that never returns (what kept a finished GPU run alive): once the
     summary is written, the process prints that thread's stack and exits 0 after cluster.exit_timeout_s."""

@@ -170,7 +170,7 @@ class EnvConfig:
                                    "list[float] (TRL's signature) scores the rollouts instead of env.name (rlcore.reward_fn)"),
     )
     on_timeout: Literal["stop", "zero"] = field(
-        default="stop", metadata=doc("an environment call over cluster.timeout_s stops the run, or scores the batch 0 (counted in env/timeouts)"),
+        default="stop", metadata=doc("an environment call over cluster.timeout_s stops the run, or scores its batch (a multi-turn or session call: its trajectory) 0, counted in env/timeout"),
     )
 
 

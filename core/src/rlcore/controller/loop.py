@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from rlcore.controller.checkpoint import CheckpointManager, run_catching_sigterm
+from rlcore.controller.deadlines import TimedTeacher, bounded_call
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.learner import Learner, NonFiniteLossError
 from rlcore.controller.refitter import Refitter
@@ -65,13 +66,14 @@ class GRPOLoop:
         self.train_cfg, self.grpo = cfg.train, cfg.grpo
         self.progress = Progress()
         self.rollouts = Rollouts(cfg, c.generator, c.environment, c.algorithm, c.dataset, c.multi_turn)
+        teacher = None if c.teacher is None else TimedTeacher(c.teacher, cfg.cluster.timeout_s)
         self.learner = Learner(c.trainer, c.algorithm, cfg.policy.max_total_sequence_length,
-                               cfg.grpo.max_consecutive_nonfinite, c.teacher,
+                               cfg.grpo.max_consecutive_nonfinite, teacher,
                                cfg.generation.colocated.offload_trainer_state, c.critic)
         self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock,
-                                 cfg.policy.max_total_sequence_length)
+                                 cfg.policy.max_total_sequence_length, cfg.cluster.timeout_s)
         self.validator = Validator(self.rollouts, c.trainer, cfg.train.max_val_samples, cfg.train.seed,
-                                   cfg.policy.max_total_sequence_length, c.teacher)
+                                   cfg.policy.max_total_sequence_length, teacher)
         identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
         ckpt = CheckpointManager(checkpoint_root(cfg), cfg.checkpointing.keep_last_k) if cfg.checkpointing.enabled else None
         self.checkpoints = LoopCheckpoints(ckpt, checkpoint_root(cfg), self.progress, self.learner, self.rollouts.cursor,
@@ -109,8 +111,7 @@ class GRPOLoop:
             if start:
                 start["time/elapsed_s"] = self.progress.elapsed()
                 self.progress.records.append({"step": 0, **start})
-                for logger in self.c.loggers:
-                    logger.log(start, 0)
+                self._log(start, 0)
 
     def next_step(self) -> int:
         """Advances to the next step and tells the trainer and environment its number."""
@@ -152,9 +153,13 @@ class GRPOLoop:
                 self.checkpoints.save()
             record.update(timer.finish())
         record["time/elapsed_s"] = p.elapsed()
-        for logger in self.c.loggers:
-            logger.log({k: v for k, v in record.items() if k != "step"}, p.step)
+        self._log({k: v for k, v in record.items() if k != "step"}, p.step)
         self.c.reporter.step(record, p.step)
+
+    def _log(self, metrics: dict, step: int) -> None:
+        for logger in self.c.loggers:  # a logger's network call that hangs stops the run, naming it
+            bounded_call(lambda lg=logger: lg.log(metrics, step), f"logger {type(logger).__name__} (log)",
+                         self.c.config.cluster.timeout_s, step)
 
 
 def run_sync(run: GRPOLoop) -> None:

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from rlcore.controller.batching import DataCursor, Trajectory, apply_env_steps, rollout_metrics, sampling_params, score
-from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
+from rlcore.controller.deadlines import EnvironmentTimeout, GenerationTimeout, batch_deadline, batch_margin_s, call_with_timeout
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import Algorithm, Environment, EnvStep, Generator, ImageGenerator, PromptDataset, Sample
 
@@ -130,8 +130,20 @@ class Rollouts:
 
     def _bounded(self, fn, what: str, step: int):
         limit = self.timeout_s
-        return call_with_timeout(fn, limit, lambda: f"timeout: the generator's '{what}' did not finish within {limit:g}s "
-                                                    f"(cluster.timeout_s) at step {step}", GenerationTimeout)
+        inner = limit - batch_margin_s(limit)  # an environment call inside times out first, with its own message
+
+        def within_deadline():
+            with batch_deadline(inner):
+                return fn()
+
+        try:
+            return call_with_timeout(within_deadline, limit, lambda: f"timeout: the generator's '{what}' did not finish "
+                                                                     f"within {limit:g}s (cluster.timeout_s) at step {step}",
+                                     GenerationTimeout)
+        except GenerationTimeout as exc:
+            if isinstance(exc.__context__, EnvironmentTimeout):  # the batch's end came as its environment's error left
+                raise exc.__context__ from None
+            raise
 
     def score(self, trajs: list[Trajectory], final_steps) -> dict[str, float]:
         """Multi-turn rollouts were scored turn by turn already; single-turn ones are scored now."""
