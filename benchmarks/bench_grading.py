@@ -30,7 +30,8 @@ def main() -> None:
 
     math = {"executor": args.executor, "num_workers": args.workers, **({"chunk_size": args.chunk_size} if args.chunk_size else {})}
     config = rlcore.build_config({"policy": {"model_name": "unused"}, "env": {"name": "math", "math": math},
-                                  "grpo": {"num_prompts_per_step": args.prompts, "num_generations_per_prompt": args.group}})
+                                  "train": {"num_prompts_per_step": args.prompts},
+                                  "grpo": {"num_generations_per_prompt": args.group}})
     row = grading(config, steps=args.batches + 1, warmup=1, style=args.style, seed=args.seed)
     print(f"style={args.style} executor={args.executor} workers={args.workers} batch={args.prompts}x{args.group} "
           f"mean response {row['mean_chars']:.0f} chars")

@@ -45,7 +45,7 @@ from rlcore.bench.models import SHAPES, build_here, llama_params  # noqa: E402  
 
 PEAK_FLOPS = 989e12
 NEMO_8B_ROW = {
-    "cluster.gpus_per_node": 8, "grpo.num_prompts_per_step": 64, "grpo.num_generations_per_prompt": 32,
+    "cluster.gpus_per_node": 8, "train.num_prompts_per_step": 64, "grpo.num_generations_per_prompt": 32,
     "policy.train_global_batch_size": 512, "policy.max_total_sequence_length": 4096,
     "policy.generation.max_new_tokens": 795, "policy.generation.num_replicas": 8,
     "policy.generation.gpu_memory_utilization": 0.3,
@@ -58,19 +58,19 @@ MOE_SHAPES = {"qwen3moe": False, "tiny-moe": True}  # name -> tiny
 MOE_RUN = {"policy.train_global_batch_size": 128, "policy.megatron_cfg.empty_unused_memory_level": 1,
            "policy.generation.gpu_memory_utilization": 0.3, "policy.generation.colocated.offload_trainer_state": True}
 TWO_CPU_RANKS = {"cluster.cpu_workers": 2, "cluster.use_ray": True, "policy.train_global_batch_size": 8}
-TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "grpo.val_period": 0}
+TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {"max_turns": 3, "tool_latency_s": 0.5}}, "train.val_period": 0}
 # The realistic multi-turn workload (bench_multiturn_env.py, heavy_tailed): 3 to 5 turns, each turn's
 # length lognormal in 32..2048 tokens (enforced as its max_tokens: ignore_eos, no stop strings), tool
 # latencies lognormal with median 0.5 s and p99 8 s, all seeded per (sample, trajectory, turn).
 HEAVY_TOOL_ENV = {"env": {"name": "bench_tool", "bench_tool": {
     "workload": "heavy_tailed", "min_turns": 3, "max_turns": 5, "turn_stop_strings": [], "turn_tokens_median": 192,
     "turn_tokens_sigma": 1.0, "turn_tokens_range": [32, 2048], "latency_median_s": 0.5, "latency_p99_s": 8.0}},
-    "grpo.val_period": 0, "policy.generation.max_new_tokens": 2048}
+    "train.val_period": 0, "policy.generation.max_new_tokens": 2048}
 BARRIER = {"env.bench_tool.turn_barrier": True}
 ASYNC_ENGINE = {"policy.generation.async_engine": True}
 # The same workload as an agent through the OpenAI-compatible endpoint (bench_agent.py): against *-tool-async, the endpoint's overhead.
 TOOL_AGENT = {"env": {"name": "agent", "agent": {"function": f"{Path(__file__).with_name('bench_agent.py')}:agent", "max_turns": 3}},
-              "grpo.val_period": 0, "policy.generation.async_engine": True}
+              "train.val_period": 0, "policy.generation.async_engine": True}
 
 ONE_STEP_OFF = {"algorithm.rollout_correction": {"preset": "token_tis"}}
 
@@ -280,8 +280,8 @@ def recipe(model: Path, backend: str, run_dir: Path, args, gpu: bool) -> dict:
         "algorithm": {"name": "grpo", "kl_coef": args.kl_coef},
         "data": {"name": "arithmetic", "digits": 3, "num_validation": 8},
         "env": {"name": "math", "math": {"executor": "process"}},
-        "grpo": {"num_prompts_per_step": args.prompts, "num_generations_per_prompt": args.samples,
-                 "max_num_steps": args.steps, "seed": 0, "summary_window": [args.warmup + 1, args.steps]},
+        "train": {"num_prompts_per_step": args.prompts, "max_num_steps": args.steps, "seed": 0},
+        "grpo": {"num_generations_per_prompt": args.samples, "summary_window": [args.warmup + 1, args.steps]},
         "cluster": {"gpus_per_node": 1 if gpu else 0},
         "logger": {"log_dir": str(run_dir), "print_table": True},
     }
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_row_logger.on_loop_end = emit
         # the run's own step count and summary window, --set overrides included
         first, last = tree["grpo"]["summary_window"]
-        tree["logger"]["bench_row"] = {"enabled": True, "steps": tree["grpo"]["max_num_steps"], "window_first": first,
+        tree["logger"]["bench_row"] = {"enabled": True, "steps": tree["train"]["max_num_steps"], "window_first": first,
                                        "window_last": last}
         rlcore.run(rlcore.build_config(tree))
         print(f"{label}: wall {time.perf_counter() - started:.0f}s with the shutdown", flush=True)

@@ -5,7 +5,7 @@ shutdown (vLLM's engine process above all) can take longer than a device call ha
 that built its row only after ``rlcore.run`` returned lost the row of a run that had finished every
 step. ``bench_grpo_step.py`` registers this module as a plugin, enables ``logger.bench_row`` and sets
 :data:`on_loop_end`; :meth:`LoopEndLogger.close` calls it with ``{"summary", "records"}`` shaped
-like ``rlcore.run``'s result, when all ``grpo.max_num_steps`` steps were logged.
+like ``rlcore.run``'s result, when all ``train.max_num_steps`` steps were logged.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ on_loop_end: Callable[[dict], None] | None = None
 @frozen
 class LoopEndLoggerConfig:
     enabled: bool = field(default=False, metadata=doc("hand the bench its records when the loop ends"))
-    steps: int = field(default=0, metadata=doc("steps the run must have logged (grpo.max_num_steps)"))
+    steps: int = field(default=0, metadata=doc("steps the run must have logged (train.max_num_steps)"))
     window_first: int = field(default=1, metadata=doc("first step of the summary window"))
     window_last: int = field(default=0, metadata=doc("last step of the summary window"))
 

@@ -143,7 +143,7 @@ class PlainTraining:
 def part_functions(config, generator, model_dir: str, prompts: list[list[int]], args) -> dict:
     from rlcore.runtime import sampling_params
 
-    params = sampling_params(config.generation, args.samples, seed=config.grpo.seed)
+    params = sampling_params(config.generation, args.samples, seed=config.train.seed)
     padded = PlainTraining(model_dir, config, prompts, args.new_tokens, args.samples, packed=False)
     packed = PlainTraining(model_dir, config, prompts, args.new_tokens, args.samples, packed=True)
     # The refit part loads the plain model's weights (the trainer's are not reachable from here);
@@ -191,8 +191,8 @@ def main(argv=None) -> int:
         backend, generator_overrides = GENERATORS[variant]
         overrides = [f"policy.model_name={model_dir}", f"policy.generation.backend={backend}", *generator_overrides,
                      f"policy.generation.max_new_tokens={args.new_tokens}", "policy.generation.ignore_eos=true",
-                     f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations_per_prompt={args.samples}",
-                     f"grpo.max_num_steps={args.steps}", "grpo.val_period=0", "grpo.val_at_start=false",
+                     f"train.num_prompts_per_step={args.prompts}", f"grpo.num_generations_per_prompt={args.samples}",
+                     f"train.max_num_steps={args.steps}", "train.val_period=0", "train.val_at_start=false",
                      f"logger.log_dir={work / f'run-{variant}'}", "logger.print_table=false", "logger.jsonl.enabled=false",
                      *args.set]
         config = rlcore.load_config(str(RECIPE), overrides)

@@ -74,7 +74,8 @@ def main(workdir: Path) -> dict:
             "optimizer": {"lr": 1e-3, "weight_decay": 0.0}, "dtensor_cfg": {"enabled": True},
             "generation": {"backend": "hf", "max_new_tokens": 2},
         },
-        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 2, "seed": 0},
+        "train": {"num_prompts_per_step": 4, "max_num_steps": 2, "seed": 0},
+        "grpo": {"num_generations_per_prompt": 4},
         "logger": {"log_dir": str(workdir / "run"), "print_table": False},
     })
     result = rlcore.run(config, dataset=RepeatDigitDataset(tokenizer), environment=StartsWithAnswer(),

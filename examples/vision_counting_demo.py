@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     sft = dict(recipe, algorithm={"name": "sft"})
     run(sft, [f"policy.model_name={model}", data, f"logger.log_dir={out / 'sft'}", "policy.optimizer.lr=1e-3",
-              "grpo.num_prompts_per_step=32", f"grpo.max_num_steps={args.sft_steps}", f"grpo.val_period={args.sft_steps}"])
+              "train.num_prompts_per_step=32", f"train.max_num_steps={args.sft_steps}", f"train.val_period={args.sft_steps}"])
     run(recipe, [f"policy.model_name={out / 'sft' / 'model'}", data, f"logger.log_dir={out / 'grpo'}",
-                 f"grpo.max_num_steps={args.grpo_steps}", f"grpo.val_period={args.grpo_steps}"])
+                 f"train.max_num_steps={args.grpo_steps}", f"train.val_period={args.grpo_steps}"])
 
     base, warm = accuracies(out / "sft")[0], accuracies(out / "sft")[-1]
     start, end = accuracies(out / "grpo")[0], accuracies(out / "grpo")[-1]

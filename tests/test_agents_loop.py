@@ -45,8 +45,8 @@ def test_agent_failures_are_retried_dropped_counted_and_kept_out_of_advantages(t
         "algorithm": {"name": "grpo"},
         "data": {"name": "arithmetic", "digits": 1, "num_validation": 8, "num_train": 64},
         "env": {"name": "agent", "agent": {"function": "_flaky_agent:agent", "max_turns": 1, "max_retries": 2}},
-        "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4, "max_num_steps": 2, "val_period": 0,
-                 "val_at_start": False, "seed": 3},
+        "train": {"num_prompts_per_step": 8, "max_num_steps": 2, "val_period": 0, "val_at_start": False, "seed": 3},
+        "grpo": {"num_generations_per_prompt": 4},
         "logger": {"log_dir": str(tmp_path / "run"), "print_table": False, "plot": False},
     })
     algorithm = RecordingGRPO()

@@ -49,8 +49,8 @@ RANDOM_KILLS = 6
 
 def _recipe(model_dir: Path, run_dir: Path) -> dict:
     return tiny_recipe(model_dir, run_dir, **{
-        "grpo.async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}, "grpo.max_num_steps": STEPS,
-        "grpo.val_period": 0, "cluster.timeout_s": 60})
+        "grpo.async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}, "train.max_num_steps": STEPS,
+        "train.val_period": 0, "cluster.timeout_s": 60})
 
 
 def _start(recipe_path: Path, env: dict | None = None) -> subprocess.Popen:

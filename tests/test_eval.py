@@ -73,8 +73,9 @@ def planted(tiny_model_dir, tmp_path_factory):
         "data": {"name": "math_jsonl", "preset": "deepscaler", "train_files": [str(root / "train.jsonl")],
                  "validation_files": [str(root / "val.jsonl")], "prompt_template": "{question}="},
         "env": {"name": "math", "math": {"executor": "inline", "answer_format": "none"}},
-        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 2, "val_period": 2,
-                 "val_at_start": True, "seed": 5, "deterministic": True},
+        "train": {"num_prompts_per_step": 4, "max_num_steps": 2, "val_period": 2, "val_at_start": True, "seed": 5,
+                  "deterministic": True},
+        "grpo": {"num_generations_per_prompt": 4},
         "logger": {"log_dir": str(root / "run"), "print_table": False, "plot": False},
         "checkpointing": {"enabled": True, "save_period": 2},
     }

@@ -86,8 +86,8 @@ def test_grpo_steps_with_both_examples(installed, tiny_model_dir, tmp_path):
     log_dir = tmp_path / "run"
     result = _run([str(BIN / "rlcore"), "run", str(REPO / "recipes" / "grpo_arith_tiny_cpu.yaml"),
                    f"policy.model_name={tiny_model_dir}", "policy.ddp_cfg.enabled=true", "policy.generation.backend=hf_static",
-                   "grpo.max_num_steps=2", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
-                   "grpo.val_at_start=false", "grpo.val_period=0", f"logger.log_dir={log_dir}"], site, cwd=tmp_path)
+                   "train.max_num_steps=2", "train.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
+                   "train.val_at_start=false", "train.val_period=0", f"logger.log_dir={log_dir}"], site, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "training backend: ddp (policy.ddp_cfg); also enabled but of lower precedence: fsdp2" in result.stdout
     assert "refit transport: hf_static-in-place" in result.stdout

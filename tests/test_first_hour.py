@@ -41,8 +41,8 @@ def rlcore(*args, env=None, timeout=600, cwd=None) -> subprocess.CompletedProces
 
 def overrides(model_dir: Path, run_dir: Path, generator: str = "hf", **extra) -> list[str]:
     settings = {"policy.model_name": model_dir, "policy.generation.backend": generator, "policy.max_total_sequence_length": 48,
-                "grpo.max_num_steps": 5, "grpo.num_prompts_per_step": 4, "grpo.num_generations_per_prompt": 4,
-                "grpo.val_period": 5, "grpo.max_val_samples": 8, "data.num_validation": 8, "logger.log_dir": run_dir,
+                "train.max_num_steps": 5, "train.num_prompts_per_step": 4, "grpo.num_generations_per_prompt": 4,
+                "train.val_period": 5, "train.max_val_samples": 8, "data.num_validation": 8, "logger.log_dir": run_dir,
                 "logger.plot": "false", **extra}
     return [f"{k}={v}" for k, v in settings.items()]
 
@@ -121,7 +121,7 @@ def test_ctrl_c_ends_the_step_and_says_how_to_resume(tiny_model_dir, tmp_path):
     psutil = pytest.importorskip("psutil")
     run_dir = tmp_path / "run"
     args = overrides(tiny_model_dir, run_dir, generator="vllm", **{
-        "grpo.max_num_steps": 500, "checkpointing.enabled": "true", "checkpointing.save_period": 1000})
+        "train.max_num_steps": 500, "checkpointing.enabled": "true", "checkpointing.save_period": 1000})
     script = Path(sys.executable).parent / "rlcore"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RLCORE_", "VLLM_LOGGING", "VLLM_ENABLE_V1_MULTI"))},
            "COLUMNS": "200"}

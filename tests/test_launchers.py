@@ -44,12 +44,12 @@ def test_the_slurm_script_parses_and_its_run_line_resolves_from_slurms_variables
     (run_line,) = [line for line in text.splitlines() if line.startswith("RUN_ARGS=(")]
     # The script's own line, run by bash with the values Slurm and the script would give it.
     probe = (f'set -u; RECIPE=recipes/grpo_arith3_gpu.yaml NUM_NODES=3 GPUS_PER_NODE=4 RAY_ADDRESS=10.1.2.3:6379; '
-             f'set -- grpo.max_num_steps=7; {run_line}; printf "%s\\0" "${{RUN_ARGS[@]}}"')
+             f'set -- train.max_num_steps=7; {run_line}; printf "%s\\0" "${{RUN_ARGS[@]}}"')
     built = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.split("\0")[:-1]
     assert built[0] == "recipes/grpo_arith3_gpu.yaml"
     config = _resolve(built)
     assert config["cluster"]["num_nodes"] == 3 and config["cluster"]["gpus_per_node"] == 4
-    assert config["cluster"]["ray_address"] == "10.1.2.3:6379" and config["grpo"]["max_num_steps"] == 7
+    assert config["cluster"]["ray_address"] == "10.1.2.3:6379" and config["train"]["max_num_steps"] == 7
     for variable in ("SLURM_JOB_NUM_NODES", "SLURM_GPUS_ON_NODE"):  # where the two numbers come from
         assert f"${{{variable}" in text, variable
 

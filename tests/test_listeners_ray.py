@@ -51,7 +51,7 @@ def _loopback(ip: str) -> bool:
 
 def test_ray_run_listens_on_loopback_only_and_dies_with_its_driver(tiny_model_dir, tmp_path):
     recipe = tiny_recipe(tiny_model_dir, tmp_path / "run", **{"cluster.use_ray": True, "checkpointing.enabled": False,
-                                                               "grpo.max_num_steps": 1})
+                                                               "train.max_num_steps": 1})
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     out = tmp_path / "probe.json"
     code = textwrap.dedent(PROBE_RUN.format(out=str(out), recipe=str(tmp_path / "r.yaml")))

@@ -35,8 +35,8 @@ def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
         "algorithm": {"name": "grpo"},
         "data": {"name": "arithmetic", "digits": 1, "num_validation": 8, "num_train": 64},
         "env": {"name": "math", "math": {"executor": "inline"}},
-        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 4,
-                 "val_period": 2, "seed": 3, "deterministic": True},
+        "train": {"num_prompts_per_step": 4, "max_num_steps": 4, "val_period": 2, "seed": 3, "deterministic": True},
+        "grpo": {"num_generations_per_prompt": 4},
         "logger": {"log_dir": str(run_dir), "print_table": False, "plot": False},  # curves.png: one test below
         "checkpointing": {"enabled": True, "checkpoint_dir": str(run_dir / "ckpt"), "save_period": 1, "keep_last_k": 3},
     }
@@ -162,7 +162,7 @@ def test_async_mode_respects_max_trajectory_age(tiny_model_dir, tmp_path):
     the first is being scored, yet no batch is sampled before the refit it must follow (a rollout
     thread back at the generator at once would otherwise sample batches two steps old)."""
     recipe = tiny_recipe(tiny_model_dir, tmp_path / "async", **{
-        "grpo.async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}, "grpo.deterministic": False,
+        "grpo.async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}, "train.deterministic": False,
         "algorithm.gen_is_cap": 2.0, "checkpointing.enabled": False,
     })
     events_path = tmp_path / "events.jsonl"
@@ -206,7 +206,7 @@ def test_ray_trainer_hang_times_out_with_report(tiny_model_dir, tmp_path):
     # The limit also bounds the generation and the trainer calls before the hung 'train' (generation
     # took over 2 s on two busy cores); the driver waits all of it for the hung rank.
     recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "cluster.timeout_s": 8,
-                                                      "checkpointing.enabled": False, "grpo.max_num_steps": 2})
+                                                      "checkpointing.enabled": False, "train.max_num_steps": 2})
     done = run_recipe(recipe, tmp_path, env={"RLCORE_FAULT": "hang:train:1"})
     assert done.returncode != 0
     assert "timeout" in done.stderr and "trainer ranks [0]" in done.stderr and "'train'" in done.stderr, done.stderr[-3000:]
@@ -216,7 +216,7 @@ def test_non_colocated_trainer_process_refits_driver_generator(tiny_model_dir, t
     """Trainer in a Ray actor process, generator in the driver: weights cross processes each step."""
     run_dir = tmp_path / "two-procs"
     recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "checkpointing.enabled": False,
-                                                      "grpo.max_num_steps": 2})
+                                                      "train.max_num_steps": 2})
     done = run_recipe(recipe, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     records = load_records(run_dir)
@@ -230,7 +230,7 @@ def test_multi_turn_environment_runs_through_the_loop(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "tool"
     recipe = tiny_recipe(tiny_model_dir, run_dir, **{
         "env": {"name": "math_tool", "math_tool": {"executor": "inline", "max_turns": 2}},
-        "checkpointing.enabled": False, "grpo.max_num_steps": 2, "grpo.val_period": 0,
+        "checkpointing.enabled": False, "train.max_num_steps": 2, "train.val_period": 0,
     })
     done = run_recipe(recipe, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -239,12 +239,51 @@ def test_multi_turn_environment_runs_through_the_loop(tiny_model_dir, tmp_path):
     assert "env/correct" in records[2] and "train/loss" in records[2]
 
 
+HUNG_SESSIONS = """
+    import itertools, threading
+    from rlcore.interfaces import EnvStep
+    from rlcore_math.envs import MathToolEnvironment
+
+    opened = itertools.count()
+
+    class Session:  # injected fault: every other session never answers
+        def __init__(self):
+            self.hangs = next(opened) % 2 == 0
+        def step(self, turn):
+            if self.hangs:
+                threading.Event().wait()
+            return EnvStep(reward=1.0, done=True, metrics={"correct": 1.0})
+        def close(self):
+            pass
+
+    MathToolEnvironment.open_session = lambda self, sample: Session()
+"""
+
+
+def test_hung_environment_sessions_score_0_and_the_run_ends(tiny_model_dir, tmp_path):
+    """A session environment whose sessions hang (env.on_timeout=zero): every step ends within
+    cluster.timeout_s, the hung trajectories score 0 and count in env/timeout, and the process exits
+    (no environment thread is left to join)."""
+    run_dir = tmp_path / "hung"
+    recipe = tiny_recipe(tiny_model_dir, run_dir, **{
+        "env": {"name": "math_tool", "math_tool": {"executor": "inline", "max_turns": 2}, "on_timeout": "zero"},
+        "cluster.timeout_s": 4, "checkpointing.enabled": False, "train.max_num_steps": 2, "train.val_period": 0,
+    })
+    done = run_recipe(recipe, tmp_path, prelude=HUNG_SESSIONS, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "environment 'math_tool' (session step) did not answer within" in done.stdout
+    records = load_records(run_dir)
+    for step in (1, 2):
+        assert records[step]["env/timeout"] == 0.5 and records[step]["env/correct"] == 0.5
+        assert records[step]["rollout/num_trajectories"] == 16
+
+
 def test_rlcore_run_whose_process_would_not_exit_ends_with_the_runs_status(tiny_model_dir, tmp_path):
     """`rlcore run` with a thread that never returns (what kept a finished GPU run alive): once the
     summary is written, the process prints that thread's stack and exits 0 after cluster.exit_timeout_s."""
     run_dir = tmp_path / "stuck"
-    recipe = tiny_recipe(tiny_model_dir, run_dir, **{"checkpointing.enabled": False, "grpo.max_num_steps": 1,
-                                                      "grpo.val_period": 0})
+    recipe = tiny_recipe(tiny_model_dir, run_dir, **{"checkpointing.enabled": False, "train.max_num_steps": 1,
+                                                      "train.val_period": 0})
     path = tmp_path / "stuck.yaml"
     path.write_text(yaml.safe_dump(recipe))
     code = textwrap.dedent(f"""

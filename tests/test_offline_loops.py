@@ -34,8 +34,8 @@ def sft_recipe(model_dir: Path, run_dir: Path) -> dict:
                    "optimizer": {"lr": 3e-3, "weight_decay": 0.0}, "max_grad_norm": 1.0, "dtensor_cfg": {"enabled": True}},
         "algorithm": {"name": "sft"},
         "data": {"name": "arithmetic", "digits": 1, "num_train": 64, "num_validation": 16},
-        "grpo": {"num_prompts_per_step": 8, "max_num_steps": 4, "val_period": 2, "val_at_start": True, "seed": 3,
-                 "deterministic": True},
+        "train": {"num_prompts_per_step": 8, "max_num_steps": 4, "val_period": 2, "val_at_start": True, "seed": 3,
+                  "deterministic": True},
         "logger": {"log_dir": str(run_dir), "print_table": False},
         "checkpointing": {"enabled": True, "save_period": 1000, "keep_last_k": 1},
     }
@@ -46,8 +46,8 @@ def pair_recipe(file: str, model_dir: Path, run_dir: Path) -> dict:
     recipe["policy"]["model_name"] = str(model_dir)
     recipe["data"]["train_files"] = [str(ROOT / "recipes" / "data" / "preference_vowels.jsonl")]
     recipe["data"]["num_validation"] = 8
-    recipe["grpo"] = {"num_prompts_per_step": 4, "max_num_steps": 4, "val_period": 2, "val_at_start": True,
-                      "max_val_samples": 8, "seed": 3, "deterministic": True}
+    recipe["train"] = {"num_prompts_per_step": 4, "max_num_steps": 4, "val_period": 2, "val_at_start": True,
+                       "max_val_samples": 8, "seed": 3, "deterministic": True}
     recipe["logger"] = {"log_dir": str(run_dir), "print_table": False, "jsonl": {"enabled": True}}
     recipe["checkpointing"] = {"enabled": True, "save_period": 1000, "keep_last_k": 1}
     return recipe

@@ -34,7 +34,7 @@ def test_dpo_recipe_raises_held_out_margin(tiny_model_dir, tmp_path, backend):
     """recipes/dpo_tiny_cpu.yaml, two steps: held-out margin 0 (policy = reference) -> positive."""
     switch = (["policy.megatron_cfg.enabled=true", "policy.dtensor_cfg.enabled=false"] if backend == "megatron" else [])
     result = _run_recipe("recipes/dpo_tiny_cpu.yaml", f"policy.model_name={tiny_model_dir}",
-                         f"logger.log_dir={tmp_path / 'run'}", "grpo.max_num_steps=2", "grpo.val_period=2", *switch)
+                         f"logger.log_dir={tmp_path / 'run'}", "train.max_num_steps=2", "train.val_period=2", *switch)
     assert f"training backend: {backend}" in result.stdout
     records = _records(tmp_path / "run")
     assert records[0]["val/reward_margin"] == 0.0 and records[0]["val/accuracy"] == 0.0
@@ -51,7 +51,7 @@ def trained_reward_model(tiny_model_dir, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("rm") / "run"
     config = rlcore.load_config(ROOT / "recipes" / "rm_tiny_cpu.yaml", [
-        f"policy.model_name={tiny_model_dir}", f"logger.log_dir={run_dir}", "grpo.max_num_steps=12", "grpo.val_period=12",
+        f"policy.model_name={tiny_model_dir}", f"logger.log_dir={run_dir}", "train.max_num_steps=12", "train.val_period=12",
         f"data.train_files=[{ROOT / 'recipes' / 'data' / 'preference_vowels.jsonl'}]"])
     return rlcore.run(config)
 
@@ -90,8 +90,8 @@ def test_distill_recipe_lowers_held_out_reverse_kl(tiny_model_dir, tiny_model_fa
     random-init model; held-out reverse KL to the teacher drops, and the refit probe passes."""
     teacher = tiny_model_factory("llama", seed=1)
     _run_recipe("recipes/distill_tiny_cpu.yaml", f"policy.model_name={tiny_model_dir}", f"algorithm.teacher_model={teacher}",
-                f"logger.log_dir={tmp_path / 'run'}", "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.max_val_samples=32",
-                "grpo.num_prompts_per_step=8")
+                f"logger.log_dir={tmp_path / 'run'}", "train.max_num_steps=2", "train.val_period=2", "train.max_val_samples=32",
+                "train.num_prompts_per_step=8")
     records = _records(tmp_path / "run")
     assert records[0]["val/reverse_kl"] > 0.05, records[0]
     assert records[2]["val/reverse_kl"] < records[0]["val/reverse_kl"], (records[0], records[2])

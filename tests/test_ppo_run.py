@@ -13,7 +13,7 @@ from test_loop import load_records, run_recipe, tiny_recipe
 pytestmark = pytest.mark.slow
 
 PPO = {"algorithm.name": "ppo", "algorithm.critic_warmup_steps": 1, "algorithm.critic.lr": 1e-3,
-       "algorithm.gae_lambda": 0.95, "grpo.val_period": 0,
+       "algorithm.gae_lambda": 0.95, "train.val_period": 0,
        # every response earns 0.5 (a random tiny model answers nothing right): returns the zero-initialized critic must learn
        "env.math.answer_format": "none", "env.math.format_reward": 0.5}
 
@@ -22,7 +22,7 @@ def test_ppo_runs_resumes_and_exports_its_critic(tiny_model_dir, tmp_path):
     from transformers import AutoModelForTokenClassification
 
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    straight = run_recipe(tiny_recipe(tiny_model_dir, straight_dir, **PPO, **{"grpo.max_num_steps": 3}), tmp_path)
+    straight = run_recipe(tiny_recipe(tiny_model_dir, straight_dir, **PPO, **{"train.max_num_steps": 3}), tmp_path)
     assert straight.returncode == 0, straight.stderr[-3000:]
     lines = [json.loads(line) for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3]
@@ -40,9 +40,9 @@ def test_ppo_runs_resumes_and_exports_its_critic(tiny_model_dir, tmp_path):
     # The interrupted run also offloads the policy's and the critic's state between their phases (on CPU
     # the fsdp2 backend copies each storage out and frees it); checkpoints bring the critic back to save it.
     offload = {"policy.generation.colocated.offload_trainer_state": True}
-    first = run_recipe(tiny_recipe(tiny_model_dir, resumed_dir, **PPO, **offload, **{"grpo.max_num_steps": 2}), tmp_path)
+    first = run_recipe(tiny_recipe(tiny_model_dir, resumed_dir, **PPO, **offload, **{"train.max_num_steps": 2}), tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run_recipe(tiny_recipe(tiny_model_dir, resumed_dir, **PPO, **offload, **{"grpo.max_num_steps": 3}), tmp_path)
+    resumed = run_recipe(tiny_recipe(tiny_model_dir, resumed_dir, **PPO, **offload, **{"train.max_num_steps": 3}), tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     a, b = load_records(straight_dir), load_records(resumed_dir)

@@ -27,8 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip,\s*(.*?)\s*-->")
-SMALL = ["grpo.max_num_steps=1", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
-         "grpo.val_period=0", "grpo.val_at_start=false", "logger.plot=false"]
+SMALL = ["train.max_num_steps=1", "train.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
+         "train.val_period=0", "train.val_at_start=false", "logger.plot=false"]
 SHIM = (f"import rlcore\n_load = rlcore.load_config\n"
         f"rlcore.load_config = lambda path, overrides=(), **kw: _load(path, [*overrides, *{SMALL!r}], **kw)\n")
 

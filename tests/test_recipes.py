@@ -26,7 +26,7 @@ import attrs
 import pytest
 import yaml
 
-from rlcore.config import load_config
+from rlcore.config import ConfigError, load_config
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 # Vision-language recipes need a tiny VLM and their image dataset, not the text swaps below: the fsdp2
@@ -93,8 +93,9 @@ def dry_run_config(path: Path, model_dir: Path, log_dir: Path) -> dict:
     for name, section in (out.get("env") or {}).items():
         if isinstance(section, dict) and "executor" in section:
             section.update(executor="inline", num_workers=1)
-    out["grpo"] = {**out.get("grpo", {}), "num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 2,
-                   "val_period": 2, "max_val_samples": 4, "val_at_start": False}
+    out["train"] = {**out.get("train", {}), "num_prompts_per_step": 2, "max_num_steps": 2, "val_period": 2, "max_val_samples": 4,
+                    "val_at_start": False}
+    out["grpo"] = {**out.get("grpo", {}), "num_generations_per_prompt": 2}
     out["cluster"] = {"gpus_per_node": 0, "num_nodes": 1, "cpu_workers": 1}
     loggers = {k: ({**v, "enabled": False} if k != "jsonl" else v) for k, v in (out.get("logger") or {}).items() if isinstance(v, dict)}
     out["logger"] = {**loggers, "log_dir": str(log_dir), "print_table": False, "plot": False}
@@ -108,6 +109,19 @@ def test_recipe_resolves_and_has_a_header(path):
     config = load_config(path)  # what `rlcore config recipes/X.yaml` prints
     assert config.policy.model_name
     assert header(path)["lines"], f"{path.name} has no header comment saying which model, hardware and task it is for"
+
+
+@pytest.mark.parametrize("name", ["sft_arith_tiny_cpu", "dpo_tiny_cpu", "rm_tiny_cpu"])
+def test_the_offline_trainers_recipes_count_their_steps_under_train(name):
+    path = Path(__file__).parents[1] / "recipes" / f"{name}.yaml"
+    recipe = yaml.safe_load(path.read_text())
+    assert "grpo" not in recipe, f"{path.name}: nothing of an SFT, DPO or reward-model run is GRPO's"
+    assert load_config(path).train.max_num_steps == recipe["train"]["max_num_steps"]
+    config = load_config(path, ["train.max_num_steps=3", "train.num_prompts_per_step=5", "train.val_period=0"])
+    assert (config.train.max_num_steps, config.train.num_prompts_per_step, config.train.val_period) == (3, 5, 0)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["grpo.max_num_steps=3"])
+    assert info.value.key == "grpo.max_num_steps" and "write 'train.max_num_steps' instead" in str(info.value)
 
 
 @pytest.fixture(scope="module")

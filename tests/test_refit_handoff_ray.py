@@ -27,7 +27,7 @@ def test_rank_0_hands_each_colocated_refit_to_the_engine(tiny_model_dir, tmp_pat
     run_dir = tmp_path / "run"
     tree = recipe(tiny_model_dir, run_dir)
     tree["policy"]["generation"]["colocated"] = {"enabled": True}
-    tree["grpo"]["max_num_steps"] = 2
+    tree["train"]["max_num_steps"] = 2
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(tree))
     code = textwrap.dedent(f"""

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def _recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
-    recipe = tiny_recipe(model_dir, run_dir, **{"grpo.max_num_steps": 2, "grpo.val_period": 0, **extra})
+    recipe = tiny_recipe(model_dir, run_dir, **{"train.max_num_steps": 2, "train.val_period": 0, **extra})
     if "checkpointing.checkpoint_dir" not in extra:
         del recipe["checkpointing"]["checkpoint_dir"]  # the default: under logger.log_dir
     return recipe
@@ -32,14 +32,14 @@ def test_runs_with_other_settings_never_resume_each_other(tiny_model_dir, tmp_pa
     assert first.returncode == 0, first.stderr[-3000:]
     assert "training backend: fsdp2 (policy.dtensor_cfg)" in first.stdout
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
-    other = run_recipe(_recipe(tiny_model_dir, tmp_path / "b", **{"grpo.seed": 4}), tmp_path)
+    other = run_recipe(_recipe(tiny_model_dir, tmp_path / "b", **{"train.seed": 4}), tmp_path)
     assert other.returncode == 0, other.stderr[-3000:]
     assert "resumed from" not in other.stdout
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["steps"] == 2
-    shared = run_recipe(_recipe(tiny_model_dir, tmp_path / "c", **{"grpo.seed": 4, "checkpointing.checkpoint_dir":
+    shared = run_recipe(_recipe(tiny_model_dir, tmp_path / "c", **{"train.seed": 4, "checkpointing.checkpoint_dir":
                                                                     str(tmp_path / "a" / "checkpoints")}), tmp_path)
     assert shared.returncode != 0
-    assert "grpo.seed" in shared.stderr and str(tmp_path / "a") in shared.stderr and str(tmp_path / "c") in shared.stderr
+    assert "train.seed" in shared.stderr and str(tmp_path / "a") in shared.stderr and str(tmp_path / "c") in shared.stderr
     assert not (tmp_path / "c" / "metrics.jsonl").exists() or not (tmp_path / "c" / "metrics.jsonl").read_text()
 
 
@@ -62,7 +62,7 @@ def test_the_same_command_twice_refuses_rather_than_appending(tiny_model_dir, tm
 
 
 def test_no_resume_flag_on_a_checkpointed_run_refuses(tiny_model_dir, tmp_path):
-    recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"grpo.max_num_steps": 1})
+    recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"train.max_num_steps": 1})
     assert _cli(recipe, tmp_path).returncode == 0
     again = _cli(recipe, tmp_path, "--no-resume")
     assert again.returncode == 2 and "checkpointing.resume is false" in again.stderr, again.stderr[-2000:]
@@ -201,7 +201,7 @@ def test_sigterm_ends_the_step_checkpoints_it_and_the_run_resumes_from_it(tiny_m
     import time
 
     run_dir = tmp_path / "run"
-    recipe = _recipe(tiny_model_dir, run_dir, **{"grpo.max_num_steps": 60, "checkpointing.save_period": 1000})
+    recipe = _recipe(tiny_model_dir, run_dir, **{"train.max_num_steps": 60, "checkpointing.save_period": 1000})
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     proc = subprocess.Popen([sys.executable, "-m", "rlcore.cli", "run", str(path)], stdout=subprocess.PIPE,
@@ -222,7 +222,7 @@ def test_sigterm_ends_the_step_checkpoints_it_and_the_run_resumes_from_it(tiny_m
     # What a kill between the checkpoint's rename and the metrics write leaves: the checkpoint of
     # step `last` without its line. The resume puts the record back from the checkpoint.
     metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:-1]))
-    recipe["grpo"]["max_num_steps"] = last + 2
+    recipe["train"]["max_num_steps"] = last + 2
     resumed = _cli(recipe, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {last}" in resumed.stdout

@@ -172,6 +172,27 @@ def test_a_plain_function_agent_gets_a_blocking_client_in_a_thread(generator):
     assert all(name.startswith("rlcore-agent") for name in threads)
 
 
+def test_a_hung_plain_function_agent_is_left_on_a_daemon_thread(generator):
+    """Abandoned at its attempt timeout, a blocking agent keeps only a daemon thread: nothing joins it at exit."""
+    import threading
+
+    released, hung = threading.Event(), []
+
+    def blocking(client, sample):
+        if sample.index == 101:
+            hung.append(threading.current_thread())
+            released.wait(60)
+        return 1.0 if client.chat.completions.create(model="policy", messages=sample.prompt, max_tokens=3) else 0.0
+
+    runner = runner_for(generator, blocking, attempt_timeout_s=3.0, max_retries=0)
+    try:
+        results = runner(samples(2), PARAMS)
+        assert [len(g) for g in results] == [2, 0]
+        assert hung and all(t.daemon and t.is_alive() for t in hung)
+    finally:
+        released.set()
+
+
 class Recording:
     """The real generator; what each ``agenerate`` was fed and returned is kept."""
 

@@ -45,7 +45,7 @@ def test_bench_step_prints_the_table_and_appends_the_row(tmp_path):
     out = tmp_path / "bench"
     done = subprocess.run(
         [sys.executable, "-m", "rlcore.cli", "bench", "step", str(REPO / "recipes" / "grpo_arith_tiny_cpu.yaml"),
-         "policy.generation.backend=hf", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
+         "policy.generation.backend=hf", "train.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
          "policy.generation.max_new_tokens=2", "logger.print_table=false", "--shape", "tiny", "--steps", "2",
          "--warmup", "1", "--out", str(out), "--workdir", str(tmp_path / "models")],
         capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

@@ -35,7 +35,7 @@ def _load_backend(path) -> None:
 def _state(step: int) -> dict:
     return {"step": step, "data_position": 4 * step, "records": [{"step": s, "timing/total": 1.0} for s in range(1, step + 1)],
             "rng": rng_state(),
-            "run": {"run_id": "r1", "log_dir": "x", "fingerprint": {"grpo.seed": "1"}}}
+            "run": {"run_id": "r1", "log_dir": "x", "fingerprint": {"train.seed": "1"}}}
 
 
 def _accept(path, state) -> None:

@@ -148,34 +148,34 @@ def recipe(tmp_path) -> Path:
     path.write_text(yaml.safe_dump({
         "policy": {"model_name": str(tmp_path / "no-such-model"), "megatron_cfg": {"enabled": True}},
         "algorithm": {"name": "grpo"},
-        "grpo": {"max_num_steps": 3},
+        "train": {"max_num_steps": 3},
         "logger": {"log_dir": str(tmp_path / "runs")},
     }))
     return path
 
 
 def test_config_prints_resolved_config(run_cli, recipe):
-    result = run_cli("config", str(recipe), "grpo.max_num_steps=7", "policy.megatron_cfg.tensor_model_parallel_size=2",
+    result = run_cli("config", str(recipe), "train.max_num_steps=7", "policy.megatron_cfg.tensor_model_parallel_size=2",
                      "algorithm.kl_coef=0.05", "--json")
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)
-    assert resolved["grpo"]["max_num_steps"] == 7
+    assert resolved["train"]["max_num_steps"] == 7
     assert resolved["grpo"]["num_generations_per_prompt"] == 8  # defaults are filled in
     assert resolved["policy"]["megatron_cfg"]["enabled"] is True
     assert resolved["policy"]["megatron_cfg"]["tensor_model_parallel_size"] == 2
     assert resolved["algorithm"]["name"] == "grpo" and resolved["algorithm"]["kl_coef"] == 0.05
     assert "sections" not in resolved  # plugin sections appear at their own paths
     # The YAML form for people says the same.
-    result = run_cli("config", str(recipe), "grpo.max_num_steps=7", "policy.megatron_cfg.tensor_model_parallel_size=2",
+    result = run_cli("config", str(recipe), "train.max_num_steps=7", "policy.megatron_cfg.tensor_model_parallel_size=2",
                      "algorithm.kl_coef=0.05")
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout) == resolved
 
 
 def test_config_rejects_bad_override(run_cli, recipe):
-    result = run_cli("config", str(recipe), "grpo.max_num_steps=lots")
+    result = run_cli("config", str(recipe), "train.max_num_steps=lots")
     assert result.returncode == 2
-    assert "config key 'grpo.max_num_steps': expected an integer, got 'lots'" in result.stderr
+    assert "config key 'train.max_num_steps': expected an integer, got 'lots'" in result.stderr
     assert result.stdout == ""
 
 

@@ -122,7 +122,7 @@ def test_to_dict_round_trips(manager):
 # ---- unknown keys: full dotted path + closest valid key --------------------------------------
 @pytest.mark.parametrize("override, key, suggestion", [
     ("grpoo.max_num_steps=3", "grpoo", "grpo"),
-    ("grpo.max_num_step=3", "grpo.max_num_step", "grpo.max_num_steps"),
+    ("train.max_num_step=3", "train.max_num_step", "train.max_num_steps"),
     ("policy.optimizer.lrr=1e-5", "policy.optimizer.lrr", "policy.optimizer.lr"),
     ("grpo.async_grpo.enabeld=true", "grpo.async_grpo.enabeld", "grpo.async_grpo.enabled"),
     ("policy.fake_cfg.tensor_model_parallel_sise=2", "policy.fake_cfg.tensor_model_parallel_sise", "policy.fake_cfg.tensor_model_parallel_size"),
@@ -149,7 +149,7 @@ def test_unknown_key_in_yaml_and_without_close_match(manager):
 
 
 def test_missing_required_key(manager):
-    err = error(manager, data={"grpo": {"seed": 1}})
+    err = error(manager, data={"train": {"seed": 1}})
     assert err.key == "policy" and "required key is missing" in str(err)
     err = error(manager, data={"policy": {"tokenizer_name": "t"}})
     assert err.key == "policy.model_name" and "required key is missing (Hugging Face model: a local directory or a hub id" in str(err)
@@ -160,8 +160,8 @@ def test_missing_required_key(manager):
 
 
 def test_validator_failures_name_the_field(manager):
-    err = error(manager, ["grpo.max_num_steps=0"])
-    assert err.key == "grpo.max_num_steps" and "must be > 0" in str(err)
+    err = error(manager, ["train.max_num_steps=0"])
+    assert err.key == "train.max_num_steps" and "must be > 0" in str(err)
     err = error(manager, ["policy.fake_cfg.optim.lr=-1"])
     assert err.key == "policy.fake_cfg.optim.lr"
 
@@ -169,7 +169,7 @@ def test_validator_failures_name_the_field(manager):
 # ---- typed overrides -------------------------------------------------------------------------
 def test_override_types_follow_the_target_field(manager):
     config = build(manager, [
-        "grpo.max_num_steps=7",  # int
+        "train.max_num_steps=7",  # int
         "policy.optimizer.lr=3e-6",  # float written the way YAML 1.1 reads as a string
         "policy.optimizer.min_lr=0",  # an int literal into a float field
         "grpo.async_grpo.enabled=yes",  # bool
@@ -183,7 +183,7 @@ def test_override_types_follow_the_target_field(manager):
         "env.fakeenv.tags=[a, b]",
         "policy.scheduler.decay_style=cosine",  # Literal
     ])
-    assert config.grpo.max_num_steps == 7 and type(config.grpo.max_num_steps) is int
+    assert config.train.max_num_steps == 7 and type(config.train.max_num_steps) is int
     assert config.policy.optimizer.lr == 3e-6 and type(config.policy.optimizer.lr) is float
     assert config.policy.optimizer.min_lr == 0.0 and type(config.policy.optimizer.min_lr) is float
     assert config.grpo.async_grpo.enabled is True
@@ -198,9 +198,9 @@ def test_override_types_follow_the_target_field(manager):
 
 
 @pytest.mark.parametrize("override, key, words", [
-    ("grpo.max_num_steps=2.5", "grpo.max_num_steps", "expected an integer"),
-    ("grpo.max_num_steps=many", "grpo.max_num_steps", "expected an integer"),
-    ("grpo.max_num_steps=true", "grpo.max_num_steps", "expected an integer"),
+    ("train.max_num_steps=2.5", "train.max_num_steps", "expected an integer"),
+    ("train.max_num_steps=many", "train.max_num_steps", "expected an integer"),
+    ("train.max_num_steps=true", "train.max_num_steps", "expected an integer"),
     ("policy.optimizer.lr=fast", "policy.optimizer.lr", "expected a number"),
     ("grpo.async_grpo.enabled=maybe", "grpo.async_grpo.enabled", "expected true/false"),
     ("policy.optimizer.betas=[0.9]", "policy.optimizer.betas", "expected 2 items"),
@@ -219,8 +219,8 @@ def test_override_type_mistakes_name_the_key(manager, override, key, words):
 
 
 def test_override_syntax_errors(manager):
-    assert "must look like dotted.key=value" in str(error(manager, ["grpo.max_num_steps"]))
-    assert "must look like dotted.key=value" in str(error(manager, ["grpo..seed=1"]))
+    assert "must look like dotted.key=value" in str(error(manager, ["train.max_num_steps"]))
+    assert "must look like dotted.key=value" in str(error(manager, ["train..seed=1"]))
     err = error(manager, ["policy.model_name.sub=1"])
     assert err.key == "policy.model_name" and "not a section" in str(err)
     err = error(manager, ["policy=3"])
@@ -228,18 +228,39 @@ def test_override_syntax_errors(manager):
 
 
 def test_override_wins_over_yaml_and_creates_sections(manager):
-    data = {**BASE, "grpo": {"max_num_steps": 10}}
-    config = build(manager, ["grpo.max_num_steps=3", "env.fakeenv.difficulty=4"], data)
-    assert config.grpo.max_num_steps == 3 and config.section("env.fakeenv").difficulty == 4
-    assert data["grpo"]["max_num_steps"] == 10  # the caller's dict is not modified
+    data = {**BASE, "train": {"max_num_steps": 10}}
+    config = build(manager, ["train.max_num_steps=3", "env.fakeenv.difficulty=4"], data)
+    assert config.train.max_num_steps == 3 and config.section("env.fakeenv").difficulty == 4
+    assert data["train"]["max_num_steps"] == 10  # the caller's dict is not modified
 
 
 # ---- recipes on disk -------------------------------------------------------------------------
+def test_the_keys_every_trainer_reads_are_under_train_and_their_old_grpo_spelling_is_named(manager, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("policy: {model_name: m}\n"
+                      "grpo: {max_num_steps: 3, num_generations_per_prompt: 4, seed: 1, val_period: 2}\n")
+    with pytest.raises(ConfigError) as info:  # the recipe of an older rlcore: every moved key, with its new place
+        load_config(recipe, [], manager)
+    assert info.value.key == "grpo.max_num_steps"
+    assert str(info.value).startswith("config key 'grpo.max_num_steps': moved: write 'train.max_num_steps' instead; "
+                                      "likewise grpo.seed -> train.seed, grpo.val_period -> train.val_period (section "
+                                      "'train' holds what every trainer reads")
+    assert "num_generations_per_prompt" not in str(info.value) and str(recipe) in str(info.value)
+    recipe.write_text(yaml.safe_dump({**BASE, "train": {"max_num_steps": 3}, "grpo": {"num_generations_per_prompt": 4}}))
+    config = load_config(recipe, ["train.val_at_start=true"], manager)
+    assert (config.train.max_num_steps, config.train.val_at_start, config.grpo.num_generations_per_prompt) == (3, True, 4)
+    for old in ("max_num_steps", "num_prompts_per_step", "val_period", "val_at_start", "max_val_samples", "seed",
+                "deterministic"):  # the command line's old spelling: the same error
+        with pytest.raises(ConfigError) as info:
+            load_config(recipe, [f"grpo.{old}=1"], manager)
+        assert info.value.key == f"grpo.{old}" and f"moved: write 'train.{old}' instead" in str(info.value)
+
+
 def test_load_config_from_yaml(manager, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(BASE))
-    config = load_config(recipe, ["grpo.seed=5"], manager)
-    assert config.grpo.seed == 5
+    config = load_config(recipe, ["train.seed=5"], manager)
+    assert config.train.seed == 5
     recipe.write_text("policy:\n  model_name: m\n  fake_cfg:\n    tensor_model_parallel_sise: 2\n")
     with pytest.raises(ConfigError) as info:
         load_config(recipe, [], manager)

@@ -116,3 +116,35 @@ def test_bounded_calls_off_the_main_thread_reuse_their_helper_thread():
     worker.start()
     worker.join(timeout=60)
     assert len(helpers) == 50 and len(set(map(id, helpers))) == 1 and worker not in helpers
+
+
+def test_an_environment_close_that_hangs_as_the_run_ends_is_named_and_left_behind(capsys):
+    class HangsOnClose(HungEnvironment):
+        def close(self):
+            time.sleep(60)
+
+    env = TimedEnvironment(HangsOnClose(0), "sticky", timeout_s=0.3, on_timeout="stop")
+    began = time.monotonic()
+    env.close()
+    assert time.monotonic() - began < 5
+    assert "timeout: environment 'sticky' (close) did not finish within 0.3s (cluster.timeout_s) as the run ended" in capsys.readouterr().out
+    TimedEnvironment(object.__new__(type("NoClose", (), {"step": HungEnvironment.step})), "plain", 0.3, "stop").close()
+
+
+def test_a_hung_logger_or_teacher_call_stops_the_run_naming_it():
+    from rlcore.controller.deadlines import CallTimeout, TimedTeacher, bounded_call
+
+    with pytest.raises(CallTimeout, match=r"timeout: logger Mlflow \(log\) did not return within 0.3s \(cluster.timeout_s\) at step 4"):
+        bounded_call(lambda: time.sleep(60), "logger Mlflow (log)", 0.3, step=4)
+
+    class Teacher:
+        name = "frozen"
+
+        def logprobs(self, batch):
+            time.sleep(60 if batch == "hangs" else 0)
+            return ["lp"]
+
+    teacher = TimedTeacher(Teacher(), 0.3)
+    assert teacher.logprobs("batch") == ["lp"] and teacher.name == "frozen"
+    with pytest.raises(CallTimeout, match=r"the teacher Teacher \(logprobs\) did not return within 0.3s"):
+        teacher.logprobs("hangs")

@@ -31,7 +31,7 @@ BASE = {"policy": {"model_name": "m", "generation": {"backend": "hf"}}}
     ("policy.optimizer.betas=[0.9,2]", "policy.optimizer.betas"),
     ("policy.max_grad_norm=-1", "policy.max_grad_norm"),
     ("policy.max_grad_norm=nan", "policy.max_grad_norm"),
-    ("grpo.seed=-1", "grpo.seed"),
+    ("train.seed=-1", "train.seed"),
     ("grpo.summary_window=[5,2]", "grpo.summary_window"),
     ("algorithm.std_floor=inf", "algorithm.std_floor"),
     ("env.math.correct_reward=nan", "env.math.correct_reward"),
@@ -44,8 +44,8 @@ def test_a_value_that_means_nothing_is_refused_naming_the_key(override, key):
 
 
 @pytest.mark.parametrize("text, says", [
-    ("grpo:\n  seed: 1\n  seed: 2\n", "given twice in one mapping (lines 2 and 3)"),
-    ("base: &b {seed: 1}\ngrpo: *b\n", "alias *b is not allowed"),
+    ("train:\n  seed: 1\n  seed: 2\n", "given twice in one mapping (lines 2 and 3)"),
+    ("base: &b {seed: 1}\ntrain: *b\n", "alias *b is not allowed"),
     ("policy: {model_name: m}\n\x00\x01\x02", "NUL bytes"),
 ])
 def test_a_recipe_file_that_hides_a_mistake_is_refused_naming_it(tmp_path, text, says):
@@ -74,16 +74,16 @@ def _sized(*overrides: str):
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["grpo.num_prompts_per_step=1e8"], "grpo.num_prompts_per_step"),
+    (["train.num_prompts_per_step=1e8"], "train.num_prompts_per_step"),
     (["grpo.num_generations_per_prompt=1"], "grpo.num_generations_per_prompt"),
     (["policy.sequence_packing.train_mb_tokens=1"], "policy.sequence_packing.train_mb_tokens"),
 ])
 def test_sizes_the_run_cannot_have_are_refused_before_the_first_step(overrides, key):
     with pytest.raises(ConfigError) as failure:
-        check_run_sizes(*_sized("grpo.num_prompts_per_step=4", *overrides))
+        check_run_sizes(*_sized("train.num_prompts_per_step=4", *overrides))
     assert failure.value.key == key, failure.value
-    check_run_sizes(*_sized("grpo.num_prompts_per_step=4"))  # the same run without it passes
-    check_run_sizes(*_sized("grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=1",
+    check_run_sizes(*_sized("train.num_prompts_per_step=4"))  # the same run without it passes
+    check_run_sizes(*_sized("train.num_prompts_per_step=4", "grpo.num_generations_per_prompt=1",
                             "algorithm.normalize_std=false"))  # one sample per prompt without std normalization
 
 
@@ -301,7 +301,7 @@ def test_the_group_size_check_leaves_the_runs_algorithm_untouched():
             self.seen.append(len(rewards_N))
             return super().advantages(rewards_N, group_ids_N)
 
-    config, dataset, algorithm = _sized("grpo.num_prompts_per_step=4")
+    config, dataset, algorithm = _sized("train.num_prompts_per_step=4")
     recording = Recording(algorithm.config)
     check_run_sizes(config, dataset, recording)
     assert recording.seen == []

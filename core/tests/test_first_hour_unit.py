@@ -190,8 +190,8 @@ def test_rlcore_run_takes_a_reward_function(tiny_model_dir, tmp_path):
         calls.append(len(completions))
         return exact_sum(prompts, completions, **kwargs)
 
-    config = build_config(base_recipe(tiny_model_dir, tmp_path / "run", grpo={
-        "num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 1},
+    config = build_config(base_recipe(tiny_model_dir, tmp_path / "run", train={"num_prompts_per_step": 2, "max_num_steps": 1},
+        grpo={"num_generations_per_prompt": 2},
         logger={"log_dir": str(tmp_path / "run"), "print_table": False, "plot": False},
         policy={"model_name": str(tiny_model_dir), "precision": "float32", "max_total_sequence_length": 32,
                 "dtensor_cfg": {"enabled": True}, "generation": {"backend": "hf", "max_new_tokens": 2}}))

@@ -17,7 +17,8 @@ from rlcore.plugins import get_plugin_manager
 def _config(tmp_path, algorithm: dict | None = None, **policy_and_loop):
     policy = {"model_name": str(tmp_path), **policy_and_loop.pop("policy", {})}
     return rlcore.build_config({"policy": policy, "algorithm": algorithm or {"name": "grpo"},
-                                "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 2, **policy_and_loop}})
+                                "train": {"num_prompts_per_step": 4},
+                                "grpo": {"num_generations_per_prompt": 2, **policy_and_loop}})
 
 
 def _algorithm(tmp_path, algorithm: dict, **policy_and_loop):

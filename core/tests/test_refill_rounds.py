@@ -40,8 +40,8 @@ class Environment:
 def refill_rollouts(texts: list[list[str]]) -> Rollouts:
     generation = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, stop_strings=(),
                                  stop_token_ids=(), ignore_eos=False)
-    config = SimpleNamespace(grpo=SimpleNamespace(num_prompts_per_step=2, num_generations_per_prompt=2, seed=0,
-                                                  deterministic=False),
+    config = SimpleNamespace(train=SimpleNamespace(num_prompts_per_step=2, seed=0, deterministic=False),
+                             grpo=SimpleNamespace(num_generations_per_prompt=2),
                              generation=generation, cluster=SimpleNamespace(timeout_s=30.0))
     dataset = SimpleNamespace(train=[Sample(prompt=f"p{i}", prompt_ids=[i + 1]) for i in range(8)])
     return Rollouts(config, Generator(texts), Environment(), DAPO(C.DAPOConfig()), dataset)

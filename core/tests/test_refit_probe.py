@@ -134,3 +134,28 @@ def test_a_sequence_that_fills_the_length_limit_is_probed_on_its_scorable_tokens
         Scorer([2, 1], 0.0).logprobs(probe, what), probe.input_ids)])
     metrics = refitter.refit(batch, StepTimer(), 3)
     assert metrics["refit/probe_mean_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
+
+
+@pytest.mark.parametrize("hang", ["transfer", "score"])
+def test_a_hung_transfer_or_probe_scoring_stops_the_refit_within_cluster_timeout(hang):
+    """An injected fault: the transport's transfer, or the generator's scoring of the probe, never returns."""
+    import time
+
+    from rlcore.controller.deadlines import GenerationTimeout
+
+    refitter, batch = probe_refitter(generator_shift=0.01)
+    released = threading.Event()
+    if hang == "transfer":
+        refitter.transport = SimpleNamespace(name="stuck", transfer=lambda trainer, generator: released.wait(60))
+    else:
+        refitter.generator = SimpleNamespace(score=lambda sequences: released.wait(60))
+    refitter.timeout_s = 1.0
+    began = time.monotonic()
+    try:
+        with pytest.raises(GenerationTimeout, match=r"timeout: the refit's (weight transfer \('stuck'\)|probe scoring by "
+                                                    r"the generator at step 3) did not finish within 1s \(cluster.timeout_s\)"):
+            refitter.refit(batch, StepTimer(), 3)
+    finally:
+        released.set()
+    assert time.monotonic() - began < 4.0
+    assert not refitter.generator_lock.locked()

@@ -15,7 +15,7 @@ import pytest
 
 from rlcore.cli import build_parser, run_overrides
 from rlcore.config import ConfigError
-from rlcore.config.schema import CheckpointingConfig, LoggerConfig, LoopConfig, PolicyConfig, RunConfig
+from rlcore.config.schema import CheckpointingConfig, LoggerConfig, PolicyConfig, RunConfig, TrainConfig
 from rlcore.controller.checkpoint import CheckpointManager, rng_state
 from rlcore.controller.run_dir import RunDir, check_owner, checkpoint_root
 from rlcore.loggers.config import JsonlLoggerConfig
@@ -23,7 +23,7 @@ from rlcore.loggers.jsonl import JsonlLogger
 
 
 def _config(log_dir: Path, seed: int = 1, **checkpointing) -> RunConfig:
-    return RunConfig(policy=PolicyConfig(model_name="models/tiny"), grpo=LoopConfig(seed=seed),
+    return RunConfig(policy=PolicyConfig(model_name="models/tiny"), train=TrainConfig(seed=seed),
                      logger=LoggerConfig(log_dir=str(log_dir)), checkpointing=CheckpointingConfig(**checkpointing))
 
 
@@ -85,7 +85,7 @@ def test_a_rerun_with_other_settings_in_the_same_directory_is_refused(tmp_path):
     owner.close()
     with pytest.raises(ConfigError) as failure:
         RunDir(_config(tmp_path, seed=2, enabled=True)).open()
-    assert failure.value.key == "grpo.seed" and owner.run_id in str(failure.value)
+    assert failure.value.key == "train.seed" and owner.run_id in str(failure.value)
     assert "choose another logger.log_dir" in str(failure.value)
 
 
@@ -96,7 +96,7 @@ def test_another_runs_checkpoint_is_refused_naming_both_runs_and_the_key(tmp_pat
     with pytest.raises(ConfigError) as failure:
         check_owner(theirs, ours.identity(), tmp_path / "ckpt" / "step_000003")
     message = str(failure.value)
-    assert failure.value.key == "grpo.seed"
+    assert failure.value.key == "train.seed"
     assert "20260101-000000-abcdef" in message and str(tmp_path / "a") in message and str(tmp_path / "b") in message
     assert "--no-resume" in message
     check_owner({**theirs, "fingerprint": ours.fingerprint}, ours.identity(), tmp_path)  # same settings: accepted

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import yaml
 
 from rlcore.config import ConfigError, build_config
-from rlcore.config.schema import CheckpointingConfig, LoggerConfig, LoopConfig, OptimizerConfig, PolicyConfig, RunConfig
+from rlcore.config.schema import CheckpointingConfig, LoggerConfig, OptimizerConfig, PolicyConfig, RunConfig, TrainConfig
 from rlcore.controller.checkpoint import CheckpointManager, CheckpointWriteError, resume_loggers, rng_state
 from rlcore.controller.run_dir import RUN_FILE, RunDir, check_owner, checkpoint_root
 from rlcore.errors import CheckpointError
@@ -24,7 +25,7 @@ from rlcore.loggers.jsonl import JsonlLogger
 
 def _config(log_dir: Path, lr: float = 1e-6, steps: int = 4, **checkpointing) -> RunConfig:
     return RunConfig(policy=PolicyConfig(model_name="models/tiny", optimizer=OptimizerConfig(lr=lr)),
-                     grpo=LoopConfig(max_num_steps=steps), logger=LoggerConfig(log_dir=str(log_dir)),
+                     train=TrainConfig(max_num_steps=steps), logger=LoggerConfig(log_dir=str(log_dir)),
                      checkpointing=CheckpointingConfig(**checkpointing))
 
 
@@ -151,3 +152,29 @@ def test_a_loop_state_missing_a_key_is_named_as_damage(tmp_path):
     manager.save(1, _backend, state)
     with pytest.raises(CheckpointError, match="no usable checkpoint.*has no 'data_position'"), pytest.warns(UserWarning):
         manager.resume(lambda path, s: None, lambda path: None)
+
+
+# ---- a checkpoint of an older rlcore, which kept the keys every trainer reads under grpo -------
+def _as_written_before_the_train_section(identity: dict) -> dict:
+    """``identity`` as an rlcore that kept train.* under grpo.* wrote it: its config and fingerprint."""
+    config = yaml.safe_load(identity["config"])
+    config["grpo"] = {**config.pop("train"), **config["grpo"]}
+    fingerprint = {("grpo." + key[len("train."):] if key.startswith("train.") else key): value
+                   for key, value in identity["fingerprint"].items()}
+    return {**identity, "config": yaml.safe_dump(config), "fingerprint": fingerprint}
+
+
+def test_an_older_checkpoint_with_grpo_step_keys_exports_and_resumes_as_the_same_run(tmp_path):
+    owner = RunDir(_config(tmp_path / "run", steps=7))
+    older = _as_written_before_the_train_section(owner.identity())
+    assert "grpo.seed" in older["fingerprint"] and "train.seed" not in older["fingerprint"]
+    with pytest.raises(ConfigError, match="grpo.max_num_steps -> train.max_num_steps"):  # never read as a recipe
+        build_config(yaml.safe_load(older["config"]))
+    CheckpointManager(tmp_path / "old", 1).save(1, _backend, {**_state(1, "r"), "run": older})
+    config = run_config_for(tmp_path / "old" / "step_000001")
+    assert config.train.max_num_steps == 7 and config.train.seed == owner.config.train.seed
+    check_owner(older, owner.identity(), tmp_path / "old")  # the same settings, spelled anew: resumable
+    reseeded = RunDir(attrs.evolve(owner.config, train=attrs.evolve(owner.config.train, seed=5)))
+    with pytest.raises(ConfigError, match="which had train.seed=42") as failure:
+        check_owner(older, reseeded.identity(), tmp_path / "old")
+    assert failure.value.key == "train.seed"

@@ -3,7 +3,7 @@
 Importing this package imports no torch; the heavy parts load on use.
 
     import rlcore
-    config = rlcore.load_config("recipes/grpo_arith_tiny_cpu.yaml", overrides=["grpo.max_num_steps=5"])
+    config = rlcore.load_config("recipes/grpo_arith_tiny_cpu.yaml", overrides=["train.max_num_steps=5"])
     result = rlcore.run(config)
 """
 

@@ -1,7 +1,7 @@
 """``rlcore eval MODEL RECIPE [--k K]``: greedy accuracy and pass@k on a recipe's validation set.
 
 The recipe supplies everything but the weights: the dataset (its validation split, the first
-``grpo.max_val_samples`` prompts, over-long prompts dropped as a run drops them), the generator
+``train.max_val_samples`` prompts, over-long prompts dropped as a run drops them), the generator
 (``policy.generation``), the environment (``env``) and the seed. Greedy decoding and scoring are
 the run loop's own (:mod:`rlcore.controller.batching`), so the greedy accuracy of a run's final
 weights is that run's last ``val/accuracy``.
@@ -55,7 +55,7 @@ def _components(config):
     check_prompt_lengths(dataset, config)
     if not getattr(dataset, "validation", None):
         raise ConfigError("data", f"the dataset '{data_cfg.name}' of this recipe has no validation split to evaluate on")
-    samples = list(dataset.validation[: config.grpo.max_val_samples])
+    samples = list(dataset.validation[: config.train.max_val_samples])
     environment, multi_turn_env = build_environment(config, manager, {})  # env.reward_fn or the env.name plugin
     config.require_section("policy.generation")
     generator = manager.get("generator", config.generation.backend).build(config, config.generation, plan_placement(config))
@@ -108,7 +108,7 @@ def evaluate_model(model_dir: str, recipe: str, overrides: list[str] = (), *, k:
     config = load_config(recipe, [*overrides, f"policy.model_name={model_dir}"])
     started = time.perf_counter()
     samples, environment, generator, multi_turn = _components(config)
-    seed = config.grpo.seed
+    seed = config.train.seed
     greedy_correct, greedy_rewards, passes, sample_correct = [], [], [], []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from rlcore.config import ConfigError, RunConfig, build_config, load_config
+from rlcore.config import ConfigError, RunConfig, build_config
+from rlcore.config.loader import read_recipe_yaml, upgrade_saved_config
 from rlcore.controller.checkpoint import CheckpointManager
 from rlcore.errors import CheckpointError
 
@@ -77,17 +79,23 @@ def run_config_for(step_dir: Path, overrides: list[str] = ()) -> RunConfig:
             data = yaml.safe_load(carried)
         except yaml.YAMLError as exc:
             raise CheckpointError(f"{step_dir / 'loop_state.pt'}: the run config it carries is not valid YAML ({exc})") from None
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{step_dir / 'loop_state.pt'}: the run config it carries is not a mapping")
-        try:
-            return build_config(data, list(overrides))
-        except ConfigError as exc:
-            raise ConfigError(exc.key, f"{exc.message} (the run config carried by {step_dir})") from exc
+        return _saved_run_config(data, overrides, f"{step_dir / 'loop_state.pt'}: the run config it carries",
+                                 f"the run config carried by {step_dir}")
     beside = step_dir.parent.parent / RUN_CONFIG
     if beside.is_file():
-        return load_config(beside, list(overrides))
+        return _saved_run_config(read_recipe_yaml(beside), overrides, f"{beside}: the run config", f"in {beside}")
     raise CheckpointError(f"the run config of {step_dir} was not found: its loop state carries none (written by an older "
                           f"rlcore) and there is no {beside}; copy the run's config.yaml there")
+
+
+def _saved_run_config(data: Any, overrides: list[str], what: str, where: str) -> RunConfig:
+    """A run's saved config (``data``, parsed YAML) as a RunConfig, its moved keys upgraded; errors name ``where``."""
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} is not a mapping")
+    try:
+        return build_config(upgrade_saved_config(data), list(overrides))
+    except ConfigError as exc:
+        raise ConfigError(exc.key, f"{exc.message} ({where})") from exc
 
 
 def check_writable_target(out: Path) -> None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -202,15 +203,18 @@ class MultiTurnRunner:
         return attrs.evolve(params, n=1, max_new_tokens=limit, seed=seed,
                             stop=tuple(dict.fromkeys(tuple(params.stop) + self.turn_stop)))
 
+    def _in_env_thread(self, fn, *args):
+        """``fn(*args)`` on the environment threads, in this context (a batch's deadline goes with it)."""
+        return asyncio.get_running_loop().run_in_executor(self._env_pool, contextvars.copy_context().run, fn, *args)
+
     async def _env_step(self, sample: Sample, trajectory: int, history: list[str],
                         session: EnvironmentSession | None = None) -> EnvStep:
         try:
-            loop = asyncio.get_running_loop()
             if session is not None:
-                return await loop.run_in_executor(self._env_pool, session.step, history[-1])
+                return await self._in_env_thread(session.step, history[-1])
             if self._turns is not None:
-                return await loop.run_in_executor(self._env_pool, self._turns.step_trajectory, sample, trajectory, list(history))
-            (step,) = await loop.run_in_executor(self._env_pool, self.environment.step, [sample], [list(history)])
+                return await self._in_env_thread(self._turns.step_trajectory, sample, trajectory, list(history))
+            (step,) = await self._in_env_thread(self.environment.step, [sample], [list(history)])
         except EnvironmentTimeout:
             raise
         except Exception:  # noqa: BLE001 - an environment failure ends the trajectory with reward 0, counted
@@ -225,12 +229,11 @@ class MultiTurnRunner:
         try:
             if not isinstance(self.environment, SessionEnvironment):
                 return await self._turns_of(sample, params, seed, trajectory, barrier, None)
-            loop = asyncio.get_running_loop()
-            session = await loop.run_in_executor(self._env_pool, self.environment.open_session, sample)
+            session = await self._in_env_thread(self.environment.open_session, sample)
             try:
                 return await self._turns_of(sample, params, seed, trajectory, barrier, session)
             finally:
-                await loop.run_in_executor(self._env_pool, session.close)
+                await self._in_env_thread(session.close)
         finally:
             if barrier is not None:
                 barrier.leave()

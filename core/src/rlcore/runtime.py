@@ -54,6 +54,7 @@ PUBLIC_MODULES = (
     "rlcore.packing",  # micro-batch planning and layout
     "rlcore.multimodal",  # images in prompts: ImageInputs, loading, processing, multimodal positions
     "rlcore.image_data",  # image-prompt datasets and the synthetic counting task
+    "rlcore.prompts",  # prompt datasets' splits and chat-template encoding
     "rlcore.training",  # optimizer-step loop shared by the backends
     "rlcore.schedule",  # learning-rate schedules
     "rlcore.weights",  # HF-named weight streaming and checkpoints

@@ -10,7 +10,7 @@ re-deriving the formula. Optimizer step ``k`` (0-based) uses
   ``constant``: ``lr``; ``linear``: ``lr + (min_lr - lr) * p``;
   ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2``.
 
-``decay_steps`` unset means ``grpo.max_num_steps``. Imports no torch.
+``decay_steps`` unset means ``train.max_num_steps``. Imports no torch.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def lr_factor(step: int, *, warmup_steps: int, decay_style: str, decay_steps: in
 def lr_lambda(config: RunConfig) -> Callable[[int], float]:
     """``step -> multiplier`` of ``config``'s ``policy.scheduler``, as ``LambdaLR(optimizer, lr_lambda(config))`` takes."""
     sched, opt = config.policy.scheduler, config.policy.optimizer
-    decay_steps = sched.decay_steps if sched.decay_steps is not None else config.grpo.max_num_steps
+    decay_steps = sched.decay_steps if sched.decay_steps is not None else config.train.max_num_steps
 
     def factor(step: int) -> float:
         return lr_factor(step, warmup_steps=sched.warmup_steps, decay_style=sched.decay_style,

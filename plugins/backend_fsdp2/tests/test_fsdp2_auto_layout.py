@@ -16,7 +16,7 @@ def _run(model_dir, **dtensor):
 
     return build_config({"policy": {"model_name": str(model_dir), "precision": "float32",
                                     "dtensor_cfg": {"layout": "auto", **dtensor}},
-                         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2}})
+                         "train": {"num_prompts_per_step": 2}, "grpo": {"num_generations_per_prompt": 2}})
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -174,9 +174,9 @@ def test_grpo_recipe_runs_with_image_prompts(vlm):
         pytest.skip("the recipe runs Qwen2.5-VL; Qwen3-VL is covered by the tests above")
     recipe = yaml.safe_load((Path(__file__).parents[3] / "recipes/grpo_image_counting_tiny_cpu.yaml").read_text())
     config = rlcore.build_config(recipe, [f"policy.model_name={model_dir}", f"data.directory={root / 'recipe_data'}",
-                                          f"logger.log_dir={root / 'log'}", "grpo.max_num_steps=2", "grpo.val_period=2",
-                                          "data.num_train=16", "data.num_validation=4", "grpo.max_val_samples=4",
-                                          "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2"])
+                                          f"logger.log_dir={root / 'log'}", "train.max_num_steps=2", "train.val_period=2",
+                                          "data.num_train=16", "data.num_validation=4", "train.max_val_samples=4",
+                                          "train.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2"])
     rlcore.run(config)
     rows = [json.loads(line) for line in (root / "log" / "metrics.jsonl").read_text().splitlines()]
     probes = [r["refit/probe_max_abs_logprob_diff"] for r in rows if "refit/probe_max_abs_logprob_diff" in r]

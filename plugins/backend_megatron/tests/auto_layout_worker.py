@@ -31,7 +31,7 @@ def run_config(path: str, keys: dict):
                    "dtensor_cfg": {"enabled": False},
                    "megatron_cfg": {"enabled": True, "layout": "auto", **keys,
                                     "optimizer": {"lr": 1e-3, "weight_decay": 0.01, "adam_eps": 1e-6}}},
-        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4},
+        "train": {"num_prompts_per_step": 4}, "grpo": {"num_generations_per_prompt": 4},
     })
 
 

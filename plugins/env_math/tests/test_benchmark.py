@@ -11,7 +11,7 @@ def test_grading_benchmark_is_registered_and_grades_the_recipes_batches():
     found = get_plugin_manager().benchmarks()
     assert found["grading"] == "rlcore_math.benchmark:grading"
     config = rlcore.build_config({"policy": {"model_name": "unused"}, "env": {"name": "math", "math": {"executor": "inline"}},
-                                  "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 2}})
+                                  "train": {"num_prompts_per_step": 4}, "grpo": {"num_generations_per_prompt": 2}})
     row = resolve(found["grading"])(config, steps=3, warmup=1)
     assert row["responses"] == 2 * 4 * 2  # two timed batches of P x G
     assert 0.2 < row["correct_fraction"] < 0.8  # half of the synthetic responses are right

@@ -50,7 +50,8 @@ def test_lora_grpo_steps_train_only_the_adapters_and_each_refit_passes_the_probe
                    "generation": {"backend": "vllm", "max_new_tokens": 4, "temperature": 1.0,
                                   "refit": {"probe_threshold": PROBE_THRESHOLD}}},
         "algorithm": {"name": "grpo"},
-        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 2, "seed": 0},
+        "train": {"num_prompts_per_step": 4, "max_num_steps": 2, "seed": 0},
+        "grpo": {"num_generations_per_prompt": 4},
         "logger": {"log_dir": str(tmp_path / "run"), "print_table": False, "plot": False},
     })
     backend = FSDP2Backend(config, config.section("policy.dtensor_cfg"), WorldInfo(0, 1))

@@ -23,7 +23,6 @@ naming the trajectories still open and their last requests, comes before the run
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import importlib
 import importlib.util
 import inspect
@@ -40,7 +39,7 @@ import attrs
 from rlcore.agents.config import AgentEnvConfig
 from rlcore.agents.server import Endpoint
 from rlcore.config import ConfigError
-from rlcore.controller.deadlines import GenerationTimeout
+from rlcore.controller.deadlines import DaemonThreads, GenerationTimeout, batch_margin_s
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
 from rlcore.rollout import ChatSuffixes
 
@@ -117,7 +116,8 @@ class AgentRunner:
         self.endpoint = Endpoint(generator, tokenizer, suffixes, max_total_tokens=max_total_tokens, max_turns=config.max_turns,
                                  max_request_bytes=config.max_request_bytes, max_concurrent_requests=config.max_concurrent_requests)
         self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))
-        self._threads = None if self.is_async else concurrent.futures.ThreadPoolExecutor(config.max_env_concurrency, "rlcore-agent")
+        # Daemon threads: a hung plain-function agent, abandoned at its timeout, is not joined at exit.
+        self._threads = None if self.is_async else DaemonThreads("rlcore-agent")
         self.last_trajectories: list[list[AgentTrajectory]] = []
         self.counts: Counter = Counter()
         self._slots: asyncio.Semaphore | None = None
@@ -206,7 +206,7 @@ class AgentRunner:
         self._http = httpx.AsyncClient(limits=limits, timeout=self.cfg.request_timeout_s, trust_env=False)
         try:
             tasks = [asyncio.ensure_future(self._group(i, s, params)) for i, s in enumerate(samples)]
-            limit = self.timeout_s - min(5.0, 0.05 * self.timeout_s)
+            limit = self.timeout_s - batch_margin_s(self.timeout_s)
             done, pending = await asyncio.wait(tasks, timeout=limit)
             if pending:
                 open_now = [f"{key} ({name}; {self.endpoint.trajectories[key].recorder.requests} requests served)"

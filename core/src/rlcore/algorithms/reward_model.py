@@ -9,7 +9,7 @@ a linear layer: ``AutoModelForSequenceClassification`` with one label). For P pa
 The second term (``center_coef`` lambda, default 0) keeps rewards centred on 0, as Eisenstein et
 al. 2023 (arXiv:2312.09244) do; Ouyang et al. instead normalize the trained model's rewards once.
 Differences: each pair is one comparison (InstructGPT batches all K-choose-2 comparisons of a
-prompt together); ``grpo.num_prompts_per_step`` pairs make a step.
+prompt together); ``train.num_prompts_per_step`` pairs make a step.
 
 Metrics: ``loss``, ``accuracy`` (r_c > r_r), ``reward_margin`` (mean r_c - r_r),
 ``chosen_reward`` and ``rejected_reward`` (means).

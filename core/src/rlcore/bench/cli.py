@@ -52,7 +52,7 @@ def cmd_step(args) -> int:
     result = rlcore.run(config)
     gpus = max(config.cluster.gpus_per_node, 1)
     device = device_name()
-    samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    samples = config.train.num_prompts_per_step * config.grpo.num_generations_per_prompt
     summary = result["summary"]
     window = [r for r in result["records"] if args.warmup < r.get("step", 0) and "rollout/mean_prompt_tokens" in r]
     prompt_tokens = sum(r["rollout/mean_prompt_tokens"] for r in window) / max(len(window), 1)

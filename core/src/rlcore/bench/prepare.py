@@ -24,8 +24,8 @@ def bench_config(args):
     recipe = load_config(args.recipe, list(args.overrides))
     out = bench_out_dir(args, create=False)
     model = build_model(recipe.policy.model_name, Path(args.workdir), args.shape, gpu=torch.cuda.is_available())
-    bench = [f"policy.model_name={model}", f"policy.tokenizer_name={model}", f"grpo.max_num_steps={args.steps}",
-             f"grpo.summary_window=[{args.warmup + 1},{args.steps}]", "grpo.val_period=0", "grpo.val_at_start=false",
+    bench = [f"policy.model_name={model}", f"policy.tokenizer_name={model}", f"train.max_num_steps={args.steps}",
+             f"grpo.summary_window=[{args.warmup + 1},{args.steps}]", "train.val_period=0", "train.val_at_start=false",
              "checkpointing.enabled=false", f"logger.log_dir={out}", "logger.plot=false",
              "policy.generation.ignore_eos=true"]
     config = load_config(args.recipe, list(args.overrides) + bench)

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from rlcore.config.schema import RunConfig
-from rlcore.config.structure import ConfigError, RawText, structure, unknown_key_error, unstructure
+from rlcore.config.structure import MOVED_KEYS, ConfigError, RawText, structure, unknown_key_error, unstructure
 from rlcore.plugins import SHARED_SECTION_KEYS, PluginManager, get_plugin_manager
 
 
@@ -89,9 +89,31 @@ def build_config(data: dict, overrides: list[str] = (), manager: PluginManager |
                 except ConfigError:
                     pass  # required keys without defaults: absent means "not used"
     return RunConfig(
-        policy=config.policy, grpo=config.grpo, cluster=config.cluster, checkpointing=config.checkpointing,
-        env=config.env, logger=config.logger, experimental=config.experimental, sections=found,
+        policy=config.policy, train=config.train, grpo=config.grpo, cluster=config.cluster,
+        checkpointing=config.checkpointing, env=config.env, logger=config.logger, experimental=config.experimental,
+        sections=found,
     )
+
+
+def upgrade_saved_config(data: dict) -> dict:
+    """A run's saved config (a checkpoint's copy, a run directory's ``config.yaml``) written by an
+    older rlcore, with its moved keys (:data:`~rlcore.config.structure.MOVED_KEYS`) at their new
+    places. A recipe is never upgraded: there the old spelling is an error naming the new one."""
+    data = copy.deepcopy(data)
+    for old, new in MOVED_KEYS.items():
+        *old_parents, old_leaf = old.split(".")
+        node = data
+        for part in old_parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or old_leaf not in node:
+            continue
+        value = node.pop(old_leaf)
+        *new_parents, new_leaf = new.split(".")
+        target = data
+        for part in new_parents:
+            target = target.setdefault(part, {})
+        target.setdefault(new_leaf, value)
+    return data
 
 
 class _RecipeLoader(yaml.SafeLoader):

@@ -47,7 +47,7 @@ class SchedulerConfig:
 
     warmup_steps: int = field(default=0, validator=_non_negative, metadata=doc("linear warmup from 0"))
     decay_style: Literal["constant", "linear", "cosine"] = field(default="constant", metadata=doc("after warmup"))
-    decay_steps: int | None = field(default=None, metadata=doc("steps to reach min_lr; None = grpo.max_num_steps"))
+    decay_steps: int | None = field(default=None, metadata=doc("steps to reach min_lr; None = train.max_num_steps"))
 
 
 @frozen
@@ -107,18 +107,28 @@ class AsyncConfig:
 
 
 @frozen
-class LoopConfig:
-    """The run loop (section ``grpo``)."""
+class TrainConfig:
+    """What every trainer reads (section ``train``; GRPO, PPO, distillation, SFT, DPO, the reward model):
+    how long the run is, how much data a step takes, when it validates, and its seed."""
 
-    num_prompts_per_step: int = field(default=32, validator=_positive, metadata=doc("P prompts drawn per step"))
-    num_generations_per_prompt: int = field(default=8, validator=_positive, metadata=doc("G samples per prompt"))
     max_num_steps: int = field(default=100, validator=_positive, metadata=doc("steps to run"))
+    num_prompts_per_step: int = field(default=32, validator=_positive, metadata=doc(
+        "P prompts drawn per step (sft: examples; dpo, reward_model: preference pairs)"))
     val_period: int = field(default=0, validator=_non_negative, metadata=doc("validate every N steps; 0 disables"))
     val_at_start: bool = field(default=False, metadata=doc("validate before the first step"))
-    max_val_samples: int = field(default=256, validator=_positive, metadata=doc("held-out prompts per validation"))
+    max_val_samples: int = field(default=256, validator=_positive, metadata=doc("held-out prompts (examples, pairs) per validation"))
     seed: int = field(default=42, validator=[_non_negative, attrs.validators.lt(2**32)],
                       metadata=doc("seed of data order, sampling and init (0 to 2**32-1: numpy's range)"))
     deterministic: bool = field(default=False, metadata=doc("deterministic kernels and sampling (resume equals uninterrupted)"))
+
+
+@frozen
+class LoopConfig:
+    """The rollout loop's own settings (section ``grpo``): the algorithms that sample a group of
+    responses per prompt and score them (GRPO and its variants, PPO, distillation). The keys every
+    trainer reads are under ``train``."""
+
+    num_generations_per_prompt: int = field(default=8, validator=_positive, metadata=doc("G samples per prompt"))
     async_grpo: AsyncConfig = field(factory=AsyncConfig, metadata=doc("async mode"))
     max_consecutive_nonfinite: int = field(default=3, validator=_positive, metadata=doc("stop after this many non-finite losses in a row"))
     summary_window: tuple[int, int] | None = field(default=None, validator=_window, metadata=doc("steps [first, last] averaged in the final summary (1 <= first <= last); None = all but the first"))
@@ -160,7 +170,7 @@ class EnvConfig:
                                    "list[float] (TRL's signature) scores the rollouts instead of env.name (rlcore.reward_fn)"),
     )
     on_timeout: Literal["stop", "zero"] = field(
-        default="stop", metadata=doc("an environment call over cluster.timeout_s stops the run, or scores the batch 0 (counted in env/timeouts)"),
+        default="stop", metadata=doc("an environment call over cluster.timeout_s stops the run, or scores its batch (a multi-turn or session call: its trajectory) 0, counted in env/timeout"),
     )
 
 
@@ -192,6 +202,7 @@ class RunConfig:
     """A whole run. Plugin-owned sections are in ``sections`` by dotted path."""
 
     policy: PolicyConfig
+    train: TrainConfig = field(factory=TrainConfig)
     grpo: LoopConfig = field(factory=LoopConfig)
     cluster: ClusterConfig = field(factory=ClusterConfig)
     checkpointing: CheckpointingConfig = field(factory=CheckpointingConfig)

@@ -51,7 +51,28 @@ SECTION_PROVIDERS = {
 }
 
 
+# Keys that moved to another section (old dotted key -> new): a recipe or override with the old
+# spelling is an error naming both, and a run's saved config is read with them moved
+# (rlcore.config.loader.upgrade_saved_config). The keys every trainer reads left ``grpo`` for ``train``.
+MOVED_KEYS = {f"grpo.{key}": f"train.{key}" for key in (
+    "max_num_steps", "num_prompts_per_step", "val_period", "val_at_start", "max_val_samples", "seed", "deterministic")}
+MOVED_TO = {"train": "what every trainer reads: steps, prompts per step, validation, seed"}
+
+
+def moved_keys_error(path: str, keys: list[str]) -> ConfigError:
+    """The error for old spellings (:data:`MOVED_KEYS`) given in one mapping: the first names the
+    key, and every one of them is listed with its new place, so one run of the check fixes all."""
+    old = [join(path, key) for key in keys]
+    new = MOVED_KEYS[old[0]]
+    section = new.split(".")[0]
+    others = "; likewise " + ", ".join(f"{o} -> {MOVED_KEYS[o]}" for o in old[1:]) if len(old) > 1 else ""
+    return ConfigError(old[0], f"moved: write '{new}' instead{others} (section '{section}' holds "
+                       f"{MOVED_TO.get(section, 'these keys now')})")
+
+
 def unknown_key_error(path: str, key: str, valid: list[str]) -> ConfigError:
+    if join(path, key) in MOVED_KEYS:
+        return moved_keys_error(path, [key])
     provider = SECTION_PROVIDERS.get(join(path, key))
     if provider is not None:
         return ConfigError(join(path, key), f"no installed plugin provides this section; install {provider} (and check RLCORE_DISABLE_PLUGINS)")
@@ -95,6 +116,9 @@ def structure(cls: type, data: Any, path: str = "", sections: dict[str, SectionR
     fields = {f.name: f for f in attrs.fields(cls) if not f.metadata.get("internal")}
     prefix = f"{path}." if path else ""
     here = {p[len(prefix) :]: p for p in sections if p.startswith(prefix) and "." not in p[len(prefix) :]}
+    moved = [str(key) for key in data if key not in fields and join(path, str(key)) in MOVED_KEYS]
+    if moved:
+        raise moved_keys_error(path, moved)
     for key in data:
         if key not in fields and key not in here:
             raise unknown_key_error(path, str(key), list(fields) + list(here))

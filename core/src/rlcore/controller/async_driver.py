@@ -221,7 +221,7 @@ def run_async(run: GRPOLoop) -> None:
     # refitted but is no new policy version).
     policy_of = {run.c.generator.weights_version: run.learner.policy_version}
     try:
-        while run.step < run.grpo.max_num_steps:
+        while run.step < run.train_cfg.max_num_steps:
             # The step's time counts from here: a step that waits for its batch takes that long too.
             waiting_since = time.perf_counter()
             produced = producer.next_batch()
@@ -240,7 +240,7 @@ def run_async(run: GRPOLoop) -> None:
             metrics, batch = run.train(produced.trajectories, timer)
             run.checkpoints.trained_position = produced.data_position
             record.update(metrics)
-            if step < run.grpo.max_num_steps:
+            if step < run.train_cfg.max_num_steps:
                 with timer.phase("refit"):
                     producer.await_generation_after(produced.generations_before, step)
             # A validation step's held-out pass takes the generator before the next batch does.

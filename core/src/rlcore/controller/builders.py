@@ -115,7 +115,7 @@ def one_update_per_batch(config: RunConfig) -> bool:
     numerics. That holds in async runs too: a batch generated one version back is still scored by
     the trainer's weights of the moment (the generator's staleness is the rollout correction's part,
     p_train / p_gen)."""
-    size, per_step = config.policy.train_global_batch_size, config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    size, per_step = config.policy.train_global_batch_size, config.train.num_prompts_per_step * config.grpo.num_generations_per_prompt
     return size is None or size >= per_step
 
 

@@ -17,6 +17,7 @@ from rlcore.controller.builders import (
     build_algorithm, build_critic, build_environment, build_generator, build_multi_turn_runner, build_trainer,
     given_or_built_dataset, given_or_loaded_tokenizer, pick_transport, resolve_old_logprobs,
 )
+from rlcore.controller.deadlines import bounded_teardown
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
@@ -66,7 +67,7 @@ def build_components(config: RunConfig, **given) -> Components:
     loggers = given.get("loggers")
     if loggers is None:
         loggers = build_loggers(config, run_dir)
-    reporter = Reporter(config.grpo.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
+    reporter = Reporter(config.train.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
                       teacher=teacher, critic=critic)
 
@@ -106,16 +107,17 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
             records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
         save_final_model(loop.checkpoints, components.trainer, config, run_dir, given.get("tokenizer"))
         export_critic(components, run_dir)
-    finally:
+    finally:  # each bounded: a component that hangs as the run ends is named and left behind
+        limit = config.cluster.timeout_s
         for logger in components.loggers:
-            logger.close()
+            bounded_teardown(logger.close, f"logger {type(logger).__name__} (close)", limit)
         if components.critic is not None:
-            components.critic.shutdown()
-        components.trainer.shutdown()
+            bounded_teardown(components.critic.shutdown, "the critic (shutdown)", limit)
+        bounded_teardown(components.trainer.shutdown, "the trainer (shutdown)", limit)
         if "generator" not in given:
-            components.generator.shutdown()
-        if "environment" not in given and hasattr(components.environment, "close"):
-            components.environment.close()
+            bounded_teardown(components.generator.shutdown, "the generator (shutdown)", limit)
+        if "environment" not in given:
+            components.environment.close()  # a TimedEnvironment: bounded
     summary = summarize([r for r in records if "timing/total" in r], config.grpo.summary_window)
     summary.update(held_out_summary(records))
     summary.update({"steps": loop.step, "run_id": owner.run_id,

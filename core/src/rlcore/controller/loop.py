@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from rlcore.controller.checkpoint import CheckpointManager, run_catching_sigterm
+from rlcore.controller.deadlines import TimedTeacher, bounded_call
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.learner import Learner, NonFiniteLossError
 from rlcore.controller.refitter import Refitter
@@ -62,16 +63,17 @@ class GRPOLoop:
 
     def __init__(self, c: Components):
         self.c, cfg = c, c.config
-        self.grpo = cfg.grpo
+        self.train_cfg, self.grpo = cfg.train, cfg.grpo
         self.progress = Progress()
         self.rollouts = Rollouts(cfg, c.generator, c.environment, c.algorithm, c.dataset, c.multi_turn)
+        teacher = None if c.teacher is None else TimedTeacher(c.teacher, cfg.cluster.timeout_s)
         self.learner = Learner(c.trainer, c.algorithm, cfg.policy.max_total_sequence_length,
-                               cfg.grpo.max_consecutive_nonfinite, c.teacher,
+                               cfg.grpo.max_consecutive_nonfinite, teacher,
                                cfg.generation.colocated.offload_trainer_state, c.critic)
         self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock,
-                                 cfg.policy.max_total_sequence_length)
-        self.validator = Validator(self.rollouts, c.trainer, cfg.grpo.max_val_samples, cfg.grpo.seed,
-                                   cfg.policy.max_total_sequence_length, c.teacher)
+                                 cfg.policy.max_total_sequence_length, cfg.cluster.timeout_s)
+        self.validator = Validator(self.rollouts, c.trainer, cfg.train.max_val_samples, cfg.train.seed,
+                                   cfg.policy.max_total_sequence_length, teacher)
         identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
         ckpt = CheckpointManager(checkpoint_root(cfg), cfg.checkpointing.keep_last_k) if cfg.checkpointing.enabled else None
         self.checkpoints = LoopCheckpoints(ckpt, checkpoint_root(cfg), self.progress, self.learner, self.rollouts.cursor,
@@ -104,13 +106,12 @@ class GRPOLoop:
 
     def _start(self) -> None:
         self.checkpoints.resume(self.c.config.checkpointing.resume)
-        if self.grpo.val_at_start and self.progress.step == 0:
+        if self.train_cfg.val_at_start and self.progress.step == 0:
             start = self.validator.validate(0)
             if start:
                 start["time/elapsed_s"] = self.progress.elapsed()
                 self.progress.records.append({"step": 0, **start})
-                for logger in self.c.loggers:
-                    logger.log(start, 0)
+                self._log(start, 0)
 
     def next_step(self) -> int:
         """Advances to the next step and tells the trainer and environment its number."""
@@ -127,7 +128,7 @@ class GRPOLoop:
         return out
 
     def validates(self) -> bool:
-        return bool(self.grpo.val_period) and self.progress.step % self.grpo.val_period == 0
+        return bool(self.train_cfg.val_period) and self.progress.step % self.train_cfg.val_period == 0
 
     def finish_step(self, record: dict, timer: StepTimer) -> None:
         """Validation when due, the step's timings, its record, a checkpoint when due, the loggers."""
@@ -152,15 +153,19 @@ class GRPOLoop:
                 self.checkpoints.save()
             record.update(timer.finish())
         record["time/elapsed_s"] = p.elapsed()
-        for logger in self.c.loggers:
-            logger.log({k: v for k, v in record.items() if k != "step"}, p.step)
+        self._log({k: v for k, v in record.items() if k != "step"}, p.step)
         self.c.reporter.step(record, p.step)
+
+    def _log(self, metrics: dict, step: int) -> None:
+        for logger in self.c.loggers:  # a logger's network call that hangs stops the run, naming it
+            bounded_call(lambda lg=logger: lg.log(metrics, step), f"logger {type(logger).__name__} (log)",
+                         self.c.config.cluster.timeout_s, step)
 
 
 def run_sync(run: GRPOLoop) -> None:
     """On-policy GRPO: each step's rollouts come from the weights it trains."""
     generator = run.c.generator
-    while run.step < run.grpo.max_num_steps:
+    while run.step < run.train_cfg.max_num_steps:
         step = run.next_step()
         timer = StepTimer()
         # Draw P prompts, generate G responses to each, score them, keep whole groups.

@@ -1,10 +1,10 @@
 """The loop of the families that train on fixed examples (SFT, DPO, reward models): no rollouts.
 
 :mod:`rlcore.controller.sft` and :mod:`rlcore.controller.pairs` plug their trainer into
-:class:`OfflineLoop` through :class:`OfflineSteps`. Each step draws ``grpo.num_prompts_per_step``
+:class:`OfflineLoop` through :class:`OfflineSteps`. Each step draws ``train.num_prompts_per_step``
 examples (a :class:`~rlcore.controller.batching.DataCursor`: seeded, epoch-wise order) and trains
-on them; every ``grpo.val_period`` steps (and before the first with ``grpo.val_at_start``) the
-first ``grpo.max_val_samples`` held-out examples are evaluated. Records go to the loggers and
+on them; every ``train.val_period`` steps (and before the first with ``train.val_at_start``) the
+first ``train.max_val_samples`` held-out examples are evaluated. Records go to the loggers and
 carry ``timing/*`` and ``time/elapsed_s`` as the GRPO loop's do.
 
 Checkpoints have the GRPO loop's semantics (:mod:`rlcore.controller.checkpoint`): every
@@ -95,7 +95,7 @@ class OfflineLoop:
     def __init__(self, config: Any, identity: dict, steps: OfflineSteps, train: Sequence[Any],
                  validation: Sequence[Any] | None, loggers: list[MetricLogger], label: str, print_lines: bool = True):
         self.config, self.identity, self.steps, self.loggers, self.label = config, identity, steps, loggers, label
-        self.loop = config.grpo
+        self.loop = config.train
         self.train_examples = train
         self.validation = list(validation or [])[: self.loop.max_val_samples]
         self.cursor = DataCursor(len(train), self.loop.seed)

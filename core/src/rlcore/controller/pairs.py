@@ -1,10 +1,10 @@
 """The pairwise loop: DPO and reward-model training on preference pairs.
 
 ``rlcore.run`` comes here when the recipe's algorithm is registered with ``trains_on="pairs"``
-(``dpo``, ``reward_model``). Each step draws ``grpo.num_prompts_per_step`` pairs (seeded,
+(``dpo``, ``reward_model``). Each step draws ``train.num_prompts_per_step`` pairs (seeded,
 epoch-wise order), trains the algorithm's :class:`~rlcore.interfaces.PairTrainer` on them,
-and every ``grpo.val_period`` steps (and at the start with ``grpo.val_at_start``) evaluates the
-held-out pairs (at most ``grpo.max_val_samples``). Records go to the enabled loggers
+and every ``train.val_period`` steps (and at the start with ``train.val_at_start``) evaluates the
+held-out pairs (at most ``train.max_val_samples``). Records go to the enabled loggers
 (``metrics.jsonl``) and ``summary.json``; the trained model is written to
 ``<logger.log_dir>/model`` as a Hugging Face checkpoint. No generator or environment is built.
 

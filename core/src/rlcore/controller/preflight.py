@@ -109,10 +109,10 @@ def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
     are distinct rows of the dataset, a micro-batch's token budget holds the longest sequence, and
     the algorithm accepts a group of ``grpo.num_generations_per_prompt`` (asked of the algorithm
     itself: a group of one has no spread to normalize by)."""
-    loop, policy = config.grpo, config.policy
+    per_step, policy = config.train.num_prompts_per_step, config.policy
     train = getattr(dataset, "train", None) or ()
-    if train and loop.num_prompts_per_step > len(train):  # (an empty one is refused as the loop starts)
-        raise ConfigError("grpo.num_prompts_per_step", f"{loop.num_prompts_per_step} prompts per step, but the training "
+    if train and per_step > len(train):  # (an empty one is refused as the loop starts)
+        raise ConfigError("train.num_prompts_per_step", f"{per_step} prompts per step, but the training "
                           f"data has {len(train)}; at most {len(train)}")
     packing = policy.sequence_packing
     if packing.enabled:
@@ -121,7 +121,7 @@ def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
             if budget < policy.max_total_sequence_length:
                 raise ConfigError(f"policy.sequence_packing.{key}", f"{budget} tokens cannot hold one sequence of "
                                   f"policy.max_total_sequence_length={policy.max_total_sequence_length}; raise it to at least that")
-    G = loop.num_generations_per_prompt
+    G = config.grpo.num_generations_per_prompt
     import copy
 
     import torch

@@ -3,6 +3,10 @@
 The transfer and the probe's generator pass share one hold of the generator's lock. Released in
 between, a rollout thread waiting for the lock (async) could take it first and generate a whole
 batch, and the probe, and with it the trainer's next step, would wait for all of it.
+
+The transfer and the probe's scoring are each bounded by ``cluster.timeout_s`` (a generator engine
+or a transport that hangs stops the run naming what it was doing); the trainer's part of the probe
+is bounded by the trainer handle.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from rlcore.config.generation import RefitConfig
+from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.refit_probe import compare_probe_logprobs, refit_probe_sequences
 from rlcore.controller.timing import StepTimer
 from rlcore.controller.rollouts import image_generator
@@ -22,13 +28,22 @@ class Refitter:
     """Moves weights through ``transport`` and checks them with the probe (``policy.generation.refit``)."""
 
     def __init__(self, trainer: TrainerHandle, generator: Generator, transport: WeightTransport, config: RefitConfig,
-                 generator_lock: threading.Lock, max_len: int | None = None):
+                 generator_lock: threading.Lock, max_len: int | None = None, timeout_s: float | None = None):
         self.trainer, self.generator, self.transport, self.config = trainer, generator, transport, config
         self.generator_lock, self.max_len = generator_lock, max_len  # policy.max_total_sequence_length
+        self.timeout_s = timeout_s  # cluster.timeout_s; None: unbounded
+
+    def _bounded(self, fn: Callable[[], Any], what: str) -> Any:
+        if self.timeout_s is None:
+            return fn()
+        limit = self.timeout_s
+        return call_with_timeout(fn, limit, lambda: f"timeout: the refit's {what} did not finish within {limit:g}s "
+                                                    "(cluster.timeout_s)", GenerationTimeout)
 
     def transfer(self) -> dict[str, float]:
         """The weights alone, no probe (a resumed run's first refit)."""
-        return self.transport.transfer(self.trainer, self.generator)
+        name = getattr(self.transport, "name", type(self.transport).__name__)
+        return self._bounded(lambda: self.transport.transfer(self.trainer, self.generator), f"weight transfer ('{name}')")
 
     def refit(self, probe_batch: SequenceBatch | None, timer: StepTimer, step: int,
               generator_free: Callable[[], None] | None = None,
@@ -40,7 +55,8 @@ class Refitter:
             held_from = time.perf_counter()
             extra = on_hold(held_from) if on_hold is not None else {}
             moved = self.transfer()
-            probed = self._probe_generator(probe_batch) if probe_batch is not None else None
+            probed = (self._bounded(lambda: self._probe_generator(probe_batch), f"probe scoring by the generator at step {step}")
+                      if probe_batch is not None else None)
             held_s = time.perf_counter() - held_from
         if generator_free is not None:
             generator_free()

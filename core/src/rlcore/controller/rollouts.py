@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from rlcore.controller.batching import DataCursor, Trajectory, apply_env_steps, rollout_metrics, sampling_params, score
-from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
+from rlcore.controller.deadlines import EnvironmentTimeout, GenerationTimeout, batch_deadline, batch_margin_s, call_with_timeout
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import Algorithm, Environment, EnvStep, Generator, ImageGenerator, PromptDataset, Sample
 
@@ -92,11 +92,11 @@ class Rollouts:
 
     def __init__(self, config: RunConfig, generator: Generator, environment: Environment, algorithm: Algorithm,
                  dataset: PromptDataset, multi_turn: MultiTurnRunner | None = None):
-        self.grpo, self.generation_cfg = config.grpo, config.generation
+        self.train_cfg, self.grpo, self.generation_cfg = config.train, config.grpo, config.generation
         self.timeout_s = config.cluster.timeout_s
         self.generator, self.environment, self.algorithm = generator, environment, algorithm
         self.dataset, self.multi_turn = dataset, multi_turn
-        self.cursor = DataCursor(len(dataset.train), config.grpo.seed)
+        self.cursor = DataCursor(len(dataset.train), config.train.seed)
         self.generator_lock = threading.Lock()
         self.score_lock = threading.Lock()
 
@@ -130,8 +130,20 @@ class Rollouts:
 
     def _bounded(self, fn, what: str, step: int):
         limit = self.timeout_s
-        return call_with_timeout(fn, limit, lambda: f"timeout: the generator's '{what}' did not finish within {limit:g}s "
-                                                    f"(cluster.timeout_s) at step {step}", GenerationTimeout)
+        inner = limit - batch_margin_s(limit)  # an environment call inside times out first, with its own message
+
+        def within_deadline():
+            with batch_deadline(inner):
+                return fn()
+
+        try:
+            return call_with_timeout(within_deadline, limit, lambda: f"timeout: the generator's '{what}' did not finish "
+                                                                     f"within {limit:g}s (cluster.timeout_s) at step {step}",
+                                     GenerationTimeout)
+        except GenerationTimeout as exc:
+            if isinstance(exc.__context__, EnvironmentTimeout):  # the batch's end came as its environment's error left
+                raise exc.__context__ from None
+            raise
 
     def score(self, trajs: list[Trajectory], final_steps) -> dict[str, float]:
         """Multi-turn rollouts were scored turn by turn already; single-turn ones are scored now."""
@@ -142,8 +154,8 @@ class Rollouts:
 
     def _rollout_group(self, step: int, round_: int, observer: GenerationObserver | None = None) -> GeneratedRound:
         G = self.grpo.num_generations_per_prompt
-        samples = [self.dataset.train[i] for i in self.cursor.take(self.grpo.num_prompts_per_step)]
-        seed = (self.grpo.seed * 1_000_003 + step * 101 + round_) if self.grpo.deterministic else None
+        samples = [self.dataset.train[i] for i in self.cursor.take(self.train_cfg.num_prompts_per_step)]
+        seed = (self.train_cfg.seed * 1_000_003 + step * 101 + round_) if self.train_cfg.deterministic else None
         results, version, final_steps, began = self.generate(samples, G, seed, step, observer=observer)
         first_group = round_ * len(samples)  # unique group ids across refill rounds
         trajectories = [Trajectory(s, first_group + g, r) for g, (s, rs) in enumerate(zip(samples, results)) for r in rs]
@@ -174,7 +186,7 @@ class Rollouts:
                 observer: GenerationObserver | None = None) -> tuple[list[Trajectory], dict, int]:
         """Trajectories for one step, with DAPO-style refill when the algorithm drops groups."""
         rounds = self.refill_rounds()
-        target = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        target = self.train_cfg.num_prompts_per_step * self.grpo.num_generations_per_prompt
         generated: list[GeneratedRound] = []
         for round_ in range(rounds + 1):
             generated.append(self.generate_round(step, round_, timer, observer))
@@ -202,6 +214,6 @@ class Rollouts:
             kept_groups = set(groups_N[keep_N].tolist())
             kept.extend(t for t in trajs if t.group in kept_groups)
         metrics["rollout/refill_rounds"] = float(len(rounds) - 1)
-        kept = kept[: self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt]
+        kept = kept[: self.train_cfg.num_prompts_per_step * self.grpo.num_generations_per_prompt]
         metrics["rollout/kept_trajectories"] = float(len(kept))
         return kept, metrics, rounds[-1].version

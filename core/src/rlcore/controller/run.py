@@ -41,7 +41,7 @@ def run(config: RunConfig, **given) -> dict:
     check_given(given)  # before the run directory is claimed: a wrong object fails at once
     apply_verbosity(config.logger.verbosity)  # before vLLM, transformers or Ray is imported
     check_before_start(config, given)  # names, env.reward_fn, the enabled loggers' packages
-    seed_everything(config.grpo.seed, config.grpo.deterministic)
+    seed_everything(config.train.seed, config.train.deterministic)
     run_dir = Path(config.logger.log_dir)
     owner = RunDir(config).open()
     try:

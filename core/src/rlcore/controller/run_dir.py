@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from rlcore.config import ConfigError, RunConfig, to_dict
+from rlcore.config.structure import MOVED_KEYS
 from rlcore.controller.checkpoint import CheckpointManager
 
 RUN_FILE = "run.json"
@@ -35,7 +36,7 @@ LOCK_FILE = "run.lock"
 # Dotted prefixes left out of the fingerprint: a resumed run may change them without changing what
 # it trains. Everything else (model, data, algorithm, optimizer, seed, batch sizes, generation) must match.
 RESUMABLE_KEYS = (
-    "grpo.max_num_steps", "grpo.val_period", "grpo.val_at_start", "grpo.max_val_samples", "grpo.summary_window",
+    "train.max_num_steps", "train.val_period", "train.val_at_start", "train.max_val_samples", "grpo.summary_window",
     "checkpointing", "logger", "cluster",
 )
 
@@ -74,7 +75,9 @@ def check_owner(theirs: dict | None, ours: dict, where: Path, fix: str = _FRESH)
     if not theirs or "fingerprint" not in theirs:
         raise ConfigError("checkpointing.resume", f"checkpoint {where} records no run fingerprint (written by another "
                           f"program or an older rlcore); {fix}")
-    theirs_fp, ours_fp = theirs["fingerprint"], ours["fingerprint"]
+    # An older rlcore's fingerprint spells a moved key the old way: the same setting, compared as such.
+    theirs_fp = {MOVED_KEYS.get(key, key): value for key, value in theirs["fingerprint"].items()}
+    ours_fp = ours["fingerprint"]
     for key in [*ours_fp, *(k for k in theirs_fp if k not in ours_fp)]:
         saved, value = theirs_fp.get(key), ours_fp.get(key)
         if saved != value:

@@ -8,7 +8,7 @@ training backend (fsdp2 or Megatron) through :class:`~rlcore.interfaces.TrainerH
 micro-batches (``policy.sequence_packing``), ``policy.train_global_batch_size`` per optimizer step,
 the loss normalized by the step's valid tokens (:mod:`rlcore.algorithms.sft`).
 
-Validation (``grpo.val_period``, ``grpo.val_at_start``, the first ``grpo.max_val_samples``
+Validation (``train.val_period``, ``train.val_at_start``, the first ``train.max_val_samples``
 held-out examples): ``val/loss``, the token-mean negative log-likelihood of the held-out answers
 (the backend's logprobs); with a ``policy.generation`` section also ``val/accuracy``: the
 generator, refitted with the trainer's weights, decodes the held-out prompts greedily and the
@@ -102,7 +102,7 @@ class SFTTrainer(BackendPolicy):
         if self.generator is not None:
             self.generator.wake_up()
             self.transport.transfer(self.trainer, self.generator)
-            params = sampling_params(self.config.generation, 1, self.config.grpo.seed, greedy=True)
+            params = sampling_params(self.config.generation, 1, self.config.train.seed, greedy=True)
             metrics["val/accuracy"] = greedy_accuracy(self.generator, self.environment, samples, params)
             self.generator.sleep()
         return metrics

@@ -75,7 +75,7 @@ def workload(config: RunConfig, tree: dict, prompt_tokens: int | None, response_
     max_seq = policy.max_total_sequence_length
     response = min(response_tokens or gen.get("max_new_tokens", 256), max_seq - 1)
     prompt = prompt_tokens or max(1, min(256, max_seq - response))
-    samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    samples = config.train.num_prompts_per_step * config.grpo.num_generations_per_prompt
     algorithm = tree.get("algorithm") or {}
     minibatches = policy.train_global_batch_size is not None and policy.train_global_batch_size < samples
     passes = int(minibatches or config.grpo.async_grpo.enabled) + int(float(algorithm.get("kl_coef") or 0) > 0)

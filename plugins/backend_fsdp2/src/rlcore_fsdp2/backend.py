@@ -74,7 +74,7 @@ class FSDP2Backend:
         self.vision = is_vision_language(self.hf_config)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.mesh["dp_shard"].get_local_rank()
-        self.model = self._build_model(hf_config is not None, seed if seed is not None else config.grpo.seed)
+        self.model = self._build_model(hf_config is not None, seed if seed is not None else config.train.seed)
         parallelize(self.model, self.dims, self.mesh, cfg, param_dtype=self.compute_dtype,
                     reduce_dtype=self.master_dtype, device_type=self.device.type)
         self.params = list(self.model.parameters())

@@ -79,7 +79,7 @@ class MegatronBackend:
                               "fsdp2 backend (policy.dtensor_cfg.enabled: true, policy.megatron_cfg.enabled: false)")
         cfg = self.cfg = apply_auto_layout(cfg, config, self.hf_config.to_dict(), self.world.world_size, "cpu" if self.on_cpu else "cuda",
                                            report=print if self.world.rank == 0 else lambda _: None)
-        self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.grpo.seed if seed is None else seed)
+        self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.train.seed if seed is None else seed)
         self.ranks = parallel.Ranks.current()
         self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu, bf16=parallel.params_dtype(cfg, config) == torch.bfloat16)
         if self.world.rank == 0:

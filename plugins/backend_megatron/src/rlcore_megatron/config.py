@@ -61,7 +61,7 @@ class MegatronSchedulerConfig:
     lr_warmup_init: float = field(default=0.0, validator=_non_negative, metadata=doc("learning rate at step 0 of warmup"))
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] | None = field(
         default=None, metadata=doc("decay after warmup; None = policy.scheduler.decay_style"))
-    lr_decay_iters: int | None = field(default=None, validator=_optional_positive, metadata=doc("steps to reach min_lr; None = policy.scheduler.decay_steps or grpo.max_num_steps"))
+    lr_decay_iters: int | None = field(default=None, validator=_optional_positive, metadata=doc("steps to reach min_lr; None = policy.scheduler.decay_steps or train.max_num_steps"))
     start_weight_decay: float | None = field(default=None, metadata=doc("weight decay at step 0; None = optimizer.weight_decay"))
     end_weight_decay: float | None = field(default=None, metadata=doc("weight decay at the end; None = optimizer.weight_decay"))
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = field(default="constant", metadata=doc("weight-decay schedule"))

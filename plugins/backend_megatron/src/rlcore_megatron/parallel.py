@@ -149,7 +149,7 @@ def build_optimizer(wrapped, cfg: MegatronConfig, run: RunConfig):
 def build_scheduler(optimizer, cfg: MegatronConfig, run: RunConfig) -> OptimizerParamScheduler:
     s, o, ps = cfg.scheduler, optimizer_config(cfg, run), run.policy.scheduler
     warmup = _pick(s.lr_warmup_iters, ps.warmup_steps)
-    decay = s.lr_decay_iters or ps.decay_steps or run.grpo.max_num_steps
+    decay = s.lr_decay_iters or ps.decay_steps or run.train.max_num_steps
     wd_start = _pick(s.start_weight_decay, o.weight_decay)
     wd_end = _pick(s.end_weight_decay, o.weight_decay)
     return OptimizerParamScheduler(

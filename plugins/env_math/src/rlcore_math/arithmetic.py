@@ -15,10 +15,11 @@ import random
 from typing import Any
 
 from rlcore.interfaces import Sample
+from rlcore.prompts import PromptSplits, messages_for
 
 from rlcore_math.calculator import Calculator, format_number
 from rlcore_math.config import ArithmeticDatasetConfig
-from rlcore_math.prompts import DataError, MathDataset, messages_for, tokenize_split
+from rlcore_math.prompts import DataError, tokenize_split
 
 
 class ArithmeticGenerator:
@@ -77,7 +78,7 @@ def _samples(pairs: list[tuple[str, str]], config: ArithmeticDatasetConfig, spli
     return out
 
 
-def build_arithmetic_dataset(config: ArithmeticDatasetConfig, tokenizer: Any) -> MathDataset:
+def build_arithmetic_dataset(config: ArithmeticDatasetConfig, tokenizer: Any) -> PromptSplits:
     config = config or ArithmeticDatasetConfig()
     train_pairs, val_pairs = generate_splits(config)
     stats: dict[str, int] = {}
@@ -86,4 +87,4 @@ def build_arithmetic_dataset(config: ArithmeticDatasetConfig, tokenizer: Any) ->
     if val_pairs:
         validation = tokenize_split(_samples(val_pairs, config, "validation"), tokenizer, "validation", None, stats,
                                     config.chat_template)
-    return MathDataset(train=train, validation=validation, stats=stats)
+    return PromptSplits(train=train, validation=validation, stats=stats)

@@ -64,7 +64,7 @@ def grading(config, steps: int, warmup: int, style: str = "gsm8k", seed: int = 0
 
     section = config.section("env.math") or MathEnvConfig()
     rng = random.Random(seed)
-    prompts, group = config.grpo.num_prompts_per_step, config.grpo.num_generations_per_prompt
+    prompts, group = config.train.num_prompts_per_step, config.grpo.num_generations_per_prompt
     batches = [make_batch(rng, prompts, group, style) for _ in range(max(steps, warmup + 1))]
     grader = make_grader(section)
     try:

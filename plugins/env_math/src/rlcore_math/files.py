@@ -36,10 +36,11 @@ from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Sample
 from rlcore.errors import DataError as CoreDataError
 from rlcore.runtime import check_rows, text_problem
+from rlcore.prompts import PromptSplits, messages_for
 
 from rlcore_math.config import MathFilesDatasetConfig
 from rlcore_math.grading import hash_answer, last_boxed
-from rlcore_math.prompts import DataError, MathDataset, log, messages_for, tokenize_split
+from rlcore_math.prompts import DataError, log, tokenize_split
 
 # preset -> (problem column, answer column, how the ground truth is taken from the answer column)
 PRESETS: dict[str, tuple[str, str, str]] = {
@@ -49,7 +50,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def build_math_files_dataset(config: MathFilesDatasetConfig, tokenizer: Any) -> MathDataset:
+def build_math_files_dataset(config: MathFilesDatasetConfig, tokenizer: Any) -> PromptSplits:
     stats: dict[str, int] = {"bad_rows": 0}
     train = _load_sources(config, config.train_split, stats, "data.train_split")
     if config.validation_files:
@@ -74,7 +75,7 @@ def build_math_files_dataset(config: MathFilesDatasetConfig, tokenizer: Any) -> 
     if stats.get("replaced_lines"):
         log.warning("data: %d lines had bytes that are not UTF-8, replaced by U+FFFD (data.decode_errors=replace)",
                     stats["replaced_lines"])
-    return MathDataset(train=train, validation=validation, stats=stats)
+    return PromptSplits(train=train, validation=validation, stats=stats)
 
 
 def _columns(config: MathFilesDatasetConfig) -> tuple[str, str, str]:

@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 
 from rlcore.interfaces import Sample
-
-from rlcore_envs.common import EnvDataset, build_splits, messages_for
+from rlcore.prompts import PromptSplits, messages_for
+from rlcore_envs.common import build_splits
 from rlcore_envs.config import CodeTasksDatasetConfig
 
 _LETTERS = "abcdefgh"
@@ -118,7 +118,7 @@ def generate(config: CodeTasksDatasetConfig) -> tuple[list[Sample], list[Sample]
     return train, validation
 
 
-def build_dataset(config: CodeTasksDatasetConfig, tokenizer: Any) -> EnvDataset:
+def build_dataset(config: CodeTasksDatasetConfig, tokenizer: Any) -> PromptSplits:
     config = config or CodeTasksDatasetConfig()
     train, validation = generate(config)
     return build_splits(train, validation, tokenizer, config)

@@ -1,71 +1,24 @@
-"""What every dataset of this plugin shares: the dataset object and prompt encoding."""
+"""What this plugin's datasets and environments share: encoding both splits, importing an ecosystem
+package, replaying histories in sessions."""
 
 from __future__ import annotations
 
-import logging
+import functools
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
-
-from rlcore.errors import DataError
 from rlcore.interfaces import EnvStep, Sample
-
-log = logging.getLogger("rlcore_envs")
-
-
-@attrs.define
-class EnvDataset:
-    """``train`` and ``validation`` samples (``prompt_ids`` filled) and what loading counted."""
-
-    train: list[Sample]
-    validation: list[Sample] | None
-    stats: dict[str, int] = attrs.field(factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.train)
-
-    def __getitem__(self, index: int) -> Sample:
-        return self.train[index]
+from rlcore.prompts import PromptSplits, tokenize_split
 
 
-def messages_for(user: str, system: str | None) -> list[dict[str, str]]:
-    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-
-
-def encode(samples: Sequence[Sample], tokenizer: Any, split: str, keys: Any, stats: dict[str, int]) -> list[Sample]:
-    """Fill ``prompt_ids`` and ``index`` (chat template or plain text, as ``keys.chat_template`` says);
-    drop and count prompts over ``keys.max_prompt_tokens``."""
-    conversations = [s.prompt if isinstance(s.prompt, list) else messages_for(s.prompt, None) for s in samples]
-    if not conversations:
-        return []
-    if keys.chat_template:
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError(f"tokenizer {type(tokenizer).__name__} has no chat template; set data.chat_template=false")
-        ids = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True, return_dict=False)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(["".join(m["content"] for m in c) for c in conversations], add_special_tokens=False)["input_ids"]
-    kept = []
-    for sample, prompt_ids in zip(samples, ids):
-        if keys.max_prompt_tokens is not None and len(prompt_ids) > keys.max_prompt_tokens:
-            continue
-        sample.prompt_ids = [int(t) for t in prompt_ids]
-        sample.index = len(kept)
-        kept.append(sample)
-    stats[f"{split}/dropped_too_long"] = len(samples) - len(kept)
-    if len(kept) < len(samples):
-        log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_tokens=%s", split, len(samples) - len(kept),
-                    len(samples), keys.max_prompt_tokens)
-    if not kept:
-        raise DataError(f"{split}: every one of {len(samples)} prompts is longer than data.max_prompt_tokens={keys.max_prompt_tokens}")
-    return kept
-
-
-def build_splits(train: list[Sample], validation: list[Sample], tokenizer: Any, keys: Any) -> EnvDataset:
+def build_splits(train: list[Sample], validation: list[Sample], tokenizer: Any, keys: Any) -> PromptSplits:
+    """Both splits encoded (chat template or plain text, as ``keys.chat_template`` says), prompts
+    over ``keys.max_prompt_tokens`` dropped and counted."""
     stats: dict[str, int] = {}
-    val = encode(validation, tokenizer, "validation", keys, stats) if validation else None
-    return EnvDataset(train=encode(train, tokenizer, "train", keys, stats), validation=val, stats=stats)
+    encode = functools.partial(tokenize_split, tokenizer=tokenizer, max_prompt_tokens=keys.max_prompt_tokens, stats=stats,
+                               chat_template=keys.chat_template)
+    val = encode(validation, split="validation") if validation else None
+    return PromptSplits(train=encode(train, split="train"), validation=val, stats=stats)
 
 
 def require(module: str, extra: str):

@@ -33,8 +33,8 @@ import urllib.request
 from typing import Any
 
 from rlcore.interfaces import EnvStep, Sample
-
-from rlcore_envs.common import EnvDataset, build_splits, messages_for, replay_in_sessions, require
+from rlcore.prompts import PromptSplits, messages_for
+from rlcore_envs.common import build_splits, replay_in_sessions, require
 from rlcore_envs.config import OpenEnvDatasetConfig, OpenEnvEnvConfig, OpenEnvServerKeys
 
 
@@ -102,7 +102,7 @@ def _reset_args(sample: Sample) -> dict:
 
 
 # ---- dataset ---------------------------------------------------------------------------------
-def build_dataset(config: OpenEnvDatasetConfig, tokenizer: Any) -> EnvDataset:
+def build_dataset(config: OpenEnvDatasetConfig, tokenizer: Any) -> PromptSplits:
     server = OpenEnvServer(config)
     try:
         client = _client(server.url, config.request_timeout_s)

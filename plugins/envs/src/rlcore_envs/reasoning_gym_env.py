@@ -23,8 +23,8 @@ import random
 from typing import Any
 
 from rlcore.interfaces import EnvStep, Sample
-
-from rlcore_envs.common import EnvDataset, build_splits, messages_for, require
+from rlcore.prompts import PromptSplits, messages_for
+from rlcore_envs.common import build_splits, require
 from rlcore_envs.config import ReasoningGymDatasetConfig, ReasoningGymEnvConfig
 
 _ANSWER_TAGS = ("<answer>", "</answer>")
@@ -69,12 +69,12 @@ def generate(config: ReasoningGymDatasetConfig) -> tuple[list[Sample], list[Samp
                              f"lower data.num_validation or widen its data.task_configs")
         train += [_sample(task, e, config, "train") for e in entries[:count]]
     random.Random(config.seed).shuffle(train)
-    # mixed too: a run that validates on the first grpo.max_val_samples sees every task, not the first one's block
+    # mixed too: a run that validates on the first train.max_val_samples sees every task, not the first one's block
     random.Random(config.seed + 1).shuffle(validation)
     return train, validation
 
 
-def build_dataset(config: ReasoningGymDatasetConfig, tokenizer: Any) -> EnvDataset:
+def build_dataset(config: ReasoningGymDatasetConfig, tokenizer: Any) -> PromptSplits:
     train, validation = generate(config or ReasoningGymDatasetConfig())
     return build_splits(train, validation, tokenizer, config)
 

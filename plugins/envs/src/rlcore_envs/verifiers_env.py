@@ -36,8 +36,8 @@ from queue import Empty, Queue
 from typing import Any
 
 from rlcore.interfaces import EnvStep, Sample
-
-from rlcore_envs.common import EnvDataset, build_splits, replay_in_sessions, require
+from rlcore.prompts import PromptSplits
+from rlcore_envs.common import build_splits, replay_in_sessions, require
 from rlcore_envs.config import VerifiersDatasetConfig, VerifiersEnvConfig
 
 
@@ -81,7 +81,7 @@ def _messages(data) -> list[dict[str, str]]:
     return out
 
 
-def build_dataset(config: VerifiersDatasetConfig, tokenizer: Any) -> EnvDataset:
+def build_dataset(config: VerifiersDatasetConfig, tokenizer: Any) -> PromptSplits:
     taskset = load_taskset(config.taskset, config.taskset_args)
     tasks = list(taskset.take(config.num_train + config.num_validation))
     random.Random(config.seed).shuffle(tasks)

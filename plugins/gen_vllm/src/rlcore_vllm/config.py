@@ -92,7 +92,7 @@ class VllmConfig(GenerationConfig):
         default=None, validator=attrs.validators.optional(_positive),
         metadata=doc("KV cache size on GPU (GiB); set = vLLM skips its memory profiling, whose check fails while "
                      "another process on the same GPU frees memory (several runs sharing one GPU); None = sized from gpu_memory_utilization"))
-    seed: int | None = field(default=None, metadata=doc("engine seed; None = grpo.seed"))
+    seed: int | None = field(default=None, metadata=doc("engine seed; None = train.seed"))
     max_num_seqs: int = field(default=256, validator=_positive, metadata=doc("sequences batched at once per engine"))
     enable_prefix_caching: bool = field(default=True, metadata=doc("reuse KV of shared prefixes (multi-turn, n > 1)"))
     quantization: Literal["none", "fp8"] = field(default="none", metadata=doc(

@@ -299,6 +299,32 @@ def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
     return values
 
 
+def check_vision_language(model_path: str) -> None:
+    """A clear error, before the engine starts, for a vision-language checkpoint that this process's
+    vLLM cannot load: vLLM's Qwen2-VL family code (Qwen2.5-VL, Qwen3-VL) imports transformers'
+    torchvision image processor at import time, and the model's transformers processor loads a video
+    processor that requires torchvision, so without a working torchvision vLLM refuses the model with
+    "failed to be inspected". A text-only checkpoint, or one vLLM cannot read, is left to vLLM."""
+    from transformers import AutoConfig
+
+    from rlcore.multimodal import is_vision_language
+
+    try:
+        hf_config = AutoConfig.from_pretrained(model_path)
+    except Exception:  # noqa: BLE001 - vLLM reports a checkpoint it cannot read, with its own message
+        return
+    if not is_vision_language(hf_config):
+        return
+    try:
+        import torchvision.transforms.v2.functional  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - missing, or a CUDA build against a CPU torch
+        raise ConfigError("policy.generation.backend", (
+            f"{model_path!r} is a vision-language model ({hf_config.model_type}); vLLM loads those only with a "
+            f"working torchvision (its Qwen-VL model code and the model's processor import it), and importing it "
+            f"failed here ({type(exc).__name__}: {exc}); use backend: hf, which generates from prompts with images"
+        )) from None
+
+
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -313,11 +339,12 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
     dtype = policy.precision if section_config.dtype == "auto" else section_config.dtype
     if device == "cpu" and dtype == "float16":
         raise ValueError("policy.generation.dtype: float16 is not supported by vLLM on CPU; use bfloat16 or float32")
-    seed = section_config.seed if section_config.seed is not None else config.grpo.seed
+    seed = section_config.seed if section_config.seed is not None else config.train.seed
     if device == "cuda":
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         if not placement.colocated and placement.generator_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(placement.generator_gpus)
+    check_vision_language(policy.model_name)
     own_process = engine_in_own_process(section_config.experimental.engine_process, device=device, colocated=placement.colocated,
                                         async_grpo=config.grpo.async_grpo.enabled)
     if own_process is not None:
