@@ -115,20 +115,30 @@ def test_export_and_eval_work_on_the_run_directory(tiny_run, tmp_path):
 
 
 def test_ctrl_c_ends_the_step_and_says_how_to_resume(tiny_model_dir, tmp_path):
-    """A terminal's Ctrl-C: SIGINT to the whole foreground process group (here, one process: the hf generator)."""
+    """A terminal's Ctrl-C: SIGINT to the whole foreground process group, here rlcore and the
+    processes of the recipe's vLLM engine. The engine takes no part in it: the step ends, its
+    checkpoint is written, one line says how to resume, and the engine's processes end with the run."""
+    psutil = pytest.importorskip("psutil")
     run_dir = tmp_path / "run"
-    args = overrides(tiny_model_dir, run_dir, **{
+    args = overrides(tiny_model_dir, run_dir, generator="vllm", **{
         "train.max_num_steps": 500, "checkpointing.enabled": "true", "checkpointing.save_period": 1000})
     script = Path(sys.executable).parent / "rlcore"
-    env = {**os.environ, "COLUMNS": "200"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RLCORE_", "VLLM_LOGGING", "VLLM_ENABLE_V1_MULTI"))},
+           "COLUMNS": "200"}
     proc = subprocess.Popen([str(script), "run", str(RECIPE), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)  # its own group, as a terminal's job
-    deadline = time.monotonic() + 480
-    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=240)
+    try:
+        deadline = time.monotonic() + 480
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any(p.name().startswith("VLLM::") for p in children), [p.name() for p in children]  # the engine's own
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGINT, out[-2000:] + err[-3000:]
     assert "Traceback" not in out + err, err[-3000:]
     match = re.search(r"SIGINT received: stopped after step (\d+), checkpoint of step \1 in (\S+); the same command resumes", out)
@@ -136,3 +146,5 @@ def test_ctrl_c_ends_the_step_and_says_how_to_resume(tiny_model_dir, tmp_path):
     step = int(match.group(1))
     assert step < 500 and (run_dir / "checkpoints" / f"step_{step:06d}" / "loop_state.pt").is_file()
     assert "Ctrl-C: stopping after step" in out
+    _, alive = psutil.wait_procs(children, timeout=60)
+    assert not alive, [(p.pid, p.name()) for p in alive]

@@ -1,5 +1,6 @@
-"""vLLM's engine processes on one machine: nothing they run listens beyond loopback, and they end
-with the process that started them, even one killed with SIGKILL (no handler of its own runs)."""
+"""vLLM's engine processes on one machine: nothing they run listens beyond loopback, a terminal's
+Ctrl-C is not theirs (SIGINT blocked: the driver handles it), and they end with the process that
+started them, even one killed with SIGKILL (no handler of its own runs)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def test_engine_processes_listen_on_loopback_only_and_die_with_a_killed_driver(v
         assert {p.name() for p in engines} >= {"VLLM::EngineCore"}, [p.name() for p in engines]
         listening = [(p.name(), c.laddr) for p in engines for c in p.net_connections(kind="inet") if c.status == "LISTEN"]
         assert all(addr.ip in ("127.0.0.1", "::1") for _, addr in listening), listening
+        blocked = {p.name(): _sigint_blocked(p.pid) for p in engines}
+        assert all(blocked.values()), blocked
         driver.send_signal(signal.SIGKILL)
         driver.wait(30)
         _, alive = psutil.wait_procs(engines, timeout=30)
@@ -51,3 +54,9 @@ def test_engine_processes_listen_on_loopback_only_and_die_with_a_killed_driver(v
         for proc in [driver]:
             if proc.poll() is None:
                 proc.kill()
+
+
+def _sigint_blocked(pid: int) -> bool:
+    """Whether SIGINT is in the blocked mask of ``pid``'s main thread (Linux's /proc)."""
+    mask = next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("SigBlk:"))
+    return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))

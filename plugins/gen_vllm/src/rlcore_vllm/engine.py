@@ -6,16 +6,58 @@
   thread or event loop can submit work (many requests in flight), and sync calls block on it.
 
 A request is ``(prompt_ids, vllm.SamplingParams)``; results are vLLM ``RequestOutput`` objects.
+
+Both start vLLM's processes (engine core, workers) with SIGINT blocked (:func:`terminal_sigint_held`):
+a terminal's Ctrl-C goes to its whole foreground process group, and it is the caller's to handle
+(``rlcore run`` ends the step and checkpoints it); the engine ends when its caller shuts it down or exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
+import signal
 import threading
 import uuid
 from typing import Any
+
+
+@contextlib.contextmanager
+def terminal_sigint_held():
+    """An engine start that a terminal's Ctrl-C neither breaks nor loses.
+
+    SIGINT is blocked in the calling thread for the block, so the processes it starts (and theirs)
+    inherit the blocked mask and never see the Ctrl-C that the terminal sends to its whole
+    foreground process group: vLLM's engine core and workers take SIGINT as a request to shut down,
+    and the run would lose its engine in the middle of a step. They still end on SIGTERM, which is
+    what vLLM's shutdown sends, and when their parent dies.
+
+    On the main thread a SIGINT that reaches this process during the block is held and raised again
+    once it ends, for the handler in place then (KeyboardInterrupt, or ``rlcore run``'s stop after
+    the step): vLLM's start swallows a KeyboardInterrupt that lands in its wait for the engine.
+
+    Python's multiprocessing resource tracker, which a spawned process needs, unblocks SIGINT in the
+    thread that starts it: it is started first, so vLLM's spawn finds it running."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    held: list[int] = []
+    main = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)) if main else None
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if main:
+            signal.signal(signal.SIGINT, handler)  # runs a SIGINT still pending through the holding handler first
+            if held:
+                signal.raise_signal(signal.SIGINT)
 
 
 def _prompt(ids: list[int]):
@@ -28,7 +70,8 @@ class SyncEngine:
     def __init__(self, engine_kwargs: dict[str, Any]):
         from vllm import LLM
 
-        self.llm = LLM(**engine_kwargs)
+        with terminal_sigint_held():
+            self.llm = LLM(**engine_kwargs)
         self._lock = threading.Lock()
         self._lock_start = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -143,7 +186,8 @@ class AsyncEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
+        with terminal_sigint_held():  # in the event-loop thread, which starts the engine core
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
