@@ -1,4 +1,5 @@
-"""Shared helpers of rlcore's own tests: fake installed distributions and running the CLI.
+"""Shared helpers of rlcore's own tests: fake installed distributions, running the CLI, and the
+multi-turn tests' hf generator.
 
 Plugins are discovered the real way, through ``importlib.metadata``: a fake distribution is a
 ``<name>-<version>.dist-info`` directory (``METADATA`` + ``entry_points.txt``) beside its modules
@@ -100,3 +101,13 @@ def run_cli():
 def run_python():
     """``run_python(code, env=None, timeout=120)``: a fresh interpreter of this environment."""
     return _run_python
+
+
+@pytest.fixture(scope="module")
+def multi_turn_generator(tiny_model_dir):
+    """The hf generator on the tiny model, room for 256 tokens (a module's multi-turn rollouts)."""
+    from rlcore.config import build_config
+    from rlcore.hf_generator import HFGenerator
+
+    config = build_config({"policy": {"model_name": str(tiny_model_dir), "generation": {"backend": "hf"}}})
+    return HFGenerator(str(tiny_model_dir), config.section("policy.generation"), 256)

@@ -12,6 +12,7 @@ import pytest
 
 from rlcore.controller.deadlines import EnvironmentTimeout, TimedEnvironment, batch_deadline
 from rlcore.interfaces import EnvironmentSession, EnvStep, Sample, SessionEnvironment, TrajectoryTurns
+from rlcore.testing.chat_tokenizers import chat_samples
 
 TIMEOUT_S = 1.0
 MARGIN_S = 3.0  # scheduling and a tiny model's generation on a busy 2-core machine; a hang is 60 s
@@ -144,13 +145,6 @@ def test_inside_a_batch_the_limit_is_what_is_left_of_it(game):
 
 
 # ---- through the run loop's rollouts: real hf generator, multi-turn runner -----------------------------
-@pytest.fixture(scope="module")
-def generator(tiny_model_dir):
-    from rlcore.config import build_config
-    from rlcore.hf_generator import HFGenerator
-
-    config = build_config({"policy": {"model_name": str(tiny_model_dir), "generation": {"backend": "hf"}}})
-    return HFGenerator(str(tiny_model_dir), config.section("policy.generation"), 256)
 
 
 def _rollouts(generator, env, on_timeout: str):
@@ -161,9 +155,7 @@ def _rollouts(generator, env, on_timeout: str):
     from rlcore.rollout import MultiTurnRunner
 
     tok = generator.tokenizer
-    samples = [Sample(prompt=q, index=i, prompt_ids=tok.apply_chat_template([{"role": "user", "content": q}],
-                                                                              add_generation_prompt=True, return_dict=False))
-               for i, q in enumerate(("1+2=", "30+4="))]
+    samples = chat_samples(tok)
     config = build_config({"policy": {"model_name": "unused", "generation": {"backend": "hf", "max_new_tokens": 4}},
                            "cluster": {"timeout_s": TIMEOUT_S * 2}, "env": {"on_timeout": on_timeout}})
     timed = TimedEnvironment(env, "game", config.cluster.timeout_s, on_timeout)
@@ -174,8 +166,8 @@ def _rollouts(generator, env, on_timeout: str):
 
 
 @pytest.mark.parametrize("hang", ["hang_open", "hang_step"])
-def test_multi_turn_rollouts_stop_with_the_environments_error_within_the_timeout(generator, game, hang):
-    rollouts, samples = _rollouts(generator, game(**{hang: [1]}), "stop")
+def test_multi_turn_rollouts_stop_with_the_environments_error_within_the_timeout(multi_turn_generator, game, hang):
+    rollouts, samples = _rollouts(multi_turn_generator, game(**{hang: [1]}), "stop")
     began = time.monotonic()
     with pytest.raises(EnvironmentTimeout, match="environment 'game'.*what was left of the batch's cluster.timeout_s=2s"):
         rollouts.generate(samples, 2, seed=1, step=3)
@@ -183,9 +175,9 @@ def test_multi_turn_rollouts_stop_with_the_environments_error_within_the_timeout
 
 
 @pytest.mark.parametrize("hang", ["hang_open", "hang_step"])
-def test_multi_turn_rollouts_with_zero_score_the_hung_trajectories_0_and_the_rest_as_played(generator, game, hang):
+def test_multi_turn_rollouts_with_zero_score_the_hung_trajectories_0_and_the_rest_as_played(multi_turn_generator, game, hang):
     env = game(**{hang: [1]})
-    rollouts, samples = _rollouts(generator, env, "zero")
+    rollouts, samples = _rollouts(multi_turn_generator, env, "zero")
     began = time.monotonic()
     results, _, final_steps, _ = rollouts.generate(samples, 2, seed=1, step=3)
     assert time.monotonic() - began < 2 * TIMEOUT_S + MARGIN_S

@@ -12,6 +12,7 @@ import pytest
 
 from rlcore.interfaces import EnvStep, Sample, SamplingParams, TrajectoryTurns
 from rlcore.rollout import MultiTurnRunner, TurnBarrier
+from rlcore.testing.chat_tokenizers import chat_samples
 
 TURNS = {(0, 0): 2, (0, 1): 3, (1, 0): 3, (1, 1): 3}  # (sample index, trajectory) -> model turns
 
@@ -47,20 +48,9 @@ class ScheduledEnv:
         raise AssertionError("a TrajectoryTurns environment is answered through step_trajectory")
 
 
-@pytest.fixture(scope="module")
-def generator(tiny_model_dir):
-    from rlcore.config import build_config
-    from rlcore.hf_generator import HFGenerator
-
-    config = build_config({"policy": {"model_name": str(tiny_model_dir), "generation": {"backend": "hf"}}})
-    return HFGenerator(str(tiny_model_dir), config.section("policy.generation"), 256)
-
-
 def _rollout(generator, env, barrier: bool):
     tok = generator.tokenizer
-    samples = [Sample(prompt=q, index=i, prompt_ids=tok.apply_chat_template([{"role": "user", "content": q}],
-                                                                              add_generation_prompt=True, return_dict=False))
-               for i, q in enumerate(("1+2=", "30+4="))]
+    samples = chat_samples(tok)
     runner = MultiTurnRunner(generator, env, tok, max_turns=3, max_total_tokens=256, turn_barrier=barrier)
     runner(samples, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=5, ignore_eos=True))
     return runner, {(t.sample.index, k): t for group in runner.last_trajectories for k, t in enumerate(group)}
@@ -76,11 +66,11 @@ def _model_runs(mask: list[int]) -> list[int]:
     return runs
 
 
-def test_the_barrier_holds_every_turn_until_all_trajectories_answered_and_changes_no_token(generator):
+def test_the_barrier_holds_every_turn_until_all_trajectories_answered_and_changes_no_token(multi_turn_generator):
     assert isinstance(ScheduledEnv(), TrajectoryTurns)
     free_env, barrier_env = ScheduledEnv(gate=True), ScheduledEnv()
-    _, free = _rollout(generator, free_env, barrier=False)
-    runner, held = _rollout(generator, barrier_env, barrier=True)
+    _, free = _rollout(multi_turn_generator, free_env, barrier=False)
+    runner, held = _rollout(multi_turn_generator, barrier_env, barrier=True)
 
     # Without the barrier, (1, 1) ran all three turns while (0, 0) waited in its first tool call.
     assert free_env.gate_opened_by_other

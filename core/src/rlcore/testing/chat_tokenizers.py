@@ -262,3 +262,13 @@ def build_chat_tokenizer(family: str, path: str | Path, *, vocab_size: int = 700
     tok.chat_template = _TEMPLATES[family]
     tok.save_pretrained(path)
     return AutoTokenizer.from_pretrained(path)
+
+
+def chat_samples(tokenizer, questions: tuple[str, ...] = ("1+2=", "30+4=")) -> list:
+    """One :class:`rlcore.interfaces.Sample` per question, its ``prompt_ids`` the tokenizer's chat
+    template with the generation prompt."""
+    from rlcore.interfaces import Sample
+
+    return [Sample(prompt=q, index=i, prompt_ids=tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False))
+            for i, q in enumerate(questions)]
