@@ -50,6 +50,15 @@ class CallTimeout(TimeoutError):
     logger, a distillation teacher) took longer than ``cluster.timeout_s``."""
 
 
+class _Wrapper:
+    """Attributes other than a wrapper's own pass through to the object it wraps (``inner``)."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr == "inner":  # not set yet (unpickling): no recursion
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+
 def bounded_call(fn: Callable[[], Any], what: str, timeout_s: float | None, step: int | None = None) -> Any:
     """``fn()`` bounded by ``timeout_s`` (None: unbounded); on expiry a :class:`CallTimeout` naming ``what`` and the step."""
     if timeout_s is None:
@@ -59,16 +68,11 @@ def bounded_call(fn: Callable[[], Any], what: str, timeout_s: float | None, step
                                                     f"(cluster.timeout_s){at}", CallTimeout)
 
 
-class TimedTeacher:
+class TimedTeacher(_Wrapper):
     """A :class:`rlcore.interfaces.Teacher` whose ``logprobs`` is bounded (:func:`bounded_call`); other attributes pass through."""
 
     def __init__(self, teacher, timeout_s: float):
         self.inner, self.timeout_s = teacher, timeout_s
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr == "inner":
-            raise AttributeError(attr)
-        return getattr(self.inner, attr)
 
     def logprobs(self, batch):
         return bounded_call(lambda: self.inner.logprobs(batch), f"the teacher {type(self.inner).__name__} (logprobs)",
@@ -199,7 +203,7 @@ def _with_thread(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
     return box["value"]
 
 
-class TimedEnvironment:
+class TimedEnvironment(_Wrapper):
     """Wraps an environment so that every call into it is bounded: ``step``; a multi-turn
     environment's ``step_trajectory`` and ``turn_max_new_tokens``; a session environment's
     ``open_session`` and its sessions' ``step`` and ``close``. The wrapper implements exactly the
@@ -216,11 +220,6 @@ class TimedEnvironment:
         self.inner, self.name = environment, name
         self.timeout_s, self.on_timeout = timeout_s, on_timeout
         self.current_step = 0
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr == "inner":  # not set yet (unpickling): no recursion
-            raise AttributeError(attr)
-        return getattr(self.inner, attr)
 
     def _step(self, samples, responses):
         try:
@@ -333,17 +332,12 @@ class _TimedOutSession:
         pass
 
 
-class TimedSession:
+class TimedSession(_Wrapper):
     """An :class:`rlcore.interfaces.EnvironmentSession` whose ``step`` and ``close`` are bounded by its
     :class:`TimedEnvironment`'s limit and ``on_timeout``."""
 
     def __init__(self, session, environment: TimedEnvironment):
         self.inner, self.environment, self.timed_out = session, environment, False
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr == "inner":
-            raise AttributeError(attr)
-        return getattr(self.inner, attr)
 
     def step(self, turn: str) -> EnvStep:
         try:
