@@ -261,17 +261,21 @@ HUNG_SESSIONS = """
 
 
 def test_hung_environment_sessions_score_0_and_the_run_ends(tiny_model_dir, tmp_path):
-    """A session environment whose sessions hang (env.on_timeout=zero): every step ends within
-    cluster.timeout_s, the hung trajectories score 0 and count in env/timeout, and the process exits
-    (no environment thread is left to join)."""
+    """A session environment whose sessions hang (env.on_timeout=zero), rolled out one step off on
+    the async rollout thread: every step ends within cluster.timeout_s, the hung trajectories score 0
+    and count in env/timeout, each timeout names the step whose batch it was rolling out (that thread
+    works ahead of the trainer), and the process exits (no environment thread is left to join)."""
     run_dir = tmp_path / "hung"
     recipe = tiny_recipe(tiny_model_dir, run_dir, **{
         "env": {"name": "math_tool", "math_tool": {"executor": "inline", "max_turns": 2}, "on_timeout": "zero"},
         "cluster.timeout_s": 4, "checkpointing.enabled": False, "train.max_num_steps": 2, "train.val_period": 0,
+        "grpo.async_grpo": {"enabled": True, "max_trajectory_age_steps": 1},
     })
     done = run_recipe(recipe, tmp_path, prelude=HUNG_SESSIONS, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "environment 'math_tool' (session step) did not answer within" in done.stdout
+    timeouts = [line for line in done.stdout.splitlines() if "environment 'math_tool' (session step) did not answer within" in line]
+    named = {line.split(" at step ")[1].split(";")[0] for line in timeouts}
+    assert timeouts and named <= {"1", "2"} and "1" in named, timeouts
     records = load_records(run_dir)
     for step in (1, 2):
         assert records[step]["env/timeout"] == 0.5 and records[step]["env/correct"] == 0.5

@@ -71,12 +71,13 @@ class Produced:
 class RolloutProducer:
     """The rollout and scoring threads of :func:`run_async`, and what the trainer asks of them."""
 
-    def __init__(self, rollouts: RolloutSource, first_step: int, timeout_s: float, max_age: int):
+    def __init__(self, rollouts: RolloutSource, first_step: int, last_step: int, timeout_s: float, max_age: int):
         self.rollouts = rollouts
         self.timeout_s = timeout_s
         self.max_age = max_age
         self._first_step = first_step
         self._next_step = first_step  # the step number of the batch begun last
+        self._wanted = last_step - first_step  # batches the trainer will take: one a step, one more per dropped batch
         self._done = 0  # batches the trainer is done with (trained and refitted, or dropped)
         self._done_changed = threading.Condition()
         self._batches: queue.Queue[Produced] = queue.Queue()
@@ -110,7 +111,7 @@ class RolloutProducer:
             while not self._stop.is_set():
                 begun = self._next_step - self._first_step  # batches begun in this run
                 blocked_from = time.perf_counter()
-                if not (self._take_credit() and self._wait_for_done(begun - self.max_age)):
+                if not (self._wait_until_wanted(begun) and self._take_credit() and self._wait_for_done(begun - self.max_age)):
                     return
                 released = time.perf_counter()
                 wakes = self._wakes(blocked_from, released)
@@ -145,6 +146,16 @@ class RolloutProducer:
                 return True
         return False
 
+    def _wait_until_wanted(self, begun: int) -> bool:
+        """Until the trainer wants more than ``begun`` batches (False: the run is ending): no batch is
+        rolled out past the run's last step, unless a stale one was dropped and must be replaced."""
+        with self._done_changed:
+            while begun >= self._wanted:
+                if self._stop.is_set():
+                    return False
+                self._done_changed.wait(timeout=0.5)
+        return True
+
     def _wait_for_done(self, count: int) -> bool:
         """Until the trainer is done with ``count`` batches (False: the run is ending)."""
         with self._done_changed:
@@ -176,10 +187,12 @@ class RolloutProducer:
             self._credits.release()
             return item
 
-    def batch_done(self) -> None:
-        """The trainer is done with the batch it took last: refitted after training on it, or dropped it."""
+    def batch_done(self, dropped: bool = False) -> None:
+        """The trainer is done with the batch it took last: refitted after training on it, or
+        ``dropped`` it (then one more batch is wanted in its place)."""
         with self._done_changed:
             self._done += 1
+            self._wanted += dropped
             self._done_at = time.perf_counter()
             self._done_changed.notify_all()
 
@@ -213,7 +226,7 @@ class RolloutProducer:
 def run_async(run: GRPOLoop) -> None:
     """Trains batch after batch from the rollout thread, each at most ``max_trajectory_age_steps`` old."""
     max_age = run.grpo.async_grpo.max_trajectory_age_steps
-    producer = RolloutProducer(run.rollouts, run.step, run.c.config.cluster.timeout_s, max_age)
+    producer = RolloutProducer(run.rollouts, run.step, run.train_cfg.max_num_steps, run.c.config.cluster.timeout_s, max_age)
     producer.start()
     dropped = 0
     # The policy version each of the generator's weights versions holds: the two count differently (a
@@ -228,7 +241,7 @@ def run_async(run: GRPOLoop) -> None:
             age = run.learner.policy_version - policy_of[produced.version]
             if age > max_age:
                 dropped += 1
-                producer.batch_done()
+                producer.batch_done(dropped=True)
                 continue
             step = run.next_step()
             timer = StepTimer()

@@ -114,11 +114,9 @@ class GRPOLoop:
                 self._log(start, 0)
 
     def next_step(self) -> int:
-        """Advances to the next step and tells the trainer and environment its number."""
+        """Advances to the next step and tells the trainer its number."""
         self.progress.step += 1
         self.c.trainer.loop_step = self.progress.step
-        if hasattr(self.c.environment, "current_step"):  # TimedEnvironment names the step of a hung call
-            self.c.environment.current_step = self.progress.step
         return self.progress.step
 
     def train(self, trajectories, timer: StepTimer):

@@ -33,6 +33,7 @@ class GeneratedRound:
     version: int  # the generator's weights version they were sampled with
     final_steps: list | None  # multi-turn: the EnvSteps each rollout ended with (scored already)
     began: float  # time.perf_counter() when the generation took the generator
+    step: int  # the step the round was generated for (named by an environment's timeout)
     env_metrics: dict = attrs.field(factory=dict)  # the environment's, once scored
 
 
@@ -114,6 +115,7 @@ class Rollouts:
                 observer.generation_began()
             if self.multi_turn is not None:
                 no_images_in_multi_turn(samples)
+                self._tell_environment(step)
                 results = self._bounded(lambda: self.multi_turn(samples, params), "multi-turn rollouts", step)
                 final_steps = [[EnvStep(reward=t.reward, metrics=t.env_metrics) for t in group]
                                for group in self.multi_turn.last_trajectories]
@@ -145,12 +147,20 @@ class Rollouts:
                 raise exc.__context__ from None
             raise
 
-    def score(self, trajs: list[Trajectory], final_steps) -> dict[str, float]:
+    def score(self, trajs: list[Trajectory], final_steps, step: int) -> dict[str, float]:
         """Multi-turn rollouts were scored turn by turn already; single-turn ones are scored now."""
         if final_steps is None:
             with self.score_lock:
+                self._tell_environment(step)
                 return score(self.environment, trajs)
-        return apply_env_steps(trajs, [step for group in final_steps for step in group])
+        return apply_env_steps(trajs, [env_step for group in final_steps for env_step in group])
+
+    def _tell_environment(self, step: int) -> None:
+        """The step whose batch the environment is called for, named if a call hangs
+        (:class:`rlcore.controller.deadlines.TimedEnvironment`). Set here, where the calls are made: the
+        async rollout thread works one or two steps ahead of the trainer's."""
+        if hasattr(self.environment, "current_step"):
+            self.environment.current_step = step
 
     def _rollout_group(self, step: int, round_: int, observer: GenerationObserver | None = None) -> GeneratedRound:
         G = self.grpo.num_generations_per_prompt
@@ -159,7 +169,7 @@ class Rollouts:
         results, version, final_steps, began = self.generate(samples, G, seed, step, observer=observer)
         first_group = round_ * len(samples)  # unique group ids across refill rounds
         trajectories = [Trajectory(s, first_group + g, r) for g, (s, rs) in enumerate(zip(samples, results)) for r in rs]
-        return GeneratedRound(trajectories, version, final_steps, began)
+        return GeneratedRound(trajectories, version, final_steps, began, step)
 
     def generate_round(self, step: int, round_: int, timer: StepTimer,
                        observer: GenerationObserver | None = None) -> GeneratedRound:
@@ -202,7 +212,7 @@ class Rollouts:
         groups: the step's trajectories, its rollout metrics (from the first round) and weights version."""
         for generated in rounds[-1:] if score_last_only else rounds:
             with timer.phase("reward"):
-                generated.env_metrics = self.score(generated.trajectories, generated.final_steps)
+                generated.env_metrics = self.score(generated.trajectories, generated.final_steps, generated.step)
         metrics: dict[str, float] = {**rounds[0].env_metrics, **rollout_metrics(rounds[0].trajectories)}
         kept: list[Trajectory] = []
         for generated in rounds:

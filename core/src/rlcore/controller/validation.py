@@ -26,7 +26,7 @@ class Validator:
         samples = list(val[: self.max_val_samples])
         results, _, final_steps, _ = self.rollouts.generate(samples, 1, self.seed, step, greedy=True)
         trajs = [Trajectory(s, i, rs[0]) for i, (s, rs) in enumerate(zip(samples, results)) if rs]  # an agent's failed group has none
-        self.rollouts.score(trajs, final_steps)
+        self.rollouts.score(trajs, final_steps, step)
         metrics = {
             "val/accuracy": float(np.mean([is_correct(t.reward, t.env_metrics) for t in trajs])),
             "val/reward_mean": float(np.mean([t.reward for t in trajs])),
