@@ -109,7 +109,8 @@ class AsyncConfig:
 @frozen
 class TrainConfig:
     """What every trainer reads (section ``train``; GRPO, PPO, distillation, SFT, DPO, the reward model):
-    how long the run is, how much data a step takes, when it validates, and its seed."""
+    how long the run is, how much data a step takes, when it validates, its seed, and when
+    non-finite losses stop it."""
 
     max_num_steps: int = field(default=100, validator=_positive, metadata=doc("steps to run"))
     num_prompts_per_step: int = field(default=32, validator=_positive, metadata=doc(
@@ -120,6 +121,8 @@ class TrainConfig:
     seed: int = field(default=42, validator=[_non_negative, attrs.validators.lt(2**32)],
                       metadata=doc("seed of data order, sampling and init (0 to 2**32-1: numpy's range)"))
     deterministic: bool = field(default=False, metadata=doc("deterministic kernels and sampling (resume equals uninterrupted)"))
+    max_consecutive_nonfinite: int = field(default=3, validator=_positive, metadata=doc(
+        "stop after this many steps in a row whose loss was not finite (their updates are skipped)"))
 
 
 @frozen
@@ -130,7 +133,6 @@ class LoopConfig:
 
     num_generations_per_prompt: int = field(default=8, validator=_positive, metadata=doc("G samples per prompt"))
     async_grpo: AsyncConfig = field(factory=AsyncConfig, metadata=doc("async mode"))
-    max_consecutive_nonfinite: int = field(default=3, validator=_positive, metadata=doc("stop after this many non-finite losses in a row"))
     summary_window: tuple[int, int] | None = field(default=None, validator=_window, metadata=doc("steps [first, last] averaged in the final summary (1 <= first <= last); None = all but the first"))
 
 

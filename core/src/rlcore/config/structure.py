@@ -55,8 +55,9 @@ SECTION_PROVIDERS = {
 # spelling is an error naming both, and a run's saved config is read with them moved
 # (rlcore.config.loader.upgrade_saved_config). The keys every trainer reads left ``grpo`` for ``train``.
 MOVED_KEYS = {f"grpo.{key}": f"train.{key}" for key in (
-    "max_num_steps", "num_prompts_per_step", "val_period", "val_at_start", "max_val_samples", "seed", "deterministic")}
-MOVED_TO = {"train": "what every trainer reads: steps, prompts per step, validation, seed"}
+    "max_num_steps", "num_prompts_per_step", "val_period", "val_at_start", "max_val_samples", "seed", "deterministic",
+    "max_consecutive_nonfinite")}
+MOVED_TO = {"train": "what every trainer reads: steps, prompts per step, validation, seed, the non-finite limit"}
 
 
 def moved_keys_error(path: str, keys: list[str]) -> ConfigError:

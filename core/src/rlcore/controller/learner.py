@@ -9,7 +9,6 @@ non-finite losses in a row, which stops a run that has diverged rather than skip
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -17,13 +16,10 @@ import torch
 from rlcore.agents.segments import with_segments
 from rlcore.controller import critic_step
 from rlcore.controller.batching import Trajectory, to_sequence_batch
+from rlcore.controller.nonfinite import NonfiniteStreak
 from rlcore.controller.rollouts import reward_tensors
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import Algorithm, CriticHandle, SequenceBatch, Teacher, TrainerHandle
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many non-finite losses in a row."""
 
 
 class Learner:
@@ -32,10 +28,10 @@ class Learner:
     def __init__(self, trainer: TrainerHandle, algorithm: Algorithm, max_length: int, max_consecutive_nonfinite: int,
                  teacher: Teacher | None = None, offload_trainer_state: bool = False, critic: CriticHandle | None = None):
         self.trainer, self.algorithm, self.teacher, self.critic = trainer, algorithm, teacher, critic
-        self.max_length, self.max_consecutive_nonfinite = max_length, max_consecutive_nonfinite
+        self.max_length = max_length
+        self.nonfinite = NonfiniteStreak(max_consecutive_nonfinite)
         self.offload_trainer_state = offload_trainer_state
         self.policy_version = 0  # optimizer steps taken (a skipped non-finite update is none)
-        self.nonfinite_in_a_row = 0
 
     def batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
         """The training batch: group-relative advantages of the shaped rewards; trajectories the
@@ -85,15 +81,7 @@ class Learner:
         return {**{f"train/{k}": float(v) for k, v in out.items()}, **critic.metrics}, batch
 
     def _count(self, out: dict, step: int) -> None:
-        if out.get("skipped_nonfinite"):
-            self.nonfinite_in_a_row += 1
-            warnings.warn(f"step {step}: non-finite loss, update skipped ({self.nonfinite_in_a_row} in a row)")
-            if self.nonfinite_in_a_row >= self.max_consecutive_nonfinite:
-                raise NonFiniteLossError(
-                    f"{self.nonfinite_in_a_row} non-finite losses in a row (grpo.max_consecutive_nonfinite); stopping"
-                )
-        else:
-            self.nonfinite_in_a_row = 0
+        if self.nonfinite.after_step(bool(out.get("skipped_nonfinite")), step):
             self.policy_version += 1
 
     @contextlib.contextmanager

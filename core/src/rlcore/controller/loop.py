@@ -20,7 +20,8 @@ import attrs
 from rlcore.controller.checkpoint import CheckpointManager, run_catching_sigterm
 from rlcore.controller.deadlines import TimedTeacher, bounded_call
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
-from rlcore.controller.learner import Learner, NonFiniteLossError
+from rlcore.controller.learner import Learner
+from rlcore.controller.nonfinite import NonFiniteLossError
 from rlcore.controller.refitter import Refitter
 from rlcore.controller.resume import LoopCheckpoints, Progress
 from rlcore.controller.rollouts import Rollouts
@@ -68,7 +69,7 @@ class GRPOLoop:
         self.rollouts = Rollouts(cfg, c.generator, c.environment, c.algorithm, c.dataset, c.multi_turn)
         teacher = None if c.teacher is None else TimedTeacher(c.teacher, cfg.cluster.timeout_s)
         self.learner = Learner(c.trainer, c.algorithm, cfg.policy.max_total_sequence_length,
-                               cfg.grpo.max_consecutive_nonfinite, teacher,
+                               cfg.train.max_consecutive_nonfinite, teacher,
                                cfg.generation.colocated.offload_trainer_state, c.critic)
         self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock,
                                  cfg.policy.max_total_sequence_length, cfg.cluster.timeout_s)

@@ -30,6 +30,7 @@ from rlcore.controller.batching import DataCursor
 from rlcore.controller.checkpoint import (
     CheckpointManager, resume_loggers, rng_state, run_catching_sigterm, set_rng_state, stop_after_step,
 )
+from rlcore.controller.nonfinite import NonfiniteStreak
 from rlcore.controller.run_dir import check_owner, checkpoint_root
 from rlcore.controller.run_end import print_outputs, save_final_checkpoint
 from rlcore.controller.timing import StepTimer
@@ -107,6 +108,7 @@ class OfflineLoop:
         self.started, self.elapsed_before = time.perf_counter(), 0.0
         self.stop_signal: int | None = None
         self.print_lines = print_lines
+        self.nonfinite = NonfiniteStreak(self.loop.max_consecutive_nonfinite)
 
     def run(self) -> list[dict]:
         return run_catching_sigterm(self, self._run, checkpointed=self.ckpt is not None)
@@ -124,6 +126,7 @@ class OfflineLoop:
             examples = [self.train_examples[i] for i in self.cursor.take(self.loop.num_prompts_per_step)]
             with timer.phase("training"):
                 record = dict(self.steps.train(examples))
+            self.nonfinite.after_step(bool(record.get("train/skipped_nonfinite")), self.step)
             if self.loop.val_period and self.step % self.loop.val_period == 0 and self._can_validate():
                 with timer.phase("validation"):
                     record.update(self.steps.evaluate(self.validation))
@@ -160,7 +163,7 @@ class OfflineLoop:
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self) -> None:
         state = {"step": self.step, "data_position": self.cursor.position, "records": self.records,
-                 "rng": rng_state(), "run": self.identity}
+                 "rng": rng_state(), "run": self.identity, "nonfinite_in_a_row": self.nonfinite.in_a_row}
         self.ckpt.save(self.step, self.steps.save_checkpoint, state)
         self.saved_step = self.step
 
@@ -173,6 +176,7 @@ class OfflineLoop:
             return
         latest, state = found
         self.step, self.cursor.position, self.records = state["step"], state["data_position"], state["records"]
+        self.nonfinite.in_a_row = state.get("nonfinite_in_a_row", 0)  # absent from older checkpoints
         self.started = time.perf_counter()
         self.elapsed_before = self.records[-1].get("time/elapsed_s", 0.0) if self.records else 0.0
         set_rng_state(state["rng"])

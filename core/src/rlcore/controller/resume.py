@@ -77,7 +77,7 @@ class LoopCheckpoints:
         latest, state = found
         p = self.progress
         p.step, p.records = state["step"], state["records"]
-        self.learner.policy_version, self.learner.nonfinite_in_a_row = state["policy_version"], state["nonfinite_in_a_row"]
+        self.learner.policy_version, self.learner.nonfinite.in_a_row = state["policy_version"], state["nonfinite_in_a_row"]
         self.cursor.position = state["data_position"]
         p.started = time.perf_counter()
         p.elapsed_before = p.records[-1].get("time/elapsed_s", 0.0) if p.records else 0.0
@@ -95,7 +95,7 @@ class LoopCheckpoints:
             "step": self.progress.step, "policy_version": self.learner.policy_version,
             "data_position": self.data_position(),
             "records": self.progress.records,
-            "nonfinite_in_a_row": self.learner.nonfinite_in_a_row, "rng": rng_state(), "run": self.identity,
+            "nonfinite_in_a_row": self.learner.nonfinite.in_a_row, "rng": rng_state(), "run": self.identity,
         }
         with self._training_state_on_device():
             self.ckpt.save(self.progress.step, self._save_backend, state)
