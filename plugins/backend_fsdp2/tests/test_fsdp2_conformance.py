@@ -38,7 +38,7 @@ def test_compiled_decoder_trains_like_eager(single_process_group, tiny_model_dir
     import torch
 
     from rlcore.algorithms.sft import SFT
-    from rlcore.config.schema import PolicyConfig, RunConfig, SequencePackingConfig
+    from rlcore.config.schema import OptimizerConfig, PolicyConfig, RunConfig, SequencePackingConfig
     from rlcore.interfaces import SequenceBatch, WorldInfo
     from rlcore_fsdp2.backend import FSDP2Backend
     from rlcore_fsdp2.config import SECTION, DTensorConfig
@@ -49,18 +49,25 @@ def test_compiled_decoder_trains_like_eager(single_process_group, tiny_model_dir
     runs = []
     for compile_ in (False, True):
         cfg = DTensorConfig(compile=compile_)
-        policy = PolicyConfig(model_name=str(tiny_model_dir), precision="float32",
+        # Adam eps = lr: the update is linear in the gradient (~lr * g / eps), so fp32 rounding of the
+        # compiled kernels stays rounding in the weights (not an lr-sized sign flip on a near-zero
+        # gradient), and the step moves the logprobs far more than the default lr (1e-6) would
+        policy = PolicyConfig(model_name=str(tiny_model_dir), precision="float32", optimizer=OptimizerConfig(lr=1e-2, eps=1e-2),
                               sequence_packing=SequencePackingConfig(train_mb_tokens=24, logprob_mb_tokens=24))
         backend = FSDP2Backend(RunConfig(policy=policy, sections={SECTION: cfg}), cfg, WorldInfo())
         assert len(backend.fsdp_modules) == 1  # the root only: nothing to free per layer on one rank
+        before = backend.logprobs(batch)
         metrics = backend.train(batch, SFT())
-        runs.append((metrics, backend.logprobs(batch)))
+        runs.append((metrics, before, backend.logprobs(batch)))
         backend.shutdown()
-    (eager_metrics, eager_after), (comp_metrics, comp_after) = runs
+    (eager_metrics, eager_before, eager_after), (comp_metrics, _, comp_after) = runs
+    # fp32 loss, a mean over 39 tokens: N * eps32 ~ 5e-6 relative; the gradient norm sums ~3e5 squares
     assert comp_metrics["loss"] == pytest.approx(eager_metrics["loss"], rel=1e-5)
     assert comp_metrics["grad_norm"] == pytest.approx(eager_metrics["grad_norm"], rel=1e-4)
+    moved = max(float((a - b).abs().max()) for a, b in zip(eager_after, eager_before))
+    assert moved > 1e-2, moved  # the step moves logprobs by 100x the tolerance below
     for a, b in zip(eager_after, comp_after):
-        assert float((a - b).abs().max()) < 1e-4
+        assert float((a - b).abs().max()) < 1e-4  # fp32 logprobs (|logp| ~ 5) of weights equal to rounding
 
 
 def test_loaded_checkpoint_keeps_this_runs_optimizer_kernel(single_process_group, tiny_model_dir, tmp_path):

@@ -46,9 +46,12 @@ def _check(data: dict, world: int) -> None:
         tp, pp, cp, ep = (data[f"{case}_{k}"] for k in ("tp", "pp", "cp", "ep"))
         assert data[f"{case}_groups"][:4] == [tp, pp, cp, ep]  # Megatron built the groups the config names
         assert data[f"{case}_groups"][4] * tp * pp * cp == world
-        # fp32 on CPU: the parallel step's loss and weights equal one process's (reduction order only)
-        assert data[f"{case}_loss_diff"] < 1e-5
-        assert data[f"{case}_weight_diff"] < 1e-5
+        # fp32 on CPU: the parallel step's loss and weights equal one process's (reduction order only).
+        # Loss: a mean over ~150 loss tokens (make_batch(n=16)) of |A * logp| ~ 1, N * eps32 ~ 2e-5.
+        # Weights after one Adam step (lr 1e-3, adam_eps 1e-6, auto_layout_worker): rounding of near-zero
+        # gradients moves a weight by up to ~5% of lr (test_distributed.WEIGHTS_TOL); no or a wrong update, ~lr.
+        assert data[f"{case}_loss_diff"] < 2e-5
+        assert data[f"{case}_weight_diff"] < 0.05 * 1e-3
     # the keys the section sets are kept; the planner fills in what they imply (sequence parallel, expert TP)
     assert (data["moe_tp2_ep2_tp"], data["moe_tp2_ep2_ep"], data["moe_tp2_ep2_sp"]) == (2, 2, True)
     print(f"{world} ranks:", {c: [data[f"{c}_{k}"] for k in ("tp", "pp", "cp", "ep", "etp", "sp", "recompute")]
