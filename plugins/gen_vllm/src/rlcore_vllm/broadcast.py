@@ -45,7 +45,11 @@ class WeightGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         listen_fd = None
         if rank == 0:  # torch's own store server would listen on every interface; this one only at ``host``
-            listener = _LISTENERS.pop((host, port), None) or _listen(host, port, world_size)
+            listener = _LISTENERS.pop((host, port), None)
+            if listener is None:
+                listener = _listen(host, port, world_size)
+            else:  # reserved before the group's size was known: every rank may connect at once
+                listener.listen(max(128, world_size))
             listen_fd = listener.detach()
         self._store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False,
                                     master_listen_fd=listen_fd)
