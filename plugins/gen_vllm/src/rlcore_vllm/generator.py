@@ -23,7 +23,7 @@ from typing import Any
 from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
 from rlcore_vllm.config import VllmConfig
-from rlcore_vllm.images import NEVER_SAMPLE_BIAS, check_engine_ids, image_request
+from rlcore_vllm.images import check_engine_ids, image_request, never_sampled
 
 EXTENSION = "rlcore_vllm.worker_ext.RlcoreWorkerExtension"
 
@@ -57,7 +57,7 @@ class VllmGenerator:
         self.weights_version = 0
         self.sleeping = False
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
-        self.image_token, self.model_impl = self._vision_family()
+        self.image_token, self.model_impl, vocab_size = self._vision_family()
         kwargs = self._engine_kwargs(dtype, seed, tokenizer_path)
         kwargs.update(engine_kwargs or {})
         reap_engines_with_this_process()
@@ -73,10 +73,11 @@ class VllmGenerator:
 
             self.engine = SyncEngine(kwargs)
         self.tokenizer = _load_tokenizer(tokenizer_path or self.model_path)
+        self._logit_bias = None if self.image_token is None else never_sampled(self.image_token, len(self.tokenizer), vocab_size)
 
-    def _vision_family(self) -> tuple[int | None, str | None]:
-        """(image placeholder id, vLLM model_impl) of a vision-language checkpoint whose images this
-        generator takes; (None, None) otherwise."""
+    def _vision_family(self) -> tuple[int | None, str | None, int]:
+        """(image placeholder id, vLLM model_impl, the decoder's vocabulary size) of a vision-language
+        checkpoint whose images this generator takes; (None, None, 0) otherwise."""
         from transformers import AutoConfig
 
         from rlcore.multimodal import is_vision_language
@@ -85,9 +86,11 @@ class VllmGenerator:
         try:
             hf_config = AutoConfig.from_pretrained(self.model_path)
         except Exception:  # noqa: BLE001 - vLLM reports a checkpoint it cannot read, with its own message
-            return None, None
+            return None, None, 0
         impl = image_family(hf_config) if is_vision_language(hf_config) else None
-        return (None, None) if impl is None else (int(hf_config.image_token_id), impl)
+        if impl is None:
+            return None, None, 0
+        return int(hf_config.image_token_id), impl, int(hf_config.get_text_config().vocab_size)
 
     def _engine_kwargs(self, dtype: str, seed: int, tokenizer_path: str | None) -> dict[str, Any]:
         cfg = self.config
@@ -134,8 +137,7 @@ class VllmGenerator:
             max_tokens=max(1, min(params.max_new_tokens, room)), stop=list(params.stop) or None,
             stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed if self.config.experimental.request_seeds else None,
             ignore_eos=params.ignore_eos,
-            # the image placeholder is never text the model writes: a response holding one would not match its images
-            logit_bias=None if self.image_token is None else {self.image_token: NEVER_SAMPLE_BIAS},
+            logit_bias=self._logit_bias,  # see rlcore_vllm.images.never_sampled
             logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
             # Stop strings need vLLM's incremental detokenizer; otherwise the text is decoded once
             # per response in _results (the engine's per-token decoding is host time per step).

@@ -9,7 +9,9 @@ the model's processor on the text and the images, and takes the processor's ids.
 carries each image's placeholder once (the expanded run collapsed), and the pixels rlcore
 processed, with the processor's resizing, cropping, rescaling and normalizing turned off (they
 were done once, by the same processor, when the prompt was built): the engine sees exactly the
-trainer's pixels. The ids the engine ends up with are checked against rlcore's.
+trainer's pixels. The ids the engine ends up with are checked against rlcore's: a sequence whose
+ids do not come back from decoding and encoding its text (a tokenization the tokenizer would not
+produce, which a model can sample) is an error naming it, rather than a score of other tokens.
 
 Qwen2.5-VL and Qwen3-VL are not among them: vLLM's Qwen2-VL family code and the Qwen processors'
 video processor require torchvision (:func:`rlcore_vllm.generator.check_vision_language`).
@@ -26,9 +28,17 @@ VLLM_IMAGE_FAMILIES = {"llava": "transformers"}
 # The image processor's own steps, already applied to the pixels a request carries.
 ALREADY_PROCESSED = {"do_resize": False, "do_center_crop": False, "do_rescale": False, "do_normalize": False,
                      "do_convert_rgb": False}
-# vLLM clamps logit biases to [-100, 100]: -100 on a placeholder's logit makes drawing it
-# impossible in practice (exp(-100) ~ 4e-44 of the mass), and the logprobs vLLM reports are raw.
+# vLLM clamps logit biases to [-100, 100]: -100 on a token's logit makes drawing it impossible in
+# practice (exp(-100) ~ 4e-44 of the mass), and the logprobs vLLM reports are raw.
 NEVER_SAMPLE_BIAS = -100.0
+
+
+def never_sampled(image_token: int, tokenizer_size: int, vocab_size: int) -> dict[int, float]:
+    """The logit bias that keeps a response of an image prompt scorable: the placeholder (a response
+    holding one would not match its images) and the ids past the tokenizer's vocabulary (the
+    model's padded rows: they have no text, so they would not survive the engine's decode and
+    encode of the sequence)."""
+    return {token: NEVER_SAMPLE_BIAS for token in [image_token, *range(tokenizer_size, vocab_size)]}
 
 
 def image_family(hf_config: Any) -> str | None:
@@ -75,7 +85,11 @@ def image_request(ids: list[int], images: ImageInputs | None, image_token: int, 
 
 def check_engine_ids(sent: list[int], engine_ids: list[int] | None, where: str) -> None:
     """The engine's prompt ids (after its processor expanded the placeholders) are rlcore's."""
-    if engine_ids is None or list(engine_ids) != list(sent):
-        raise RuntimeError(f"{where}: vLLM's processor expanded the prompt to other ids than rlcore's prompt "
-                           f"({None if engine_ids is None else len(engine_ids)} tokens, rlcore's {len(sent)}): the model "
-                           "directory's processor and the one the prompts were built with differ")
+    engine_ids = list(engine_ids or [])
+    if engine_ids == list(sent):
+        return
+    at = next((i for i, (a, b) in enumerate(zip(sent, engine_ids)) if a != b), min(len(sent), len(engine_ids)))
+    raise RuntimeError(f"{where}: vLLM's processor turned the sequence into other ids than rlcore's ({len(engine_ids)} "
+                       f"tokens, rlcore's {len(sent)}; from position {at}: {engine_ids[at:at + 6]} for {list(sent[at:at + 6])}): "
+                       "its ids do not come back from decoding and encoding its text, or the model directory's processor "
+                       "is not the one the prompts were built with")
