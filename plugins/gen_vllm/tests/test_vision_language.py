@@ -184,3 +184,32 @@ def test_grpo_recipe_runs_llava_image_prompts_through_vllm(llava, tmp_path):
     probes = [r["refit/probe_max_abs_logprob_diff"] for r in rows if "refit/probe_max_abs_logprob_diff" in r]
     assert len(probes) == 2 and max(probes) < 1e-4  # fp32 both sides: the engine holds the trainer's weights
     assert any("val/accuracy" in r for r in rows)
+
+
+def test_llava_on_the_async_engine_scores_as_the_sync_one_and_refits(llava):
+    import torch
+    from safetensors.torch import load_file
+
+    from rlcore.interfaces import SamplingParams
+    from rlcore_vllm.config import RefitConfig, VllmConfig
+    from rlcore_vllm.generator import VllmGenerator
+
+    model_dir, samples, sync = llava
+    sequences = [s.prompt_ids + [20, 21, 22] for s in samples]
+    images = [s.images for s in samples]
+    cfg = VllmConfig(async_engine=True, enforce_eager=True, kv_cache_space_gib=0.125, max_num_seqs=16,
+                     refit=RefitConfig(probe_threshold=LLAVA_TOLERANCE))
+    gen = VllmGenerator(str(model_dir), cfg, max_model_len=192, dtype="float32", seed=0)
+    try:
+        params = SamplingParams(max_new_tokens=4, temperature=0.0)
+        assert ([g[0].response_ids for g in gen.generate_with_images([s.prompt_ids for s in samples], images, params)]
+                == [g[0].response_ids for g in sync.generate_with_images([s.prompt_ids for s in samples], images, params)])
+        before = gen.score_with_images(sequences, images)
+        for a, b in zip(before, sync.score_with_images(sequences, images)):
+            assert max(abs(x - y) for x, y in zip(a, b)) < LLAVA_TOLERANCE
+        projector = {n: t for n, t in load_file(str(model_dir / "model.safetensors")).items() if n.startswith("multi_modal_projector.")}
+        gen.update_weights([[(n, torch.zeros_like(t)) for n, t in projector.items()]])  # every image feature now 0
+        after = gen.score_with_images(sequences, images)
+        assert max(abs(x - y) for a, b in zip(before, after) for x, y in zip(a[-3:], b[-3:])) > 10 * LLAVA_TOLERANCE
+    finally:
+        gen.shutdown()
