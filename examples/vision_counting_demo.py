@@ -1,13 +1,16 @@
-"""The vision-language demo on CPU: a tiny random-init Qwen2.5-VL learns to count coloured squares.
+"""The vision-language demo on CPU: a tiny random-init Qwen2.5-VL (or LLaVA) learns to count coloured squares.
 
 1. Build the model from a config (random weights, ``save_pretrained``) with its tokenizer and image processor.
 2. SFT warm start on the counting task's reference answers (``algorithm.name=sft``), a few dozen steps.
-3. GRPO from the warm start (``recipes/grpo_image_counting_tiny_cpu.yaml``), FSDP2 backend, hf generator.
+3. GRPO from the warm start (``recipes/grpo_image_counting_tiny_cpu.yaml``), FSDP2 backend, hf generator
+   (``--generator vllm``: vLLM, which takes LLaVA's prompts with images: ``--arch llava``).
 
 Held-out greedy accuracy is read from each run's ``metrics.jsonl``; ``--require-gain G`` fails unless
 GRPO raises it by at least G over the warm start's::
 
     python examples/vision_counting_demo.py --out runs/vision_demo --require-gain 0.2
+    python examples/vision_counting_demo.py --out runs/vision_demo_vllm --arch llava --generator vllm \
+        --sft-steps 15 --grpo-steps 200 --require-gain 0.2
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import yaml
 
 import rlcore
-from rlcore.testing.tiny_vlm import build_tiny_vlm
+from rlcore.testing.tiny_vlm import ARCHITECTURES, build_tiny_vlm
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "grpo_image_counting_tiny_cpu.yaml"
 
@@ -40,11 +43,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sft-steps", type=int, default=60)
     parser.add_argument("--grpo-steps", type=int, default=20)
     parser.add_argument("--require-gain", type=float, default=None, metavar="G")
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="qwen2_5_vl")
+    parser.add_argument("--generator", choices=("hf", "vllm"), default="hf", help="policy.generation.backend of both runs")
     args = parser.parse_args(argv)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    model = build_tiny_vlm(out / "model")
+    model = build_tiny_vlm(out / "model", args.arch)
     recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["policy"]["generation"]["backend"] = args.generator
     data = f"data.directory={out / 'data'}"
 
     sft = dict(recipe, algorithm={"name": "sft"})

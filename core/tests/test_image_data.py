@@ -87,7 +87,7 @@ def test_base64_and_path_images_give_the_same_prompt(tmp_path, processor):
     dataset = build_image_dataset(_write(tmp_path, [inline]), processor)
     first, second = dataset.train
     assert first.prompt_ids == second.prompt_ids
-    assert torch.equal(first.images.pixel_values_PD, second.images.pixel_values_PD)
+    assert torch.equal(first.images.pixel_values, second.images.pixel_values)
 
 
 def test_image_count_must_match_the_messages(tmp_path, processor):

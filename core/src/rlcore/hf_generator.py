@@ -8,10 +8,10 @@ exactly and a row draws what it would draw alone. Written here rather than throu
 ``model.generate`` because that draws every row from one random stream and returns no per-token
 logprobs of the sampling distribution.
 
-Vision-language models (a config with a ``vision_config``: Qwen2.5-VL, Qwen3-VL) take prompts
+Vision-language models (a config with a ``vision_config``: Qwen2.5-VL, Qwen3-VL, LLaVA) take prompts
 with images (:class:`rlcore.interfaces.ImageGenerator`): the first forward gets the batch's
-pixel values and each row's multimodal rotary positions (:func:`rlcore.multimodal.mrope_positions`);
-each new token's position follows its row's last one.
+pixel values and, for Qwen-VL, each row's multimodal rotary positions
+(:func:`rlcore.multimodal.mrope_positions`); each new token's position follows its row's last one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from rlcore.config import ConfigError
 from rlcore.config.hf_generation import HFGenerationConfig
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
-from rlcore.multimodal import ImageInputs, is_vision_language, mrope_positions
+from rlcore.multimodal import ImageInputs, is_vision_language, mrope_positions, uses_multimodal_rope
 from rlcore.utils import torch_dtype
 
 
@@ -46,6 +46,7 @@ class HFGenerator:
         loader = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
         self.model = loader.from_pretrained(model_dir, dtype=torch_dtype(config.dtype)).to(self.device).eval()
         self.image_token = int(hf_config.image_token_id) if self.vision else -1
+        self.mrope = self.vision and uses_multimodal_rope(self.model)
         # The vision placeholders are never text a model writes: a response holding one would not match
         # its images in the trainer's forward. Left out of sampling (their logits set to -inf).
         self.never_sample = ([int(getattr(hf_config, k)) for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -79,13 +80,13 @@ class HFGenerator:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         vision: dict = {}
         next_position = torch.tensor(lengths, device=self.device)  # of each row's first new token
+        mrope = images is not None and self.mrope
         if images is not None:
-            positions, next_position = self._mrope_rows(prompts, images, width)
+            if mrope:
+                positions, next_position = self._mrope_rows(prompts, images, width)
             batch_images = ImageInputs.concat(images)
             if batch_images is not None:
-                batch_images = batch_images.to(self.device)
-                vision = dict(pixel_values=batch_images.pixel_values_PD.to(self.model.dtype),
-                              image_grid_thw=batch_images.image_grid_thw_I3)
+                vision = batch_images.to(self.device).model_inputs(self.model.dtype)
         past = None
         with torch.no_grad():
             for step in range(max(budgets, default=0)):
@@ -114,7 +115,7 @@ class HFGenerator:
                 inputs = torch.tensor(next_tokens, device=self.device)[:, None]
                 mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=self.device)], dim=1)
                 positions = (next_position + step)[:, None]
-                if images is not None:
+                if mrope:
                     positions = positions[None].expand(3, -1, -1)
         return [GenerationResult(list(prompt), response, lps, reason, policy_version=self.weights_version,
                                  text=self.tokenizer.decode(response, skip_special_tokens=True))
@@ -191,11 +192,11 @@ class HFGenerator:
         with torch.no_grad():
             for seq, seq_images in zip(sequences, images):
                 ids_T = torch.tensor(seq, device=self.device)
-                extra: dict = {"position_ids": mrope_positions(self.model, ids_T, seq_images, self.image_token)[:, None]}
+                extra: dict = {}
+                if self.mrope:
+                    extra["position_ids"] = mrope_positions(self.model, ids_T, seq_images, self.image_token)[:, None]
                 if seq_images is not None:
-                    seq_images = seq_images.to(self.device)
-                    extra.update(pixel_values=seq_images.pixel_values_PD.to(self.model.dtype),
-                                 image_grid_thw=seq_images.image_grid_thw_I3)
+                    extra.update(seq_images.to(self.device).model_inputs(self.model.dtype))
                 logits_TV = self.model(input_ids=ids_T[None], **extra).logits[0]
                 out.append(token_logprobs(logits_TV, ids_T).tolist())
         return out

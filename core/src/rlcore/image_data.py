@@ -47,9 +47,9 @@ class ImageDataset:
 
 
 def _processor(tokenizer: Any) -> ImagePromptProcessor:
-    from rlcore.multimodal import load_image_processor
+    from rlcore.multimodal import load_prompt_processor
 
-    return ImagePromptProcessor(tokenizer, load_image_processor(tokenizer.name_or_path))
+    return load_prompt_processor(tokenizer.name_or_path, tokenizer)
 
 
 def build_from_config(config: ImageDataConfig, tokenizer: Any) -> ImageDataset:

@@ -1,18 +1,21 @@
 """Images in prompts: loading them, turning chat messages with images into token ids and pixel
 values, and the multimodal rotary positions a Qwen2.5-VL-style model needs.
 
-A prompt with images is its token ids, in which the model's image placeholder
-(``<|image_pad|>``) is already repeated once per image token, plus :class:`ImageInputs`: the
-image processor's ``pixel_values`` (one row per vision patch) and ``image_grid_thw`` (one row
-per image: temporal, height and width patch counts). The ids and the pixels travel together
+A prompt with images is its token ids, in which the model's image placeholder (Qwen-VL's
+``<|image_pad|>``, LLaVA's ``<image>``) is already repeated once per image token, plus
+:class:`ImageInputs`: the image processor's ``pixel_values`` (Qwen-VL: one row per vision patch;
+fixed-resolution families such as LLaVA: one ``[3, H, W]`` image each) and, for Qwen-VL,
+``image_grid_thw`` (one row per image: temporal, height and width patch counts). The ids and the pixels travel together
 from the dataset (:attr:`rlcore.interfaces.Sample.images`) through generation, the training
 batch (:attr:`rlcore.interfaces.SequenceBatch.images`) and packing
 (:attr:`rlcore.packing.MicroBatch.images`, per sequence), so the trainer scores exactly what the generator saw.
 
 Prompts are built the way the model's processor builds them (chat template rendered with an
-image entry per image, each placeholder expanded to ``grid_t * grid_h * grid_w / merge_size**2``
-tokens), from the tokenizer and the image processor saved in the model directory. The image
-processor is loaded with its PIL backend: the torchvision one is not installed with rlcore.
+image entry per image, each placeholder expanded to the image's token count: Qwen-VL's
+``grid_t * grid_h * grid_w / merge_size**2``, by rlcore from the image processor alone, since the
+Qwen-VL processor needs torchvision; other families' by their own saved processor), from the
+tokenizer and the image processor saved in the model directory. The image processor is loaded
+with its PIL backend: the torchvision one is not installed with rlcore.
 
 This module imports torch and PIL lazily.
 """
@@ -44,19 +47,29 @@ class ImageError(ValueError):
 class ImageInputs:
     """The processed images of one prompt (or of several, concatenated in order).
 
-    ``pixel_values_PD``: float [patches, patch dim]; ``image_grid_thw_I3``: int64 [images, 3].
-    Patches of image i are rows ``sum(prod(grid[:i])) ..`` of ``pixel_values_PD``."""
+    With ``image_grid_thw_I3`` (int64 [images, 3], Qwen-VL) ``pixel_values`` is float [patches, patch
+    dim] and the patches of image i are rows ``sum(prod(grid[:i])) ..``; without it (fixed-resolution
+    families, LLaVA) ``pixel_values`` is float [images, 3, H, W]."""
 
-    pixel_values_PD: torch.Tensor
-    image_grid_thw_I3: torch.Tensor
+    pixel_values: torch.Tensor
+    image_grid_thw_I3: torch.Tensor | None = None
 
     @property
     def num_images(self) -> int:
-        return int(self.image_grid_thw_I3.shape[0])
+        grid = self.image_grid_thw_I3
+        return int(self.pixel_values.shape[0] if grid is None else grid.shape[0])
 
     def to(self, device: Any, non_blocking: bool = False) -> ImageInputs:
-        return ImageInputs(self.pixel_values_PD.to(device, non_blocking=non_blocking),
-                           self.image_grid_thw_I3.to(device, non_blocking=non_blocking))
+        grid = self.image_grid_thw_I3
+        return ImageInputs(self.pixel_values.to(device, non_blocking=non_blocking),
+                           None if grid is None else grid.to(device, non_blocking=non_blocking))
+
+    def model_inputs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The keyword arguments of the model's forward that carry these images."""
+        inputs = {"pixel_values": self.pixel_values.to(dtype)}
+        if self.image_grid_thw_I3 is not None:
+            inputs["image_grid_thw"] = self.image_grid_thw_I3
+        return inputs
 
     @staticmethod
     def concat(parts: Sequence[ImageInputs | None]) -> ImageInputs | None:
@@ -66,8 +79,11 @@ class ImageInputs:
         present = [p for p in parts if p is not None and p.num_images]
         if not present:
             return None
-        return ImageInputs(torch.cat([p.pixel_values_PD for p in present]),
-                           torch.cat([p.image_grid_thw_I3 for p in present]))
+        grids = [p.image_grid_thw_I3 for p in present]
+        if any(g is None for g in grids) and not all(g is None for g in grids):
+            raise ValueError("ImageInputs.concat: some parts have image_grid_thw and others not (images of two model families)")
+        return ImageInputs(torch.cat([p.pixel_values for p in present]),
+                           None if grids[0] is None else torch.cat(grids))
 
 
 # ---- loading ---------------------------------------------------------------------------------
@@ -104,31 +120,52 @@ def load_image(ref: str, base_dir: str | Path, source: str, max_pixels: int = MA
 
 # ---- prompts ---------------------------------------------------------------------------------
 def load_image_processor(model_dir: str | Path) -> Any:
-    """The image processor saved in ``model_dir`` (``preprocessor_config.json``), PIL backend."""
+    """The image processor saved in ``model_dir`` (``preprocessor_config.json``, or the image
+    processor entry of ``processor_config.json``), PIL backend."""
     from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+
+
+def load_prompt_processor(model_dir: str | Path, tokenizer: Any) -> ImagePromptProcessor:
+    """The :class:`ImagePromptProcessor` of the model saved in ``model_dir``: Qwen-VL's (a patch grid
+    image processor) from its image processor alone, any other family's through its saved processor."""
+    image_processor = load_image_processor(model_dir)
+    if hasattr(image_processor, "merge_size"):
+        return ImagePromptProcessor(tokenizer, image_processor)
+    from transformers import AutoProcessor
+
+    return ImagePromptProcessor(tokenizer, image_processor, processor=AutoProcessor.from_pretrained(str(model_dir)))
 
 
 class ImagePromptProcessor:
     """Chat messages with images -> (prompt ids with expanded placeholders, :class:`ImageInputs`).
 
     Messages follow the transformers convention: a message's ``content`` is a string or a list of
-    ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` entries, one per image, in order."""
+    ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` entries, one per image, in order.
 
-    def __init__(self, tokenizer: Any, image_processor: Any):
-        self.tokenizer, self.image_processor = tokenizer, image_processor
-        self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    Without ``processor``, the Qwen-VL layout (``<|image_pad|>`` repeated per merged patch); with it
+    (a transformers processor that has an ``image_token``, such as LLaVA's), the processor expands
+    the rendered prompt's placeholders and processes the images."""
+
+    def __init__(self, tokenizer: Any, image_processor: Any, *, processor: Any = None):
+        self.tokenizer, self.image_processor, self.processor = tokenizer, image_processor, processor
+        self.image_token = IMAGE_TOKEN if processor is None else str(processor.image_token)
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
         if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
-            raise ValueError(f"the tokenizer has no {IMAGE_TOKEN} token: it is not a Qwen-VL-style model's tokenizer")
+            what = "a Qwen-VL-style model's tokenizer" if processor is None else f"the tokenizer of {type(processor).__name__}"
+            raise ValueError(f"the tokenizer has no {self.image_token} token: it is not {what}")
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
 
     def __call__(self, messages: list[dict], images: Sequence[PILImage.Image]) -> tuple[list[int], ImageInputs | None]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if text.count(IMAGE_TOKEN) != len(images):
-            raise ValueError(f"the messages hold {text.count(IMAGE_TOKEN)} image entries but {len(images)} images were given")
+        if text.count(self.image_token) != len(images):
+            raise ValueError(f"the messages hold {text.count(self.image_token)} image entries but {len(images)} images were given")
         if not images:
             return list(self.tokenizer.encode(text, add_special_tokens=False)), None
+        if self.processor is not None:
+            out = self.processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=False)
+            return out["input_ids"][0].tolist(), ImageInputs(out["pixel_values"].float())
         out = self.image_processor(images=list(images), return_tensors="pt")
         grid_I3 = out["image_grid_thw"].long()
         pieces = text.split(IMAGE_TOKEN)
@@ -143,6 +180,22 @@ class ImagePromptProcessor:
 def is_vision_language(hf_config: Any) -> bool:
     """Whether a transformers config is a vision-language model's (it has a vision tower)."""
     return getattr(hf_config, "vision_config", None) is not None
+
+
+def uses_multimodal_rope(model: Any) -> bool:
+    """Whether the model places image tokens by multimodal rotary positions (Qwen-VL's ``get_rope_index``);
+    the others (LLaVA) take plain positions."""
+    return hasattr(getattr(model, "model", model), "get_rope_index")
+
+
+def vision_modules(model: Any) -> list[Any]:
+    """The vision tower and the layers that project its features into the decoder (Qwen-VL's
+    ``visual``; LLaVA's ``vision_tower`` and ``multi_modal_projector``)."""
+    base = getattr(model, "model", model)
+    found = [getattr(base, name) for name in ("visual", "vision_tower", "multi_modal_projector") if hasattr(base, name)]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no vision tower this module knows (visual, vision_tower)")
+    return found
 
 
 def mrope_positions(model: Any, ids_L: torch.Tensor, images: ImageInputs | None, image_token: int) -> torch.Tensor:

@@ -75,7 +75,8 @@ def write_hf_checkpoint(chunks: Iterable[list[NamedTensor]], path: str | Path, h
     One safetensors file per chunk (``model.safetensors`` alone, else
     ``model-0000i-of-0000n.safetensors`` and an index), ``config.json`` with ``dtype``, the
     tokenizer of ``tokenizer_dir`` (skipped when None or a directory without a tokenizer) and
-    ``generation_config.json`` (and a vision model's ``preprocessor_config.json``) from ``model_dir`` (default: the tokenizer directory) if it has one."""
+    ``generation_config.json`` (and a vision model's ``preprocessor_config.json`` or ``processor_config.json``) from
+    ``model_dir`` (default: the tokenizer directory) if it has one."""
     if rank != 0:
         for _ in chunks:
             pass
@@ -113,7 +114,8 @@ def write_hf_checkpoint(chunks: Iterable[list[NamedTensor]], path: str | Path, h
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
-    for name in ("generation_config.json", "preprocessor_config.json"):  # the latter: a vision model's image processor
+    # the last two: a vision model's image processor, or its whole processor (LLaVA's)
+    for name in ("generation_config.json", "preprocessor_config.json", "processor_config.json"):
         kept = Path(model_dir or tokenizer_dir or "") / name
         if (model_dir or tokenizer_dir) and kept.is_file():
             shutil.copy(kept, path / name)

@@ -1,4 +1,4 @@
-"""Vision-language prompts end to end on a tiny random-init Qwen2.5-VL and Qwen3-VL (built from a config, saved
+"""Vision-language prompts end to end on a tiny random-init Qwen2.5-VL, Qwen3-VL and LLaVA (built from a config, saved
 with save_pretrained, loaded back by the hf generator and the fsdp2 backend): image rows of a
 JSONL file, the generator's sampling and scoring with images, the trainer's logprobs of the same
 sequences, packed against unpacked micro-batches, training with the vision tower trained or
@@ -15,17 +15,17 @@ from rlcore.interfaces import SamplingParams, SequenceBatch
 pytest.importorskip("PIL")
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "llava"])
 def vlm(request, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from rlcore.image_data import build_image_dataset, write_counting_task
-    from rlcore.multimodal import ImagePromptProcessor, load_image_processor
+    from rlcore.multimodal import load_prompt_processor
     from rlcore.testing.tiny_vlm import build_tiny_vlm
 
     root = tmp_path_factory.mktemp("vlm")
     model_dir = build_tiny_vlm(root / "model", request.param)
-    processor = ImagePromptProcessor(AutoTokenizer.from_pretrained(model_dir), load_image_processor(model_dir))
+    processor = load_prompt_processor(model_dir, AutoTokenizer.from_pretrained(model_dir))
     dataset = build_image_dataset(write_counting_task(root / "data", 6, seed=3), processor)
     return model_dir, dataset, root
 
@@ -69,14 +69,18 @@ def _backend(model_dir, *, precision="float32", mb_tokens=4096, **dtensor):
 
 
 def test_prompt_placeholders_match_the_image_grid(vlm):
-    from rlcore.testing.tiny_vlm import build_vlm_tokenizer
+    from rlcore.testing.tiny_vlm import build_llava_tokenizer, build_vlm_tokenizer
 
     sample = vlm[1].train[0]
+    if sample.images.image_grid_thw_I3 is None:  # LLaVA: one 56x56 crop, 4x4 patches of 14 pixels and CLIP's class token
+        assert tuple(sample.images.pixel_values.shape) == (1, 3, 56, 56)
+        assert sample.prompt_ids.count(build_llava_tokenizer().convert_tokens_to_ids("<image>")) == 17
+        return
     image_token = build_vlm_tokenizer().convert_tokens_to_ids("<|image_pad|>")
     grid = sample.images.image_grid_thw_I3
     assert grid.tolist() == [[1, 4, 4]]  # a 56x56 image: 4x4 patches of 14 pixels
     assert sample.prompt_ids.count(image_token) == int(grid.prod()) // 4  # merged 2x2
-    assert sample.images.pixel_values_PD.shape[0] == int(grid.prod())
+    assert sample.images.pixel_values.shape[0] == int(grid.prod())
 
 
 def test_generation_sees_the_image_and_scores_what_it_sampled(vlm, generator, rollouts):
@@ -90,7 +94,7 @@ def test_generation_sees_the_image_and_scores_what_it_sampled(vlm, generator, ro
     image_token = generator.image_token
     assert all(image_token not in r.response_ids for r in flat)
     sample = vlm[1].train[0]
-    other = attrs.evolve(sample.images, pixel_values_PD=sample.images.pixel_values_PD.flip(0))
+    other = attrs.evolve(sample.images, pixel_values=sample.images.pixel_values.flip(-1))
     a, b = generator.score_with_images([sample.prompt_ids + [10, 11]] * 2, [sample.images, other])
     assert abs(a[-1] - b[-1]) > 1e-4  # the pixels reach the logits
 
@@ -149,10 +153,12 @@ def test_training_moves_the_vision_tower_unless_frozen(single_process_group, vlm
         def weights(prefix):
             return {n: p.full_tensor().clone() for n, p in backend.model.named_parameters() if n.startswith(prefix)}
 
-        vision, text = weights("model.visual."), weights("model.language_model.")
+        tower = "model.visual." if hasattr(backend.model.model, "visual") else "model.vision_tower."
+        vision, text = weights(tower), weights("model.language_model.")
+        assert vision
         metrics = backend.train(batch, algorithm)
         assert torch.isfinite(torch.tensor(metrics["loss"]))
-        moved = {n for n, p in weights("model.visual.").items() if not torch.equal(p, vision[n])}
+        moved = {n for n, p in weights(tower).items() if not torch.equal(p, vision[n])}
         assert (not moved) if freeze else moved
         assert any(not torch.equal(p, text[n]) for n, p in weights("model.language_model.").items())
     finally:

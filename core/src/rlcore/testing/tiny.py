@@ -40,7 +40,9 @@ def build_tokenizer(vocab_size: int | None = None):
     tokens += [f"<|extra_{i}|>" for i in range(max(0, (vocab_size or 0) - len(tokens)))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # every character its own piece: "." would leave newlines out, so "\n\n" would be one unknown piece,
+    # and decoding then encoding a sequence would not give its ids back
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",

@@ -27,7 +27,7 @@ from rlcore.algorithms.base import merge_metrics
 from rlcore.config.schema import RunConfig
 from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
-from rlcore.multimodal import ImageInputs, is_vision_language, mrope_positions
+from rlcore.multimodal import ImageInputs, is_vision_language, mrope_positions, uses_multimodal_rope, vision_modules
 from rlcore.ops import selected_token_logprobs, token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore_fsdp2 import attention, checkpoint, lora, one_rank
@@ -128,7 +128,8 @@ class FSDP2Backend:
             model.to(self.device)
         model.config.use_cache = False
         if self.vision and self.cfg.freeze_vision_tower:
-            model.model.visual.requires_grad_(False)
+            for module in vision_modules(model):
+                module.requires_grad_(False)
         if self.policy.lora.enabled:
             if self.dims.tp > 1:
                 raise ConfigError("policy.lora.enabled", "LoRA on the fsdp2 backend needs tensor_parallel_size 1 (the "
@@ -177,19 +178,20 @@ class FSDP2Backend:
         return token_logprobs(out.logits.squeeze(0), mb.input_ids_T, mb.cu_seqlens, chunk_tokens=self.cfg.logprob_chunk_tokens)
 
     def _vision_inputs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        """A vision-language model's inputs: the micro-batch's pixels and positions [4, 1, T]: the packed
-        text positions (restarting per sequence), then each sequence's multimodal rotary positions."""
+        """A vision-language model's inputs: the micro-batch's pixels and positions: for Qwen-VL [4, 1, T],
+        the packed text positions (restarting per sequence), then each sequence's multimodal rotary
+        positions; for the others (LLaVA) the packed text positions [1, T]."""
         ids_T, cu = mb.input_ids_T, mb.cu_seqlens.tolist()
         token = int(self.hf_config.image_token_id)
         per_seq = mb.images if mb.images is not None else [None] * mb.num_seqs
+        images = ImageInputs.concat(per_seq)
+        pixels = {} if images is None else images.model_inputs(self.compute_dtype)
+        if not uses_multimodal_rope(self.model):
+            return {"position_ids": mb.position_ids_T[None], **pixels}
         rope_3T = torch.cat([mrope_positions(self.model, ids_T[a:b], images, token)
                              for a, b, images in zip(cu[:-1], cu[1:], per_seq)]
                             + [torch.arange(mb.num_padding, device=ids_T.device).expand(3, -1)], dim=1)
-        inputs = {"position_ids": torch.cat([mb.position_ids_T[None], rope_3T])[:, None]}
-        images = ImageInputs.concat(per_seq)
-        if images is not None:
-            inputs.update(pixel_values=images.pixel_values_PD.to(self.compute_dtype), image_grid_thw=images.image_grid_thw_I3)
-        return inputs
+        return {"position_ids": torch.cat([mb.position_ids_T[None], rope_3T])[:, None], **pixels}
 
     # ---- TrainingBackend -------------------------------------------------------------------
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:

@@ -9,8 +9,8 @@ import attrs
 from rlcore.config.structure import ConfigError
 from rlcore_fsdp2.config import SECTION
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl")
-VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl")  # trained with tensor_parallel_size 1 only
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "llava")
+VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl", "llava")  # trained with tensor_parallel_size 1 only
 
 
 @attrs.frozen

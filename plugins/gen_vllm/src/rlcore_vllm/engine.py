@@ -5,7 +5,8 @@
 - :class:`AsyncEngine` wraps ``AsyncLLM`` on its own event-loop thread, so callers from any
   thread or event loop can submit work (many requests in flight), and sync calls block on it.
 
-A request is ``(prompt_ids, vllm.SamplingParams)``; results are vLLM ``RequestOutput`` objects.
+A request is ``(prompt, vllm.SamplingParams)``, the prompt token ids or a ``TokensPrompt`` mapping (one with
+images); results are vLLM ``RequestOutput`` objects.
 
 Both start vLLM's processes (engine core, workers) with SIGINT blocked (:func:`terminal_sigint_held`):
 a terminal's Ctrl-C goes to its whole foreground process group, and it is the caller's to handle
@@ -60,10 +61,13 @@ def terminal_sigint_held():
                 signal.raise_signal(signal.SIGINT)
 
 
-def _prompt(ids: list[int]):
+def _prompt(prompt):
+    """A request's prompt: token ids, or a ``TokensPrompt`` mapping already built (one with images)."""
     from vllm.inputs import TokensPrompt
 
-    return TokensPrompt(prompt_token_ids=list(ids))
+    if isinstance(prompt, dict):
+        return TokensPrompt(**prompt)
+    return TokensPrompt(prompt_token_ids=list(prompt))
 
 
 class SyncEngine:
@@ -126,6 +130,10 @@ class SyncEngine:
     def reset_prefix_cache(self) -> None:
         with self._lock:
             self.llm.reset_prefix_cache()
+
+    def reset_encoder_cache(self) -> None:
+        with self._lock:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def sleep(self, level: int) -> None:
         with self._lock:
@@ -214,6 +222,9 @@ class AsyncEngine:
 
     def reset_prefix_cache(self) -> None:
         self._call(self.engine.reset_prefix_cache())
+
+    def reset_encoder_cache(self) -> None:
+        self._call(self.engine.reset_encoder_cache())
 
     def sleep(self, level: int) -> None:
         self._call(self.engine.sleep(level))

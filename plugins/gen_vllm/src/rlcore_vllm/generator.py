@@ -8,6 +8,10 @@ which is what the trainer computes).
 Prompts longer than ``max_model_len - 1`` follow ``prompt_overflow``: ``truncate`` keeps their
 last tokens (the chat template's generation prompt is at the end), ``drop`` returns empty
 responses with ``finish_reason="truncated_prompt"``. Both are counted in :meth:`metrics`.
+
+Vision-language checkpoints of the families in :data:`rlcore_vllm.images.VLLM_IMAGE_FAMILIES` (LLaVA)
+take prompts with images (:class:`rlcore.interfaces.ImageGenerator`): see :mod:`rlcore_vllm.images`.
+Their language and vision weights refit by checkpoint name, as text models' do.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
 from rlcore_vllm.config import VllmConfig
+from rlcore_vllm.images import check_engine_ids, image_request, never_sampled
 
 EXTENSION = "rlcore_vllm.worker_ext.RlcoreWorkerExtension"
 
@@ -52,6 +57,7 @@ class VllmGenerator:
         self.weights_version = 0
         self.sleeping = False
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
+        self.image_token, self.model_impl, vocab_size = self._vision_family()
         kwargs = self._engine_kwargs(dtype, seed, tokenizer_path)
         kwargs.update(engine_kwargs or {})
         reap_engines_with_this_process()
@@ -67,6 +73,24 @@ class VllmGenerator:
 
             self.engine = SyncEngine(kwargs)
         self.tokenizer = _load_tokenizer(tokenizer_path or self.model_path)
+        self._logit_bias = None if self.image_token is None else never_sampled(self.image_token, len(self.tokenizer), vocab_size)
+
+    def _vision_family(self) -> tuple[int | None, str | None, int]:
+        """(image placeholder id, vLLM model_impl, the decoder's vocabulary size) of a vision-language
+        checkpoint whose images this generator takes; (None, None, 0) otherwise."""
+        from transformers import AutoConfig
+
+        from rlcore.multimodal import is_vision_language
+        from rlcore_vllm.images import image_family
+
+        try:
+            hf_config = AutoConfig.from_pretrained(self.model_path)
+        except Exception:  # noqa: BLE001 - vLLM reports a checkpoint it cannot read, with its own message
+            return None, None, 0
+        impl = image_family(hf_config) if is_vision_language(hf_config) else None
+        if impl is None:
+            return None, None, 0
+        return int(hf_config.image_token_id), impl, int(hf_config.get_text_config().vocab_size)
 
     def _engine_kwargs(self, dtype: str, seed: int, tokenizer_path: str | None) -> dict[str, Any]:
         cfg = self.config
@@ -76,6 +100,8 @@ class VllmGenerator:
             tensor_parallel_size=cfg.tensor_parallel_size, enable_prefix_caching=cfg.enable_prefix_caching,
             max_num_seqs=cfg.max_num_seqs, disable_log_stats=True,
         )
+        if self.model_impl is not None:
+            kwargs["model_impl"] = self.model_impl
         if cfg.num_replicas > 1:
             kwargs["data_parallel_size"] = cfg.num_replicas
         if cfg.experimental.executor != "auto":
@@ -111,6 +137,7 @@ class VllmGenerator:
             max_tokens=max(1, min(params.max_new_tokens, room)), stop=list(params.stop) or None,
             stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed if self.config.experimental.request_seeds else None,
             ignore_eos=params.ignore_eos,
+            logit_bias=self._logit_bias,  # see rlcore_vllm.images.never_sampled
             logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
             # Stop strings need vLLM's incremental detokenizer; otherwise the text is decoded once
             # per response in _results (the engine's per-token decoding is host time per step).
@@ -173,6 +200,52 @@ class VllmGenerator:
         output = await self.engine.arun(fitted, self._vllm_params(params, len(fitted), 1))
         return self._results(output, version)[0]
 
+    def generate_with_images(self, prompts: list[list[int]], images: list, params: SamplingParams) -> list[list[GenerationResult]]:
+        """:meth:`generate` with each prompt's images (:class:`rlcore.multimodal.ImageInputs`, None: none).
+
+        Prompts longer than ``max_model_len - 1`` are an error here: truncating one could cut an image's placeholders."""
+        self._check_awake()
+        requests = self._image_requests(prompts, images, "generate_with_images")
+        version = self.weights_version
+        copies, n = (params.n, 1) if params.temperature == 0 and params.n > 1 else (1, params.n)
+        outputs = iter(self.engine.run([(r, self._vllm_params(params, len(p), n))
+                                        for r, p in zip(requests, prompts) for _ in range(copies)]))
+        results = []
+        for i, prompt in enumerate(prompts):
+            row = []
+            for _ in range(copies):
+                output = next(outputs)
+                check_engine_ids(prompt, output.prompt_token_ids, f"generate_with_images: prompt {i}")
+                row += self._results(output, version)
+            results.append(row)
+        return results
+
+    def score_with_images(self, sequences: list[list[int]], images: list) -> list[list[float]]:
+        """:meth:`score` with each sequence's prompt images."""
+        from vllm import SamplingParams as VSP
+
+        self._check_awake()
+        requests = self._image_requests(sequences, images, "score_with_images")
+        params = VSP(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        outputs = self.engine.run([(r, params) for r in requests])
+        scored = []
+        for i, (seq, out) in enumerate(zip(sequences, outputs)):
+            check_engine_ids(seq, out.prompt_token_ids, f"score_with_images: sequence {i}")
+            scored.append([0.0] + [float(step[token].logprob) for step, token in zip(out.prompt_logprobs[1:], seq[1:])])
+        return scored
+
+    def _image_requests(self, sequences: list[list[int]], images: list, what: str) -> list[dict[str, Any]]:
+        if self.image_token is None:
+            raise ValueError(f"{what}: the vllm generator's model {self.model_path!r} is not a vision-language model whose "
+                             "images it takes (LLaVA); use backend: hf for other vision-language families")
+        if len(images) != len(sequences):
+            raise ValueError(f"{what}: {len(sequences)} sequences but {len(images)} images entries")
+        for i, seq in enumerate(sequences):
+            if not 2 <= len(seq) <= self.max_model_len - 1:
+                raise ValueError(f"{what}: sequence {i} has {len(seq)} tokens; need 2..{self.max_model_len - 1}")
+        return [image_request(seq, seq_images, self.image_token, f"{what}: sequence {i}")
+                for i, (seq, seq_images) in enumerate(zip(sequences, images))]
+
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Token-aligned logprobs of each sequence under the engine's weights (``prompt_logprobs``)."""
         from vllm import SamplingParams as VSP
@@ -233,6 +306,8 @@ class VllmGenerator:
 
     def _after_update(self) -> None:
         self.engine.reset_prefix_cache()  # cached KV was computed with the old weights
+        if self.image_token is not None:
+            self.engine.reset_encoder_cache()  # so were the vision features vLLM keeps for images it saw
         self.weights_version += 1
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0):
@@ -304,16 +379,18 @@ def check_vision_language(model_path: str) -> None:
     vLLM cannot load: vLLM's Qwen2-VL family code (Qwen2.5-VL, Qwen3-VL) imports transformers'
     torchvision image processor at import time, and the model's transformers processor loads a video
     processor that requires torchvision, so without a working torchvision vLLM refuses the model with
-    "failed to be inspected". A text-only checkpoint, or one vLLM cannot read, is left to vLLM."""
+    "failed to be inspected". A text-only checkpoint, a family the generator runs without torchvision
+    (:data:`rlcore_vllm.images.VLLM_IMAGE_FAMILIES`), or one vLLM cannot read, is left to vLLM."""
     from transformers import AutoConfig
 
     from rlcore.multimodal import is_vision_language
+    from rlcore_vllm.images import image_family
 
     try:
         hf_config = AutoConfig.from_pretrained(model_path)
     except Exception:  # noqa: BLE001 - vLLM reports a checkpoint it cannot read, with its own message
         return
-    if not is_vision_language(hf_config):
+    if not is_vision_language(hf_config) or image_family(hf_config) is not None:
         return
     try:
         import torchvision.transforms.v2.functional  # noqa: F401
@@ -321,7 +398,8 @@ def check_vision_language(model_path: str) -> None:
         raise ConfigError("policy.generation.backend", (
             f"{model_path!r} is a vision-language model ({hf_config.model_type}); vLLM loads those only with a "
             f"working torchvision (its Qwen-VL model code and the model's processor import it), and importing it "
-            f"failed here ({type(exc).__name__}: {exc}); use backend: hf, which generates from prompts with images"
+            f"failed here ({type(exc).__name__}: {exc}); use backend: hf, which generates from prompts with images, or a "
+            f"LLaVA checkpoint, which the vllm generator runs without torchvision"
         )) from None
 
 
