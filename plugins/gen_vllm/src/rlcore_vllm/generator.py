@@ -46,6 +46,11 @@ def reap_engines_with_this_process() -> None:
 class VllmGenerator:
     """A :class:`rlcore.interfaces.Generator` backed by one vLLM engine (``num_replicas`` via vLLM DP)."""
 
+    # a text model's: set from the checkpoint for the vision-language families this generator takes images for
+    image_token: int | None = None
+    model_impl: str | None = None
+    _logit_bias: dict[int, float] | None = None
+
     def __init__(self, model_path: str, config: VllmConfig | None = None, *, max_model_len: int = 1024,
                  dtype: str = "float32", seed: int = 0, device: str = "cpu", tokenizer_path: str | None = None,
                  engine_kwargs: dict[str, Any] | None = None):
@@ -137,7 +142,7 @@ class VllmGenerator:
             max_tokens=max(1, min(params.max_new_tokens, room)), stop=list(params.stop) or None,
             stop_token_ids=list(params.stop_token_ids) or None, seed=params.seed if self.config.experimental.request_seeds else None,
             ignore_eos=params.ignore_eos,
-            logit_bias=self._logit_bias,  # see rlcore_vllm.images.never_sampled
+            logit_bias=getattr(self, "_logit_bias", None),  # see rlcore_vllm.images.never_sampled
             logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
             # Stop strings need vLLM's incremental detokenizer; otherwise the text is decoded once
             # per response in _results (the engine's per-token decoding is host time per step).
