@@ -62,3 +62,20 @@ def test_bench_step_prints_the_table_and_appends_the_row(tmp_path):
     assert row["commit"] is None or len(row["commit"]) >= 7
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics] == [1, 2]  # the real run's records, in the bench's run directory
+
+
+def test_a_local_vision_language_directory_gets_new_weights_and_keeps_its_processor(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from rlcore.bench.models import build_model, model_info
+    from rlcore.testing.tiny_vlm import build_tiny_vlm
+
+    source = build_tiny_vlm(tmp_path / "source")
+    (source / "model.safetensors").unlink()  # a config directory: the bench makes the weights
+    built = build_model(str(source), tmp_path / "work")
+    assert built != source and {"preprocessor_config.json", "tokenizer.json", "chat_template.jinja"} <= {
+        p.name for p in built.iterdir()}
+    model = AutoModelForImageTextToText.from_pretrained(built)
+    info = model_info(built)
+    assert info["params"] == sum(p.numel() for p in model.parameters())
+    assert (info["num_layers"], info["hidden_size"]) == (2, 128)  # the language model's, from text_config

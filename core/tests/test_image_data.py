@@ -114,3 +114,11 @@ def test_image_prompts_need_a_generator_that_takes_images(tmp_path, processor):
     samples = build_image_dataset(_write(tmp_path, ["good.png"]), processor).train
     with pytest.raises(ValueError, match=r"samples \[0, 1\] carry images, but multi-turn rollouts take text prompts only"):
         no_images_in_multi_turn(samples)
+
+
+def test_counting_images_have_the_side_asked_for(tmp_path):
+    from PIL import Image
+
+    write_counting_task(tmp_path, 2, side=112)
+    with Image.open(tmp_path / "train" / "0.png") as image:
+        assert image.size == (112, 112)

@@ -60,11 +60,12 @@ def build_from_config(config: ImageDataConfig, tokenizer: Any) -> ImageDataset:
 
 def build_counting(config: CountingTaskConfig, tokenizer: Any) -> ImageDataset:
     """Factory of the ``image_counting`` dataset."""
-    train = write_counting_task(config.directory, config.num_train, seed=config.seed, max_count=config.max_count)
+    train = write_counting_task(config.directory, config.num_train, seed=config.seed, max_count=config.max_count,
+                                side=config.image_side)
     validation = None
     if config.num_validation:
         validation = write_counting_task(config.directory, config.num_validation, seed=config.seed + 1,
-                                         max_count=config.max_count, name="validation")
+                                         max_count=config.max_count, name="validation", side=config.image_side)
     return build_image_dataset(train, _processor(tokenizer), validation)
 
 
@@ -129,8 +130,8 @@ def draw_squares(count: int, rng: random.Random, side: int = 56, square: int = 1
 
 
 def write_counting_task(directory: str | Path, num_rows: int, *, seed: int = 0, max_count: int = 3,
-                        name: str = "train") -> Path:
-    """``directory/name.jsonl`` plus its PNG images; returns the JSONL path."""
+                        name: str = "train", side: int = 56) -> Path:
+    """``directory/name.jsonl`` plus its PNG images (``side`` pixels square); returns the JSONL path."""
     directory = Path(directory)
     (directory / name).mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -138,7 +139,7 @@ def write_counting_task(directory: str | Path, num_rows: int, *, seed: int = 0, 
     for i in range(num_rows):
         count = rng.randint(1, max_count)
         relative = f"{name}/{i}.png"
-        draw_squares(count, rng).save(directory / relative)
+        draw_squares(count, rng, side=side, square=side * 12 // 56).save(directory / relative)
         rows.append({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
                      "images": [relative], "answer": str(count), "response": str(count)})
     out = directory / f"{name}.jsonl"

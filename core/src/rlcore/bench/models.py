@@ -1,7 +1,8 @@
 """Random-init models of a recipe's model configuration, for benchmarks (nothing is downloaded).
 
 The shape comes from the recipe's ``policy.model_name``: a local model directory gives its own
-``config.json``; a known hub name, or ``--shape``, gives a shape of :data:`SHAPES`. The model is
+``config.json`` (a vision-language one too: its tokenizer, processor and chat template are kept); a
+known hub name, or ``--shape``, gives a shape of :data:`SHAPES`. The model is
 built with transformers' own initialisation (real sizes in bf16, on the GPU when there is one: an
 8B model initialised on the host takes minutes) in a child process, so that the benchmark's process
 holds no GPU memory before the run places its trainer and engine.
@@ -67,16 +68,16 @@ def build_model(model_name: str, root: Path, shape: str | None = None, gpu: bool
     path = root / f"model-{shape or Path(model_name).name}"
     if (path / INFO).is_file() or (shape is not None and (path / "config.json").is_file()):
         return path  # built before (a shape's directory may come from benchmarks/bench_grpo_step.py)
-    if shape is None or shape in SMALL or not gpu:
+    if shape in SMALL or not gpu:
         build_here(model_name, shape, path, device=None)
     else:
-        subprocess.run([sys.executable, "-m", "rlcore.bench.models", model_name, shape, str(path), "cuda"], check=True)
+        subprocess.run([sys.executable, "-m", "rlcore.bench.models", model_name, shape or "", str(path), "cuda"], check=True)
     return path
 
 
 def build_here(model_name: str, shape: str | None, path: Path, device: str | None) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from rlcore.testing.tiny import build_tiny_model, build_tokenizer
 
@@ -87,17 +88,21 @@ def build_here(model_name: str, shape: str | None, path: Path, device: str | Non
                          device=device, **kwargs)
         build_tokenizer(kwargs["vocab_size"]).save_pretrained(path)
         params = llama_params(kwargs)
-    else:  # a local directory: its config, new weights, its tokenizer
+    else:  # a local directory: its config, new weights, and its other files (tokenizer, processor, template)
         config = AutoConfig.from_pretrained(model_name)
+        auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
         torch.manual_seed(0)
         with torch.device(device or "cpu"):
-            model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
+            model = auto.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
         model.save_pretrained(path, safe_serialization=True)
-        AutoTokenizer.from_pretrained(model_name).save_pretrained(path)
+        for source in Path(model_name).iterdir():
+            if source.is_file() and not (path / source.name).exists() and not source.name.startswith("model"):
+                shutil.copy2(source, path / source.name)
         params = sum(p.numel() for p in model.parameters())
     config = json.loads((path / "config.json").read_text())
-    info = {"shape": shape or model_name, "params": int(params), "num_layers": config["num_hidden_layers"],
-            "hidden_size": config["hidden_size"]}
+    text = config.get("text_config", config)  # a vision-language model's language part
+    info = {"shape": shape or model_name, "params": int(params), "num_layers": text["num_hidden_layers"],
+            "hidden_size": text["hidden_size"]}
     (path / INFO).write_text(json.dumps(info))
 
 
@@ -117,4 +122,4 @@ def model_info(path: Path) -> dict:
 if __name__ == "__main__":  # the child process of build_model: python -m rlcore.bench.models NAME SHAPE PATH DEVICE
     name, shape_arg, out, dev = sys.argv[1:5]
     shutil.rmtree(out, ignore_errors=True)
-    build_here(name, shape_arg, Path(out), dev)
+    build_here(name, shape_arg or None, Path(out), dev)

@@ -37,3 +37,5 @@ class CountingTaskConfig:
     num_validation: int = field(default=64, validator=attrs.validators.ge(0), metadata=doc("held-out prompts"))
     max_count: int = field(default=3, validator=attrs.validators.in_(range(1, 10)), metadata=doc("at most this many squares (1-9)"))
     seed: int = field(default=0, metadata=doc("the training images' seed (validation uses seed + 1)"))
+    image_side: int = field(default=56, validator=attrs.validators.ge(28), metadata=doc(
+        "each image's width and height in pixels (the model's processor decides how many image tokens that is)"))
