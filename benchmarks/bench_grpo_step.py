@@ -130,7 +130,7 @@ CONFIGS = {
     # batch 512, max sequence 4096, ~795 generated tokens a sample, colocated, 8 GPUs.
     "llama8b-nemo-8gpu-megatron": ("llama8b", "megatron", {**NEMO_8B_ROW, "policy.megatron_cfg.tensor_model_parallel_size": 2}),
     "llama8b-nemo-8gpu-fsdp2": ("llama8b", "fsdp2", NEMO_8B_ROW),
-    # Non-colocated on nvidia-h200-x2: one GPU trains (Ray actor), one generates (driver), refit by
+    # Non-colocated on two GPUs: one GPU trains (Ray actor), one generates (driver), refit by
     # NCCL broadcast from the trainer's process. 1.2B: an 8B model's fp32 master weights, gradients
     # and Adam state (~128 GB) do not fit one H200 without offloading.
     "llama1b-fsdp2-noncolocated": ("llama1b", "fsdp2", {
@@ -159,7 +159,7 @@ CONFIGS = {
        for shape in ("tiny", "llama1b") for engine in ("sync", "async") for barrier in (False, True)},
     "tiny-tool-agent": ("tiny", "fsdp2", TOOL_AGENT),
     "llama1b-tool-agent": ("llama1b", "megatron", TOOL_AGENT),
-    # Long context (issue 9): context parallelism 2 over the two GPUs of nvidia-h200-x2; run with
+    # Long context (issue 9): context parallelism 2 over two GPUs; run with
     # --max-new-tokens 16384 --mb-tokens 16448 --prompts 8 (16k-token sequences, 64 samples a step).
     # fsdp2 has no context parallelism (its config rejects context_parallel_size > 1).
     "llama1b-megatron-cp2": ("llama1b", "megatron", {"policy.megatron_cfg.context_parallel_size": 2, "cluster.gpus_per_node": 2,
@@ -316,8 +316,8 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         "probe_mean_abs_logprob_gap": _mean([r["refit/probe_mean_abs_logprob_diff"] for r in records
                                               if "refit/probe_mean_abs_logprob_diff" in r]),
         "steps_averaged": s.get("num_steps"),
-        # each averaged step's total and generation: one slow generation moves a three-step mean by 1-2 s
-        # (twenty-third session), which the means alone do not show
+        # each averaged step's total and generation: one slow generation can move a three-step mean by
+        # 1-2 s, which the means alone do not show
         "step_s_each": [round(r["timing/total"], 3) for r in records if "timing/total" in r],
         "period_s": _mean(periods), "period_s_each": [round(x, 3) for x in periods],
         "generation_s_each": [round(r["timing/generation"], 3) for r in records if "timing/generation" in r],

@@ -3,7 +3,7 @@
     python benchmarks/bench_train_megatron.py --steps 10                    # one H200: 1.2B Llama shape, bf16
     python benchmarks/bench_train_megatron.py --with-fsdp2                  # + the fsdp2 backend compiled, same batches
     python benchmarks/bench_train_megatron.py --variants megatron,megatron-fp8,megatron-plain,fsdp2-compile --micro-batches 16
-    python benchmarks/bench_train_megatron.py --shape 8b --tp 2 --with-fsdp2 --steps 5   # 2 GPUs (nvidia-h200-x2)
+    python benchmarks/bench_train_megatron.py --shape 8b --tp 2 --with-fsdp2 --steps 5   # 2 GPUs
     python benchmarks/bench_train_megatron.py --shape 8b --gpus 2 --with-fsdp2           # Megatron DP=2, as fsdp2
     python benchmarks/bench_train_megatron.py --tiny --steps 3              # CPU smoke run (tiny shape, fp32)
     python benchmarks/bench_train_megatron.py --shape qwen3moe --variants megatron,megatron-moe-loop,fsdp2 --mb-tokens 8192

@@ -74,7 +74,7 @@ def train_command(row: dict) -> str:
 
 def machine(row: dict) -> str:
     """The machine as the tables name it (rows written by different tools spell it differently)."""
-    name = re.sub(r"\s*\(nvidia-h200[^)]*\)", "", str(row.get("machine", "")))
+    name = re.sub(r"\s*\(nvidia-h\d00[^)]*\)", "", str(row.get("machine", "")))
     return "1x NVIDIA H200" if name == "one H200" else name
 
 

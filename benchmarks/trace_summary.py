@@ -8,7 +8,7 @@ the time, the CUDA runtime calls that block the host (synchronizations, blocking
 Python functions with the largest inclusive host time, how far the host runs ahead of the GPU,
 and the GPU time of the kernels by kernel
 class (GEMM, attention, Triton, NCCL, other) and by the innermost ``record_function`` region that
-launched them (FSDP's ``FSDP::*`` hooks, ``Optimizer.step#*``, ...). Caveat seen with torch 2.11: the Python
+launched them (FSDP's ``FSDP::*`` hooks, ``Optimizer.step#*``, ...). Caveat with torch 2.11: the Python
 events of torch's varlen attention ops (``_varlen_attn``, ``apply of FunctionMeta``) carry
 durations far longer than the calls took; read past those rows. torch.profiler's own tables give per-operator
 totals but not *where the GPU waits*, which is what a step dominated by host overhead needs.

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TREES = ["core/src", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("plugins/*/src")), "docs"]
-FILES = ["README.md"]
-SUFFIXES = {".py", ".md", ".yml", ".yaml", ".toml", ".txt"}
+TREES = ["core/src", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("plugins/*/src")), "docs", "benchmarks",
+         "examples", "recipes"]
+FILES = ["README.md", "Makefile", ".ci/run"]
+SUFFIXES = {".py", ".md", ".yml", ".yaml", ".toml", ".txt", ".sh"}
 
 ORDINALS = ("fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|fourteenth|fifteenth|"
             "sixteenth|seventeenth|eighteenth|nineteenth|twentieth|twenty-[a-z]+|thirtieth|thirty-[a-z]+")

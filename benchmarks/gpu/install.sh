@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the H200 machine, after every chunk was copied to /root/stage: install the staged wheels and
+# On the GPU machine, after every chunk was copied to /root/stage: install the staged wheels and
 # rlcore's own into /tmp/site. Source it: `source benchmarks/gpu/install.sh`. The checkout's
 # sources go first on PYTHONPATH (the installed wheels provide the entry points), so the code that
 # travelled with this call is the code that runs. No `set -e`: it would stay on in the caller's

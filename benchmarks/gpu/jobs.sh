@@ -17,14 +17,14 @@ job() {
   gpu_clear "$name"
 }
 # The host's load and its busiest processes: the 1.2B engine is host-bound, so a process left busy by an
-# earlier job slows the next one's generation (twenty-second session: a sync step's generation grew from 11 to 16 s).
+# earlier job slows the next one's generation (a 1.2B sync step's generation can grow by half).
 host_load() {
   echo "load $(cut -d' ' -f1 /proc/loadavg), busiest $(ps -eo pcpu=,comm= --sort=-pcpu | head -3 | tr -s ' ' | paste -sd, -)"
 }
 # The CPUs' time counters (/proc/stat: user nice system idle iowait irq softirq steal), and what they say about
 # the interval since a sample: the share of all CPUs busy, the share a VM's host took for others (steal), and
-# the mean clock now. The sync step's generation ranged from 6.9 to 11.1 s for the same work with the load at
-# 1.0-1.7 (twenty-third session): a host slowed from outside the VM shows as steal or a lower clock.
+# the mean clock now. The same sync step's generation can vary by half at the same load: a host slowed from
+# outside the VM shows as steal or a lower clock.
 cpu_times() {
   head -1 /proc/stat | cut -d' ' -f3-10
 }

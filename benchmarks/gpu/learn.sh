@@ -5,7 +5,7 @@
 #                         | fp8 (fsdp2, FP8 rollouts, token-level truncated IS) | fp8-megatron
 #   learn_together DIR RUN...  the same runs started at once on the one GPU, engines resident
 #                         (colocated.sleep_level=0): at 141M parameters the GPU is mostly idle, and three
-#                         runs together took about 1.1 s a step each (ninth session)
+#                         runs together take about 1.1 s a step each
 #   learn_eval_bf16 DIR RUN   greedy held-out accuracy of each checkpoint RUN kept, through a bf16
 #                         engine (`rlcore eval`, one process per checkpoint, side by side), as
 #                         $OUT/grpo-RUN-bf16.metrics.jsonl for plot_learning.py
@@ -64,7 +64,7 @@ learn_start() {  # DIR RUN [override...]: start RUN in the background (pid in LE
   # setsid: the run leads its own process group, so what it leaves behind (its grader pool) goes with it (learn_wait).
   # A call's own time limit does not reach that group: LEARN_DEADLINE must stay under it, as it does (480-540 of 600 s).
   # cluster.exit_timeout_s=30: a run that has ended but does not exit prints its threads' stacks and exits
-  # within the call, not after the default 300 s (the twenty-second session's sync run did not exit).
+  # within the call, not after the default 300 s.
   setsid python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
     cluster.exit_timeout_s=30 $(learn_overrides "$run") "$@" >> "$OUT/grpo-$run.log" 2>&1 &
   LEARN_PID=$!
@@ -78,8 +78,8 @@ learn_wait() {  # RUN:PID...: wait until they end or LEARN_DEADLINE; then SIGTER
     [ "$alive" = 1 ] && [ "$SECONDS" -lt "$deadline" ] || break
     sleep 1
   done
-  # A run still going at the deadline first prints every thread's stack to its log (rlcore's SIGUSR1): the
-  # twenty-second session's sync run had ended its 200 steps and still had not exited.
+  # A run still going at the deadline first prints every thread's stack to its log (rlcore's SIGUSR1): a run
+  # that has ended its steps and not exited shows there what holds it.
   for item in "$@"; do
     kill -0 "${item#*:}" 2>/dev/null || continue
     kill -USR1 "${item#*:}" && echo "grpo-${item%%:*}: stacks at ${SECONDS}s in its log" >> "$OUT/jobs.txt" && sleep 2

@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu/prepare.sh train    # training benchmarks and CUDA tests only: Transformer Engine, megatron-core
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-# Transformer Engine 2.20.2: its torch extension built on an H200 (shared/gpu/README.md), the CUDA 13
+# Transformer Engine 2.20.2: its torch extension built from the sdist for torch 2.11 (no binary on the index), the CUDA 13
 # core library, and the pins they need. Exact versions first: stage.py keeps the first spec per name.
 TE=(../shared/gpu/wheels/transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_64.whl
     transformer-engine-cu13==2.20.2 transformer-engine==2.20.2 nvidia-cudnn-frontend==1.32.0)
