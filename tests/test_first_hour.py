@@ -1,7 +1,7 @@
 """What a new user meets following the README, as subprocesses of the installed ``rlcore``.
 
-One 5-step ``rlcore run`` of the tiny recipe (its vLLM generator, a plain reward function from
-``env.reward_fn``, checkpoints every 3 steps, TensorBoard on) is shared by the tests below: its
+One 3-step ``rlcore run`` of the tiny recipe (its vLLM generator, a plain reward function from
+``env.reward_fn``, checkpoints every 2 steps, TensorBoard on) is shared by the tests below: its
 console, its final model and last-step checkpoint, then ``rlcore export`` and ``rlcore eval`` on
 its run directory. Ctrl-C has its own run.
 """
@@ -41,8 +41,8 @@ def rlcore(*args, env=None, timeout=600, cwd=None) -> subprocess.CompletedProces
 
 def overrides(model_dir: Path, run_dir: Path, generator: str = "hf", **extra) -> list[str]:
     settings = {"policy.model_name": model_dir, "policy.generation.backend": generator, "policy.max_total_sequence_length": 48,
-                "train.max_num_steps": 5, "train.num_prompts_per_step": 4, "grpo.num_generations_per_prompt": 4,
-                "train.val_period": 5, "train.max_val_samples": 8, "data.num_validation": 8, "logger.log_dir": run_dir,
+                "train.max_num_steps": 3, "train.num_prompts_per_step": 4, "grpo.num_generations_per_prompt": 4,
+                "train.val_period": 3, "train.max_val_samples": 8, "data.num_validation": 8, "logger.log_dir": run_dir,
                 "logger.plot": "false", **extra}
     return [f"{k}={v}" for k, v in settings.items()]
 
@@ -59,7 +59,7 @@ def tiny_run(tiny_model_dir, rewards_site, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("first-hour") / "run"
     # the recipe's own generator, vLLM: the libraries' lines counted below are mostly its
     done = rlcore("run", RECIPE, *overrides(tiny_model_dir, run_dir, generator="vllm", **{
-        "env.reward_fn": "my_rewards:exact_sum", "checkpointing.enabled": "true", "checkpointing.save_period": 3,
+        "env.reward_fn": "my_rewards:exact_sum", "checkpointing.enabled": "true", "checkpointing.save_period": 2,
         "logger.tensorboard.enabled": "true"}), env={"PYTHONPATH": str(rewards_site)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return run_dir, done
@@ -82,11 +82,11 @@ def test_every_run_writes_its_final_model_and_a_last_step_checkpoint(tiny_run):
 
     assert AutoModelForCausalLM.from_pretrained(run_dir / "model").config.num_hidden_layers > 0
     assert AutoTokenizer.from_pretrained(run_dir / "model").eos_token_id is not None
-    # save_period 3 of 5 steps: step 3 by the period, step 5 because it is the last
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000003", "step_000005"]
+    # save_period 2 of 3 steps: step 2 by the period, step 3 because it is the last
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     # where the outputs went: model, checkpoint, metrics, TensorBoard's event files
     tail = done.stdout[done.stdout.index("outputs of this run"):]
-    for what, path in (("model", run_dir / "model"), ("checkpoint", run_dir / "checkpoints" / "step_000005"),
+    for what, path in (("model", run_dir / "model"), ("checkpoint", run_dir / "checkpoints" / "step_000003"),
                        ("TensorBoard", run_dir / "tensorboard"), ("metrics", run_dir / "metrics.jsonl")):
         assert re.search(rf"{what}.*{re.escape(str(path))}", tail), (what, tail)
 
@@ -106,7 +106,7 @@ def test_export_and_eval_work_on_the_run_directory(tiny_run, tmp_path):
     run_dir, _ = tiny_run
     exported = rlcore("export", run_dir, tmp_path / "hf", "--json")
     assert exported.returncode == 0, exported.stderr[-3000:]
-    assert json.loads(exported.stdout)["checkpoint"].endswith("step_000005")  # stdout: the JSON and nothing else
+    assert json.loads(exported.stdout)["checkpoint"].endswith("step_000003")  # stdout: the JSON and nothing else
     evaluated = rlcore("eval", run_dir, RECIPE, *overrides(run_dir / "model", tmp_path / "unused"), "--no-progress")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     summary = json.loads(evaluated.stdout)  # `rlcore eval ... > eval.json` is valid JSON
@@ -121,7 +121,8 @@ def test_ctrl_c_ends_the_step_and_says_how_to_resume(tiny_model_dir, tmp_path):
     psutil = pytest.importorskip("psutil")
     run_dir = tmp_path / "run"
     args = overrides(tiny_model_dir, run_dir, generator="vllm", **{
-        "train.max_num_steps": 500, "checkpointing.enabled": "true", "checkpointing.save_period": 1000})
+        "train.max_num_steps": 500, "train.val_period": 0, "checkpointing.enabled": "true",
+        "checkpointing.save_period": 1000})
     script = Path(sys.executable).parent / "rlcore"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RLCORE_", "VLLM_LOGGING", "VLLM_ENABLE_V1_MULTI"))},
            "COLUMNS": "200"}
