@@ -121,28 +121,44 @@ class AgentRunner:
         self.last_trajectories: list[list[AgentTrajectory]] = []
         self.counts: Counter = Counter()
         self._slots: asyncio.Semaphore | None = None
-        self._http = None  # the trajectories' shared connection pool, during a call
+        self._idle_clients: list = []  # HTTP clients of finished agents, lent to the next (during a call)
+        self._tls = None  # one TLS context for every client: each would load the CA bundle (~20 ms)
         self._open: dict[str, str] = {}  # key -> "sample i, trajectory k, attempt a" of every agent running now
 
     # ---- one attempt --------------------------------------------------------------------------
-    async def _call_agent(self, key: str, sample: Sample):
+    def _lend_client(self):
+        """An HTTP client for one running agent: each running agent has its own (at most
+        ``max_env_concurrency``, reused by the agents that follow), because httpcore's connection pool
+        scans all its connections on every request: one pool shared by hundreds of agents made the
+        endpoint's requests quadratic in their number (most of the event loop's time at 256)."""
+        if self._idle_clients:
+            return self._idle_clients.pop()
+        import ssl
+
+        import httpx
+
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        # no cap on connections: requests past env.agent.max_concurrent_requests reach the endpoint, which refuses them
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.cfg.max_concurrent_requests)
+        return httpx.AsyncClient(limits=limits, timeout=self.cfg.request_timeout_s, trust_env=False, verify=self._tls)
+
+    async def _call_agent(self, key: str, sample: Sample, http):
         import openai
 
         options = dict(base_url=self.endpoint.base_url(), api_key=key, max_retries=0, timeout=self.cfg.request_timeout_s)
         if self.is_async:
-            # One HTTP connection pool for all trajectories: a client of its own per trajectory costs
-            # milliseconds each (TLS context, pool), seconds per batch of hundreds.
-            return await self.agent(openai.AsyncOpenAI(**options, http_client=self._http), sample)
+            return await self.agent(openai.AsyncOpenAI(**options, http_client=http), sample)
         with openai.OpenAI(**options) as client:
             return await asyncio.get_running_loop().run_in_executor(self._threads, self.agent, client, sample)
 
-    async def _attempt(self, sample: Sample, seed: int | None, name: str) -> AgentTrajectory:
+    async def _attempt(self, sample: Sample, seed: int | None, name: str, http) -> AgentTrajectory:
         key = f"{name.replace(' ', '').replace(',', '-')}-{secrets.token_hex(6)}"
         traj = self.endpoint.open(key, seed)
         self._open[key] = name
         try:
             try:
-                value = await asyncio.wait_for(self._call_agent(key, sample), self.cfg.attempt_timeout_s)
+                value = await asyncio.wait_for(self._call_agent(key, sample, http), self.cfg.attempt_timeout_s)
             except asyncio.TimeoutError:
                 raise AgentFailure("timeout", f"the agent did not finish within {self.cfg.attempt_timeout_s:g}s "
                                               "(env.agent.attempt_timeout_s)") from None
@@ -167,13 +183,18 @@ class AgentRunner:
         failure = None
         for attempt in range(1 + self.cfg.max_retries):
             async with self._slots:
+                http = self._lend_client() if self.is_async else None
                 try:
-                    done = await self._attempt(sample, None if seed is None else seed + 15485863 * attempt, f"{name}, attempt {attempt}")
+                    done = await self._attempt(sample, None if seed is None else seed + 15485863 * attempt,
+                                               f"{name}, attempt {attempt}", http)
                 except AgentFailure as exc:
                     failure = exc
                     self.counts[f"rollout/infra_failures/{exc.cause}"] += 1
                     self.counts["rollout/infra_failures"] += 1
                     continue
+                finally:
+                    if http is not None:
+                        self._idle_clients.append(http)
             done.attempts = attempt + 1
             self.counts["rollout/agent_retries"] += attempt
             return done
@@ -200,10 +221,6 @@ class AgentRunner:
         self._slots = asyncio.Semaphore(self.cfg.max_env_concurrency)
         self.endpoint.params = params
         await self.endpoint.start()
-        import httpx
-
-        limits = httpx.Limits(max_connections=self.cfg.max_env_concurrency, max_keepalive_connections=self.cfg.max_env_concurrency)
-        self._http = httpx.AsyncClient(limits=limits, timeout=self.cfg.request_timeout_s, trust_env=False)
         try:
             tasks = [asyncio.ensure_future(self._group(i, s, params)) for i, s in enumerate(samples)]
             limit = self.timeout_s - batch_margin_s(self.timeout_s)
@@ -218,7 +235,8 @@ class AgentRunner:
                                         f"a margin): {'; '.join(open_now[:8]) or 'none open'}")
             groups = [t.result() for t in tasks]
         finally:
-            await self._http.aclose()
+            clients, self._idle_clients = self._idle_clients, []  # bound to this call's event loop
+            await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
             await self.endpoint.stop()
         if samples and not any(groups):
             raise RuntimeError(f"every one of the {len(samples)} agent groups of this batch failed (see the warnings above; "
