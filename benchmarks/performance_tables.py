@@ -21,16 +21,23 @@ DEFAULTS = {"--prompts": "32", "--samples": "8", "--max-new-tokens": "1024", "--
 
 
 def newest(rows: list[dict], bench: str) -> list[dict]:
-    """The newest row of each (config, variant) of ``bench``, oldest first."""
+    """The newest row of each (config, variant) of ``bench``, oldest first. A row whose mean includes its
+    first step (``--warmup 0``, as a multi-turn call's single-turn reference) replaces only another such row."""
     keep: dict[tuple, dict] = {}
     for row in rows:
         if row.get("bench") != bench or row.get("transcribed") or "issue" in str(row.get("variant", "")):
             continue
         shape = re.sub(r",? steps \d+.*$", "", str(row.get("config")))  # the same work, however many steps
         key = (row.get("variant"), shape, row.get("gpus"))
-        if key not in keep or row["date"] >= keep[key]["date"]:
+        if key not in keep or (_warmed(row), row["date"]) >= (_warmed(keep[key]), keep[key]["date"]):
             keep[key] = row
     return sorted(keep.values(), key=lambda r: r["date"])
+
+
+def _warmed(row: dict) -> bool:
+    """Whether the row's means leave out at least one warm-up step."""
+    m = re.search(r"summary after (\d+)", str(row.get("config")))
+    return m is None or int(m.group(1)) > 0
 
 
 def grpo_command(row: dict) -> str:

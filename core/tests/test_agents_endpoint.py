@@ -278,3 +278,26 @@ def test_tokens_and_concurrency_are_bounded_per_trajectory(generator):
     refused = [o for o in seen["outcomes"] if isinstance(o, openai.RateLimitError)]
     assert len(refused) == 2 and "max_concurrent_requests" in str(refused[0])
     assert runner.metrics()["rollout/infra_failures/limit"] == 1
+
+
+def test_each_running_agent_has_an_http_client_of_its_own_reused_after_it(generator):
+    """One connection pool shared by hundreds of agents makes every request scan all their connections;
+    each running agent gets its own client, and at most max_env_concurrency are made."""
+    running, held, made = set(), [], set()
+
+    async def agent(client, sample):
+        http = client._client  # the httpx client the runner lent this agent
+        assert http not in running  # no agent running now shares it
+        running.add(http)
+        made.add(id(http))
+        held.append(http)
+        await asyncio.sleep(0.05)  # the other agents start meanwhile
+        await ask(client, sample)
+        running.discard(http)
+        return 1.0
+
+    runner = runner_for(generator, agent, max_env_concurrency=3)
+    groups = runner(samples(4), SamplingParams(n=2, max_new_tokens=3, seed=1))
+    assert sum(len(g) for g in groups) == 8
+    assert len(made) == 3  # 8 agents, 3 at a time: 3 clients, each lent again
+    assert all(http.is_closed for http in held)  # closed with the call's event loop
