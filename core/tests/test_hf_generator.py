@@ -75,3 +75,27 @@ def test_refit_of_checkpoint_named_moe_experts_loads_the_fused_parameters(tiny_m
     generator.update_weights([list(named.items())])
     mine, theirs = generator.model.state_dict(), other.state_dict()
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_registered_generator_runs_on_the_runs_device_and_scores_what_it_samples(tiny_model_dir, device):
+    """build() puts the model on the placement's device (a GPU run's colocated GPU); the tokens it
+    samples there score, through its own forward, to the logprobs it reported."""
+    import torch
+
+    from rlcore.config import build_config
+    from rlcore.hf_generator import build
+    from rlcore.interfaces import Placement
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    config = build_config({"policy": {"model_name": str(tiny_model_dir), "max_total_sequence_length": 64,
+                                      "generation": {"backend": "hf"}}})
+    gen = build(config, config.section("policy.generation"), Placement(device=device))
+    assert next(gen.model.parameters()).device.type == device
+    (results,) = gen.generate([gen.tokenizer.encode("1+2=", add_special_tokens=False)],
+                              SamplingParams(n=2, max_new_tokens=4, temperature=1.0, seed=3, ignore_eos=True))
+    for r in results:
+        scored = gen.score([r.prompt_ids + r.response_ids])[0][-len(r.response_ids):]
+        # float32 forward of a tiny model, batch of one against batch of two: rounding only
+        assert scored == pytest.approx(r.response_logprobs, abs=1e-4)

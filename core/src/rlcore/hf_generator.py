@@ -33,9 +33,8 @@ class HFGenerator:
     BATCH_ROWS = 256  # sequences decoded together: the demo's whole step (16 prompts x 8) in one batch
 
     def __init__(self, model_dir: str, config: HFGenerationConfig, max_model_len: int, device: str = "cpu"):
-        """``device``: where the model runs. The registered generator runs in the driver on the CPU
-        (:func:`build`); an evaluator of the driver's own, such as the demo's SFT warm start on a GPU,
-        may put it on ``cuda``."""
+        """``device``: where the model runs (:func:`build` gives the run's: ``cuda`` on a GPU run, where
+        generation is colocated with the trainer)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         self.config = config
@@ -277,7 +276,8 @@ def _fused_expert_slice(params: dict[str, torch.Tensor], name: str) -> torch.Ten
 
 
 def build(config, section_config: HFGenerationConfig, placement: Placement) -> HFGenerator:
-    """Runs in the driver process, on the CPU."""
+    """Runs in the driver process, on the run's device: the trainer's GPU when colocated on one (as the
+    vllm generator does), else the CPU."""
     if not placement.colocated and placement.device == "cuda":
         raise ConfigError("policy.generation.colocated.enabled", "the hf generator runs in the driver process "
                           "and cannot take GPUs of its own; use colocated generation or the vllm generator")
@@ -285,4 +285,4 @@ def build(config, section_config: HFGenerationConfig, placement: Placement) -> H
         raise ConfigError("policy.generation.return_routed_experts", "the hf generator does not report MoE routing "
                           "(the vllm generator on CUDA does)")
     policy = config.policy
-    return HFGenerator(policy.model_name, section_config, policy.max_total_sequence_length)
+    return HFGenerator(policy.model_name, section_config, policy.max_total_sequence_length, device=placement.device)
