@@ -36,8 +36,8 @@ def newest(rows: list[dict], bench: str) -> list[dict]:
 
 def _warmed(row: dict) -> bool:
     """Whether the row's means leave out at least one warm-up step."""
-    m = re.search(r"summary after (\d+)", str(row.get("config")))
-    return m is None or int(m.group(1)) > 0
+    m = STEP_RE.match(str(row.get("config")))
+    return m is None or int(m.group(6)) > 0
 
 
 def grpo_command(row: dict) -> str:

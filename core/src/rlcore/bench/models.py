@@ -35,6 +35,7 @@ KNOWN_MODELS = {
     "llama-3.1-8b": "llama8b",
     "llama-3-8b": "llama8b",
 }
+WEIGHT_FILES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 INFO = "rlcore_bench.json"  # beside the weights: the shape and the parameter count
 
 
@@ -95,8 +96,8 @@ def build_here(model_name: str, shape: str | None, path: Path, device: str | Non
         with torch.device(device or "cpu"):
             model = auto.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
         model.save_pretrained(path, safe_serialization=True)
-        for source in Path(model_name).iterdir():
-            if source.is_file() and not (path / source.name).exists() and not source.name.startswith("model"):
+        for source in Path(model_name).iterdir():  # the weights (and their index) are the new ones
+            if source.is_file() and not (path / source.name).exists() and not source.name.endswith(WEIGHT_FILES):
                 shutil.copy2(source, path / source.name)
         params = sum(p.numel() for p in model.parameters())
     config = json.loads((path / "config.json").read_text())
