@@ -17,6 +17,7 @@ pixel values and, for Qwen-VL, each row's multimodal rotary positions
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
 from collections.abc import Iterable
 
@@ -52,6 +53,10 @@ class HFGenerator:
                               if getattr(hf_config, k, None) is not None] if self.vision else [])
         self.max_model_len = max_model_len
         self.weights_version = 0
+        # Sampling reads the last position's logits only: asking the model for those alone keeps the
+        # prefill's [rows, prompt, vocab] logits (gigabytes at a 150k vocabulary) from being made.
+        self.last_logits_only = ({"logits_to_keep": 1}
+                                 if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {})
 
     def _sample_one(self, prompt_ids: list[int], params: SamplingParams, seed: int | None) -> GenerationResult:
         return self._sample_batch([prompt_ids], params, [seed])[0]
@@ -92,7 +97,7 @@ class HFGenerator:
                 if not any(live):
                     break
                 out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=past,
-                                 use_cache=True, **(vision if step == 0 else {}))
+                                 use_cache=True, **self.last_logits_only, **(vision if step == 0 else {}))
                 past = out.past_key_values
                 logits_BV = out.logits[:, -1].float()
                 if self.never_sample:
