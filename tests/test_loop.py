@@ -192,13 +192,21 @@ def test_async_mode_respects_max_trajectory_age(tiny_model_dir, tmp_path):
     assert all(r["time/gc_s"] >= r["time/gc_longest_s"] >= 0 for r in lines)
 
 
-def test_ray_trainer_crash_names_worker_and_keeps_checkpoint(tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "crash"
+@pytest.fixture(scope="module")
+def ray_crash_run(tiny_model_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """Trainer as a Ray actor, generator in the driver; the trainer's process dies in step 3's train.
+    The two tests below read it: steps 1 and 2 (each refit across processes) and the crash after them."""
+    tmp = tmp_path_factory.mktemp("ray-crash")
+    run_dir = tmp / "crash"
     recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "cluster.timeout_s": 120})
-    done = run_recipe(recipe, tmp_path, env={"RLCORE_FAULT": "crash:train:2"})
+    return run_recipe(recipe, tmp, env={"RLCORE_FAULT": "crash:train:3"}), run_dir
+
+
+def test_ray_trainer_crash_names_worker_and_keeps_checkpoint(ray_crash_run):
+    done, run_dir = ray_crash_run
     assert done.returncode != 0
-    assert "trainer rank 0" in done.stderr and "'train'" in done.stderr and "step 2" in done.stderr, done.stderr[-3000:]
-    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000001"]
+    assert "trainer rank 0" in done.stderr and "'train'" in done.stderr and "step 3" in done.stderr, done.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000001", "step_000002"]
 
 
 def test_ray_trainer_hang_times_out_with_report(tiny_model_dir, tmp_path):
@@ -212,16 +220,13 @@ def test_ray_trainer_hang_times_out_with_report(tiny_model_dir, tmp_path):
     assert "timeout" in done.stderr and "trainer ranks [0]" in done.stderr and "'train'" in done.stderr, done.stderr[-3000:]
 
 
-def test_non_colocated_trainer_process_refits_driver_generator(tiny_model_dir, tmp_path):
-    """Trainer in a Ray actor process, generator in the driver: weights cross processes each step."""
-    run_dir = tmp_path / "two-procs"
-    recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "checkpointing.enabled": False,
-                                                      "train.max_num_steps": 2})
-    done = run_recipe(recipe, tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_non_colocated_trainer_process_refits_driver_generator(ray_crash_run):
+    """Trainer in a Ray actor process, generator in the driver: weights cross processes each step
+    (the steps before the crash)."""
+    done, run_dir = ray_crash_run
     records = load_records(run_dir)
     for step in (1, 2):
-        assert records[step]["refit/bytes"] > 0
+        assert records[step]["refit/bytes"] > 0, done.stderr[-3000:]
         assert records[step]["refit/probe_max_abs_logprob_diff"] < 1e-4
 
 
