@@ -27,8 +27,17 @@ def _recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
     return recipe
 
 
-def test_runs_with_other_settings_never_resume_each_other(tiny_model_dir, tmp_path):
-    first = run_recipe(_recipe(tiny_model_dir, tmp_path / "a"), tmp_path)
+@pytest.fixture(scope="module")
+def checkpointed_run(tiny_model_dir, tmp_path_factory) -> tuple[dict, Path, subprocess.CompletedProcess]:
+    """A finished two-step run with checkpoints in their default place (under logger.log_dir), shared by
+    the two tests below: the runs they point at it refuse before writing anything there."""
+    tmp = tmp_path_factory.mktemp("checkpointed")
+    recipe = _recipe(tiny_model_dir, tmp / "a")
+    return recipe, tmp, run_recipe(recipe, tmp)
+
+
+def test_runs_with_other_settings_never_resume_each_other(checkpointed_run, tiny_model_dir):
+    _, tmp_path, first = checkpointed_run
     assert first.returncode == 0, first.stderr[-3000:]
     assert "training backend: fsdp2 (policy.dtensor_cfg)" in first.stdout
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
@@ -61,9 +70,9 @@ def test_the_same_command_twice_refuses_rather_than_appending(tiny_model_dir, tm
     assert [r["step"] for r in records] == [1, 2] and len({r["run_id"] for r in records}) == 1
 
 
-def test_no_resume_flag_on_a_checkpointed_run_refuses(tiny_model_dir, tmp_path):
-    recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"train.max_num_steps": 1})
-    assert _cli(recipe, tmp_path).returncode == 0
+def test_no_resume_flag_on_a_checkpointed_run_refuses(checkpointed_run):
+    recipe, tmp_path, first = checkpointed_run
+    assert first.returncode == 0, first.stderr[-3000:]
     again = _cli(recipe, tmp_path, "--no-resume")
     assert again.returncode == 2 and "checkpointing.resume is false" in again.stderr, again.stderr[-2000:]
 
