@@ -1,10 +1,10 @@
 """``rlcore run`` in fresh processes forked from a server that has imported the libraries once.
 
-A test that starts many short ``rlcore run`` processes one after another (kills and resumes) pays
-the imports (torch, transformers, the plugins: seconds on two cores) in each. Here a
-``multiprocessing`` fork server imports them once, before anything runs; each run is a child forked
-from it: its own process (its own pid, signals and exit status), with nothing of another run in it,
-that runs the CLI's ``main`` on its command line as ``python -m rlcore.cli`` does.
+A test that starts many short runs one after another pays the imports (torch, transformers, the
+plugins: seconds on two cores) in each. Here a ``multiprocessing`` fork server imports them once,
+before anything runs; each run is a child forked from it: its own process (its own pid, signals,
+stdout, stderr and exit status) with nothing of another run in it, which runs the CLI's ``main`` on
+its command line, as ``python -m rlcore.cli`` does, or a script, as ``python -c`` does.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,24 +22,37 @@ PRELOAD = ["torch", "torch._inductor.config", "transformers", "transformers.mode
            "rlcore.controller.run", "rlcore.controller.grpo_run", "rlcore_fsdp2.backend", "rlcore_math.envs", "math_verify"]
 
 
-def _main(argv: list[str], env: dict[str, str], output: str) -> None:
-    """In the forked child: the run's environment, stdout and stderr to ``output``, then the CLI."""
+def _redirect(env: dict[str, str], stdout: str, stderr: str) -> None:
+    """In the forked child: the caller's environment, and stdout and stderr to these files."""
+    os.environ.clear()
     os.environ.update(env)
-    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for fd, path in ((1, stdout), (2, stderr)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the process's own fd 1 and 2, as a CLI's
     sys.stderr = sys.__stderr__ = open(2, "w", closefd=False)  # noqa: SIM115
+
+
+def _cli_main(argv: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+    _redirect(env, stdout, stderr)
     sys.argv = ["rlcore", *argv]
     from rlcore.cli import main
 
     sys.exit(main())
 
 
+def _script(code: str, env: dict[str, str], stdout: str, stderr: str) -> None:
+    _redirect(env, stdout, stderr)
+    sys.argv = ["-c"]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 - the test's own script
+
+
 class PreloadedCli:
-    """``start(argv, env, output)`` -> a started ``multiprocessing.Process`` (``pid``, ``join``,
-    ``exitcode``); ``close()`` stops the fork server.
+    """``start(argv, env, stdout, stderr)`` -> a started ``multiprocessing.Process`` (``pid``, ``join``,
+    ``exitcode``); ``run_script(code, env, tmp, timeout)`` -> what ``subprocess.run([python, "-c",
+    code], capture_output=True, text=True)`` returns, ``run_cli(argv, ...)`` the same for ``rlcore``;
+    ``close()`` stops the fork server.
 
     The stdlib has one fork server per process. One that is running already (another test's, such
     as the math environment's grading pool's) is stopped first, as it preloads other modules, and
@@ -51,10 +65,31 @@ class PreloadedCli:
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(PRELOAD)
 
-    def start(self, argv: list[str], env: dict[str, str], output: Path) -> multiprocessing.Process:
-        process = self.context.Process(target=_main, args=(list(argv), dict(env), str(output)), daemon=False)
+    def start(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path | None = None) -> multiprocessing.Process:
+        args = (list(argv), dict(env), str(stdout), str(stderr or stdout))
+        process = self.context.Process(target=_cli_main, args=args, daemon=False)
         process.start()
         return process
+
+    def run_script(self, code: str, env: dict[str, str], tmp: Path, timeout: float) -> subprocess.CompletedProcess:
+        return self._run(_script, code, env, tmp, timeout, ["-c", code])
+
+    def run_cli(self, argv: list[str], env: dict[str, str], tmp: Path, timeout: float) -> subprocess.CompletedProcess:
+        """What ``subprocess.run(["rlcore", *argv], capture_output=True, text=True)`` returns."""
+        return self._run(_cli_main, list(argv), env, tmp, timeout, ["rlcore", *argv])
+
+    def _run(self, target, what, env: dict[str, str], tmp: Path, timeout: float, args: list[str]) -> subprocess.CompletedProcess:
+        out, err = (tmp / f"process-{os.urandom(3).hex()}.{name}" for name in ("out", "err"))
+        out.touch()
+        err.touch()
+        process = self.context.Process(target=target, args=(what, dict(env), str(out), str(err)), daemon=False)
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(args, timeout)
+        return subprocess.CompletedProcess(args, process.exitcode, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
     def close(self) -> None:
         self.server._stop()  # noqa: SLF001

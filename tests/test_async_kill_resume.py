@@ -68,7 +68,7 @@ class Attempt:
     def __init__(self, cli: PreloadedCli, recipe_path: Path, env: dict | None = None):
         self.output = recipe_path.with_name(f"attempt-{os.urandom(3).hex()}.log")
         self.output.touch()
-        self.proc = cli.start(["run", str(recipe_path)], env or {}, self.output)
+        self.proc = cli.start(["run", str(recipe_path)], {**os.environ, **(env or {})}, self.output)
 
     def text(self) -> str:
         return self.output.read_text(errors="replace")

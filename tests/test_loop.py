@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _preloaded_cli import PreloadedCli
+
 from rlcore.config.loader import set_dotted
 
 pytestmark = pytest.mark.slow
@@ -45,6 +47,21 @@ def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
     return recipe
 
 
+_preloaded: PreloadedCli | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def preloaded_runs():
+    """The runs of a module that uses this fixture (this one, and those that import it) are processes
+    forked from one that imported the libraries once: the imports would be most of a tiny run's
+    time on two cores. Ray runs keep a fresh interpreter each."""
+    global _preloaded
+    _preloaded = PreloadedCli()
+    yield
+    _preloaded.close()
+    _preloaded = None
+
+
 def run_recipe(recipe: dict, tmp: Path, env: dict | None = None, timeout: int = 300,
                prelude: str = "") -> subprocess.CompletedProcess:
     """Run ``recipe`` in a fresh process; ``prelude`` (Python) runs first there, e.g. to inject a fault."""
@@ -55,8 +72,26 @@ def run_recipe(recipe: dict, tmp: Path, env: dict | None = None, timeout: int = 
         if __name__ == "__main__":
             rlcore.run(rlcore.load_config({str(path)!r}))
     """)
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **(env or {})}, capture_output=True,
-                          text=True, timeout=timeout)
+    env = {**os.environ, **(env or {})}
+    if _preloaded is not None and not recipe.get("cluster", {}).get("use_ray"):
+        return _preloaded.run_script(code, env, tmp, timeout)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_rlcore(argv: list[str], tmp: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``rlcore *argv`` (the CLI) in a fresh process, without Ray."""
+    env = {**os.environ, **(env or {})}
+    if _preloaded is not None:
+        return _preloaded.run_cli(argv, env, tmp, timeout)
+    return subprocess.run([sys.executable, "-m", "rlcore.cli", *argv], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_script(code: str, tmp: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh process, without Ray."""
+    env = {**os.environ, **(env or {})}
+    if _preloaded is not None:
+        return _preloaded.run_script(code, env, tmp, timeout)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def load_records(run_dir: Path) -> dict[int, dict]:

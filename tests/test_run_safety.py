@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_loop import run_recipe, tiny_recipe
+from test_loop import preloaded_runs, run_recipe, run_rlcore, run_script, tiny_recipe  # noqa: F401 - preloaded_runs: autouse here too
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +55,7 @@ def test_runs_with_other_settings_never_resume_each_other(checkpointed_run, tiny
 def _cli(recipe: dict, tmp: Path, *args: str) -> subprocess.CompletedProcess:
     path = tmp / f"recipe-{os.urandom(3).hex()}.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    return subprocess.run([sys.executable, "-m", "rlcore.cli", "run", str(path), *args], capture_output=True, text=True,
-                          timeout=300)
+    return run_rlcore(["run", str(path), *args], tmp)
 
 
 def test_the_same_command_twice_refuses_rather_than_appending(tiny_model_dir, tmp_path):
@@ -156,8 +155,7 @@ def _run_hung(template: str, model_dir: Path, tmp: Path, timeout_s: float) -> su
     path = tmp / "hung.yaml"
     recipe = _recipe(model_dir, tmp / "hung", **{"cluster.timeout_s": timeout_s, "checkpointing.enabled": False})
     path.write_text(yaml.safe_dump(recipe))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(template.format(path=str(path)))], capture_output=True,
-                          text=True, timeout=120)
+    return run_script(textwrap.dedent(template.format(path=str(path))), tmp, timeout=120)
 
 
 def test_a_hung_environment_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
