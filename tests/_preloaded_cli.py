@@ -23,7 +23,9 @@ PRELOAD = ["torch", "torch._inductor.config", "transformers", "transformers.mode
 
 
 def _redirect(env: dict[str, str], stdout: str, stderr: str) -> None:
-    """In the forked child: the caller's environment, and stdout and stderr to these files."""
+    """In the forked child: the caller's environment, and stdout and stderr to these files. What is read
+    at interpreter start or at import (PYTHONWARNINGS, OMP_NUM_THREADS for torch) is the server's, which
+    has this process's environment: a caller passes only variables read while the run runs."""
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, stdout), (2, stderr)):
