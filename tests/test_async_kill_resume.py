@@ -18,6 +18,8 @@ in flight again, with the weights of the checkpoint, one policy version newer th
 replaces (its age is 0 where the uninterrupted run's was 1), so the numbers part from there on.
 
 Each attempt is bounded (``ATTEMPT_S``), so a resume that hangs fails the test in bounded time.
+Each is a process of its own that runs the CLI's ``rlcore run``, forked from a server that has
+imported the libraries once (``_preloaded_cli``).
 """
 
 from __future__ import annotations
@@ -26,15 +28,13 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from _preloaded_cli import PreloadedCli
 from test_loop import tiny_recipe
 
 from rlcore.controller.checkpoint import CheckpointManager
@@ -53,9 +53,33 @@ def _recipe(model_dir: Path, run_dir: Path) -> dict:
         "train.val_period": 0, "cluster.timeout_s": 60})
 
 
-def _start(recipe_path: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rlcore.cli", "run", str(recipe_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+@pytest.fixture(scope="module")
+def cli():
+    """Each attempt is a fresh process forked from one that imported the libraries once: eleven
+    interpreters' imports would be most of this test's time on two cores."""
+    server = PreloadedCli()
+    yield server
+    server.close()
+
+
+class Attempt:
+    """One ``rlcore run`` of the recipe: its process and the file its stdout and stderr go to."""
+
+    def __init__(self, cli: PreloadedCli, recipe_path: Path, env: dict | None = None):
+        self.output = recipe_path.with_name(f"attempt-{os.urandom(3).hex()}.log")
+        self.output.touch()
+        self.proc = cli.start(["run", str(recipe_path)], {**os.environ, **(env or {})}, self.output)
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def wait(self) -> str:
+        self.proc.join(ATTEMPT_S)
+        if self.proc.exitcode is None:
+            self.proc.kill()
+            self.proc.join()
+            pytest.fail(f"an attempt did not end within {ATTEMPT_S}s:\n{self.text()[-3000:]}")
+        return self.text()
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -63,42 +87,18 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _finish(proc: subprocess.Popen) -> str:
-    try:
-        out, _ = proc.communicate(timeout=ATTEMPT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"an attempt did not end within {ATTEMPT_S}s:\n{out[-3000:]}")
-    return out
-
-
-def _kill_at_random(proc: subprocess.Popen, rng: random.Random, sig: int, step_s: float) -> str:
+def _kill_at_random(attempt: Attempt, rng: random.Random, sig: int, step_s: float) -> str:
     """Send ``sig`` a random moment within about a step after the attempt's resume (its "resumed
     from" line: start-up and resume are behind it), so that it falls in any phase of a step."""
-    lines: list[str] = []
-    resumed = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("resumed from"):
-                resumed.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    if resumed.wait(ATTEMPT_S):
-        time.sleep(rng.uniform(0.0, step_s))
-        if proc.poll() is None:
-            proc.send_signal(sig)
-    try:
-        proc.wait(timeout=ATTEMPT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        reader.join()
-        pytest.fail(f"an attempt did not end within {ATTEMPT_S}s:\n{''.join(lines)[-3000:]}")
-    reader.join()
-    return "".join(lines)
+    deadline = time.monotonic() + ATTEMPT_S
+    while attempt.proc.exitcode is None and time.monotonic() < deadline:
+        if any(line.startswith("resumed from") for line in attempt.text().splitlines()):
+            time.sleep(rng.uniform(0.0, step_s))
+            if attempt.proc.exitcode is None:
+                os.kill(attempt.proc.pid, sig)
+            break
+        time.sleep(0.05)
+    return attempt.wait()
 
 
 def _data_position(run_dir: Path) -> int:
@@ -106,7 +106,7 @@ def _data_position(run_dir: Path) -> int:
     return manager.load_loop_state(manager.complete()[-1][1])["data_position"]
 
 
-def test_one_step_off_survives_kills_at_every_phase(tiny_model_dir, tmp_path):
+def test_one_step_off_survives_kills_at_every_phase(cli, tiny_model_dir, tmp_path):
     run_dir, recipe = tmp_path / "run", tmp_path / "run.yaml"
     recipe.write_text(yaml.safe_dump(_recipe(tiny_model_dir, run_dir)))
     seed = int(os.environ.get("RLCORE_KILL_SEED", random.SystemRandom().randrange(1 << 30)))
@@ -123,15 +123,15 @@ def test_one_step_off_survives_kills_at_every_phase(tiny_model_dir, tmp_path):
             step = int(what.rsplit(":", 1)[1])
             if step <= len(records):
                 continue  # that phase of that step is behind this run already
-            _finish(_start(recipe, env={"RLCORE_FAULT": what}))
+            Attempt(cli, recipe, env={"RLCORE_FAULT": what}).wait()
         else:  # a step's wall time, from the records so far (the phase kills left four)
             step_s = (records[-1]["time/elapsed_s"] - records[0]["time/elapsed_s"]) / max(len(records) - 1, 1)
-            _kill_at_random(_start(recipe), rng, what, step_s)
+            _kill_at_random(Attempt(cli, recipe), rng, what, step_s)
         stops += 1
         records = _records(run_dir)
         print(f"stop {stops} ({what}): {len(records)} records")
         assert [r["step"] for r in records] == list(range(1, len(records) + 1)), (what, records)
-    out = _finish(_start(recipe))
+    out = Attempt(cli, recipe).wait()
     assert stops >= 10, f"only {stops} stops landed before the run ended (seed {seed})"
 
     records = _records(run_dir)

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _preloaded_cli import PreloadedCli
+
 from rlcore.config.loader import set_dotted
 
 pytestmark = pytest.mark.slow
@@ -45,6 +47,21 @@ def tiny_recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
     return recipe
 
 
+_preloaded: PreloadedCli | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def preloaded_runs():
+    """The runs of a module that uses this fixture (this one, and those that import it) are processes
+    forked from one that imported the libraries once: the imports would be most of a tiny run's
+    time on two cores. Ray runs keep a fresh interpreter each."""
+    global _preloaded
+    _preloaded = PreloadedCli()
+    yield
+    _preloaded.close()
+    _preloaded = None
+
+
 def run_recipe(recipe: dict, tmp: Path, env: dict | None = None, timeout: int = 300,
                prelude: str = "") -> subprocess.CompletedProcess:
     """Run ``recipe`` in a fresh process; ``prelude`` (Python) runs first there, e.g. to inject a fault."""
@@ -55,8 +72,26 @@ def run_recipe(recipe: dict, tmp: Path, env: dict | None = None, timeout: int = 
         if __name__ == "__main__":
             rlcore.run(rlcore.load_config({str(path)!r}))
     """)
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **(env or {})}, capture_output=True,
-                          text=True, timeout=timeout)
+    env = {**os.environ, **(env or {})}
+    if _preloaded is not None and not recipe.get("cluster", {}).get("use_ray"):
+        return _preloaded.run_script(code, env, tmp, timeout)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_rlcore(argv: list[str], tmp: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``rlcore *argv`` (the CLI) in a fresh process, without Ray."""
+    env = {**os.environ, **(env or {})}
+    if _preloaded is not None:
+        return _preloaded.run_cli(argv, env, tmp, timeout)
+    return subprocess.run([sys.executable, "-m", "rlcore.cli", *argv], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_script(code: str, tmp: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh process, without Ray."""
+    env = {**os.environ, **(env or {})}
+    if _preloaded is not None:
+        return _preloaded.run_script(code, env, tmp, timeout)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def load_records(run_dir: Path) -> dict[int, dict]:
@@ -192,13 +227,21 @@ def test_async_mode_respects_max_trajectory_age(tiny_model_dir, tmp_path):
     assert all(r["time/gc_s"] >= r["time/gc_longest_s"] >= 0 for r in lines)
 
 
-def test_ray_trainer_crash_names_worker_and_keeps_checkpoint(tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "crash"
+@pytest.fixture(scope="module")
+def ray_crash_run(tiny_model_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """Trainer as a Ray actor, generator in the driver; the trainer's process dies in step 3's train.
+    The two tests below read it: steps 1 and 2 (each refit across processes) and the crash after them."""
+    tmp = tmp_path_factory.mktemp("ray-crash")
+    run_dir = tmp / "crash"
     recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "cluster.timeout_s": 120})
-    done = run_recipe(recipe, tmp_path, env={"RLCORE_FAULT": "crash:train:2"})
+    return run_recipe(recipe, tmp, env={"RLCORE_FAULT": "crash:train:3"}), run_dir
+
+
+def test_ray_trainer_crash_names_worker_and_keeps_checkpoint(ray_crash_run):
+    done, run_dir = ray_crash_run
     assert done.returncode != 0
-    assert "trainer rank 0" in done.stderr and "'train'" in done.stderr and "step 2" in done.stderr, done.stderr[-3000:]
-    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000001"]
+    assert "trainer rank 0" in done.stderr and "'train'" in done.stderr and "step 3" in done.stderr, done.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000001", "step_000002"]
 
 
 def test_ray_trainer_hang_times_out_with_report(tiny_model_dir, tmp_path):
@@ -212,16 +255,13 @@ def test_ray_trainer_hang_times_out_with_report(tiny_model_dir, tmp_path):
     assert "timeout" in done.stderr and "trainer ranks [0]" in done.stderr and "'train'" in done.stderr, done.stderr[-3000:]
 
 
-def test_non_colocated_trainer_process_refits_driver_generator(tiny_model_dir, tmp_path):
-    """Trainer in a Ray actor process, generator in the driver: weights cross processes each step."""
-    run_dir = tmp_path / "two-procs"
-    recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "checkpointing.enabled": False,
-                                                      "train.max_num_steps": 2})
-    done = run_recipe(recipe, tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_non_colocated_trainer_process_refits_driver_generator(ray_crash_run):
+    """Trainer in a Ray actor process, generator in the driver: weights cross processes each step
+    (the steps before the crash)."""
+    done, run_dir = ray_crash_run
     records = load_records(run_dir)
     for step in (1, 2):
-        assert records[step]["refit/bytes"] > 0
+        assert records[step]["refit/bytes"] > 0, done.stderr[-3000:]
         assert records[step]["refit/probe_max_abs_logprob_diff"] < 1e-4
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from test_loop import load_records, run_recipe, tiny_recipe
+from test_loop import load_records, preloaded_runs, run_recipe, tiny_recipe  # noqa: F401 - preloaded_runs: autouse here too
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_loop import run_recipe, tiny_recipe
+from test_loop import preloaded_runs, run_recipe, run_rlcore, run_script, tiny_recipe  # noqa: F401 - preloaded_runs: autouse here too
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,17 @@ def _recipe(model_dir: Path, run_dir: Path, **extra) -> dict:
     return recipe
 
 
-def test_runs_with_other_settings_never_resume_each_other(tiny_model_dir, tmp_path):
-    first = run_recipe(_recipe(tiny_model_dir, tmp_path / "a"), tmp_path)
+@pytest.fixture(scope="module")
+def checkpointed_run(tiny_model_dir, tmp_path_factory) -> tuple[dict, Path, subprocess.CompletedProcess]:
+    """A finished two-step run with checkpoints in their default place (under logger.log_dir), shared by
+    the two tests below: the runs they point at it refuse before writing anything there."""
+    tmp = tmp_path_factory.mktemp("checkpointed")
+    recipe = _recipe(tiny_model_dir, tmp / "a")
+    return recipe, tmp, run_recipe(recipe, tmp)
+
+
+def test_runs_with_other_settings_never_resume_each_other(checkpointed_run, tiny_model_dir):
+    _, tmp_path, first = checkpointed_run
     assert first.returncode == 0, first.stderr[-3000:]
     assert "training backend: fsdp2 (policy.dtensor_cfg)" in first.stdout
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
@@ -46,8 +55,7 @@ def test_runs_with_other_settings_never_resume_each_other(tiny_model_dir, tmp_pa
 def _cli(recipe: dict, tmp: Path, *args: str) -> subprocess.CompletedProcess:
     path = tmp / f"recipe-{os.urandom(3).hex()}.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    return subprocess.run([sys.executable, "-m", "rlcore.cli", "run", str(path), *args], capture_output=True, text=True,
-                          timeout=300)
+    return run_rlcore(["run", str(path), *args], tmp)
 
 
 def test_the_same_command_twice_refuses_rather_than_appending(tiny_model_dir, tmp_path):
@@ -61,9 +69,9 @@ def test_the_same_command_twice_refuses_rather_than_appending(tiny_model_dir, tm
     assert [r["step"] for r in records] == [1, 2] and len({r["run_id"] for r in records}) == 1
 
 
-def test_no_resume_flag_on_a_checkpointed_run_refuses(tiny_model_dir, tmp_path):
-    recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"train.max_num_steps": 1})
-    assert _cli(recipe, tmp_path).returncode == 0
+def test_no_resume_flag_on_a_checkpointed_run_refuses(checkpointed_run):
+    recipe, tmp_path, first = checkpointed_run
+    assert first.returncode == 0, first.stderr[-3000:]
     again = _cli(recipe, tmp_path, "--no-resume")
     assert again.returncode == 2 and "checkpointing.resume is false" in again.stderr, again.stderr[-2000:]
 
@@ -147,8 +155,7 @@ def _run_hung(template: str, model_dir: Path, tmp: Path, timeout_s: float) -> su
     path = tmp / "hung.yaml"
     recipe = _recipe(model_dir, tmp / "hung", **{"cluster.timeout_s": timeout_s, "checkpointing.enabled": False})
     path.write_text(yaml.safe_dump(recipe))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(template.format(path=str(path)))], capture_output=True,
-                          text=True, timeout=120)
+    return run_script(textwrap.dedent(template.format(path=str(path))), tmp, timeout=120)
 
 
 def test_a_hung_environment_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):

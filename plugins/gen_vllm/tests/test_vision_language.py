@@ -164,22 +164,31 @@ def test_placeholders_collapse_to_one_per_image():
 
 def test_grpo_recipe_runs_llava_image_prompts_through_vllm(llava, tmp_path):
     """The CPU recipe with the vllm generator, two steps: rollouts with images from vLLM, refit of
-    language and vision weights from the fsdp2 backend, the refit probe on image prompts."""
+    language and vision weights from the fsdp2 backend, the refit probe on image prompts.
+
+    The run gets the module's engine on the same model (an engine start is most of a run's time on
+    CPU; the factory's check for vision-language checkpoints is tested above), and the engine gets
+    the checkpoint's weights back afterwards for the tests below."""
     import json
     from pathlib import Path
 
     import yaml
+    from safetensors.torch import load_file
 
     import rlcore
 
+    model_dir, _, gen = llava
     recipe = yaml.safe_load((Path(__file__).parents[3] / "recipes/grpo_image_counting_tiny_cpu.yaml").read_text())
-    config = rlcore.build_config(recipe, [f"policy.model_name={llava[0]}", f"data.directory={tmp_path / 'data'}",
+    config = rlcore.build_config(recipe, [f"policy.model_name={model_dir}", f"data.directory={tmp_path / 'data'}",
                                           f"logger.log_dir={tmp_path / 'log'}", "policy.generation.backend=vllm",
                                           "policy.generation.kv_cache_space_gib=0.125", "train.max_num_steps=2",
                                           "train.val_period=2", "data.num_train=16", "data.num_validation=4",
                                           "train.max_val_samples=4", "train.num_prompts_per_step=4",
                                           "grpo.num_generations_per_prompt=2"])
-    rlcore.run(config)
+    try:
+        rlcore.run(config, generator=gen)
+    finally:
+        gen.update_weights([list(load_file(str(model_dir / "model.safetensors")).items())])
     rows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     probes = [r["refit/probe_max_abs_logprob_diff"] for r in rows if "refit/probe_max_abs_logprob_diff" in r]
     assert len(probes) == 2 and max(probes) < 1e-4  # fp32 both sides: the engine holds the trainer's weights
