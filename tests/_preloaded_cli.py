@@ -58,16 +58,23 @@ class PreloadedCli:
 
     The stdlib has one fork server per process. One that is running already (another test's, such
     as the math environment's grading pool's) is stopped first, as it preloads other modules, and
-    ``close()`` leaves the next user a stopped server with the preload list it had."""
+    ``close()`` leaves the next user a stopped server with the preload list it had. Stopping it takes
+    the stdlib's private handle; on a Python without it, every run is a fresh interpreter (slower,
+    the same processes otherwise)."""
 
     def __init__(self):
-        self.server = multiprocessing.forkserver._forkserver  # noqa: SLF001 - no public handle on it
+        self.server = getattr(multiprocessing.forkserver, "_forkserver", None)  # noqa: SLF001 - no public handle on it
+        self.forked = callable(getattr(self.server, "_stop", None))
+        if not self.forked:
+            return
         self.saved_preload = list(getattr(self.server, "_preload_modules", ["__main__"]))
         self.server._stop()  # noqa: SLF001
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(PRELOAD)
 
-    def start(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path | None = None) -> multiprocessing.Process:
+    def start(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path | None = None):
+        if not self.forked:
+            return _Interpreter([sys.executable, "-m", "rlcore.cli", *argv], env, stdout, stderr or stdout)
         args = (list(argv), dict(env), str(stdout), str(stderr or stdout))
         process = self.context.Process(target=_cli_main, args=args, daemon=False)
         process.start()
@@ -81,6 +88,9 @@ class PreloadedCli:
         return self._run(_cli_main, list(argv), env, tmp, timeout, ["rlcore", *argv])
 
     def _run(self, target, what, env: dict[str, str], tmp: Path, timeout: float, args: list[str]) -> subprocess.CompletedProcess:
+        if not self.forked:
+            argv = [sys.executable, "-c", what] if target is _script else [sys.executable, "-m", "rlcore.cli", *what]
+            return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
         out, err = (tmp / f"process-{os.urandom(3).hex()}.{name}" for name in ("out", "err"))
         out.touch()
         err.touch()
@@ -94,5 +104,29 @@ class PreloadedCli:
         return subprocess.CompletedProcess(args, process.exitcode, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
     def close(self) -> None:
+        if not self.forked:
+            return
         self.server._stop()  # noqa: SLF001
         self.context.set_forkserver_preload(self.saved_preload)
+
+
+class _Interpreter:
+    """A fresh interpreter with what ``start`` callers use of a ``multiprocessing.Process``."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path):
+        with open(stdout, "ab") as out, open(stderr, "ab") as err:
+            self.popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if stderr == stdout else err)
+        self.pid = self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.popen.kill()
