@@ -85,10 +85,10 @@ def run_recipe(recipe: dict, tmp: Path, env: dict | None = None, timeout: int = 
         if __name__ == "__main__":
             rlcore.run(rlcore.load_config({str(path)!r}))
     """)
-    env = {**os.environ, **(env or {})}
-    if _preloaded is not None and not recipe.get("cluster", {}).get("use_ray"):
-        return _preloaded.run_script(code, env, tmp, timeout)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    if recipe.get("cluster", {}).get("use_ray"):  # Ray runs keep a fresh interpreter (preloaded_runs)
+        return subprocess.run([sys.executable, "-c", code], env={**os.environ, **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout)
+    return run_script(code, tmp, env, timeout)
 
 
 def run_rlcore(argv: list[str], tmp: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
