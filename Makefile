@@ -30,8 +30,13 @@ $(STAMP): $(PYPROJECTS)
 demo: install
 	$(BIN)/python -m rlcore.demo $(ARGS)
 
+# Two pytest workers, each taking a whole test file at a time (its module fixtures stay in one
+# process): one at a time, the suite leaves the two cores idle nearly half the time (engines
+# starting, subprocesses waited on). Tests that bound real work by seconds of wall clock run
+# afterwards, alone.
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not wall_clock"
+	$(BIN)/python -m pytest -m wall_clock
 
 # The two example third-party plugins (examples/: the ddp training backend, the hf_static generator)
 # installed into a directory of their own (the shared .venv stays as it is), then the demo trained

@@ -253,6 +253,7 @@ def test_ray_trainer_crash_names_worker_and_keeps_checkpoint(ray_crash_run):
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000001", "step_000002"]
 
 
+@pytest.mark.wall_clock
 def test_ray_trainer_hang_times_out_with_report(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "hang"
     # The limit also bounds the generation and the trainer calls before the hung 'train' (generation

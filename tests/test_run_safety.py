@@ -158,6 +158,7 @@ def _run_hung(template: str, model_dir: Path, tmp: Path, timeout_s: float) -> su
     return run_script(textwrap.dedent(template.format(path=str(path))), tmp, timeout=120)
 
 
+@pytest.mark.wall_clock
 def test_a_hung_environment_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
     # The limit bounds the real generation before it too (over 2 s seen on two busy cores): 8 s
     # leaves it four times that; the environment sleeps 600 s.
@@ -179,6 +180,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.wall_clock
 def test_a_hung_generator_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path):
     done = _run_hung(HUNG_GENERATOR_RUN, tiny_model_dir, tmp_path, timeout_s=2)
     assert done.returncode != 0

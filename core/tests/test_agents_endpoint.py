@@ -140,6 +140,7 @@ def test_a_bad_reward_or_no_request_is_a_failure_not_a_zero(generator):
         assert runner.metrics()[f"rollout/infra_failures/{cause}"] == 4  # 2 trajectories x 2 attempts
 
 
+@pytest.mark.wall_clock
 def test_a_hung_agent_stops_the_batch_naming_its_trajectory(generator):
     async def hangs(client, sample):
         await ask(client, sample)
@@ -172,6 +173,7 @@ def test_a_plain_function_agent_gets_a_blocking_client_in_a_thread(generator):
     assert all(name.startswith("rlcore-agent") for name in threads)
 
 
+@pytest.mark.wall_clock
 def test_a_hung_plain_function_agent_is_left_on_a_daemon_thread(generator):
     """Abandoned at its attempt timeout, a blocking agent keeps only a daemon thread: nothing joins it at exit."""
     import threading

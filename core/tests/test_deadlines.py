@@ -10,6 +10,8 @@ import pytest
 from rlcore.controller.deadlines import EnvironmentTimeout, TimedEnvironment
 from rlcore.interfaces import EnvStep, Sample
 
+pytestmark = pytest.mark.wall_clock
+
 
 class HungEnvironment:
     def __init__(self, seconds: float):

@@ -136,6 +136,7 @@ def test_a_sequence_that_fills_the_length_limit_is_probed_on_its_scorable_tokens
     assert metrics["refit/probe_mean_abs_logprob_diff"] == pytest.approx(0.01, abs=1e-6)
 
 
+@pytest.mark.wall_clock
 @pytest.mark.parametrize("hang", ["transfer", "score"])
 def test_a_hung_transfer_or_probe_scoring_stops_the_refit_within_cluster_timeout(hang):
     """An injected fault: the transport's transfer, or the generator's scoring of the probe, never returns."""

@@ -14,6 +14,8 @@ from rlcore.controller.deadlines import EnvironmentTimeout, TimedEnvironment, ba
 from rlcore.interfaces import EnvironmentSession, EnvStep, Sample, SessionEnvironment, TrajectoryTurns
 from rlcore.testing.chat_tokenizers import chat_samples
 
+pytestmark = pytest.mark.wall_clock
+
 TIMEOUT_S = 1.0
 MARGIN_S = 3.0  # scheduling and a tiny model's generation on a busy 2-core machine; a hang is 60 s
 

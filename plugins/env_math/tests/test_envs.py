@@ -13,6 +13,8 @@ from rlcore.interfaces import EnvStep, Environment, Sample
 from rlcore.plugins import get_plugin_manager
 from rlcore_math.config import MathEnvConfig, MathToolEnvConfig
 
+pytestmark = pytest.mark.wall_clock
+
 
 def _build(name: str, **section):
     reg = get_plugin_manager().get("environment", name)

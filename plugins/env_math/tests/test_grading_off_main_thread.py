@@ -9,6 +9,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.wall_clock
+
 CODE = textwrap.dedent("""
     import threading
     from rlcore_math.config import GradingConfig

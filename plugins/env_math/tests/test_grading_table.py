@@ -12,6 +12,8 @@ from rlcore_math.config import GradingConfig
 from rlcore_math.grading import reward_of
 from rlcore_math.pool import InlineGrader, ProcessGradingPool
 
+pytestmark = pytest.mark.wall_clock
+
 OPTIONS = GradingConfig(num_workers=2, timeout_s=2.0, kill_grace_s=1.0)
 # Per case: the verification deadline, the kill grace, and slack for pipes on a busy 2-core box.
 CASE_LIMIT_S = OPTIONS.timeout_s + OPTIONS.kill_grace_s + 2.0

@@ -9,6 +9,8 @@ from rlcore.interfaces import Sample
 from rlcore.plugins import get_plugin_manager
 from rlcore.testing.conformance import EnvironmentConformance
 
+pytestmark = pytest.mark.wall_clock
+
 
 def _build(name: str, **section):
     reg = get_plugin_manager().get("environment", name)
