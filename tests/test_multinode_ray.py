@@ -285,7 +285,6 @@ def _audit_listeners(cluster, driver_pid: int, trainer_node_ips: set[str], maste
     return wrong
 
 
-@pytest.mark.wall_clock
 def test_a_node_lost_mid_step_stops_the_run_naming_it_and_the_checkpoint_resumes(two_node_cluster, runs, tiny_model_dir,
                                                                                    tmp_path):
     cluster, (_, spread_tmp) = two_node_cluster, runs
