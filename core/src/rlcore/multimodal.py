@@ -10,6 +10,10 @@ from the dataset (:attr:`rlcore.interfaces.Sample.images`) through generation, t
 batch (:attr:`rlcore.interfaces.SequenceBatch.images`) and packing
 (:attr:`rlcore.packing.MicroBatch.images`, per sequence), so the trainer scores exactly what the generator saw.
 
+Several sequences of a batch often carry the same images (a GRPO group's samples share their
+prompt's: one :class:`ImageInputs` object). :func:`encode_each_once` runs the vision tower on the
+distinct ones of a forward pass and copies its outputs to every sequence's rows.
+
 Prompts are built the way the model's processor builds them (chat template rendered with an
 image entry per image, each placeholder expanded to the image's token count: Qwen-VL's
 ``grid_t * grid_h * grid_w / merge_size**2``, by rlcore from the image processor alone, since the
@@ -23,8 +27,9 @@ This module imports torch and PIL lazily.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -210,3 +215,106 @@ def mrope_positions(model: Any, ids_L: torch.Tensor, images: ImageInputs | None,
     positions_3BL, _ = base.get_rope_index(ids_L[None], mm_token_type_ids=(ids_L == image_token).int()[None],
                                            image_grid_thw=images.image_grid_thw_I3.to(ids_L.device))
     return positions_3BL[:, 0]
+
+
+@attrs.frozen
+class SharedImages:
+    """Which images of a forward pass are copies of others: the same :class:`ImageInputs` object in
+    several sequences (identity, so finding them costs nothing and never mistakes two images for one).
+
+    ``unique_rows``: the rows of the concatenated ``pixel_values`` (Qwen-VL: patches; LLaVA: images)
+    of each distinct object's first occurrence; ``unique_grid_I3``: their grids (Qwen-VL);
+    ``gather``: for each leading size the vision tower's outputs can have when run on the distinct
+    images only (Qwen-VL: patches and merged tokens; LLaVA: images), the rows that rebuild the outputs
+    of all of them, in the order the model expects."""
+
+    unique_rows: torch.Tensor
+    unique_grid_I3: torch.Tensor | None
+    gather: dict[int, torch.Tensor]
+
+    @staticmethod
+    def find(per_seq: Sequence[ImageInputs | None], merge_size: int = 1) -> SharedImages | None:
+        """None when every object with images occurs once (nothing to share)."""
+        import torch
+
+        present = [p for p in per_seq if p is not None and p.num_images]
+        first: dict[int, int] = {}
+        for position, images in enumerate(present):
+            first.setdefault(id(images), position)
+        if len(first) == len(present):
+            return None
+        distinct = [present[p] for p in first.values()]
+        grids = present[0].image_grid_thw_I3 is not None
+
+        def rows(images: ImageInputs, divide: int) -> int:
+            if not grids:
+                return images.num_images
+            return int(images.image_grid_thw_I3.prod(-1).sum()) // divide
+
+        def gather(divide: int) -> tuple[int, torch.Tensor]:
+            start, offsets = 0, {}
+            for images in distinct:
+                offsets[id(images)] = start
+                start += rows(images, divide)
+            index = [offsets[id(images)] + r for images in present for r in range(rows(images, divide))]
+            return start, torch.tensor(index, dtype=torch.long)
+
+        starts, row = [], 0
+        for images in present:
+            starts.append(row)
+            row += rows(images, 1)
+        unique_rows = torch.tensor([starts[p] + r for p in first.values() for r in range(rows(present[p], 1))],
+                                   dtype=torch.long)
+        levels = dict([gather(1)] + ([gather(merge_size * merge_size)] if grids and merge_size > 1 else []))
+        grid = torch.cat([images.image_grid_thw_I3 for images in distinct]) if grids else None
+        return SharedImages(unique_rows, grid, levels)
+
+    def to(self, device: Any) -> SharedImages:
+        return SharedImages(self.unique_rows.to(device), None if self.unique_grid_I3 is None else self.unique_grid_I3.to(device),
+                            {size: index.to(device) for size, index in self.gather.items()})
+
+    def expand(self, output: Any, where: str = "output") -> Any:
+        """The vision tower's ``output`` on the distinct images -> the output on all of them: every
+        tensor's rows gathered (a tensor, tuples and lists of them, transformers' ``ModelOutput``).
+        The gather's backward sums the copies' gradients: the gradient of encoding each copy."""
+        import torch
+
+        if isinstance(output, torch.Tensor):
+            if output.dim() == 0 or output.shape[0] not in self.gather:
+                raise ValueError(f"vision tower {where}: leading size {tuple(output.shape)[:1]} is none of the distinct "
+                                 f"images' row counts {sorted(self.gather)}; encode_each_once does not know this tower")
+            return output.index_select(0, self.gather[output.shape[0]])
+        if isinstance(output, (tuple, list)) and not hasattr(output, "keys"):
+            return type(output)(self.expand(item, f"{where}[{i}]") for i, item in enumerate(output))
+        if hasattr(output, "keys"):  # a ModelOutput (an OrderedDict of its non-None fields)
+            return type(output)(**{key: self.expand(value, f"{where}.{key}") for key, value in output.items()})
+        if output is None:
+            return None
+        raise ValueError(f"vision tower {where}: a {type(output).__name__}, which encode_each_once cannot expand")
+
+
+@contextlib.contextmanager
+def encode_each_once(tower: torch.nn.Module | None, shared: SharedImages | None) -> Iterator[None]:
+    """While inside, ``tower`` (the model's vision encoder) encodes each distinct image of ``shared`` once:
+    its pixels are cut to the distinct rows on the way in, its outputs gathered back to all rows on the
+    way out (forward hooks; the model around it sees every image, as without sharing)."""
+    if shared is None:
+        yield
+        return
+
+    def cut(module, args, kwargs):
+        pixels, *rest = args
+        if "grid_thw" in kwargs and shared.unique_grid_I3 is not None:
+            kwargs = {**kwargs, "grid_thw": shared.unique_grid_I3}
+        return (pixels.index_select(0, shared.unique_rows), *rest), kwargs
+
+    def copy_back(module, args, kwargs, output):
+        return shared.expand(output)
+
+    handles = [tower.register_forward_pre_hook(cut, with_kwargs=True),
+               tower.register_forward_hook(copy_back, with_kwargs=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -85,8 +85,17 @@ class MicroBatch:
             logprob_rows_R=None if self.logprob_rows_R is None else to(self.logprob_rows_R),
             token_fields={k: to(v) for k, v in self.token_fields.items()},
             seq_fields={k: to(v) for k, v in self.seq_fields.items()},
-            images=None if self.images is None else [None if i is None else i.to(device, non_blocking=non_blocking)
-                                                     for i in self.images])
+            images=None if self.images is None else _images_to(self.images, device, non_blocking))
+
+
+def _images_to(per_seq: list[ImageInputs | None], device, non_blocking: bool) -> list[ImageInputs | None]:
+    """Each sequence's images on ``device``; an object several sequences share (a GRPO group's prompt
+    images) is copied once and stays shared (the trainer encodes it once: rlcore.multimodal.SharedImages)."""
+    moved: dict[int, ImageInputs] = {}
+    for images in per_seq:
+        if images is not None and id(images) not in moved:
+            moved[id(images)] = images.to(device, non_blocking=non_blocking)
+    return [None if images is None else moved[id(images)] for images in per_seq]
 
 
 # ---- planning --------------------------------------------------------------------------------

@@ -138,6 +138,47 @@ def test_packed_and_unpacked_losses_agree_in_float64(single_process_group, vlm, 
         backend.shutdown()
 
 
+def test_shared_images_are_encoded_once_with_the_same_logprobs_and_gradients(single_process_group, vlm, rollouts):
+    """A group's samples share their prompt's images (one object): the vision tower runs on each distinct
+    image once, and the logprobs and the tower's gradients equal those of encoding every copy."""
+    from rlcore.multimodal import vision_modules
+    from rlcore.packing import make_micro_batches
+
+    flat, images = rollouts  # two samples of each prompt: each images object appears twice
+    copies = [attrs.evolve(i, pixel_values=i.pixel_values.clone()) for i in images]  # same pixels, six objects
+    backend = _backend(vlm[0], precision="float64")
+    tower = vision_modules(backend.model)[0]
+    encoded = []
+    handle = tower.register_forward_hook(lambda module, args, output: encoded.append(args[0].shape[0]))
+    try:
+        def run(per_seq):
+            batch = _batch(flat, per_seq)
+            (mb,) = make_micro_batches(batch, sum(batch.lengths()))  # all six sequences in one forward
+            backend.model.zero_grad(set_to_none=True)
+            logprobs_T = backend._forward_logprobs(mb)
+            (logprobs_T * mb.loss_mask_T.double()).sum().backward()
+            grads = {n: p.grad.full_tensor().clone() for n, p in tower.named_parameters() if p.grad is not None}
+            return logprobs_T.detach(), grads
+
+        shared_lp, shared_grads = run(images)
+        copied_lp, copied_grads = run(copies)
+        rows = [sum(i.pixel_values.shape[0] for i in per_seq) for per_seq in (images[::2], images)]
+        assert encoded == rows  # three distinct images, then all six
+        # float64, each image's rows computed alike: the forward agrees to float64 rounding
+        assert torch.allclose(shared_lp, copied_lp, rtol=0, atol=1e-12)
+        # The backward sums the copies' gradients before the tower instead of after it. transformers runs
+        # the vision rotary embedding in float32 (it casts q and k), so gradients that differ in float64's
+        # last bits can round to neighbouring float32 values there: agreement to a few float32 ulps of the
+        # tower's largest gradient (some gradients, such as a key bias's, are zero up to rounding).
+        assert shared_grads and shared_grads.keys() == copied_grads.keys()
+        scale = max(float(grad.abs().max()) for grad in copied_grads.values())
+        for name, grad in shared_grads.items():
+            assert float((grad - copied_grads[name]).abs().max()) <= 8 * 2.0**-23 * scale, name
+    finally:
+        handle.remove()
+        backend.shutdown()
+
+
 @pytest.mark.parametrize("freeze", [False, True])
 def test_training_moves_the_vision_tower_unless_frozen(single_process_group, vlm, rollouts, freeze):
     from rlcore.plugins import get_plugin_manager
