@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rlcore.interfaces import SequenceBatch
 from rlcore.multimodal import ImageInputs, SharedImages
 from rlcore.packing import make_micro_batches
