@@ -12,6 +12,8 @@ Vision-language models (a config with a ``vision_config``: Qwen2.5-VL, Qwen3-VL,
 with images (:class:`rlcore.interfaces.ImageGenerator`): the first forward gets the batch's
 pixel values and, for Qwen-VL, each row's multimodal rotary positions
 (:func:`rlcore.multimodal.mrope_positions`); each new token's position follows its row's last one.
+The ``n`` samples of a prompt share its images object, which the vision tower encodes once
+(:func:`rlcore.multimodal.encode_each_once`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch
 from rlcore.config import ConfigError
 from rlcore.config.hf_generation import HFGenerationConfig
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
-from rlcore.multimodal import ImageInputs, is_vision_language, mrope_positions, uses_multimodal_rope
+from rlcore.multimodal import (ImageInputs, SharedImages, encode_each_once, is_vision_language, mrope_positions,
+                               uses_multimodal_rope, vision_modules)
 from rlcore.utils import torch_dtype
 
 
@@ -85,6 +88,7 @@ class HFGenerator:
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         vision: dict = {}
+        shared = None
         next_position = torch.tensor(lengths, device=self.device)  # of each row's first new token
         mrope = images is not None and self.mrope
         if images is not None:
@@ -93,13 +97,16 @@ class HFGenerator:
             batch_images = ImageInputs.concat(images)
             if batch_images is not None:
                 vision = batch_images.to(self.device).model_inputs(self.model.dtype)
+                shared = SharedImages.find(images, getattr(self.model.config.vision_config, "spatial_merge_size", 1))
         past = None
         with torch.no_grad():
             for step in range(max(budgets, default=0)):
                 if not any(live):
                     break
-                out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=past,
-                                 use_cache=True, **self.last_logits_only, **(vision if step == 0 else {}))
+                prefill = step == 0 and shared is not None
+                with encode_each_once(vision_modules(self.model)[0] if prefill else None, shared.to(self.device) if prefill else None):
+                    out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=past,
+                                     use_cache=True, **self.last_logits_only, **(vision if step == 0 else {}))
                 past = out.past_key_values
                 logits_BV = out.logits[:, -1].float()
                 if self.never_sample:

@@ -99,6 +99,29 @@ def test_generation_sees_the_image_and_scores_what_it_sampled(vlm, generator, ro
     assert abs(a[-1] - b[-1]) > 1e-4  # the pixels reach the logits
 
 
+def test_generation_encodes_shared_images_once(vlm, generator):
+    """Two rows with one images object: the prefill encodes it once and samples what two copies give."""
+    from rlcore.multimodal import vision_modules
+
+    sample = vlm[1].train[0]
+    copy = attrs.evolve(sample.images, pixel_values=sample.images.pixel_values.clone())
+    params = SamplingParams(max_new_tokens=4, seed=5)
+    encoded = []
+    handle = vision_modules(generator.model)[0].register_forward_hook(lambda m, args, out: encoded.append(args[0].shape[0]))
+    try:
+        shared = generator.generate_with_images([sample.prompt_ids] * 2, [sample.images] * 2, params)
+        copies = generator.generate_with_images([sample.prompt_ids] * 2, [sample.images, copy], params)
+    finally:
+        handle.remove()
+    rows = sample.images.pixel_values.shape[0]
+    assert encoded == [rows, 2 * rows]
+    for (a,), (b,) in zip(shared, copies):
+        assert a.response_ids == b.response_ids
+        # fp32: each row's arithmetic is the same; the vision GEMMs' row count differs (2x), which may
+        # change their blocking: agreement to float32 rounding through a few layers
+        assert torch.allclose(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-5)
+
+
 def test_trainer_logprobs_match_the_generator_and_packing(single_process_group, vlm, generator, rollouts):
     flat, images = rollouts
     batch = _batch(flat, images)
