@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import attrs
 import numpy as np
@@ -107,11 +107,15 @@ def _check_lengths(lengths: Sequence[int]) -> np.ndarray:
     return lengths_N
 
 
-def _pack_bins(lengths_N: np.ndarray, max_tokens: int) -> list[list[int]]:
+def _pack_bins(lengths_N: np.ndarray, max_tokens: int, affinity: Sequence[Hashable | None] | None = None) -> list[list[int]]:
     """Best-fit decreasing: each sequence (longest first) goes to the open bin whose free space
     is the smallest that still fits it. ``free`` is a sorted list of free capacities, with the
     bins holding each capacity in ``bins_by_free``; both updates are O(log bins) bisects plus a
-    C-level memmove, which keeps 100k sequences well under a second."""
+    C-level memmove, which keeps 100k sequences well under a second.
+
+    ``affinity``: a key per sequence (None: none). A sequence whose key is already in an open bin
+    with room for it goes to the fullest such bin instead (the samples of one image prompt then
+    share a micro-batch, whose vision tower encodes the image once)."""
     too_long = np.flatnonzero(lengths_N > max_tokens)
     if too_long.size:
         i = int(too_long[0])
@@ -120,19 +124,41 @@ def _pack_bins(lengths_N: np.ndarray, max_tokens: int) -> list[list[int]]:
             f"({too_long.size} sequence(s) too long); raise the token budget or lower the sequence length limit"
         )
     order = np.argsort(-lengths_N, kind="stable")
+    if affinity is not None:  # key by key (the longest key first), each key's sequences longest first
+        totals: dict[Hashable, int] = {}
+        for i, key in enumerate(affinity):
+            if key is not None:
+                totals[key] = totals.get(key, 0) + int(lengths_N[i])
+        rank = {key: r for r, key in enumerate(sorted(totals, key=lambda k: -totals[k]))}
+        order = np.array(sorted(order.tolist(), key=lambda i: len(rank) if affinity[i] is None else rank[affinity[i]]),
+                         dtype=np.int64)
     bins: list[list[int]] = []
     free: list[int] = []
     bins_by_free: dict[int, list[int]] = {}
+    space_of: list[int] = []  # each bin's free tokens
+    bins_by_key: dict[Hashable, set[int]] = {}
     for idx, length in zip(order.tolist(), lengths_N[order].tolist()):
-        pos = bisect.bisect_left(free, length)
-        if pos == len(free):
-            b, space = len(bins), max_tokens
-            bins.append([])
+        key = None if affinity is None else affinity[idx]
+        kin = [b for b in bins_by_key.get(key, ()) if space_of[b] >= length] if key is not None else []
+        if kin:
+            b = min(kin, key=lambda k: (space_of[k], k))
+            space = space_of[b]
+            if space:  # a bin with no room left is in neither ``free`` nor ``bins_by_free``
+                free.pop(bisect.bisect_left(free, space))
+                bins_by_free[space].remove(b)
         else:
-            space = free.pop(pos)
-            b = bins_by_free[space].pop()
+            pos = bisect.bisect_left(free, length)
+            if pos == len(free):
+                b, space = len(bins), max_tokens
+                bins.append([])
+                space_of.append(max_tokens)
+            else:
+                space = free.pop(pos)
+                b = bins_by_free[space].pop()
         bins[b].append(idx)
-        left = space - length
+        if key is not None:
+            bins_by_key.setdefault(key, set()).add(b)
+        left = space_of[b] = space - length
         if left > 0:
             bisect.insort(free, left)
             bins_by_free.setdefault(left, []).append(b)
@@ -193,11 +219,13 @@ def plan_grouped_micro_batches(lengths: Sequence[int], groups: Sequence[int], ma
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int, dp_size: int = 1, *,
-                       pack: bool = True, micro_batch_size: int | None = None) -> list[list[list[int]]]:
+                       pack: bool = True, micro_batch_size: int | None = None,
+                       affinity: Sequence[Hashable | None] | None = None) -> list[list[list[int]]]:
     """[dp_rank][micro_batch] -> sequence indices (ascending within a micro-batch).
 
     ``pack=True``: bins of at most ``max_tokens`` tokens (a longer sequence is a ValueError naming
-    it), balanced across ranks by tokens. ``pack=False``: ``micro_batch_size`` sequences per
+    it), balanced across ranks by tokens; sequences with the same ``affinity`` key share a bin where
+    one has room (see :func:`_pack_bins`). ``pack=False``: ``micro_batch_size`` sequences per
     micro-batch, ranks taking contiguous shards of the batch. Either way every rank gets the same
     number of micro-batches; the shorter ranks' extra micro-batches are empty lists.
     """
@@ -212,7 +240,9 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int, dp_size: int = 1
         return _equalize(ranks)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    bins = _pack_bins(lengths_N, max_tokens)
+    if affinity is not None and len(affinity) != lengths_N.size:
+        raise ValueError(f"affinity has {len(affinity)} keys, there are {lengths_N.size} sequences")
+    bins = _pack_bins(lengths_N, max_tokens, affinity)
     return _spread_over_ranks(bins, [int(lengths_N[b].sum()) for b in bins], dp_size)
 
 
@@ -302,8 +332,25 @@ def make_micro_batches(batch: SequenceBatch, max_tokens: int, dp_rank: int = 0, 
         plan = plan_grouped_micro_batches(batch.lengths(), groups.tolist(), max_tokens, dp_size, pack=pack,
                                           micro_batch_size=micro_batch_size)
     else:
-        plan = plan_micro_batches(batch.lengths(), max_tokens, dp_size, pack=pack, micro_batch_size=micro_batch_size)
+        plan = plan_micro_batches(batch.lengths(), max_tokens, dp_size, pack=pack, micro_batch_size=micro_batch_size,
+                                  affinity=_image_prompt_keys(batch))
     return [_layout(batch, seq_ids, pad_to_multiple) for seq_ids in plan[dp_rank]]
+
+
+def _image_prompt_keys(batch: SequenceBatch) -> list[bytes | None] | None:
+    """Each image sequence's prompt (its ids before the first trained token) as a packing affinity key:
+    the samples of one image prompt then share micro-batches, whose vision tower encodes the image
+    once (:class:`rlcore.multimodal.SharedImages`). Keys from the ids, not the images objects, so every
+    rank plans the same micro-batches; two prompts with equal ids are packed together, which is harmless.
+    None for a batch without images."""
+    if batch.images is None:
+        return None
+    keys: list[bytes | None] = []
+    for ids, mask, images in zip(batch.input_ids, batch.loss_mask, batch.images):
+        trained = torch.nonzero(mask.reshape(-1) > 0)
+        prompt_len = int(trained[0]) if trained.numel() else ids.numel()
+        keys.append(None if images is None else ids.reshape(-1)[:prompt_len].cpu().numpy().tobytes())
+    return keys
 
 
 def unpack(values_T: torch.Tensor, mb: MicroBatch) -> list[torch.Tensor]:
