@@ -84,3 +84,20 @@ def test_affinity_packs_groups_into_few_micro_batches_at_the_same_fill(seed):
         return sum(len({keys[i] for i in mb}) for mb in plan)
 
     assert encodings(keyed) * 2 < encodings(plain)
+
+
+def test_a_tower_inside_encode_each_once_sees_distinct_rows_and_refuses_other_inputs():
+    from rlcore.multimodal import encode_each_once
+
+    a, b = _images(0, [1, 2, 2]), _images(10, [1, 2, 2])
+    shared = SharedImages.find([a, a, b], merge_size=2)
+    tower = torch.nn.Linear(1, 3)
+    seen = []
+    tower.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    pixels = torch.cat([a.pixel_values, a.pixel_values, b.pixel_values])
+    with encode_each_once(tower, shared):
+        out = tower(pixels)
+        with pytest.raises(ValueError, match="got 4 rows of pixels, the sequences' images have 12"):
+            tower(a.pixel_values)
+    assert torch.equal(out, tower(pixels))  # the hooks are gone: all 12 rows encoded
+    assert seen == [8, 12]

@@ -98,13 +98,14 @@ class HFGenerator:
             if batch_images is not None:
                 vision = batch_images.to(self.device).model_inputs(self.model.dtype)
                 shared = SharedImages.find(images, getattr(self.model.config.vision_config, "spatial_merge_size", 1))
+        tower = None if shared is None else vision_modules(self.model)[0]
+        shared = None if shared is None else shared.to(self.device)
         past = None
         with torch.no_grad():
             for step in range(max(budgets, default=0)):
                 if not any(live):
                     break
-                prefill = step == 0 and shared is not None
-                with encode_each_once(vision_modules(self.model)[0] if prefill else None, shared.to(self.device) if prefill else None):
+                with encode_each_once(tower, shared if step == 0 else None):  # the images enter at the prefill
                     out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=past,
                                      use_cache=True, **self.last_logits_only, **(vision if step == 0 else {}))
                 past = out.past_key_values

@@ -231,6 +231,7 @@ class SharedImages:
     unique_rows: torch.Tensor
     unique_grid_I3: torch.Tensor | None
     gather: dict[int, torch.Tensor]
+    num_rows: int  # of the concatenated pixel_values: what the tower is called with
 
     @staticmethod
     def find(per_seq: Sequence[ImageInputs | None], merge_size: int = 1) -> SharedImages | None:
@@ -267,11 +268,11 @@ class SharedImages:
                                    dtype=torch.long)
         levels = dict([gather(1)] + ([gather(merge_size * merge_size)] if grids and merge_size > 1 else []))
         grid = torch.cat([images.image_grid_thw_I3 for images in distinct]) if grids else None
-        return SharedImages(unique_rows, grid, levels)
+        return SharedImages(unique_rows, grid, levels, row)
 
     def to(self, device: Any) -> SharedImages:
         return SharedImages(self.unique_rows.to(device), None if self.unique_grid_I3 is None else self.unique_grid_I3.to(device),
-                            {size: index.to(device) for size, index in self.gather.items()})
+                            {size: index.to(device) for size, index in self.gather.items()}, self.num_rows)
 
     def expand(self, output: Any, where: str = "output") -> Any:
         """The vision tower's ``output`` on the distinct images -> the output on all of them: every
@@ -304,6 +305,9 @@ def encode_each_once(tower: torch.nn.Module | None, shared: SharedImages | None)
 
     def cut(module, args, kwargs):
         pixels, *rest = args
+        if pixels.shape[0] != shared.num_rows:
+            raise ValueError(f"encode_each_once: the vision tower got {pixels.shape[0]} rows of pixels, the sequences' "
+                             f"images have {shared.num_rows}")
         if "grid_thw" in kwargs and shared.unique_grid_I3 is not None:
             kwargs = {**kwargs, "grid_thw": shared.unique_grid_I3}
         return (pixels.index_select(0, shared.unique_rows), *rest), kwargs

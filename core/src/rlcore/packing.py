@@ -113,9 +113,10 @@ def _pack_bins(lengths_N: np.ndarray, max_tokens: int, affinity: Sequence[Hashab
     bins holding each capacity in ``bins_by_free``; both updates are O(log bins) bisects plus a
     C-level memmove, which keeps 100k sequences well under a second.
 
-    ``affinity``: a key per sequence (None: none). A sequence whose key is already in an open bin
-    with room for it goes to the fullest such bin instead (the samples of one image prompt then
-    share a micro-batch, whose vision tower encodes the image once)."""
+    ``affinity``: a key per sequence (None: none). The sequences are then placed key by key (the key
+    with the most tokens first; each key's longest first; those without a key last), and a sequence
+    whose key is already in an open bin with room for it goes to the fullest such bin instead (the
+    samples of one image prompt then share micro-batches, whose vision tower encodes the image once)."""
     too_long = np.flatnonzero(lengths_N > max_tokens)
     if too_long.size:
         i = int(too_long[0])
