@@ -6,7 +6,9 @@ Imports no torch at import time (``torch_dtype`` imports it when called).
 from __future__ import annotations
 
 import importlib
+import random
 import socket
+from pathlib import Path
 from typing import Any
 
 # The dtypes a recipe may name (policy.precision, generation dtypes, pipeline dtypes).
@@ -14,10 +16,34 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (for a process group's store or a local listener)."""
-    with socket.socket() as sock:
+    """A TCP port free on ``host`` now (for a process group's store or a local listener).
+
+    Chosen at random between 20000 (above Ray's worker ports, 10002-19999 by default) and the kernel's
+    ephemeral range: a port the kernel hands out (bind to 0) is one it also gives to other processes'
+    outgoing connections, which busy processes (gloo's pairs, Ray) open all the time, so it can be
+    taken before the listener binds it."""
+    low = _ephemeral_ports_start()
+    chooser = random.Random()  # seeded from the OS: two processes draw independently
+    for _ in range(64):
+        port = chooser.randrange(20_000, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # that range is busy: let the kernel choose
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > 21_000 else 32768
 
 
 def resolve(spec: str) -> Any:
