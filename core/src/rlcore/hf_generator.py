@@ -13,7 +13,7 @@ with images (:class:`rlcore.interfaces.ImageGenerator`): the first forward gets 
 pixel values and, for Qwen-VL, each row's multimodal rotary positions
 (:func:`rlcore.multimodal.mrope_positions`); each new token's position follows its row's last one.
 The ``n`` samples of a prompt share its images object, which the vision tower encodes once
-(:func:`rlcore.multimodal.encode_each_once`).
+(:func:`rlcore.multimodal.encoding_shared_images_once`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 from rlcore.config import ConfigError
 from rlcore.config.hf_generation import HFGenerationConfig
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
-from rlcore.multimodal import (ImageInputs, SharedImages, encode_each_once, is_vision_language, mrope_positions,
-                               uses_multimodal_rope, vision_modules)
+from rlcore.multimodal import (ImageInputs, encoding_shared_images_once, is_vision_language, mrope_positions,
+                               uses_multimodal_rope)
 from rlcore.utils import torch_dtype
 
 
@@ -88,7 +88,6 @@ class HFGenerator:
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         vision: dict = {}
-        shared = None
         next_position = torch.tensor(lengths, device=self.device)  # of each row's first new token
         mrope = images is not None and self.mrope
         if images is not None:
@@ -97,15 +96,13 @@ class HFGenerator:
             batch_images = ImageInputs.concat(images)
             if batch_images is not None:
                 vision = batch_images.to(self.device).model_inputs(self.model.dtype)
-                shared = SharedImages.find(images, getattr(self.model.config.vision_config, "spatial_merge_size", 1))
-        tower = None if shared is None else vision_modules(self.model)[0]
-        shared = None if shared is None else shared.to(self.device)
         past = None
         with torch.no_grad():
             for step in range(max(budgets, default=0)):
                 if not any(live):
                     break
-                with encode_each_once(tower, shared if step == 0 else None):  # the images enter at the prefill
+                # the images enter with the prompt (step 0); a prompt's n samples share one images object
+                with encoding_shared_images_once(self.model, images if step == 0 else None, self.device):
                     out = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=past,
                                      use_cache=True, **self.last_logits_only, **(vision if step == 0 else {}))
                 past = out.past_key_values

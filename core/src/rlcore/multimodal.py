@@ -12,7 +12,8 @@ batch (:attr:`rlcore.interfaces.SequenceBatch.images`) and packing
 
 Several sequences of a batch often carry the same images (a GRPO group's samples share their
 prompt's: one :class:`ImageInputs` object). :func:`encode_each_once` runs the vision tower on the
-distinct ones of a forward pass and copies its outputs to every sequence's rows.
+distinct ones of a forward pass and copies its outputs to every sequence's rows;
+:func:`encoding_shared_images_once` sets it up for a model and its sequences' images.
 
 Prompts are built the way the model's processor builds them (chat template rendered with an
 image entry per image, each placeholder expanded to the image's token count: Qwen-VL's
@@ -322,3 +323,15 @@ def encode_each_once(tower: torch.nn.Module | None, shared: SharedImages | None)
     finally:
         for handle in handles:
             handle.remove()
+
+
+def encoding_shared_images_once(model: Any, per_seq: Sequence[ImageInputs | None] | None,
+                                device: Any) -> contextlib.AbstractContextManager[None]:
+    """:func:`encode_each_once` for a vision-language ``model`` called with ``per_seq`` (each sequence's
+    images, in order; None: a call without images): its vision tower encodes each shared images object once.
+    Does nothing when no object is shared."""
+    shared = None if per_seq is None else SharedImages.find(
+        per_seq, getattr(getattr(model.config, "vision_config", None), "spatial_merge_size", 1))
+    if shared is None:
+        return contextlib.nullcontext()
+    return encode_each_once(vision_modules(model)[0], shared.to(device))

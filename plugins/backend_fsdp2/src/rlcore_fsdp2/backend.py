@@ -27,7 +27,7 @@ from rlcore.algorithms.base import merge_metrics
 from rlcore.config.schema import RunConfig
 from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
-from rlcore.multimodal import (ImageInputs, SharedImages, encode_each_once, is_vision_language, mrope_positions,
+from rlcore.multimodal import (ImageInputs, encoding_shared_images_once, is_vision_language, mrope_positions,
                                uses_multimodal_rope, vision_modules)
 from rlcore.ops import selected_token_logprobs, token_logprobs
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
@@ -168,8 +168,8 @@ class FSDP2Backend:
         cu, max_len = attention.attention_cu_seqlens(mb.cu_seqlens, mb.num_tokens, self.device)
         rows_R = mb.logprob_rows_R
         select = rows_R is not None and rows_R.numel() > 0 and not self.cfg.sequence_parallel and self.dims.cp == 1
-        inputs, shared = self._vision_inputs(mb) if self.vision else ({"position_ids": mb.position_ids_T[None]}, None)
-        with encode_each_once(vision_modules(self.model)[0] if shared is not None else None, shared):
+        inputs = self._vision_inputs(mb) if self.vision else {"position_ids": mb.position_ids_T[None]}
+        with encoding_shared_images_once(self.model, mb.images, self.device):
             out = self.model(input_ids=mb.input_ids_T[None], use_cache=False, **inputs,
                              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
                              logits_to_keep=rows_R if select else 0)
@@ -179,25 +179,21 @@ class FSDP2Backend:
                                            chunk_tokens=self.cfg.logprob_chunk_tokens)
         return token_logprobs(out.logits.squeeze(0), mb.input_ids_T, mb.cu_seqlens, chunk_tokens=self.cfg.logprob_chunk_tokens)
 
-    def _vision_inputs(self, mb: MicroBatch) -> tuple[dict[str, torch.Tensor], SharedImages | None]:
+    def _vision_inputs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """A vision-language model's inputs: the micro-batch's pixels and positions: for Qwen-VL [4, 1, T],
         the packed text positions (restarting per sequence), then each sequence's multimodal rotary
-        positions; for the others (LLaVA) the packed text positions [1, T]. And the images several of
-        its sequences share (a group's samples), which the vision tower then encodes once."""
+        positions; for the others (LLaVA) the packed text positions [1, T]."""
         ids_T, cu = mb.input_ids_T, mb.cu_seqlens.tolist()
         token = int(self.hf_config.image_token_id)
         per_seq = mb.images if mb.images is not None else [None] * mb.num_seqs
         images = ImageInputs.concat(per_seq)
         pixels = {} if images is None else images.model_inputs(self.compute_dtype)
-        merge = getattr(self.hf_config.vision_config, "spatial_merge_size", 1)
-        shared = SharedImages.find(per_seq, merge)
-        shared = None if shared is None else shared.to(self.device)
         if not uses_multimodal_rope(self.model):
-            return {"position_ids": mb.position_ids_T[None], **pixels}, shared
+            return {"position_ids": mb.position_ids_T[None], **pixels}
         rope_3T = torch.cat([mrope_positions(self.model, ids_T[a:b], images, token)
                              for a, b, images in zip(cu[:-1], cu[1:], per_seq)]
                             + [torch.arange(mb.num_padding, device=ids_T.device).expand(3, -1)], dim=1)
-        return {"position_ids": torch.cat([mb.position_ids_T[None], rope_3T])[:, None], **pixels}, shared
+        return {"position_ids": torch.cat([mb.position_ids_T[None], rope_3T])[:, None], **pixels}
 
     # ---- TrainingBackend -------------------------------------------------------------------
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
