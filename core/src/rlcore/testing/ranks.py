@@ -32,7 +32,7 @@ def run_ranks(worker: Path, args: Sequence[str], *, what: str, timeout: float, w
         outputs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(world_size)]
         procs = [subprocess.Popen([sys.executable, str(worker), str(rank), str(world_size), *map(str, args)], env=env,
                                   stdout=out, stderr=subprocess.STDOUT, text=True) for rank, out in enumerate(outputs)]
-        deadline, still_running = time.monotonic() + timeout, []
+        deadline = time.monotonic() + timeout
         try:
             while True:
                 codes = [p.poll() for p in procs]  # every one, each time: a failed rank is noticed at once
