@@ -169,6 +169,11 @@ class Placement:
     # When not colocated on GPUs of one node with a local Ray instance: the devices left to generation
     # (as CUDA_VISIBLE_DEVICES names them); the trainer's actors hold the others. Empty otherwise.
     generator_gpus: tuple[str, ...] = ()
+    # The run's memory plan (rlcore.planning.run_memory), for recipes that leave these keys auto: the
+    # engine's share of a GPU (None: the generator's own choice, or no plan), and whether the trainer's
+    # gradients and optimizer state leave the GPU while a colocated engine is awake.
+    engine_memory_fraction: float | None = None
+    offload_trainer_state: bool = False
 
 
 @attrs.frozen

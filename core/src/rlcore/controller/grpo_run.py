@@ -20,6 +20,7 @@ from rlcore.controller.builders import (
 from rlcore.controller.deadlines import bounded_teardown
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
+from rlcore.controller.memory_plan import apply_memory_plan
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
 from rlcore.controller.offline import build_loggers
 from rlcore.controller.placement import plan_placement
@@ -53,7 +54,7 @@ def build_components(config: RunConfig, **given) -> Components:
     dataset = given_or_built_dataset(config, manager, given, tokenizer)
     check_prompt_lengths(dataset, config)
     check_run_sizes(config, dataset, algorithm)
-    placement = plan_placement(config)
+    placement = apply_memory_plan(config, plan_placement(config), critic=critic_step.trains_critic(algorithm), given=given)
     trainer = build_trainer(config, manager, placement, given.get("backend"))
     critic = build_critic(config, manager, algorithm, trainer, placement, given.get("backend"))  # ppo's value model
     generator = build_generator(config, manager, placement, given)
@@ -69,7 +70,7 @@ def build_components(config: RunConfig, **given) -> Components:
         loggers = build_loggers(config, run_dir)
     reporter = Reporter(config.train.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
-                      teacher=teacher, critic=critic)
+                      teacher=teacher, critic=critic, placement=placement)
 
 
 def export_critic(components: Components, run_dir: Path) -> None:
@@ -77,7 +78,7 @@ def export_critic(components: Components, run_dir: Path) -> None:
     ``offload_trainer_state`` its state comes back for it while the engines sleep."""
     if components.critic is None:
         return
-    offloaded = components.config.generation.colocated.offload_trainer_state
+    offloaded = components.placement.offload_trainer_state
     if offloaded:
         components.generator.sleep()
     try:

@@ -22,6 +22,7 @@ from rlcore.controller.deadlines import TimedTeacher, bounded_call
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.learner import Learner
 from rlcore.controller.nonfinite import NonFiniteLossError
+from rlcore.controller.phase_memory import PhaseMemory
 from rlcore.controller.refitter import Refitter
 from rlcore.controller.resume import LoopCheckpoints, Progress
 from rlcore.controller.rollouts import Rollouts
@@ -29,7 +30,8 @@ from rlcore.controller.run_dir import checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
 from rlcore.controller.validation import Validator
 from rlcore.interfaces import (
-    Algorithm, CriticHandle, Environment, Generator, MetricLogger, PromptDataset, Teacher, TrainerHandle, WeightTransport,
+    Algorithm, CriticHandle, Environment, Generator, MetricLogger, Placement, PromptDataset, Teacher, TrainerHandle,
+    WeightTransport,
 )
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ class Components:
     run_identity: dict | None = None  # RunDir.identity(): run id, log dir, fingerprint (checkpoints record it)
     teacher: Teacher | None = None  # scores rollouts for algorithms registered with a teacher (distillation)
     critic: CriticHandle | None = None  # the value model of algorithms that train one (ppo)
+    placement: Placement = attrs.Factory(Placement)  # where the parts run, and the memory plan's decisions
 
 
 class GRPOLoop:
@@ -70,7 +73,7 @@ class GRPOLoop:
         teacher = None if c.teacher is None else TimedTeacher(c.teacher, cfg.cluster.timeout_s)
         self.learner = Learner(c.trainer, c.algorithm, cfg.policy.max_total_sequence_length,
                                cfg.train.max_consecutive_nonfinite, teacher,
-                               cfg.generation.colocated.offload_trainer_state, c.critic)
+                               c.placement.offload_trainer_state, c.critic)
         self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock,
                                  cfg.policy.max_total_sequence_length, cfg.cluster.timeout_s)
         self.validator = Validator(self.rollouts, c.trainer, cfg.train.max_val_samples, cfg.train.seed,
@@ -82,6 +85,7 @@ class GRPOLoop:
         # the garbage collector's pauses and the interpreter lock's waits, recorded with each step (interpreter.py)
         self.collector = CollectorPolicy(cfg.cluster.gc_period)
         self.gc_clock, self.lock_lag = GCClock(), LockLagProbe(cfg.experimental.gil_lag_probe)
+        self.phase_memory: PhaseMemory | None = None  # peak GPU memory per phase (the sync loop on CUDA)
 
     @property
     def step(self) -> int:
@@ -102,8 +106,13 @@ class GRPOLoop:
             driver(self)
             return self.progress.records
 
-        with self.collector, self.gc_clock, self.lock_lag:
-            return run_catching_sigterm(self.progress, body, checkpointed=self.checkpoints.ckpt is not None)
+        self.phase_memory = PhaseMemory.on_cuda() if driver is run_sync else None
+        try:
+            with self.collector, self.gc_clock, self.lock_lag:
+                return run_catching_sigterm(self.progress, body, checkpointed=self.checkpoints.ckpt is not None)
+        finally:
+            if self.phase_memory is not None:
+                self.phase_memory.close()
 
     def _start(self) -> None:
         self.checkpoints.resume(self.c.config.checkpointing.resume)
@@ -166,7 +175,7 @@ def run_sync(run: GRPOLoop) -> None:
     generator = run.c.generator
     while run.step < run.train_cfg.max_num_steps:
         step = run.next_step()
-        timer = StepTimer()
+        timer = StepTimer(run.phase_memory)
         # Draw P prompts, generate G responses to each, score them, keep whole groups.
         trajectories, record, _ = run.rollouts.collect(step, timer)
         # Colocated engines release their memory while the trainer works (a no-op on CPU).

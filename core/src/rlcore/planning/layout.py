@@ -30,6 +30,9 @@ class Workload:
     grad_bytes: int = 4  # Megatron: 4 with grad_reduce_in_fp32, else the dtype's
     optimizer_states: int = 2  # Adam: 2 moments; SGD with momentum: 1
     overlap_grad_reduce: bool = False
+    critic: bool = False  # PPO: a value model of the policy's shape trains beside it (its state on the same GPUs)
+    refit_chunk_bytes: int = 1 << 30  # weights staged for the engine at a time while it is awake (refit.chunk_bytes)
+    probe_tokens: int = 0  # tokens the refit probe's logprob pass scores while the engine is awake
 
     @property
     def seq_tokens(self) -> int:
@@ -60,10 +63,16 @@ class Layout:
     train_mb_tokens: int = 8192
     logprob_mb_tokens: int = 16384
     offload: bool = False  # megatron: colocated.offload_trainer_state; fsdp2: dtensor_cfg.cpu_offload
+    release: bool = False  # fsdp2: colocated.offload_trainer_state (megatron's is ``offload``)
     colocated: bool = True
     gen_gpus: int = 0  # GPUs of generation's own when not colocated
     gen_tp: int = 1
     gen_memory_fraction: float = 0.0  # filled in by the planner: the engine's share of a GPU (vLLM gpu_memory_utilization)
+
+    @property
+    def releases_state(self) -> bool:
+        """Whether the trainer's gradients and optimizer state leave the GPU while a colocated engine is awake."""
+        return self.release or (self.offload and self.backend == "megatron")
 
     def train_world(self, world: int) -> int:
         return world if self.colocated else world - self.gen_gpus

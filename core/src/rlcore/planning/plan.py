@@ -43,6 +43,11 @@ def _recompute(value) -> str:
     return "full" if value in (True, "full") else ("selective" if value == "selective" else "none")
 
 
+def _fraction(value) -> float:
+    """The recipe's engine share of a GPU; 0 = the planner sizes it (``auto``, or no such key)."""
+    return 0.0 if value in (None, "auto") else float(value)
+
+
 def backend_of(tree: dict) -> str:
     return "megatron" if (tree["policy"].get("megatron_cfg") or {}).get("enabled") else "fsdp2"
 
@@ -98,16 +103,17 @@ def recipe_layout(tree: dict, backend: str, section: dict, gen: dict) -> Layout:
     resources = (gen.get("colocated") or {}).get("resources") or {}
     common = dict(train_mb_tokens=packing.get("train_mb_tokens", 4096), logprob_mb_tokens=packing.get("logprob_mb_tokens", 8192),
                   colocated=colocated, gen_gpus=0 if colocated else resources.get("gpus_per_node", 0) * resources.get("num_nodes", 1),
-                  gen_tp=gen.get("tensor_parallel_size", 1), gen_memory_fraction=float(gen.get("gpu_memory_utilization", 0.0) or 0.0))
+                  gen_tp=gen.get("tensor_parallel_size", 1), gen_memory_fraction=_fraction(gen.get("gpu_memory_utilization")))
     if backend == "fsdp2":
         tp = section.get("tensor_parallel_size", 1)
         return Layout(backend="fsdp2", tp=tp, sp=bool(section.get("sequence_parallel")),
-                      recompute=_recompute(section.get("activation_checkpointing")), offload=bool(section.get("cpu_offload")), **common)
+                      recompute=_recompute(section.get("activation_checkpointing")), offload=bool(section.get("cpu_offload")),
+                      release=(gen.get("colocated") or {}).get("offload_trainer_state") is True, **common)
     tp = section.get("tensor_model_parallel_size", 1)
     return Layout(tp=tp, pp=section.get("pipeline_model_parallel_size", 1), cp=section.get("context_parallel_size", 1),
                   ep=section.get("expert_model_parallel_size", 1), etp=section.get("expert_tensor_parallel_size") or tp,
                   sp=bool(section.get("sequence_parallel")), recompute=_recompute(section.get("activation_checkpointing")),
-                  offload=bool((gen.get("colocated") or {}).get("offload_trainer_state")), **common)
+                  offload=(gen.get("colocated") or {}).get("offload_trainer_state") is True, **common)
 
 
 def fixed_keys(backend: str, section: dict, explicit: frozenset, gen: dict, config: RunConfig) -> dict:

@@ -333,7 +333,10 @@ class MegatronBackend:
         return bool(flag.item() == 1.0)
 
     def _maybe_empty_cache(self, level: int) -> None:
-        if self.cfg.empty_unused_memory_level >= level and not self.on_cpu:
+        chosen = self.cfg.empty_unused_memory_level
+        if chosen is None:
+            chosen = 1 if self.world.placement.colocated else 0
+        if chosen >= level and not self.on_cpu:
             torch.cuda.empty_cache()
 
     def _lr(self) -> float:
