@@ -54,7 +54,7 @@ def build_components(config: RunConfig, **given) -> Components:
     dataset = given_or_built_dataset(config, manager, given, tokenizer)
     check_prompt_lengths(dataset, config)
     check_run_sizes(config, dataset, algorithm)
-    placement = apply_memory_plan(config, plan_placement(config), critic=critic_step.trains_critic(algorithm), given=given)
+    placement, memory_plan = apply_memory_plan(config, plan_placement(config), critic=critic_step.trains_critic(algorithm), given=given)
     trainer = build_trainer(config, manager, placement, given.get("backend"))
     critic = build_critic(config, manager, algorithm, trainer, placement, given.get("backend"))  # ppo's value model
     generator = build_generator(config, manager, placement, given)
@@ -70,7 +70,7 @@ def build_components(config: RunConfig, **given) -> Components:
         loggers = build_loggers(config, run_dir)
     reporter = Reporter(config.train.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
-                      teacher=teacher, critic=critic, placement=placement)
+                      teacher=teacher, critic=critic, placement=placement, memory_plan=memory_plan)
 
 
 def export_critic(components: Components, run_dir: Path) -> None:

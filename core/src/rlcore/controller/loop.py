@@ -36,6 +36,7 @@ from rlcore.interfaces import (
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
+    from rlcore.planning.run_memory import RunMemoryPlan
     from rlcore.controller.report import Reporter
     from rlcore.rollout import MultiTurnRunner
 
@@ -60,6 +61,7 @@ class Components:
     teacher: Teacher | None = None  # scores rollouts for algorithms registered with a teacher (distillation)
     critic: CriticHandle | None = None  # the value model of algorithms that train one (ppo)
     placement: Placement = attrs.Factory(Placement)  # where the parts run, and the memory plan's decisions
+    memory_plan: RunMemoryPlan | None = None  # what the run predicted each phase holds (rlcore.planning.run_memory)
 
 
 class GRPOLoop:
@@ -86,6 +88,8 @@ class GRPOLoop:
         self.collector = CollectorPolicy(cfg.cluster.gc_period)
         self.gc_clock, self.lock_lag = GCClock(), LockLagProbe(cfg.experimental.gil_lag_probe)
         self.phase_memory: PhaseMemory | None = None  # peak GPU memory per phase (the sync loop on CUDA)
+        # the plan's prediction, with this process's first step record (beside the measured peaks)
+        self._plan_metrics = c.memory_plan.metrics() if c.memory_plan is not None else {}
 
     @property
     def step(self) -> int:
@@ -149,6 +153,8 @@ class GRPOLoop:
         record.update(self.lock_lag.take())
         record["step"] = p.step
         record["policy_version"] = self.learner.policy_version
+        record.update(self._plan_metrics)
+        self._plan_metrics = {}
         # The prompts drawn up to this step's batch (a count over epochs): each step's batch is the
         # range from the step before's, so a run's records show every prompt drawn once, in order.
         record["data_position"] = self.checkpoints.data_position()

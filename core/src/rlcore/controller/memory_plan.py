@@ -13,21 +13,22 @@ import attrs
 
 from rlcore.config import ConfigError, RunConfig
 from rlcore.interfaces import Placement
-from rlcore.planning.run_memory import plan_run_memory
+from rlcore.planning.run_memory import RunMemoryPlan, plan_run_memory
 from rlcore.planning.runtime import device_gpu
 from rlcore.planning.shapes import resolve_shape
 
 
-def apply_memory_plan(config: RunConfig, placement: Placement, *, critic: bool, given: dict) -> Placement:
-    """``placement`` with the plan's decisions; raises :class:`~rlcore.planning.run_memory.PlanRefused`."""
+def apply_memory_plan(config: RunConfig, placement: Placement, *, critic: bool, given: dict) -> tuple[Placement, RunMemoryPlan | None]:
+    """``placement`` with the plan's decisions, and the plan (None where none was made); raises
+    :class:`~rlcore.planning.run_memory.PlanRefused`."""
     if given.get("backend") is not None or given.get("generator") is not None:
-        return placement
+        return placement, None
     try:
         shape = resolve_shape(str(config.policy.model_name))
     except ConfigError as exc:
         if placement.device == "cuda":
             print(f"memory plan: none ({exc.message})", flush=True)
-        return placement
+        return placement, None
     cpu = placement.device == "cpu"
     gpu = device_gpu(placement.device)
     if cpu:  # the host's memory, shared by the trainer's local processes
@@ -36,4 +37,4 @@ def apply_memory_plan(config: RunConfig, placement: Placement, *, critic: bool, 
     if not cpu:
         print(plan.line(), flush=True)
     return attrs.evolve(placement, engine_memory_fraction=None if cpu else plan.engine_fraction,
-                        offload_trainer_state=plan.offload_trainer_state)
+                        offload_trainer_state=plan.offload_trainer_state), plan

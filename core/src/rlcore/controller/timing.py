@@ -62,4 +62,6 @@ def summarize(records: list[dict], window: tuple[int, int] | None = None) -> dic
         values = [r[key] for r in chosen if key in r]
         if values:
             summary[key] = sum(values) / len(values)
+    for key in sorted({k for r in chosen for k in r if k.startswith("memory/")}):  # peaks: the window's largest
+        summary[key] = max(r[key] for r in chosen if key in r)
     return summary

@@ -52,6 +52,16 @@ class RunMemoryPlan:
     offload_trainer_state: bool  # the trainer's state leaves the GPU while a colocated engine is awake
     decided: tuple[str, ...]  # the keys this plan set (those the recipe left auto)
 
+    def metrics(self) -> dict[str, float]:
+        """The prediction, per phase, as record keys (beside the measured ``memory/<phase>_device_gib``)."""
+        m = self.memory
+        out = {"memory_plan/training_gib": sum(m.train_parts.values())}
+        if m.gen_parts:
+            out["memory_plan/generation_gib"] = sum(m.gen_parts.values())
+            out["memory_plan/engine_fraction"] = float(self.engine_fraction or 0.0)
+        out["memory_plan/offload_trainer_state"] = float(self.offload_trainer_state)
+        return out
+
     def line(self) -> str:
         """The console line: what was chosen and why."""
         m, gib = self.memory, self.gpu.memory_gib
