@@ -143,3 +143,50 @@ def test_a_run_too_big_for_the_host_is_refused_before_the_model_loads(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "config key 'cluster.gpus_per_node'" in proc.stderr and "does not fit" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+class _Recorder:
+    """A trainer and a critic that record the moves asked of them (the fallback's control flow alone)."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def offload(self, *, keep_weights=False):
+        self.calls.append(("offload", keep_weights))
+
+    def onload(self):
+        self.calls.append(("onload",))
+
+
+class _EngineShortOfMemory:
+    """A generator whose first wake-up is refused for memory (a fault injected on purpose)."""
+
+    def __init__(self, calls, refusals=1):
+        self.calls, self.refusals = calls, refusals
+
+    def wake_up(self):
+        if self.refusals:
+            self.refusals -= 1
+            self.calls.append(("refused",))
+            raise MemoryError("vLLM cannot wake up: its weights and KV cache need 40.0 GiB and the GPU has 30.0 free")
+        self.calls.append(("woke",))
+
+
+def test_a_refused_wake_up_releases_the_trainer_state_when_auto(capsys):
+    from rlcore.controller.learner import Learner
+
+    calls = []
+    learner = Learner(_Recorder(calls), algorithm=None, max_length=8, max_consecutive_nonfinite=3,
+                      critic=_Recorder(calls), may_offload=True)
+    learner.wake(_EngineShortOfMemory(calls))
+    assert calls == [("refused",), ("offload", True), ("offload", False), ("woke",)]  # the refit reads the policy's weights
+    assert learner.offload_trainer_state  # from now on the state leaves after each training phase
+    assert "from now on" in capsys.readouterr().out
+    with learner.state_on_device():
+        pass
+    assert calls[-2:] == [("onload",), ("offload", True)]
+    # set by the recipe (true or false), or a loop that cannot release: the refusal stands
+    for learner in (Learner(_Recorder(calls), None, 8, 3, may_offload=False),
+                    Learner(_Recorder(calls), None, 8, 3, offload_trainer_state=True, may_offload=True)):
+        with pytest.raises(MemoryError, match="cannot wake up"):
+            learner.wake(_EngineShortOfMemory([]))

@@ -73,9 +73,11 @@ class GRPOLoop:
         self.progress = Progress()
         self.rollouts = Rollouts(cfg, c.generator, c.environment, c.algorithm, c.dataset, c.multi_turn)
         teacher = None if c.teacher is None else TimedTeacher(c.teacher, cfg.cluster.timeout_s)
+        may_offload = (cfg.generation.colocated.offload_trainer_state == "auto" and c.placement.device == "cuda"
+                       and c.placement.colocated and not cfg.grpo.async_grpo.enabled)
         self.learner = Learner(c.trainer, c.algorithm, cfg.policy.max_total_sequence_length,
                                cfg.train.max_consecutive_nonfinite, teacher,
-                               c.placement.offload_trainer_state, c.critic)
+                               c.placement.offload_trainer_state, c.critic, may_offload=may_offload)
         self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock,
                                  cfg.policy.max_total_sequence_length, cfg.cluster.timeout_s)
         self.validator = Validator(self.rollouts, c.trainer, cfg.train.max_val_samples, cfg.train.seed,
@@ -191,7 +193,7 @@ def run_sync(run: GRPOLoop) -> None:
         with run.learner.state_on_device(timer):
             metrics, batch = run.train(trajectories, timer)
         with timer.phase("refit"):
-            generator.wake_up()
+            run.learner.wake(generator, timer)
         record.update(metrics)
         # The new weights to the generator, checked by the probe.
         record.update(run.refitter.refit(batch, timer, step))

@@ -33,6 +33,7 @@ class Workload:
     critic: bool = False  # PPO: a value model of the policy's shape trains beside it (its state on the same GPUs)
     refit_chunk_bytes: int = 1 << 30  # weights staged for the engine at a time while it is awake (refit.chunk_bytes)
     probe_tokens: int = 0  # tokens the refit probe's logprob pass scores while the engine is awake
+    graph_pool: bool = False  # training micro-batches replayed as CUDA graphs: their memory pool stays between steps
 
     @property
     def seq_tokens(self) -> int:

@@ -142,6 +142,8 @@ def state_parts(train: dict, work: Workload, lay: Layout) -> dict:
         kept["gradients"] = kept["optimizer"] = 0.0
     if work.critic:
         kept["critic_state"] = (kept["weights"] + kept["gradients"] + kept["optimizer"])
+    if work.graph_pool and not lay.releases_state:  # a micro-batch's activations and logits, captured (released with the state)
+        kept["graph_pool"] = train["activations"] + train["logits"]
     return kept
 
 
