@@ -34,7 +34,8 @@ def apply_memory_plan(config: RunConfig, placement: Placement, *, critic: bool, 
     if cpu:  # the host's memory, shared by the trainer's local processes
         gpu = attrs.evolve(gpu, memory_gib=gpu.memory_gib / max(placement.trainer_ranks, 1))
     plan = plan_run_memory(config, shape, gpu, placement.trainer_ranks, critic=critic, cpu=cpu)
-    if not cpu:
-        print(plan.line(), flush=True)
-    return attrs.evolve(placement, engine_memory_fraction=None if cpu else plan.engine_fraction,
+    if cpu:  # checked only: no engine memory to size, nothing to report beside the run's records
+        return placement, None
+    print(plan.line(), flush=True)
+    return attrs.evolve(placement, engine_memory_fraction=plan.engine_fraction,
                         offload_trainer_state=plan.offload_trainer_state), plan
