@@ -148,7 +148,7 @@ def test_run_time_choice_keeps_the_recipes_engine_share(shipped, monkeypatch):
     data = yaml.safe_load(RECIPE_8B.read_text())
     data["policy"]["megatron_cfg"] = {"enabled": True, "layout": "auto"}  # every size left to the planner
     shape = resolve_shape("meta-llama/Llama-3.1-8B")
-    hf = {"hidden_size": shape.hidden, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+    hf = {"model_type": "llama", "hidden_size": shape.hidden, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
           "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "intermediate_size": shape.ffn,
           "vocab_size": shape.vocab}
     data["policy"]["generation"]["gpu_memory_utilization"] = 0.3
