@@ -92,7 +92,8 @@ def test_explicit_keys_bind_the_search(shipped):
 
 
 def test_a_model_too_large_for_the_gpus_says_why(shipped):
-    inp = plan.inputs(load_config(RECIPE_8B), gpus=1, gpu_name="l40s", calibration=load_calibration("l40s"))
+    one_gpu = ["policy.megatron_cfg.tensor_model_parallel_size=1", "policy.megatron_cfg.sequence_parallel=false"]
+    inp = plan.inputs(load_config(RECIPE_8B, one_gpu), gpus=1, gpu_name="l40s", calibration=load_calibration("l40s"))
     ranked = plan.plan(inp)
     assert ranked and not any(e.fits for e in ranked)
     assert "GiB >" in ranked[0].memory.problem and "largest" in ranked[0].memory.problem

@@ -79,7 +79,7 @@ def test_missing_fields_are_named_all_at_once(tmp_path):
         resolve_shape(str(tmp_path))
     assert exc.value.key == "policy.model_name"
     moe = {k: v for k, v in QWEN15_MOE_A27B.items() if k not in ("num_experts", "moe_intermediate_size")}
-    with pytest.raises(ConfigError, match="lacks 'num_experts', 'moe_intermediate_size'"):
+    with pytest.raises(ConfigError, match=r"lacks 'num_experts' \(or 'num_local_experts'\), 'moe_intermediate_size'"):
         from_hf_config("qwen-moe", moe)
     # DeepSeek-V2-Lite projects queries directly (q_lora_rank null): read, not refused
     lite = {**json.loads((DATA / "DeepSeek-V3" / "config.json").read_text()), "model_type": "deepseek_v2", "q_lora_rank": None}
@@ -104,3 +104,39 @@ def test_a_vision_language_config_is_read_through_its_text_config():
             "num_key_value_heads": 2, "intermediate_size": 11008, "vocab_size": 151936, "tie_word_embeddings": True}
     shape = from_hf_config("Qwen2.5-VL-3B", {"model_type": "qwen2_5_vl", "text_config": text, "vision_config": {}})
     assert shape.layers == 36 and shape.total_params == pytest.approx(3.09e9, rel=0.01)  # the language model alone
+
+
+SMALL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, vocab_size=1000)
+DEEPSEEK_SMALL = dict(**SMALL, moe_intermediate_size=128, num_hidden_layers=4, num_key_value_heads=4, n_routed_experts=8,
+                      num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=32,
+                      qk_rope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)
+TRANSFORMERS_MODELS = {
+    "llama": ("LlamaConfig", dict(**SMALL, num_hidden_layers=2, num_key_value_heads=2)),
+    "llama-biases": ("LlamaConfig", dict(**SMALL, num_hidden_layers=2, num_key_value_heads=2, attention_bias=True, mlp_bias=True)),
+    "qwen2": ("Qwen2Config", dict(**SMALL, num_hidden_layers=2, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", dict(**SMALL, num_hidden_layers=2, num_key_value_heads=2, head_dim=64)),
+    "mixtral": ("MixtralConfig", dict(**SMALL, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(**SMALL, num_hidden_layers=2, num_key_value_heads=2, moe_intermediate_size=128,
+                                         shared_expert_intermediate_size=256, num_experts=8, num_experts_per_tok=2)),
+    "qwen3-moe-stepped": ("Qwen3MoeConfig", dict(**SMALL, num_hidden_layers=4, num_key_value_heads=2, head_dim=64, moe_intermediate_size=128,
+                                                 num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[])),
+    "deepseek-v3": ("DeepseekV3Config", dict(**DEEPSEEK_SMALL, n_shared_experts=2, q_lora_rank=64)),
+    "deepseek-v3-direct-q": ("DeepseekV3Config", dict(**DEEPSEEK_SMALL, n_shared_experts=1, q_lora_rank=None)),
+    "deepseek-v2": ("DeepseekV2Config", dict(**DEEPSEEK_SMALL, n_shared_experts=1, q_lora_rank=64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMERS_MODELS))
+def test_counts_equal_the_transformers_models_parameters(name):
+    """The count from the config equals the parameters of the model transformers builds from it (on the meta
+    device), read through transformers' own serialization of the config (``to_dict``)."""
+    import torch
+    import transformers
+
+    class_name, kwargs = TRANSFORMERS_MODELS[name]
+    config = getattr(transformers, class_name)(**kwargs)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    # DeepSeek-V3's routing score bias is a buffer in transformers, a parameter of the checkpoint
+    real = sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers() if "correction_bias" in n)
+    assert from_hf_config(name, config.to_dict()).total_params == real

@@ -12,13 +12,15 @@ Recompute = str  # "none" | "selective" | "full"
 
 @frozen
 class Workload:
-    """One GRPO step's shape. Times use ``response_tokens`` for every sample (responses that run to the
-    limit, the worst case); memory uses ``max_seq`` for the longest sequence a micro-batch holds."""
+    """One GRPO step's shape. ``response_tokens`` is the mean response, ``response_max`` the longest (the
+    decode tail; 0: every response is ``response_tokens`` long); memory uses ``max_seq`` for the longest
+    sequence a micro-batch holds."""
 
     samples: int  # sequences a step generates and trains on
     prompt_tokens: int
     response_tokens: int
     max_seq: int
+    response_max: int = 0
     packing: bool = True
     micro_batch_size: int = 1  # sequences per micro-batch without packing
     logprob_passes: int = 1  # old-policy and reference passes
@@ -38,6 +40,10 @@ class Workload:
     @property
     def seq_tokens(self) -> int:
         return self.prompt_tokens + self.response_tokens
+
+    @property
+    def longest_response(self) -> int:
+        return max(self.response_max, self.response_tokens)
 
     @property
     def tokens(self) -> int:

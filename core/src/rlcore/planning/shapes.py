@@ -82,6 +82,8 @@ class ModelShape:
     shared_ffn: int = 0  # a MoE layer's shared experts, their widths summed (0: none)
     dense_layers: int = 0  # layers of a MoE model with a dense MLP instead of experts
     mla: LatentAttention | None = None
+    layer_extras: int = 0  # per layer, small weights beside the matrices and norms (biases, query/key norms)
+    moe_layer_extras: int = 0  # per MoE layer, likewise (a shared expert's gate, a routing bias)
 
     @property
     def moe(self) -> bool:
@@ -114,8 +116,8 @@ class ModelShape:
     def _nonrouted_params(self) -> int:
         """Every layer's weights outside the routed experts: attention, norms, routers, shared experts, dense MLPs."""
         mlp = (self.layers - self.moe_layers) * 3 * self.hidden * self.ffn
-        moe = self.moe_layers * (self.hidden * self.experts + 3 * self.hidden * self.shared_ffn)
-        return self.layers * (self.attn_params + 2 * self.hidden) + mlp + moe
+        moe = self.moe_layers * (self.hidden * self.experts + 3 * self.hidden * self.shared_ffn + self.moe_layer_extras)
+        return self.layers * (self.attn_params + 2 * self.hidden + self.layer_extras) + mlp + moe
 
     @property
     def dense_layer_params(self) -> float:
@@ -167,11 +169,14 @@ class _Fields:
     def __init__(self, name: str, cfg: dict):
         self.name, self.cfg, self.missing, self.invalid = name, cfg, [], []
 
-    def int(self, key: str, default: int | None = None, *, minimum: int = 1) -> int:
+    def int(self, key: str, default: int | None = None, *, minimum: int = 1, alias: str | None = None) -> int:
+        """``alias``: the name transformers' own serialization uses where it differs from the published files'."""
         value = self.cfg.get(key)
+        if value is None and alias is not None:
+            key, value = (alias, self.cfg[alias]) if self.cfg.get(alias) is not None else (key, None)
         if value is None:
             if default is None:
-                self.missing.append(key)
+                self.missing.append(repr(key) + (f" (or {alias!r})" if alias else ""))
                 return minimum
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -182,12 +187,12 @@ class _Fields:
     def require_present(self, key: str) -> None:
         """A key whose value may be null (e.g. DeepSeek's ``q_lora_rank``) but must be there."""
         if key not in self.cfg:
-            self.missing.append(key)
+            self.missing.append(repr(key))
 
     def check(self) -> None:
         where = f"{self.name}: config.json (model_type {self.cfg.get('model_type')!r})"
         if self.missing:
-            raise ConfigError(KEY, f"{where} lacks {', '.join(repr(k) for k in self.missing)}")
+            raise ConfigError(KEY, f"{where} lacks {', '.join(self.missing)}")
         if self.invalid:
             raise ConfigError(KEY, f"{where} has {', '.join(self.invalid)}")
 
@@ -199,8 +204,18 @@ def _common(f: _Fields) -> dict:
 
 
 def _gqa(f: _Fields, common: dict) -> dict:
-    heads = common["heads"]
-    return dict(kv_heads=f.int("num_key_value_heads", heads), head_dim=f.int("head_dim", max(1, common["hidden"] // heads)))
+    """Grouped-query attention, with the small weights each layer has beside the matrices: Qwen2's QKV biases,
+    Qwen3's query and key norms, Llama's and Mistral's optional attention and MLP biases."""
+    heads, hidden = common["heads"], common["hidden"]
+    kv_heads, head_dim = f.int("num_key_value_heads", heads), f.int("head_dim", max(1, hidden // heads))
+    q, kv, family = heads * head_dim, kv_heads * head_dim, str(f.cfg.get("model_type"))
+    if family.startswith("qwen2"):
+        extras = q + 2 * kv
+    elif family.startswith("qwen3"):
+        extras = 2 * head_dim
+    else:
+        extras = (q + 2 * kv + hidden if f.cfg.get("attention_bias") else 0) + (2 * common["ffn"] + hidden if f.cfg.get("mlp_bias") else 0)
+    return dict(kv_heads=kv_heads, head_dim=head_dim, layer_extras=extras)
 
 
 def _dense(f: _Fields) -> dict:
@@ -215,13 +230,14 @@ def _qwen_moe(f: _Fields) -> dict:
     mlp_only = set(f.cfg.get("mlp_only_layers") or ())
     dense = sum(1 for i in range(layers) if i in mlp_only or (i + 1) % step)
     shared = f.int("shared_expert_intermediate_size", 0, minimum=0)  # Qwen2-MoE's; Qwen3-MoE has none
-    return {**common, **_gqa(f, common), "experts": f.int("num_experts"), "topk": f.int("num_experts_per_tok"),
-            "moe_ffn": f.int("moe_intermediate_size"), "shared_ffn": shared, "dense_layers": dense}
+    return {**common, **_gqa(f, common), "experts": f.int("num_experts", alias="num_local_experts"), "topk": f.int("num_experts_per_tok"),
+            "moe_ffn": f.int("moe_intermediate_size"), "shared_ffn": shared, "dense_layers": dense,
+            "moe_layer_extras": common["hidden"] if shared else 0}  # the shared expert's gate
 
 
 def _mixtral(f: _Fields) -> dict:
     common = _common(f)
-    return {**common, **_gqa(f, common), "experts": f.int("num_local_experts"), "topk": f.int("num_experts_per_tok"),
+    return {**common, **_gqa(f, common), "experts": f.int("num_local_experts", alias="num_experts"), "topk": f.int("num_experts_per_tok"),
             "moe_ffn": common["ffn"]}
 
 
@@ -239,7 +255,8 @@ def _deepseek(f: _Fields) -> dict:
     return {**common, "kv_heads": common["heads"], "head_dim": (mla.qk_head_dim + mla.v_head_dim) // 2, "mla": mla,
             "experts": f.int("n_routed_experts"), "topk": f.int("num_experts_per_tok"), "moe_ffn": moe_ffn,
             "shared_ffn": f.int("n_shared_experts", minimum=0) * moe_ffn,
-            "dense_layers": min(f.int("first_k_dense_replace", minimum=0), common["layers"])}
+            "dense_layers": min(f.int("first_k_dense_replace", minimum=0), common["layers"]),
+            "moe_layer_extras": f.int("n_routed_experts") if f.cfg.get("model_type") == "deepseek_v3" else 0}  # routing score bias
 
 
 READERS = {
