@@ -66,6 +66,9 @@ BAD = [
     ((DENSE, "--gpus", "8", "--top", "0"), "--top", "must be a positive number of layouts"),
     ((DENSE, "--gpus", "8", "--gpu", "h300"), "--gpu", "unknown GPU 'h300'"),
     ((DENSE, "--gpus", "8", "--shape", "nope"), "--shape", "unknown shape 'nope'"),
+    ((DENSE, f"{MCFG}fp8_cfg.enabled=true", "--gpus", "8"), f"{MCFG}fp8_cfg.enabled", "FP8 training is not modelled"),
+    ((DENSE, "policy.generation.quantization=fp8", "--gpus", "8"), "policy.generation.quantization", "FP8 rollouts are not modelled"),
+    ((DENSE, "policy.generation.kv_cache_dtype=fp8", "--gpus", "8"), "policy.generation.kv_cache_dtype", "FP8 KV cache is not modelled"),
 ]
 
 

@@ -11,7 +11,8 @@ from rich.table import Table
 
 from rlcore.planning.search import Estimate
 
-PHASES = ("generation", "refit", "logprobs", "training", "offload")
+PHASES = ("generation", "refit", "logprobs", "values", "critic", "training", "offload")
+SHORT = {"generation": "gen s", "logprobs": "logp", "training": "train", "offload": "offl", "values": "values"}
 TABLE_WIDTH = 120
 
 
@@ -42,7 +43,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_plan(args) -> int:
-    from rlcore.config import ConfigError, load_config
+    from rlcore.config import ConfigError, load_config, to_dict
     from rlcore.planning import plan as planning
 
     if args.calibrate:
@@ -57,6 +58,7 @@ def cmd_plan(args) -> int:
     if args.top < 1:
         raise ConfigError("--top", f"must be a positive number of layouts, got {args.top}")
     config = load_config(args.recipe, args.overrides)
+    planning.refuse_unmodelled(to_dict(config))
     inp = planning.inputs(config, gpus=args.gpus, nodes=args.nodes, gpu_name=args.gpu, shape=args.shape, layers=args.layers,
                           prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens,
                           response_max=args.response_max, lengths_from=args.lengths_from)
@@ -96,10 +98,10 @@ def seconds(value: float) -> float:
     return value
 
 
-def _cells(est: Estimate, world: int, packing: bool, wide: bool) -> list[str]:
+def _cells(est: Estimate, world: int, packing: bool, wide: bool, phases: tuple) -> list[str]:
     lay, mem = est.layout, est.memory
     mb = f"{lay.train_mb_tokens // 1024}k/{lay.logprob_mb_tokens // 1024}k" if packing else "unpacked"
-    times = [f"{seconds(est.phases.get(p, 0.0)):.1f}" if est.fits else "-" for p in PHASES]
+    times = [f"{seconds(est.phases.get(p, 0.0)):.1f}" if est.fits else "-" for p in phases]
     step = f"{seconds(est.step_s):.1f}" if est.fits else "-"
     share = f" ({lay.gen_memory_fraction:.2f})" if lay.colocated else ""
     if wide:
@@ -109,15 +111,15 @@ def _cells(est: Estimate, world: int, packing: bool, wide: bool) -> list[str]:
         return [lay.describe(world), lay.describe_generation(world) + share, mb, " ".join(extras), peak, *times, step, note]
     where = "" if lay.colocated else f"{lay.gen_gpus}g "
     generation = f"{where}TP{lay.gen_tp}x{lay.gen_replicas(world)}{share}"
-    recompute = {"none": "-", "selective": "sel", "full": "full"}[lay.recompute] + ("+off" if lay.offload else "")
+    recompute = "+".join(filter(None, ({"none": "", "selective": "sel", "full": "full"}[lay.recompute], "off" if lay.offload else ""))) or "-"
     return [lay.describe(world), generation, mb, recompute, f"{mem.peak_gib:.0f}", *times, step]
 
 
-COLUMNS = ("layout", "generation (mem share)", "mb tokens", "recompute", "peak GiB (largest)", *PHASES, "step s", "")
-NARROW = ("layout", "engines (share)", "mb tok", "recomp", "GiB", "gen s", "refit", "logp", "train", "offl", "step s")
+COLUMNS = ("layout", "generation (mem share)", "mb tokens", "recompute", "peak GiB (largest)")
+NARROW = ("layout", "engines (share)", "mb tok", "recomp", "GiB")
 LEGEND = ("engines: colocated unless 'Ng' (N GPUs of their own), TP size x replicas (share of a GPU); "
-          "recomp: activation recompute (sel: selective), +off: trainer state offloaded during generation; "
-          "GiB: peak per GPU. --wide shows every part.")
+          "recomp: activation recompute (sel: selective), off: trainer state offloaded; "
+          "GiB: peak per GPU; (overlap): one step off, generation beside the trainer's phases. --wide shows every part.")
 
 
 def show(inp, ranked: list[Estimate], recipe: Estimate, top: int, *, wide: bool = False) -> None:
@@ -128,13 +130,17 @@ def show(inp, ranked: list[Estimate], recipe: Estimate, top: int, *, wide: bool 
              f"({inp.cluster.nodes} node{'s' if inp.cluster.nodes > 1 else ''}); {work.samples} samples x "
              f"{work.prompt_tokens}+{work.response_tokens}{tail} tokens; calibration: {inp.cal.source}")
     table = Table(title=title, title_justify="left", box=None if not wide else box.HEAVY_HEAD, pad_edge=False)
-    for column in ("#", *(COLUMNS if wide else NARROW)):
-        table.add_column(column, overflow="fold", justify="right" if column in NARROW[4:] else "left")
     packing = inp.work.packing
     rows = [("recipe", recipe, "bold")] + [(str(i), e, None) for i, e in enumerate([e for e in ranked if e.fits][:top], 1)]
     rows += [(f"x{i}", e, "dim") for i, e in enumerate([e for e in ranked if not e.fits][:3], 1)]
+    phases = tuple(p for p in PHASES if any(p in e.phases for _, e, _ in rows))
+    step = "step s" + (" (overlap)" if any(e.overlapped for _, e, _ in rows) else "")
+    for column in ("#", *(COLUMNS if wide else NARROW)):
+        table.add_column(column, overflow="fold", justify="right" if column in NARROW[4:] else "left")
+    for column in (*(phases if wide else (SHORT.get(p, p) for p in phases)), step, *(("",) if wide else ())):
+        table.add_column(column, overflow="fold", justify="right")
     for label, est, style in rows:
-        table.add_row(label, *_cells(est, world, packing, wide), style=style)
+        table.add_row(label, *_cells(est, world, packing, wide, phases), style=style)
     console = Console(width=_width(wide))
     console.print(table)
     if not wide:

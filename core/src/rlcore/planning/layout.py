@@ -7,6 +7,8 @@ import math
 import attrs
 from attrs import frozen
 
+from rlcore.planning.shapes import ModelShape
+
 Recompute = str  # "none" | "selective" | "full"
 
 
@@ -33,9 +35,11 @@ class Workload:
     optimizer_states: int = 2  # Adam: 2 moments; SGD with momentum: 1
     overlap_grad_reduce: bool = False
     critic: bool = False  # PPO: a value model of the policy's shape trains beside it (its state on the same GPUs)
+    critic_model: ModelShape | None = None  # the critic's shape for its phases (None: the policy's with a value head)
     refit_chunk_bytes: int = 1 << 30  # weights staged for the engine at a time while it is awake (refit.chunk_bytes)
     probe_tokens: int = 0  # tokens the refit probe's logprob pass scores while the engine is awake
     graph_pool: bool = False  # training micro-batches replayed as CUDA graphs: their memory pool stays between steps
+    one_step_off: bool = False  # asynchronous GRPO: step k+1 generates while step k trains
 
     @property
     def seq_tokens(self) -> int:

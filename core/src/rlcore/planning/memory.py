@@ -110,7 +110,7 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
         acts = tokens * (layers * in_flight * 2 * shape.hidden / (lay.tp if lay.sp else 1) + per_layer)
     else:
         acts = tokens * layers * in_flight * per_layer
-    logits = tokens * shape.vocab / lay.tp * cal.logits_bytes if (stage == "last" or lay.pp == 1) else 0.0
+    logits = tokens * shape.output_width / lay.tp * cal.logits_bytes if (stage == "last" or lay.pp == 1) else 0.0
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts, "logits": logits}
     parts = {k: v / GIB for k, v in parts.items()}
     parts["comm_buffers"] = cal.comm_buffer_gib * (1 if world > 1 else 0) + (0.25 if lay.ep > 1 else 0.0)

@@ -7,6 +7,7 @@ config class: the key names below are the backends' and the generator's document
 
 from __future__ import annotations
 
+import attrs
 from attrs import frozen
 
 from rlcore.config import ConfigError, RunConfig, to_dict
@@ -70,6 +71,8 @@ def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = No
         cluster = Cluster(gpu(gpu_name), *checks.cluster_size(gpus, nodes, config.cluster.num_nodes, config.cluster.gpus_per_node))
     work = workload(config, tree, prompt_tokens, response_tokens, has_generator=bool(gen.get("backend")),
                     response_max=response_max, lengths_from=lengths_from)
+    critic = critic_shape(tree, model)
+    work = attrs.evolve(work, critic=critic is not None, critic_model=critic)
     auto = section.get("layout") == "auto"
     explicit = config.section(MEGATRON if backend == "megatron" else DTENSOR).explicit_keys if auto else frozenset()
     layout, fixed = recipe_layout(tree, backend, section, gen), fixed_keys(backend, section, explicit, gen, config)
@@ -77,6 +80,37 @@ def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = No
     bound = layout.with_(**{f: fixed.get(f, 1) for f in ("tp", "pp", "cp", "ep", "etp")}) if auto else layout
     checks.recipe_layout(model, bound, cluster.world, backend, section, generation=work.generation)
     return Inputs(model, work, cluster, calibration or load_calibration(gpu_name), backend, layout, fixed, auto)
+
+
+# settings the planner's model does not price: (config key, the value refused, the value to plan with, why)
+UNMODELLED = (
+    ("policy.megatron_cfg.fp8_cfg.enabled", True, "false", "FP8 training is not modelled (the training efficiency and "
+     "activation bytes are fitted to bf16 rows only)"),
+    ("policy.generation.quantization", "fp8", "none", "FP8 rollouts are not modelled (decode is priced reading bf16 "
+     "weights and refit moving bf16 bytes; the decode factors are fitted to bf16 rows only)"),
+    ("policy.generation.kv_cache_dtype", "fp8", "auto", "an FP8 KV cache is not modelled (the cache's size and the bytes "
+     "a decode step reads are priced in bf16)"),
+)
+
+
+def refuse_unmodelled(tree: dict) -> None:
+    """``rlcore plan`` refuses a recipe that sets what its model does not price, naming the key, rather than
+    planning another run than the one asked for."""
+    for key, value, instead, why in UNMODELLED:
+        node = tree
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node == value:
+            raise ConfigError(key, f"{why}; plan the run with {key}={instead}")
+
+
+def critic_shape(tree: dict, policy: ModelShape) -> ModelShape | None:
+    """PPO's value model: ``algorithm.critic.model_name``'s shape, else the policy's, with a value head."""
+    algorithm = tree.get("algorithm") or {}
+    if algorithm.get("name") != "ppo":
+        return None
+    name = (algorithm.get("critic") or {}).get("model_name")
+    return (resolve_shape(name) if name else policy).as_critic()
 
 
 def _lengths(gen: dict, max_seq: int, prompt: int | None, response: int | None, response_max: int | None,
@@ -116,7 +150,7 @@ def workload(config: RunConfig, tree: dict, prompt_tokens: int | None, response_
         samples=samples, prompt_tokens=prompt, response_tokens=response, response_max=longest, max_seq=max_seq,
         packing=policy.sequence_packing.enabled, micro_batch_size=policy.train_micro_batch_size, logprob_passes=passes,
         generation=has_generator, max_num_seqs=int(gen.get("max_num_seqs", 256)),
-        uniform_lengths=longest == response,
+        uniform_lengths=longest == response, one_step_off=config.grpo.async_grpo.enabled,
         dtype_bytes=4 if policy.precision in ("float32", "float64") else 2,
         grad_bytes=4 if (not megatron or ddp.get("grad_reduce_in_fp32", True)) else 2,
         overlap_grad_reduce=bool(ddp.get("overlap_grad_reduce")) if megatron else False,

@@ -84,6 +84,12 @@ class ModelShape:
     mla: LatentAttention | None = None
     layer_extras: int = 0  # per layer, small weights beside the matrices and norms (biases, query/key norms)
     moe_layer_extras: int = 0  # per MoE layer, likewise (a shared expert's gate, a routing bias)
+    value_head: bool = False  # a critic: one value per token in place of the vocabulary's logits
+
+    @property
+    def output_width(self) -> int:
+        """Values a token's output layer computes: the vocabulary's logits, or a critic's one value."""
+        return 1 if self.value_head else self.vocab
 
     @property
     def moe(self) -> bool:
@@ -131,7 +137,7 @@ class ModelShape:
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.vocab * self.hidden + (0 if self.tied and not self.value_head else self.output_width * self.hidden)
 
     @property
     def expert_total_params(self) -> int:
@@ -146,7 +152,7 @@ class ModelShape:
         """Weights one token multiplies with: every layer's attention, its router, shared experts and chosen
         experts (or dense MLP), and the output layer (the input embedding is a lookup)."""
         chosen = self.moe_layers * self.topk * self.expert_params
-        return self._nonrouted_params - self.layers * 2 * self.hidden + chosen + self.vocab * self.hidden
+        return self._nonrouted_params - self.layers * 2 * self.hidden + chosen + self.output_width * self.hidden
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         if self.mla is not None:
@@ -157,6 +163,10 @@ class ModelShape:
         """Over how many of an engine's tensor-parallel GPUs a token's KV cache is split: its key-value
         heads (replicated past their count); latent attention's one compressed vector is on every GPU."""
         return 1 if self.mla is not None else min(engine_tp, self.kv_heads)
+
+    def as_critic(self) -> ModelShape:
+        """The value model PPO trains from this one: the same body, a one-wide head in place of the output layer."""
+        return attrs.evolve(self, value_head=True, name=f"{self.name} critic")
 
     def with_layers(self, layers: int) -> ModelShape:
         return attrs.evolve(self, layers=layers, dense_layers=min(self.dense_layers, layers),

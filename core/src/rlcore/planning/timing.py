@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from rlcore.planning import critic
 from rlcore.planning.calibration import Calibration
 from rlcore.planning.hardware import Cluster
 from rlcore.planning.layout import Layout, Workload, micro_batches
@@ -144,4 +145,23 @@ def phases(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal
         out["generation"], _ = generation_s(shape, work, lay, cluster, cal, mem)
         out["refit"] = refit_s(shape, work, lay, cluster, cal)
         out["offload"] = offload_s(mem, lay, work, cal)
+    if work.critic:
+        model = work.critic_model or shape.as_critic()
+        extra = critic.phases(model, work, lay, cluster, cal, lambda fwd: _pass_s(model, work, lay, cluster, cal, forward_only=fwd))
+        out["offload"] = out.get("offload", 0.0) + extra.pop("offload", 0.0)
+        out.update(extra)
     return out
+
+
+TRAINER_SIDE = ("logprobs", "training", "values", "critic")
+
+
+def step_s(phases: dict, overlapped: bool) -> float:
+    """A synchronous step is the sum of its phases. One step off, with the engines on GPUs of their own, the
+    trainer's side of step k (logprobs, the critic, training) runs while step k+1 generates: the step is the
+    longer of the two, plus the refit between them (the engines wait for the new weights)."""
+    if not overlapped:
+        return sum(phases.values())
+    trainer = sum(phases.get(p, 0.0) for p in TRAINER_SIDE)
+    rest = sum(v for k, v in phases.items() if k not in TRAINER_SIDE and k != "generation")
+    return max(phases.get("generation", 0.0), trainer) + rest
