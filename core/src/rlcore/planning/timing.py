@@ -5,9 +5,12 @@ over the GPUs at a calibrated efficiency, a pipeline's bubble ``(pp-1)/(vpp m)``
 micro-batch, and the bytes of the collectives over the link they cross (NVLink inside a node, the
 network across): tensor-parallel all-reduces, expert all-to-alls, context-parallel KV exchange, the
 data-parallel gradient reduce-scatter and parameter all-gather (FSDP: per micro-batch), the part of
-the overlappable ones not hidden behind compute. Generation: each decode step reads the engine's weights
-and the KV cache of the sequences in flight from memory (or computes their GEMMs, whichever is
-slower) plus a host cost per step; prefill is FLOPs. Refit: bytes into the engine plus a fixed cost.
+the overlappable ones not hidden behind compute. Generation: an engine's decode steps are its tokens in
+full batches and then its longest response's tail; each step reads the engine's weights and the KV cache
+of the sequences in flight from memory (or computes their GEMMs, whichever is slower) plus a host cost per
+step; prefill is FLOPs. Refit: bytes into the engine plus a fixed cost. PPO's critic: its values and
+training passes (:mod:`rlcore.planning.critic`). The step: the sum, or one step off the longer of
+generation and the trainer's side (:func:`step_s`).
 """
 
 from __future__ import annotations
