@@ -76,9 +76,10 @@ def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = No
     auto = section.get("layout") == "auto"
     explicit = config.section(MEGATRON if backend == "megatron" else DTENSOR).explicit_keys if auto else frozenset()
     layout, fixed = recipe_layout(tree, backend, section, gen), fixed_keys(backend, section, explicit, gen, config)
-    # layout: auto searches the sizes the section leaves out: only those it sets must divide what they split
-    bound = layout.with_(**{f: fixed.get(f, 1) for f in ("tp", "pp", "cp", "ep", "etp")}) if auto else layout
-    checks.recipe_layout(model, bound, cluster.world, backend, section, generation=work.generation)
+    if world is None:  # a run's own callers pass its world; its backend checks its sizes as it builds
+        # layout: auto searches the sizes the section leaves out: only those it sets must divide what they split
+        bound = layout.with_(**{f: fixed.get(f, 1) for f in ("tp", "pp", "cp", "ep", "etp")}) if auto else layout
+        checks.recipe_layout(model, bound, cluster.world, backend, section, generation=work.generation)
     return Inputs(model, work, cluster, calibration or load_calibration(gpu_name), backend, layout, fixed, auto)
 
 
