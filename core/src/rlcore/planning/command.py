@@ -89,6 +89,7 @@ def as_dict(est: Estimate, world: int) -> dict:
         "training_memory_gib": {k: round(v, 2) for k, v in mem.train_parts.items()},
         "peak_phase": mem.phase, "largest_part": mem.largest, "limit_gib": mem.limit_gib,
         "phases_s": {k: round(seconds(v), 3) for k, v in est.phases.items()}, "step_s": round(seconds(est.step_s), 3),
+        "one_step_off_overlap": est.overlapped,
     }
 
 
