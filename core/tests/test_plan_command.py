@@ -50,6 +50,8 @@ BAD = [
     ((DENSE, f"{MCFG}tensor_model_parallel_size=1", f"{MCFG}sequence_parallel=false", f"{MCFG}pipeline_model_parallel_size=4",
       "--gpus", "8", "--layers", "30"), f"{MCFG}pipeline_model_parallel_size", "4 stages do not divide the model's 30 layers"),
     ((DENSE, f"{MCFG}expert_model_parallel_size=2", "--gpus", "8"), f"{MCFG}expert_model_parallel_size", "the model is dense"),
+    ((DENSE, f"{MCFG}layout=auto", f"{MCFG}tensor_model_parallel_size=16", "--gpus", "8"), f"{MCFG}tensor_model_parallel_size",
+     "= 16 does not divide the 8 training GPUs"),  # layout: auto keeps the sizes the section sets: they are checked
     ((MOE, f"{MCFG}expert_model_parallel_size=6", "--gpus", "48", "--nodes", "6"), f"{MCFG}expert_model_parallel_size",
      "6 does not divide the model's 128 experts"),
     ((DENSE, "policy.generation.tensor_parallel_size=3", "--gpus", "8"), "policy.generation.tensor_parallel_size",
