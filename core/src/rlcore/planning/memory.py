@@ -63,7 +63,7 @@ def _local_params(shape: ModelShape, lay: Layout, stage: str) -> tuple[float, fl
         dense += shape.embedding_params
     elif stage == "first" or not shape.tied:
         dense += embed
-    expert = layers * shape.experts * shape.expert_params / (lay.ep * lay.etp)
+    expert = layers * shape.routed_layer_params / (lay.ep * lay.etp)
     return dense / lay.tp, expert
 
 
@@ -74,7 +74,7 @@ def activation_bytes_per_token_layer(shape: ModelShape, lay: Layout) -> float:
     if lay.recompute == "selective":  # core attention recomputed: its inputs are not kept
         attention = 2 * shape.q_dim
     if shape.moe:  # each token's top-k copies (permuted input, expert MLP, output), split over expert-TP ranks
-        mlp = shape.topk * (4 * h + 6 * shape.moe_ffn) / lay.etp
+        mlp = shape.topk * (4 * h + 6 * shape.moe_ffn) / lay.etp + 6 * shape.shared_ffn / tp
     else:
         mlp = 6 * shape.ffn / tp
     return replicated + attention / tp + mlp
@@ -110,7 +110,7 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
         acts = tokens * (layers * in_flight * 2 * shape.hidden / (lay.tp if lay.sp else 1) + per_layer)
     else:
         acts = tokens * layers * in_flight * per_layer
-    logits = tokens * shape.vocab / lay.tp * cal.logits_bytes if (stage == "last" or lay.pp == 1) else 0.0
+    logits = tokens * shape.output_width / lay.tp * cal.logits_bytes if (stage == "last" or lay.pp == 1) else 0.0
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts, "logits": logits}
     parts = {k: v / GIB for k, v in parts.items()}
     parts["comm_buffers"] = cal.comm_buffer_gib * (1 if world > 1 else 0) + (0.25 if lay.ep > 1 else 0.0)
@@ -119,8 +119,9 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
 
 
 def kv_bytes_per_gpu(shape: ModelShape, work: Workload, gen_tp: int) -> float:
-    """KV bytes per token on one engine GPU: key-value heads split over TP ranks, replicated past their count."""
-    return shape.kv_bytes_per_token(work.dtype_bytes) / min(gen_tp, shape.kv_heads)
+    """KV bytes per token on one engine GPU: key-value heads split over TP ranks (replicated past their count;
+    latent attention's compressed vector whole on every rank)."""
+    return shape.kv_bytes_per_token(work.dtype_bytes) / shape.kv_shards(gen_tp)
 
 
 def engine_need(shape: ModelShape, work: Workload, lay: Layout, cal: Calibration, replicas: int) -> tuple[float, float]:
