@@ -287,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rlcore.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from rlcore.traces_cli import add_parser as add_rollouts_parser
+
+    add_rollouts_parser(sub)
     return parser
 
 

@@ -120,6 +120,7 @@ class AgentRunner:
         self._threads = None if self.is_async else DaemonThreads("rlcore-agent")
         self.last_trajectories: list[list[AgentTrajectory]] = []
         self.counts: Counter = Counter()
+        self.last_failures: list[dict] = []  # the last call's failed attempts: sample, trajectory, cause, error (traces)
         self._slots: asyncio.Semaphore | None = None
         self._idle_clients: list = []  # HTTP clients of finished agents, lent to the next (during a call)
         self._tls = None  # one TLS context for every client: each would load the CA bundle (~20 ms)
@@ -176,7 +177,9 @@ class AgentRunner:
         finally:
             self.endpoint.close(key)
             self._open.pop(key, None)
-        metrics.update({"agent_requests": float(traj.recorder.requests), "agent_segments": float(1 + len(result.segments or ()))})
+        calls = sum(len(turn.get("tool_calls") or ()) for seg in traj.recorder.segments for turn in seg.turns)
+        metrics.update({"agent_requests": float(traj.recorder.requests), "agent_segments": float(1 + len(result.segments or ())),
+                        "agent_tool_calls": float(calls)})
         return AgentTrajectory(sample, result, reward, metrics, key, 1)
 
     async def _trajectory(self, sample: Sample, seed: int | None, name: str) -> AgentTrajectory | AgentFailure:
@@ -191,6 +194,8 @@ class AgentRunner:
                     failure = exc
                     self.counts[f"rollout/infra_failures/{exc.cause}"] += 1
                     self.counts["rollout/infra_failures"] += 1
+                    self.last_failures.append({"sample": sample.index, "trajectory": f"{name}, attempt {attempt}",
+                                               "cause": exc.cause, "error": str(exc)[:2000]})
                     continue
                 finally:
                     if http is not None:
@@ -246,7 +251,7 @@ class AgentRunner:
     def __call__(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[GenerationResult]]:
         """``params.n`` results per sample, none for a dropped group; trajectories with rewards in
         ``last_trajectories``."""
-        self.counts = Counter()
+        self.counts, self.last_failures = Counter(), []
         self.last_trajectories = asyncio.run(self.arun(samples, params))
         return [[t.result for t in group] for group in self.last_trajectories]
 
