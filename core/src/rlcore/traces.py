@@ -178,6 +178,7 @@ class RolloutTraces:
         if self._fd < 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._full = _ends_full(self.path)  # a resumed run's file that ran out already
         return self._fd
 
     def write(self, step: int, trajectories: list, batch, failures: Sequence[dict] = ()) -> list[dict]:
@@ -197,6 +198,8 @@ class RolloutTraces:
         if self._full:
             return
         fd = self._open()
+        if self._full:
+            return
         room = self.config.max_run_bytes - os.fstat(fd).st_size - _NOTE_RESERVE
         if room <= 0:  # full already (a resumed run's file): its note is there
             self._full = True
@@ -204,7 +207,7 @@ class RolloutTraces:
         lines, left_out = fit(records, min(self.config.max_step_bytes, room))
         if left_out and room < self.config.max_step_bytes:
             self._full = True
-            note = {"step": step, "kind": "note", "note": f"logger.rollouts.max_run_bytes ({self.config.max_run_bytes}) "
+            note = {"step": step, "kind": "note", "full": True, "note": f"logger.rollouts.max_run_bytes ({self.config.max_run_bytes}) "
                                                           "reached: no later step is traced"}
             lines.append((json.dumps(note) + "\n").encode())
         elif left_out:
@@ -229,6 +232,17 @@ class RolloutTraces:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _ends_full(path: Path) -> bool:
+    """Whether the file's last line is the note that says ``max_run_bytes`` was reached."""
+    with open(path, "rb") as handle:
+        handle.seek(max(0, handle.seek(0, os.SEEK_END) - _NOTE_RESERVE))
+        lines = handle.read().splitlines()
+    try:
+        return bool(lines) and json.loads(lines[-1]).get("full") is True
+    except ValueError:
+        return False
 
 
 def _step_of(line: str) -> int | None:
