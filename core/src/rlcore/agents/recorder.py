@@ -156,6 +156,26 @@ def _turn(request: int, new_messages: list[dict] | None, reply: dict | None, out
     return turn
 
 
+_PROBE_TOOL = "rlcore_tool_probe"
+
+
+def template_takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template shows the model the ``tools`` it is given (a template
+    without tool support renders them to nothing, and the model would never see them)."""
+    probe = [{"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tools=probe, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - no template, or one that cannot take tools
+        return False
+    return isinstance(text, str) and _PROBE_TOOL in text
+
+
+def template_name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+
+
 class TrajectoryRecorder:
     """The segments of one trajectory. Not thread-safe: the endpoint serves one request of a
     trajectory at a time."""

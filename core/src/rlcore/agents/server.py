@@ -26,7 +26,7 @@ import socket
 import time
 import attrs
 
-from rlcore.agents.recorder import RequestError, TrajectoryRecorder, parse_tool_calls
+from rlcore.agents.recorder import RequestError, TrajectoryRecorder, parse_tool_calls, template_name, template_takes_tools
 from rlcore.interfaces import AsyncTokenGenerator, SamplingParams
 
 HOST = "127.0.0.1"
@@ -59,6 +59,7 @@ class Endpoint:
         self.max_total_tokens, self.max_turns = max_total_tokens, max_turns
         self.max_request_bytes, self.max_concurrent = max_request_bytes, max_concurrent_requests
         self.params = SamplingParams()
+        self._takes_tools: bool | None = None  # whether the chat template shows tools (probed at the first request with tools)
         self.trajectories: dict[str, OpenTrajectory] = {}
         self.port: int | None = None
         self._server = None
@@ -154,6 +155,7 @@ class Endpoint:
             raise RequestError(f"trajectory {rec.key}: 'messages' must be a list of messages")
         kwargs = dict(body.get("chat_template_kwargs") or {})
         if body.get("tools"):
+            self._check_tools(rec.key)
             kwargs["tools"] = body["tools"]
         seg, new_ids = rec.chat_prompt(messages, kwargs)
         prompt_len = seg.total() + len(new_ids)
@@ -168,6 +170,15 @@ class Endpoint:
         finish = "tool_calls" if calls and out.finish_reason == "stop" else _finish(out.finish_reason)
         return _chat_reply(rec.key, reply, finish, out.response_ids, out.response_logprobs, prompt_len, body,
                            prompt_ids=seg.prompt_ids + seg.ids[: len(seg.ids) - len(out.response_ids)])
+
+    def _check_tools(self, key: str) -> None:
+        """A template that renders no tools would hide them from the model: refused, not ignored."""
+        if self._takes_tools is None:
+            self._takes_tools = template_takes_tools(self.tokenizer)
+        if not self._takes_tools:
+            raise RequestError(f"trajectory {key}: the request has 'tools' but the chat template of "
+                               f"{template_name(self.tokenizer)} has no tool support (it renders no tools); send tool calls "
+                               "as text, or use a model whose template takes tools (Qwen2.5, Qwen3, Llama 3.1+)")
 
     async def _completion(self, traj: OpenTrajectory, body: dict) -> dict:
         rec = traj.recorder
