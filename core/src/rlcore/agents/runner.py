@@ -40,8 +40,14 @@ from rlcore.agents.config import AgentEnvConfig
 from rlcore.agents.server import Endpoint
 from rlcore.config import ConfigError
 from rlcore.controller.deadlines import DaemonThreads, GenerationTimeout, batch_margin_s
+from rlcore.errors import RolloutError
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
 from rlcore.rollout import ChatSuffixes
+
+
+class AgentTimeout(GenerationTimeout, RolloutError):
+    """Agent trajectories still open when their batch's time (``cluster.timeout_s``) ran out; the
+    message names them. The CLI prints it as one line."""
 
 
 class AgentFailure(Exception):
@@ -110,11 +116,13 @@ def reward_of(value: Any) -> tuple[float, dict[str, float]]:
 
 
 class AgentRunner:
-    def __init__(self, generator, tokenizer, agent: Callable, config: AgentEnvConfig, *, max_total_tokens: int, timeout_s: float):
+    def __init__(self, generator, tokenizer, agent: Callable, config: AgentEnvConfig, *, max_total_tokens: int, timeout_s: float,
+                 served_models: tuple[str, ...] = ("policy",)):
         self.agent, self.cfg, self.timeout_s = agent, config, timeout_s
         suffixes = ChatSuffixes(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         self.endpoint = Endpoint(generator, tokenizer, suffixes, max_total_tokens=max_total_tokens, max_turns=config.max_turns,
-                                 max_request_bytes=config.max_request_bytes, max_concurrent_requests=config.max_concurrent_requests)
+                                 max_request_bytes=config.max_request_bytes, max_concurrent_requests=config.max_concurrent_requests,
+                                 served_models=served_models)
         self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))
         # Daemon threads: a hung plain-function agent, abandoned at its timeout, is not joined at exit.
         self._threads = None if self.is_async else DaemonThreads("rlcore-agent")
@@ -236,7 +244,7 @@ class AgentRunner:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-                raise GenerationTimeout(f"timeout: agent trajectories did not finish within {limit:g}s (cluster.timeout_s less "
+                raise AgentTimeout(f"timeout: agent trajectories did not finish within {limit:g}s (cluster.timeout_s less "
                                         f"a margin): {'; '.join(open_now[:8]) or 'none open'}")
             groups = [t.result() for t in tasks]
         finally:
@@ -244,7 +252,7 @@ class AgentRunner:
             await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
             await self.endpoint.stop()
         if samples and not any(groups):
-            raise RuntimeError(f"every one of the {len(samples)} agent groups of this batch failed (see the warnings above; "
+            raise RolloutError(f"every one of the {len(samples)} agent groups of this batch failed (see the warnings above; "
                                f"counts {dict(self.counts)}): the agent, its tools or the endpoint are broken")
         return groups
 
@@ -266,4 +274,5 @@ def make_agent_runner(generator, tokenizer, config, section: AgentEnvConfig) -> 
         raise ValueError("env.agent.turn_barrier: an agent sends its requests when it chooses, so its turns cannot wait for "
                          "the other trajectories'; set it false (or use a turn-by-turn multi-turn environment)")
     return AgentRunner(generator, tokenizer, resolve_agent(section.function), section,
-                       max_total_tokens=config.policy.max_total_sequence_length, timeout_s=config.cluster.timeout_s)
+                       max_total_tokens=config.policy.max_total_sequence_length, timeout_s=config.cluster.timeout_s,
+                       served_models=("policy", config.policy.model_name))

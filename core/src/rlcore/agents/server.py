@@ -30,6 +30,11 @@ from rlcore.agents.recorder import RequestError, TrajectoryRecorder, parse_tool_
 from rlcore.interfaces import AsyncTokenGenerator, SamplingParams
 
 HOST = "127.0.0.1"
+_DEFAULT_MODEL = "policy"  # served always; a request may also leave 'model' out
+
+
+class UnknownModelError(ValueError):
+    """A request for a model the endpoint does not serve (HTTP 404 ``model_not_found``)."""
 
 
 class LimitError(RuntimeError):
@@ -54,8 +59,9 @@ class Endpoint:
     """Open trajectories by key and serve their requests through the generator."""
 
     def __init__(self, generator: AsyncTokenGenerator, tokenizer, suffixes, *, max_total_tokens: int, max_turns: int,
-                 max_request_bytes: int, max_concurrent_requests: int):
+                 max_request_bytes: int, max_concurrent_requests: int, served_models: tuple[str, ...] = (_DEFAULT_MODEL,)):
         self.generator, self.tokenizer, self.suffixes = generator, tokenizer, suffixes
+        self.served_models = tuple(dict.fromkeys(served_models))  # the names a request's 'model' may give
         self.max_total_tokens, self.max_turns = max_total_tokens, max_turns
         self.max_request_bytes, self.max_concurrent = max_request_bytes, max_concurrent_requests
         self.params = SamplingParams()
@@ -110,6 +116,10 @@ class Endpoint:
 
     async def serve(self, traj: OpenTrajectory, body: dict, chat: bool) -> dict:
         rec = traj.recorder
+        model = body.get("model")
+        if model is not None and model not in self.served_models:
+            raise UnknownModelError(f"trajectory {rec.key}: the model {model!r} does not exist here; this endpoint serves "
+                                    f"{' and '.join(map(repr, self.served_models))} (the policy being trained)")
         if traj.waiting >= self.max_concurrent:
             raise LimitError(429, f"trajectory {rec.key}: more than {self.max_concurrent} requests at once "
                                   "(env.agent.max_concurrent_requests)")
@@ -213,7 +223,7 @@ def _chat_reply(key, message, finish, ids, logprobs, prompt_len, body, prompt_id
     choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": _logprobs(ids, logprobs) if body.get("logprobs") else None,
               "token_ids": list(ids)}
     return {"id": f"chatcmpl-{key}-{time.monotonic_ns()}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model") or "policy", "choices": [choice], "usage": _usage(prompt_len, ids),
+            "model": body.get("model") or _DEFAULT_MODEL, "choices": [choice], "usage": _usage(prompt_len, ids),
             "prompt_token_ids": prompt_ids}
 
 
@@ -223,7 +233,7 @@ def _completion_reply(key, text, finish, ids, logprobs, prompt_len, body) -> dic
         lp = {"tokens": [str(t) for t in ids], "token_logprobs": [float(x) for x in logprobs], "top_logprobs": None, "text_offset": None}
     choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp, "token_ids": list(ids)}
     return {"id": f"cmpl-{key}-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model") or "policy", "choices": [choice], "usage": _usage(prompt_len, ids)}
+            "model": body.get("model") or _DEFAULT_MODEL, "choices": [choice], "usage": _usage(prompt_len, ids)}
 
 
 def _quiet_server(config):
@@ -238,10 +248,10 @@ def _quiet_server(config):
     return QuietServer(config)
 
 
-def _error(status: int, message: str, kind: str):
+def _error(status: int, message: str, kind: str, code: str | int | None = None):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status if code is None else code}}, status_code=status)
 
 
 def build_app(endpoint: Endpoint):
@@ -253,10 +263,12 @@ def build_app(endpoint: Endpoint):
 
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
+    def bearer(request: Request) -> str | None:
+        auth = request.headers.get("authorization", "")
+        return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
     async def handle(request: Request, key: str | None, chat: bool):
-        if key is None:
-            auth = request.headers.get("authorization", "")
-            key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        key = bearer(request) if key is None else key
         try:
             traj = endpoint.trajectory(key)
         except PermissionError as exc:
@@ -276,6 +288,10 @@ def build_app(endpoint: Endpoint):
             return await endpoint.serve(traj, body, chat)
         except LimitError as exc:
             return _refuse(traj, exc.status, str(exc))
+        except UnknownModelError as exc:
+            traj.errors.append(str(exc))
+            traj.causes.append("request")
+            return _error(404, str(exc), "invalid_request_error", "model_not_found")
         except (RequestError, json.JSONDecodeError) as exc:
             traj.errors.append(str(exc))
             traj.causes.append("request")
@@ -307,8 +323,20 @@ def build_app(endpoint: Endpoint):
     async def completions_at(key: str, request: Request):
         return await handle(request, key, False)
 
+    def model_list(key: str | None):
+        try:
+            endpoint.trajectory(key)
+        except PermissionError as exc:
+            return _error(401, str(exc), "authentication_error")
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "rlcore"}
+                                           for name in endpoint.served_models]}
+
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlcore"}]}
+    async def models(request: Request):
+        return model_list(bearer(request))
+
+    @app.get("/trajectories/{key}/v1/models")
+    async def models_at(key: str):
+        return model_list(key)
 
     return app
