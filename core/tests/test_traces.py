@@ -143,3 +143,12 @@ def test_rlcore_rollouts_prints_the_worst_first_and_names_what_is_missing(tmp_pa
     assert main(["rollouts", str(tmp_path), "--step", "9"]) == 2
     assert "no traces of step 9" in capsys.readouterr().err
     assert main(["rollouts", str(tmp_path / "nowhere")]) == 2
+
+
+def test_per_token_advantages_are_traced_where_they_differ(tmp_path):
+    """A critic's advantages (ppo) vary along the response: the trace keeps them token by token."""
+    trajs, batch = _step(random.Random(5), 4, 3, 4, 32)
+    batch.token_fields["advantages"][1] = torch.tensor([0.0] * 3 + [0.25, -0.5, 1.0 / 3.0, 2.0])
+    records = RolloutTraces(RolloutTracesConfig(), tmp_path).builder.records(1, trajs, batch, [0, 1])
+    assert "advantages" not in records[0]
+    assert torch.equal(torch.tensor(records[1]["advantages"], dtype=torch.float32), batch.token_fields["advantages"][1][3:])
