@@ -4,7 +4,9 @@
 FastAPI serves it, under uvicorn, in the event loop the agents run in (so that a generator bound
 to that loop, such as vLLM's async engine, serves its requests directly). Each trajectory has a key:
 the ``api_key`` its client sends (``Authorization: Bearer <key>``), or the path prefix
-``/trajectories/<key>/v1``. A request for a key not open now is refused (401).
+``/trajectories/<key>/v1``. A request for a key not open now is refused (401), ``/v1/models``
+included. The model is served as ``policy`` and as the run's ``policy.model_name``; another name
+is a 404 ``model_not_found``. ``tools`` on a chat template that renders none is a 400 naming it.
 
 Limits, per trajectory: the request body (``max_request_bytes``, 413), model requests
 (``max_turns``, 429), requests in flight or waiting (``max_concurrent_requests``, 429; they are
@@ -22,6 +24,7 @@ train), whatever a request asks; a request's ``max_tokens`` (at most the run's `
 
 import asyncio
 import contextlib
+import json
 import socket
 import time
 import attrs
@@ -254,21 +257,52 @@ def _error(status: int, message: str, kind: str, code: str | int | None = None):
     return JSONResponse({"error": {"message": message, "type": kind, "code": status if code is None else code}}, status_code=status)
 
 
-def build_app(endpoint: Endpoint):
-    """The FastAPI app: the two OpenAI routes, at ``/v1`` (key in the bearer token) and at
-    ``/trajectories/<key>/v1``, and ``/v1/models``."""
-    import json
+def _bearer(request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
+
+def _refuse(traj: OpenTrajectory, status: int, message: str):
+    traj.errors.append(message)
+    traj.causes.append("limit")
+    return _error(status, message, "rate_limit_error" if status == 429 else "invalid_request_error")
+
+
+def _failed(traj: OpenTrajectory, key: str, exc: Exception):
+    """The response to a request that failed, its cause noted on the trajectory (the attempt fails with it)."""
+    if isinstance(exc, LimitError):
+        return _refuse(traj, exc.status, str(exc))
+    traj.errors.append(str(exc))
+    if isinstance(exc, UnknownModelError):
+        traj.causes.append("request")
+        return _error(404, str(exc), "invalid_request_error", "model_not_found")
+    if isinstance(exc, (RequestError, json.JSONDecodeError)):  # ours, or the body's JSON
+        traj.causes.append("request")
+        return _error(400, f"trajectory {key}: {exc}" if key not in str(exc) else str(exc), "invalid_request_error")
+    if "endpoint" not in traj.causes:  # a generator failure: 500
+        traj.causes.append("endpoint")
+    return _error(500, str(exc), "server_error")
+
+
+def _model_list(endpoint: Endpoint, key: str | None):
+    """``/v1/models``: the served names, to an open trajectory's key only."""
+    try:
+        endpoint.trajectory(key)
+    except PermissionError as exc:
+        return _error(401, str(exc), "authentication_error")
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "rlcore"}
+                                       for name in endpoint.served_models]}
+
+
+def build_app(endpoint: Endpoint):
+    """The FastAPI app: the two OpenAI routes and ``models``, at ``/v1`` (key in the bearer token)
+    and at ``/trajectories/<key>/v1``."""
     from fastapi import FastAPI, Request
 
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
-    def bearer(request: Request) -> str | None:
-        auth = request.headers.get("authorization", "")
-        return auth[7:].strip() if auth.lower().startswith("bearer ") else None
-
     async def handle(request: Request, key: str | None, chat: bool):
-        key = bearer(request) if key is None else key
+        key = _bearer(request) if key is None else key
         try:
             traj = endpoint.trajectory(key)
         except PermissionError as exc:
@@ -286,26 +320,8 @@ def build_app(endpoint: Endpoint):
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
             return await endpoint.serve(traj, body, chat)
-        except LimitError as exc:
-            return _refuse(traj, exc.status, str(exc))
-        except UnknownModelError as exc:
-            traj.errors.append(str(exc))
-            traj.causes.append("request")
-            return _error(404, str(exc), "invalid_request_error", "model_not_found")
-        except (RequestError, json.JSONDecodeError) as exc:
-            traj.errors.append(str(exc))
-            traj.causes.append("request")
-            return _error(400, f"trajectory {key}: {exc}" if key not in str(exc) else str(exc), "invalid_request_error")
-        except Exception as exc:  # noqa: BLE001 - a generator failure: 500, and the trajectory's cause is 'endpoint'
-            traj.errors.append(str(exc))
-            if "endpoint" not in traj.causes:
-                traj.causes.append("endpoint")
-            return _error(500, str(exc), "server_error")
-
-    def _refuse(traj: OpenTrajectory, status: int, message: str):
-        traj.errors.append(message)
-        traj.causes.append("limit")
-        return _error(status, message, "rate_limit_error" if status == 429 else "invalid_request_error")
+        except Exception as exc:  # noqa: BLE001 - every failure is a response and the trajectory's cause
+            return _failed(traj, key, exc)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -323,20 +339,12 @@ def build_app(endpoint: Endpoint):
     async def completions_at(key: str, request: Request):
         return await handle(request, key, False)
 
-    def model_list(key: str | None):
-        try:
-            endpoint.trajectory(key)
-        except PermissionError as exc:
-            return _error(401, str(exc), "authentication_error")
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "rlcore"}
-                                           for name in endpoint.served_models]}
-
     @app.get("/v1/models")
     async def models(request: Request):
-        return model_list(bearer(request))
+        return _model_list(endpoint, _bearer(request))
 
     @app.get("/trajectories/{key}/v1/models")
     async def models_at(key: str):
-        return model_list(key)
+        return _model_list(endpoint, key)
 
     return app
