@@ -152,3 +152,18 @@ def test_per_token_advantages_are_traced_where_they_differ(tmp_path):
     records = RolloutTraces(RolloutTracesConfig(), tmp_path).builder.records(1, trajs, batch, [0, 1])
     assert "advantages" not in records[0]
     assert torch.equal(torch.tensor(records[1]["advantages"], dtype=torch.float32), batch.token_fields["advantages"][1][3:])
+
+
+def test_rlcore_rollouts_shows_an_agents_tool_calls_and_results_as_text(tmp_path, capsys):
+    from rlcore.cli import main
+
+    call = {"id": "call-1-0", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "12*7"}'}}
+    record = {"step": 5, "kind": "trajectory", "row": 0, "sample": 17, "group": 0, "reward": 1.0, "advantage": 0.5,
+              "policy_version": 4, "finish_reason": "stop", "prompt": "What is 12*7?", "completion": "[84] is the answer",
+              "turns": [{"request": 1, "messages": [{"role": "user", "content": "What is 12*7?"}], "reply": "", "tool_calls": [call]},
+                        {"request": 2, "messages": [{"role": "tool", "tool_call_id": "call-1-0", "content": "[bold]84"}]}]}
+    (tmp_path / "traces.jsonl").write_text(json.dumps(record) + "\n")
+    assert main(["rollouts", str(tmp_path / "traces.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert 'tool call calc({"expression": "12*7"}) id call-1-0' in out
+    assert "tool result (call-1-0): [bold]84" in out and "[84] is the answer" in out  # text, never markup

@@ -57,16 +57,21 @@ def select(records: list[dict], step: int | None, order: str | None, count: int)
 
 
 def _turns(turns) -> list[str]:
+    """Rich markup lines of an agent's tool calls and tool results, request by request."""
+    from rich.markup import escape
+
     if not isinstance(turns, list):
-        return [str(turns)]
+        return [escape(str(turns))]
     lines = []
     for turn in turns:
         for message in turn.get("messages") or ():
             if message.get("role") == "tool":
-                lines.append(f"[cyan]tool result[/cyan] ({message.get('tool_call_id', '')}): {message.get('content', '')}")
+                lines.append(f"[cyan]tool result[/cyan] ({escape(str(message.get('tool_call_id', '')))}): "
+                             f"{escape(str(message.get('content', '')))}")
         for call in turn.get("tool_calls") or ():
             fn = call.get("function", {})
-            lines.append(f"[magenta]tool call[/magenta] {fn.get('name')}({fn.get('arguments')}) id {call.get('id')}")
+            lines.append(f"[magenta]tool call[/magenta] {escape(str(fn.get('name')))}({escape(str(fn.get('arguments')))}) "
+                         f"id {escape(str(call.get('id')))}")
     return lines
 
 
@@ -89,7 +94,7 @@ def render(record: dict):
     prompt = str(record.get("prompt", ""))
     lines = [f"[dim]{escape(('…' if len(prompt) > _PROMPT_TAIL else '') + prompt[-_PROMPT_TAIL:])}[/dim]",
              f"[bold]{escape(str(record.get('completion', '')))}[/bold]"]
-    lines += [escape(line) if not line.startswith("[") else line for line in _turns(record.get("turns") or [])]
+    lines += _turns(record.get("turns") or [])
     if record.get("env_metrics"):
         lines.append("[dim]" + escape(" ".join(f"{k}={v:g}" for k, v in record["env_metrics"].items())) + "[/dim]")
     if record.get("tokens_omitted"):
@@ -112,7 +117,8 @@ def cmd_rollouts(args) -> int:
     shown = select(records, step, "worst" if args.worst else "best" if args.best else None, args.n)
     for record in shown:
         console.print(render(record))
-    console.print(f"[dim]{sum(r.get('kind') == 'trajectory' for r in shown)} trajectories of "
+    count = sum(r.get("kind") == "trajectory" for r in shown)
+    console.print(f"[dim]{count} {'trajectory' if count == 1 else 'trajectories'} of "
                   f"{'every step' if step is None else f'step {step}'} from {path} ({len(steps)} steps traced)[/dim]")
     return 0
 
