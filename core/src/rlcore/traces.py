@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from rlcore.config.traces import RolloutTracesConfig
+from rlcore.controller.deadlines import bounded_call
 
 TEXT_LIMIT = 4000  # characters of a text kept in a slimmed (over-budget) trace
 _NOTE_RESERVE = 400  # bytes kept back from max_run_bytes for the line that says the budget ran out
@@ -166,8 +167,8 @@ class RolloutTraces:
     the loggers that show them (:class:`rlcore.interfaces.RolloutTableLogger`)."""
 
     def __init__(self, config: RolloutTracesConfig, log_dir: str | Path, tokenizer: Any = None,
-                 table_loggers: Sequence[Any] = ()):
-        self.config = config
+                 table_loggers: Sequence[Any] = (), timeout_s: float | None = None):
+        self.config, self.timeout_s = config, timeout_s  # timeout_s bounds each logger's table call (cluster.timeout_s)
         self.path = trace_path(log_dir, config)
         self.builder = TraceBuilder(tokenizer)
         self.table_loggers = list(table_loggers)
@@ -190,8 +191,10 @@ class RolloutTraces:
         records = self.builder.records(step, trajectories, batch, picks, failures)
         if self.config.enabled:
             self._append(step, records)
-        for logger in self.table_loggers:
-            logger.log_rollouts(table(records, self.config.table_rows), step)
+        rows = table(records, self.config.table_rows)
+        for logger in self.table_loggers:  # a logger's network call that hangs stops the run, naming it
+            bounded_call(lambda lg=logger: lg.log_rollouts(rows, step), f"logger {type(logger).__name__} (log_rollouts)",
+                         self.timeout_s, step)
         return records
 
     def _append(self, step: int, records: list[dict]) -> None:

@@ -70,7 +70,8 @@ def build_components(config: RunConfig, **given) -> Components:
     if loggers is None:
         loggers = build_loggers(config, run_dir)
     reporter = Reporter(config.train.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
-    traces = RolloutTraces(config.logger.rollouts, run_dir, tokenizer, [lg for lg in loggers if isinstance(lg, RolloutTableLogger)])
+    traces = RolloutTraces(config.logger.rollouts, run_dir, tokenizer, [lg for lg in loggers if isinstance(lg, RolloutTableLogger)],
+                           timeout_s=config.cluster.timeout_s)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
                       teacher=teacher, critic=critic, traces=traces)
 
