@@ -94,6 +94,10 @@ class GenerationResult:
     # a dropped ``<think>``): sequences of their own that train with this trajectory's reward and
     # advantage (:mod:`rlcore.agents`). None: one sequence.
     segments: list[GenerationResult] | None = None
+    # What an agent's conversation held beyond its tokens, request by request: the messages each
+    # request added (tool results among them), the reply and its tool calls (rollout traces,
+    # :mod:`rlcore.traces`). None: not recorded.
+    turns: list[dict] | None = None
 
 
 @attrs.define
@@ -493,6 +497,14 @@ class MetricLogger(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class RolloutTableLogger(Protocol):
+    """A logger that also shows a few of each step's rollout traces as a table (:mod:`rlcore.traces`)."""
+
+    def log_rollouts(self, rows: list[list], step: int) -> None:
+        """``rows`` of :data:`rlcore.traces.TABLE_COLUMNS` (sample, reward, advantage, prompt, completion)."""
 
 
 @runtime_checkable

@@ -29,7 +29,9 @@ from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.run_end import print_outputs, save_final_model
 from rlcore.controller.timing import summarize
+from rlcore.interfaces import RolloutTableLogger
 from rlcore.plugins import get_plugin_manager
+from rlcore.traces import RolloutTraces
 from rlcore.utils import resolve
 
 
@@ -69,8 +71,10 @@ def build_components(config: RunConfig, **given) -> Components:
     if loggers is None:
         loggers = build_loggers(config, run_dir)
     reporter = Reporter(config.train.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
+    traces = RolloutTraces(config.logger.rollouts, run_dir, tokenizer, [lg for lg in loggers if isinstance(lg, RolloutTableLogger)],
+                           timeout_s=config.cluster.timeout_s)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
-                      teacher=teacher, critic=critic, placement=placement, memory_plan=memory_plan)
+                      teacher=teacher, critic=critic, placement=placement, memory_plan=memory_plan, traces=traces)
 
 
 def export_critic(components: Components, run_dir: Path) -> None:
@@ -112,6 +116,8 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
         limit = config.cluster.timeout_s
         for logger in components.loggers:
             bounded_teardown(logger.close, f"logger {type(logger).__name__} (close)", limit)
+        if components.traces is not None:
+            components.traces.close()
         if components.critic is not None:
             bounded_teardown(components.critic.shutdown, "the critic (shutdown)", limit)
         bounded_teardown(components.trainer.shutdown, "the trainer (shutdown)", limit)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from rlcore.planning.run_memory import RunMemoryPlan
     from rlcore.controller.report import Reporter
     from rlcore.rollout import MultiTurnRunner
+    from rlcore.traces import RolloutTraces
 
 __all__ = ["Components", "GRPOLoop", "NonFiniteLossError", "run_sync"]
 
@@ -62,6 +63,7 @@ class Components:
     critic: CriticHandle | None = None  # the value model of algorithms that train one (ppo)
     placement: Placement = attrs.Factory(Placement)  # where the parts run, and the memory plan's decisions
     memory_plan: RunMemoryPlan | None = None  # what the run predicted each phase holds (rlcore.planning.run_memory)
+    traces: RolloutTraces | None = None  # rollout traces of each step (logger.rollouts); None: none written
 
 
 class GRPOLoop:
@@ -85,7 +87,7 @@ class GRPOLoop:
         identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
         ckpt = CheckpointManager(checkpoint_root(cfg), cfg.checkpointing.keep_last_k) if cfg.checkpointing.enabled else None
         self.checkpoints = LoopCheckpoints(ckpt, checkpoint_root(cfg), self.progress, self.learner, self.rollouts.cursor,
-                                           self.refitter, c.generator, c.loggers, identity)
+                                           self.refitter, c.generator, [*c.loggers, *([c.traces] if c.traces else [])], identity)
         # the garbage collector's pauses and the interpreter lock's waits, recorded with each step (interpreter.py)
         self.collector = CollectorPolicy(cfg.cluster.gc_period)
         self.gc_clock, self.lock_lag = GCClock(), LockLagProbe(cfg.experimental.gil_lag_probe)
@@ -139,6 +141,8 @@ class GRPOLoop:
         """The learner's step, then the garbage collector's collection when due (``cluster.gc_period``)."""
         out = self.learner.train_on(trajectories, timer, self.progress.step)
         self.collector.after_training(self.progress.step)
+        if self.c.traces is not None:  # a sample of what was just trained, as it was trained
+            self.c.traces.write(self.progress.step, trajectories, out[1], self.rollouts.take_failures(self.progress.step))
         return out
 
     def validates(self) -> bool:
