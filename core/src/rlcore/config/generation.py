@@ -89,8 +89,9 @@ class GenerationConfig:
     ignore_eos: bool = field(default=False, metadata=doc("keep generating past EOS (benchmarks)"))
     gpu_memory_utilization: float | Literal["auto"] = field(default="auto", validator=fraction_or_auto, metadata=doc(
         "share of a GPU the engine may take (weights, KV cache, activations, CUDA graphs; vLLM's key). auto: the "
-        "run's memory plan gives a colocated engine what the trainer leaves free while the engine is awake, less "
-        "a headroom, up to 0.9 (0.9 on GPUs of its own); the run's console line says what it chose. Generators "
+        "run's memory plan gives a colocated engine its weights, overhead and twice the KV cache a step needs at "
+        "once, within what the trainer leaves free while the engine is awake less a headroom (0.9 on GPUs of its "
+        "own); the run's console line says what it chose. Generators "
         "that size their memory themselves (hf) ignore it"))
     return_routed_experts: bool = field(default=False, metadata=doc(
         "MoE models: the generator reports the experts every MoE layer chose for each token "

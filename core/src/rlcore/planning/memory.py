@@ -6,7 +6,7 @@ one micro-batch (last stage); collective buffers; a sleeping colocated engine's 
 phase (colocated): the trainer's resident state (its gradients and optimizer state leave for host memory
 when released: ``colocated.offload_trainer_state``), what the refit allocates while the engine is awake (a
 staged chunk, the probe's logprob pass), beside the engine's weights, KV cache and overhead; an engine
-sized automatically takes what is left. Logprob passes hold a forward's
+sized automatically gets twice the KV cache the step needs, within what is left. Logprob passes hold a forward's
 activations only and never exceed training. Activation bytes per token and layer follow the tensors
 Megatron-Core keeps for backward (its paper's count, with flash attention's linear memory):
 ``8h`` replicated over tensor-parallel ranks without sequence parallelism, ``2(q+2kv) + 2q + 6f`` split.
@@ -133,12 +133,18 @@ def engine_need(shape: ModelShape, work: Workload, lay: Layout, cal: Calibration
 
 
 ENGINE_CAP = 0.9  # the largest share of a GPU an automatically sized engine takes (vLLM's own default)
+# An automatically sized engine's KV cache: up to this many times what a step's sequences need at once. More
+# would not speed decoding (nothing waits for room); the rest of the GPU stays free, slack for what the model
+# does not count (the engine's own process and CUDA graphs, allocator fragmentation).
+KV_SLACK = 2.0
 
 
 def state_parts(train: dict, work: Workload, lay: Layout) -> dict:
     """The trainer's state kept on the GPU while a colocated engine is awake: its weights (the refit reads
     them), and its gradients and optimizer state unless they leave for host memory; a PPO critic's alike."""
     kept = {"weights": train["weights"], "gradients": train["gradients"], "optimizer": train["optimizer"]}
+    if lay.backend == "fsdp2":  # its optimizer step ends with zero_grad(set_to_none=True): no gradients kept
+        kept["gradients"] = 0.0
     if lay.releases_state:
         kept["gradients"] = kept["optimizer"] = 0.0
     if work.critic:
@@ -157,8 +163,9 @@ def refit_transient_gib(shape: ModelShape, work: Workload, lay: Layout, cal: Cal
 
 def estimate(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration) -> Memory:
     """Both phases of a step on the busiest GPU. The engine's share (``gen_memory_fraction``) is the
-    layout's when set; 0 sizes it: everything the trainer leaves free while the engine is awake, less the
-    calibration's headroom, up to :data:`ENGINE_CAP` of the GPU."""
+    layout's when set; 0 sizes it: its weights, overhead and :data:`KV_SLACK` times the KV cache the step's
+    sequences need at once, within what the trainer leaves free while the engine is awake less the
+    calibration's headroom, and at most :data:`ENGINE_CAP` of the GPU."""
     limit = cluster.gpu.memory_gib * (1 - cal.headroom)  # what a fitting layout may use
     stages = ["first", "last"] if lay.pp > 1 else ["last"]
     train = max((training_parts(shape, work, lay, cluster, cal, s) for s in stages), key=lambda p: sum(p.values()))
@@ -180,7 +187,8 @@ def estimate(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, c
     if lay.gen_memory_fraction > 0:  # the engine's share is set (vLLM's gpu_memory_utilization): it takes all of it
         engine_total = lay.gen_memory_fraction * total_gib
     else:
-        engine_total = max(0.0, min(limit - base, ENGINE_CAP * total_gib))
+        wanted = eng_weights + cal.engine_overhead_gib + KV_SLACK * kv_need
+        engine_total = max(0.0, min(limit - base, ENGINE_CAP * total_gib, wanted))
     kv = max(0.0, engine_total - eng_weights - cal.engine_overhead_gib)
     gen = {**resident, "engine_weights": eng_weights, "kv_cache": kv, "engine_other": cal.engine_overhead_gib}
     gen_total = sum(gen.values())

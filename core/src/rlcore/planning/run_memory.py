@@ -4,10 +4,10 @@ two decisions it sets when the recipe leaves them ``auto``.
 The numbers are :func:`rlcore.planning.memory.estimate`'s (the model ``rlcore plan`` uses) for the run's own
 layout, batch and lengths on the GPU this process sees:
 
-- ``policy.generation.gpu_memory_utilization: auto``: a colocated engine gets what the trainer leaves free
-  while the engine is awake (its kept state, the refit's staged chunk and probe pass, collective buffers and
-  the CUDA context), less the calibration's headroom, up to 0.9 of the GPU; an engine on GPUs of its own
-  gets 0.9.
+- ``policy.generation.gpu_memory_utilization: auto``: a colocated engine gets its weights, its overhead and
+  twice the KV cache a step's sequences need at once, within what the trainer leaves free while the engine is
+  awake (its kept state, the refit's staged chunk and probe pass, collective buffers and the CUDA context)
+  less the calibration's headroom, and at most 0.9 of the GPU; an engine on GPUs of its own gets 0.9.
 - ``policy.generation.colocated.offload_trainer_state: auto``: the trainer's gradients and optimizer state
   go to host memory while the engine is awake when, kept, they would leave the engine less KV cache than a
   step's sequences need at once (or none), and the synchronous loop runs (the async loop trains while the
@@ -131,7 +131,7 @@ def _key_for(mem: Memory, lay, config: RunConfig) -> tuple[str, str]:
     problem = mem.problem or ""
     if problem.startswith("generation"):
         if "gpu_memory_utilization" in problem:
-            return "policy.generation.gpu_memory_utilization", "auto (the engine gets what the trainer leaves free)"
+            return "policy.generation.gpu_memory_utilization", "auto (the engine is sized within what the trainer leaves free)"
         if not lay.releases_state and _releasable(config):
             return ("policy.generation.colocated.offload_trainer_state",
                     "true or auto (the trainer's gradients and optimizer state leave while the engine is awake)")
