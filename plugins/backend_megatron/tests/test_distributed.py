@@ -50,7 +50,7 @@ LOGPROB_TOL = 1e-5
 def results(tiny_model_factory, tmp_path_factory):
     models = {a: str(tiny_model_factory(a, hidden_size=256, num_heads=4, num_kv_heads=2)) for a in ARCHS}
     out = tmp_path_factory.mktemp("megatron-dist")
-    data = rank_results(WORKER, [json.dumps(models), out], out / "rank_0.json", what="megatron workers", timeout=420)
+    data = rank_results(WORKER, [json.dumps(models), out], out / "rank_0.json", what="megatron workers", timeout=600)
     errors = {k: v for k, v in data.items() if isinstance(v, str) and v.startswith("ERROR")}
     data["_errors"] = errors
     return data

@@ -199,9 +199,9 @@ def apply(model, cfg, hf_config, seed: int) -> list[LoraAdapter]:
     layer_number, adapters = _layer_numbers(model), []
     for index, layer in enumerate(model.decoder.layers):
         for name, projections in chosen.items():
-            base = layer.get_submodule(name)
+            base = getattr(layer.get_submodule(name.split(".")[0]), name.split(".")[1], None)
             if not isinstance(getattr(base, "weight", None), torch.Tensor):
-                raise ConfigError(KEY, f"{name} of this model is a {type(base).__name__}, not a linear layer an adapter can "
+                raise ConfigError(KEY, f"{name} of this model is {type(base).__name__}, not a linear layer an adapter can "
                                   "wrap (Transformer Engine's op fuser: set policy.megatron_cfg.use_te_op_fuser: false)")
             adapter = LoraAdapter(name, projections, _out_local(name, hf_config, shape), _in_full(name, hf_config, shape),
                                   cfg, shape, base.weight.dtype, base.weight.device)
