@@ -577,7 +577,12 @@ def check_lora_bf16(path: str) -> dict:
     main = sum(p.numel() for group in inner.param_groups for p in group["params"])
     counts = torch.tensor([main, adapter_numel], dtype=torch.long)
     dist.all_reduce(counts)  # the distributed optimizer splits the main weights over the DP ranks
-    return {"base_bf16": all(p.dtype == torch.bfloat16 and not p.requires_grad for p in base),
+    before = [p.detach().clone() for p in base]
+    backend.offload()  # colocated release: the frozen base leaves with the rest, and comes back bit for bit
+    released = all(p.untyped_storage().nbytes() == 0 for p in base)
+    backend.onload()
+    return {"base_released": released, "base_back": all(torch.equal(p, b) for p, b in zip(base, before)),
+            "base_bf16": all(p.dtype == torch.bfloat16 and not p.requires_grad for p in base),
             "main_fp32": all(p.dtype == torch.float32 for group in inner.param_groups for p in group["params"]),
             "main_numel": int(counts[0]), "adapter_numel": int(counts[1]) // dist.get_world_size()}
 

@@ -219,7 +219,9 @@ def test_lora_export_reference_and_resume(results):
 
 def test_lora_bf16_base_has_no_main_weights(results):
     """bf16 LoRA: the frozen base stays bf16 outside the gradient buffers; the optimizer's fp32 main weights (and
-    so its state) cover exactly the adapters."""
+    so its state) cover exactly the adapters; releasing the trainer's state to host memory takes the base too."""
+    assert value(results, "lora_bf16_base_released") is True
+    assert value(results, "lora_bf16_base_back") is True
     assert value(results, "lora_bf16_base_bf16") is True
     assert value(results, "lora_bf16_main_fp32") is True
     assert value(results, "lora_bf16_main_numel") == value(results, "lora_bf16_adapter_numel") > 0

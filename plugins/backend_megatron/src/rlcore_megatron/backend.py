@@ -390,7 +390,7 @@ class MegatronBackend:
         if self.graphs is not None:  # their memory pool, and buffers that are about to move
             self.graphs.reset()
         buffers = self.model.buffers + self.model.expert_parallel_buffers
-        keep = [b.param_data for b in buffers] if keep_weights else []
+        keep = [b.param_data for b in buffers] + self._frozen_weights() if keep_weights else []
         self.offloader.offload(self.state_tensors(), self._device, keep=keep)
         if not self.on_cpu:
             torch.cuda.synchronize()
@@ -403,10 +403,10 @@ class MegatronBackend:
             torch.cuda.synchronize()
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The rank's training state: parameter and gradient buffers (the model's weights and gradients
-        are views of them), the optimizer's state and its main weights. AdamW's ``step`` counters stay on
+        """The rank's training state: frozen weights, parameter and gradient buffers (the model's other weights
+        and gradients are views of them), the optimizer's state and its main weights. AdamW's ``step`` counters stay on
         the host, as torch's AdamW wants them."""
-        out = []
+        out = self._frozen_weights()
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
             out += [buffer.param_data, buffer.grad_data]
         for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
@@ -416,6 +416,10 @@ class MegatronBackend:
             out += [p.data for group in inner.param_groups for p in group["params"]]
             out += [v for state in inner.state.values() for k, v in state.items() if torch.is_tensor(v) and k != "step"]
         return out
+
+    def _frozen_weights(self) -> list[torch.Tensor]:
+        """Weights outside DDP's buffers, which hold only what trains: a LoRA run's base, a frozen MoE router."""
+        return [p.data for p in self.module.parameters() if not p.requires_grad]
 
     def shutdown(self) -> None:
         """Drop the model, optimizer and reference copy so their memory is free for what runs next."""
