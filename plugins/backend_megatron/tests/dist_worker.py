@@ -467,7 +467,7 @@ def max_diff_dict(a: dict, b: dict) -> float:
 
 
 def check_lora_layouts(path: str) -> dict:
-    """One LoRA step from the same adapters at TP=2, TP=2 with sequence parallelism and PP=2 vs TP=1 (DP=2):
+    """One LoRA step from the same adapters at TP=2, TP=2 with sequence parallelism, PP=2 and CP=2 vs TP=1 (DP=2):
     loss, adapter gradients (whole, PEFT names) and merged weights after the step."""
     batch = make_batch(5, n=8)
     base = lora_backend(path)
@@ -476,7 +476,7 @@ def check_lora_layouts(path: str) -> dict:
     out = {}
     for name, mcfg in {"tp2": dict(tensor_model_parallel_size=2),
                        "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
-                       "pp2": dict(pipeline_model_parallel_size=2)}.items():
+                       "pp2": dict(pipeline_model_parallel_size=2), "cp2": dict(context_parallel_size=2)}.items():
         metrics, grads, after, merge_diff = lora_step(lora_backend(path, **mcfg), adapters, batch)
         if dist.get_rank() == 0:
             out.update({f"{name}_loss": abs(metrics["loss"] - ref[0]["loss"]), f"{name}_grads": max_diff_dict(grads, ref[1]),

@@ -177,10 +177,10 @@ def test_releasing_the_state_to_host_memory_and_back_changes_nothing(results):
         assert value(results, f"release_dp2_{key}") is True, key
 
 
-@pytest.mark.parametrize("layout", ("tp2", "tp2_sp", "pp2"))
+@pytest.mark.parametrize("layout", ("tp2", "tp2_sp", "pp2", "cp2"))
 def test_lora_layouts_equal_one_process(results, layout):
     """LoRA on every projection from the same nonzero adapters, one step: TP=2 (with and without sequence
-    parallelism) and PP=2 give TP=1's loss, adapter gradients (gathered whole, PEFT names) and adapters after
+    parallelism), PP=2 and CP=2 give TP=1's loss, adapter gradients (gathered whole, PEFT names) and adapters after
     the step; the merged weights each layout exports are its adapters merged into the base in fp32."""
     grad_max = value(results, "lora_layouts_grad_max")
     assert value(results, "lora_layouts_grad_min") > 1e-3  # every adapter, A and B, got a gradient
