@@ -45,3 +45,18 @@ def test_refused_configurations_name_the_key():
         apply(None, config.policy.lora, SimpleNamespace(num_experts=4), seed=0)
     with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.cuda_graph"):
         MegatronBackend._apply_lora(None, None, config.section("policy.megatron_cfg"), config, 0)
+
+
+def test_te_op_fuser_is_turned_off_for_lora_and_refused_when_asked_for():
+    import attrs
+
+    from rlcore.config import ConfigError
+    from rlcore_megatron.config import MegatronConfig
+    from rlcore_megatron.kernels import resolve
+    from rlcore_megatron.lora import kernels_for_lora
+
+    # its fused MLP would run linear_fc1/linear_fc2 past their adapters' hooks
+    fused = attrs.evolve(resolve(MegatronConfig(enabled=True), on_cuda=False), te_op_fuser=True)  # as resolved with TE
+    assert kernels_for_lora(fused, MegatronConfig(enabled=True)).te_op_fuser is False
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.use_te_op_fuser"):
+        kernels_for_lora(fused, MegatronConfig(enabled=True, use_te_op_fuser=True))

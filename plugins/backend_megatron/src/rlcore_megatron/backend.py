@@ -82,6 +82,8 @@ class MegatronBackend:
         self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.train.seed if seed is None else seed)
         self.ranks = parallel.Ranks.current()
         self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu, bf16=parallel.params_dtype(cfg, config) == torch.bfloat16)
+        if config.policy.lora.enabled:
+            self.kernels = lora.kernels_for_lora(self.kernels, cfg)
         if self.world.rank == 0:
             print(f"rlcore-megatron: {self.kernels.describe()}", flush=True)
         self._restore_sms = None  # undoes experimental.gemm_sm_margin's process-wide settings at shutdown

@@ -188,6 +188,19 @@ def _hook(module, args, kwargs, output):
     return out + adapter(_adapter_input(module, x)).to(out.dtype), bias
 
 
+def kernels_for_lora(kernels, cfg):
+    """``kernels`` without Transformer Engine's op fuser, which runs the MLP's linear layers as one fused op, past
+    their forward (and so past an adapter's hook); asked for explicitly, it is an error naming the key."""
+    if not kernels.te_op_fuser:
+        return kernels
+    if cfg.use_te_op_fuser:
+        raise ConfigError("policy.megatron_cfg.use_te_op_fuser", "runs the MLP's linear layers past their LoRA adapters; "
+                          "leave it unset (or false) with policy.lora.enabled")
+    import attrs
+
+    return attrs.evolve(kernels, te_op_fuser=False)
+
+
 def apply(model, cfg, hf_config, seed: int) -> list[LoraAdapter]:
     """Attach adapters to ``model`` (this rank's shard, weights loaded), freeze everything else; returns the adapters."""
     if int(getattr(hf_config, "num_experts", 0) or 0):
@@ -198,11 +211,12 @@ def apply(model, cfg, hf_config, seed: int) -> list[LoraAdapter]:
         param.requires_grad_(False)
     layer_number, adapters = _layer_numbers(model), []
     for index, layer in enumerate(model.decoder.layers):
+        if hasattr(layer.mlp, "_make_fused_impl"):  # TE's fused MLP: its forward skips linear_fc1/linear_fc2's own
+            raise ConfigError("policy.megatron_cfg.use_te_op_fuser", "fuses the MLP past its LoRA adapters; set it to false")
         for name, projections in chosen.items():
             base = getattr(layer.get_submodule(name.split(".")[0]), name.split(".")[1], None)
             if not isinstance(getattr(base, "weight", None), torch.Tensor):
-                raise ConfigError(KEY, f"{name} of this model is {type(base).__name__}, not a linear layer an adapter can "
-                                  "wrap (Transformer Engine's op fuser: set policy.megatron_cfg.use_te_op_fuser: false)")
+                raise ConfigError(KEY, f"{name} of this model is {type(base).__name__}, not a linear layer an adapter can wrap")
             adapter = LoraAdapter(name, projections, _out_local(name, hf_config, shape), _in_full(name, hf_config, shape),
                                   cfg, shape, base.weight.dtype, base.weight.device)
             adapter.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
