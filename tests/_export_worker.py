@@ -2,7 +2,8 @@
 
 Usage: python _export_worker.py RANK WORLD PORT MODEL_DIR OUT_DIR. Both ranks train one step and
 save a run checkpoint (the run loop's CheckpointManager, the backend's own save) under each
-layout: fsdp2 with 2 data-parallel ranks, Megatron TP=2, Megatron PP=2; each also writes the live
+layout: fsdp2 with 2 data-parallel ranks, Megatron TP=2, Megatron PP=2, Megatron TP=2 with LoRA
+(adapters only in the checkpoint); each also writes the live
 backend's Hugging Face export as the reference. Then rank 0 alone, its 2-rank group gone, runs
 ``rlcore export`` on each checkpoint and compares fp32 logits in ``transformers``; it writes
 ``OUT_DIR/results.json``.
@@ -23,6 +24,9 @@ LAYOUTS = {
     "fsdp2_dp2": {"dtensor_cfg": {"enabled": True}},
     "megatron_tp2": {"megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 2}},
     "megatron_pp2": {"megatron_cfg": {"enabled": True, "pipeline_model_parallel_size": 2}},
+    # a checkpoint of the adapters alone: the export loads the base from policy.model_name, then them
+    "megatron_tp2_lora": {"megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 2},
+                          "lora": {"enabled": True, "rank": 4, "alpha": 8.0}},
 }
 
 

@@ -1,4 +1,4 @@
-"""``rlcore export``: checkpoints of fsdp2 (2 data-parallel ranks), Megatron TP=2 and Megatron PP=2,
+"""``rlcore export``: checkpoints of fsdp2 (2 data-parallel ranks), Megatron TP=2, PP=2 and TP=2 with LoRA,
 each written by 2 gloo ranks, exported in one process to Hugging Face safetensors + config +
 tokenizer; ``transformers`` then gives the same fp32 logits as the live backend's own export.
 
@@ -15,7 +15,7 @@ from rlcore.cli import main as rlcore_main
 from rlcore.testing.ranks import rank_results
 
 WORKER = Path(__file__).with_name("_export_worker.py")
-LAYOUTS = ("fsdp2_dp2", "megatron_tp2", "megatron_pp2")
+LAYOUTS = ("fsdp2_dp2", "megatron_tp2", "megatron_pp2", "megatron_tp2_lora")
 
 
 @pytest.fixture(scope="module")

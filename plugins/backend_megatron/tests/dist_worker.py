@@ -406,6 +406,187 @@ def check_release(path: str) -> dict:
     return out
 
 
+# ---- LoRA (rlcore_megatron.lora) -----------------------------------------------------------------
+LORA = dict(enabled=True, rank=4, alpha=8.0)
+LORA_LR, LORA_ADAM_EPS = 1e-2, 1e-3  # eps far above the gradients' rounding differences (see test_distributed.py)
+
+
+def lora_run(path: str, *, distributed_optimizer: bool = False, precision: str = "float32", **mcfg):
+    """A LoRA run (rank 4, alpha 8, every projection); no clipping, so gradients compare as computed; without the
+    distributed optimizer every data-parallel rank holds the whole summed gradient after a step."""
+    from rlcore.config.schema import LoraConfig
+
+    opt = MegatronOptimizerConfig(lr=LORA_LR, weight_decay=0.0, adam_eps=LORA_ADAM_EPS, use_distributed_optimizer=distributed_optimizer)
+    run, cfg = run_config(path, optimizer=opt, **mcfg)
+    return attrs.evolve(run, policy=attrs.evolve(run.policy, lora=LoraConfig(**LORA), max_grad_norm=None,
+                                                 precision=precision)), cfg
+
+
+def lora_backend(path: str, **kwargs):
+    from rlcore.interfaces import WorldInfo
+    from rlcore_megatron.backend import build_backend
+
+    run, cfg = lora_run(path, **kwargs)
+    return build_backend(run, cfg, WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size()))
+
+
+def random_adapters(backend) -> dict[str, torch.Tensor]:
+    """Nonzero A and B (B starts at zero, which leaves A without a gradient) for every adapter, under PEFT's names,
+    on every rank; the same whatever the layout."""
+    from rlcore_megatron.lora import adapter_tensors
+
+    shapes = [sorted((n, tuple(t.shape)) for n, t in adapter_tensors(backend.module, backend.hf_config).items())]
+    dist.broadcast_object_list(shapes, src=0)
+    g = torch.Generator().manual_seed(11)
+    return {n: torch.randn(shape, generator=g) * 0.2 for n, shape in shapes[0]}
+
+
+def lora_step(backend, adapters, batch) -> tuple[dict, dict, dict, float]:
+    """(metrics, adapter gradients, adapters after the step, largest difference between the merged weights the
+    backend exports and the base merged with those adapters here) of one step from ``adapters``; whole, on rank 0."""
+    from rlcore.lora import merge
+    from rlcore_megatron.lora import adapter_tensors, load_adapter_tensors
+
+    load_adapter_tensors(backend.module, adapters)
+    metrics = backend.train(batch, SumNLL())
+    grads = adapter_tensors(backend.module, backend.hf_config, of=lambda p: p.main_grad)
+    after, merged = adapter_tensors(backend.module, backend.hf_config), exported(backend)
+    merge_diff = 0.0
+    if dist.get_rank() == 0:
+        scale = LORA["alpha"] / LORA["rank"]
+        for name, base in checkpoint_tensors(backend.model_path).items():
+            a, module = after.get(f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight"), name.removesuffix(".weight")
+            want = base if a is None else merge(base, a, after[f"base_model.model.{module}.lora_B.weight"], scale, base.dtype)
+            merge_diff = max(merge_diff, float((merged[name] - want).abs().max()))
+    return metrics, grads, after, merge_diff
+
+
+def max_diff_dict(a: dict, b: dict) -> float:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:4]
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def check_lora_layouts(path: str) -> dict:
+    """One LoRA step from the same adapters at TP=2, TP=2 with sequence parallelism, PP=2 and CP=2 vs TP=1 (DP=2):
+    loss, adapter gradients (whole, PEFT names) and merged weights after the step."""
+    batch = make_batch(5, n=8)
+    base = lora_backend(path)
+    adapters = random_adapters(base)
+    ref = lora_step(base, adapters, batch)
+    out = {}
+    for name, mcfg in {"tp2": dict(tensor_model_parallel_size=2),
+                       "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                       "pp2": dict(pipeline_model_parallel_size=2), "cp2": dict(context_parallel_size=2)}.items():
+        metrics, grads, after, merge_diff = lora_step(lora_backend(path, **mcfg), adapters, batch)
+        if dist.get_rank() == 0:
+            out.update({f"{name}_loss": abs(metrics["loss"] - ref[0]["loss"]), f"{name}_grads": max_diff_dict(grads, ref[1]),
+                        f"{name}_adapters": max_diff_dict(after, ref[2]), f"{name}_merge": merge_diff})
+    if dist.get_rank() == 0:
+        out.update(loss=ref[0]["loss"], merge=ref[3], grad_max=max(float(g.abs().max()) for g in ref[1].values()),
+                   grad_min=min(float(g.abs().max()) for g in ref[1].values()),  # every adapter got a gradient
+                   change=max_diff_dict(ref[2], adapters))
+    return out
+
+
+def check_lora_vs_fsdp2(path: str) -> dict:
+    """The same adapters and batch through the fsdp2 backend (PEFT) and this one, DP=2: loss and adapter gradients."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from rlcore.interfaces import WorldInfo
+    from rlcore_fsdp2.backend import FSDP2Backend
+    from rlcore_fsdp2.config import DTensorConfig
+
+    batch = make_batch(7, n=8)
+    meg = lora_backend(path)
+    adapters = random_adapters(meg)
+    m_meg, g_meg, _, _ = lora_step(meg, adapters, batch)
+    run, _ = lora_run(path)
+    fsdp2 = FSDP2Backend(run, DTensorConfig(), WorldInfo(rank=dist.get_rank(), world_size=dist.get_world_size()))
+    params = {f"base_model.model.{n.replace('.default.', '.')}": p for n, p in fsdp2.model.named_parameters() if ".lora_" in n}
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(distribute_tensor(adapters[name].to(p.dtype), p.device_mesh, p.placements))
+    fsdp2.optimizer.zero_grad = lambda set_to_none=True: None  # keep the step's gradients to read them after it
+    m_fsdp2 = fsdp2.train(batch, SumNLL())
+    g_fsdp2 = {name: p.grad.full_tensor() for name, p in params.items()}
+    fsdp2.shutdown()
+    if dist.get_rank() != 0:
+        return {}
+    return {"loss": abs(m_meg["loss"] - m_fsdp2["loss"]), "grads": max_diff_dict(g_meg, g_fsdp2),
+            "grad_min": min(float(g.abs().max()) for g in g_fsdp2.values())}
+
+
+def hf_logprobs(model, batch) -> list[torch.Tensor]:
+    from rlcore.ops import token_logprobs
+
+    with torch.no_grad():
+        return [token_logprobs(model(ids[None]).logits[0], ids) for ids in batch.input_ids]
+
+
+def check_lora_export_resume(path: str, tmp: Path) -> dict:
+    """DP=2 with the distributed optimizer, adapters from their own initialisation: what trains, the reference,
+    the merged export and the PEFT adapter against transformers + peft, and a checkpoint of the adapters alone
+    that resumes to the same step."""
+    from megatron.core import dist_checkpointing
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    batch1, batch2, probe = make_batch(2, n=8), make_batch(3, n=8), make_batch(4, n=6)
+    backend = lora_backend(path, distributed_optimizer=True)
+    trained = {id(p) for buffer in backend.model.buffers for p in buffer.params}
+    adapters = {id(p) for n, p in backend.module.named_parameters() if ".lora." in n}
+    out = {"only_adapters_train": trained == adapters and all(
+        p.requires_grad == (".lora." in n) for n, p in backend.module.named_parameters())}
+    for _ in range(2):  # B starts at zero: the second step moves A too
+        backend.train(batch1, SumNLL())
+    policy, reference = backend.logprobs(probe), backend.logprobs(probe, reference=True)
+    backend.export_hf(str(tmp / "lora-export"))
+    backend.save_checkpoint(str(tmp / "lora-ckpt"))
+    m2 = backend.train(batch2, SumNLL())
+    uninterrupted = exported(backend)
+    fresh = lora_backend(path, distributed_optimizer=True)
+    fresh.load_checkpoint(str(tmp / "lora-ckpt"))
+    m2b = fresh.train(batch2, SumNLL())
+    resumed = exported(fresh)
+    if dist.get_rank() != 0:
+        return out
+    model_keys = [k for k in dist_checkpointing.load_tensors_metadata(str(tmp / "lora-ckpt" / "megatron"))
+                  if not k.startswith("optimizer.")]
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    base_lp = hf_logprobs(base, probe)
+    peft_lp = hf_logprobs(PeftModel.from_pretrained(base, tmp / "lora-export" / "adapter").eval(), probe)
+    merged_lp = hf_logprobs(AutoModelForCausalLM.from_pretrained(tmp / "lora-export", dtype=torch.float32), probe)
+    out.update(reference=max_diff(on_mask(reference, probe), on_mask(base_lp, probe)),
+               moved=max_diff(on_mask(policy, probe), on_mask(base_lp, probe)),
+               peft=max_diff(on_mask(policy, probe), on_mask(peft_lp, probe)),
+               merged=max_diff(on_mask(policy, probe), on_mask(merged_lp, probe)),
+               ckpt_adapters=len(model_keys), ckpt_not_adapters=[k for k in model_keys if ".lora." not in k],
+               resume_weights=max_diff_dict(uninterrupted, resumed), resume_loss=abs(m2["loss"] - m2b["loss"]))
+    return out
+
+
+def check_lora_bf16(path: str) -> dict:
+    """bf16 LoRA: the frozen base stays in bf16 outside the gradient buffers, and the optimizer's fp32 main weights
+    and state cover the adapters alone."""
+    backend = lora_backend(path, precision="bfloat16", distributed_optimizer=True)
+    backend.train(make_batch(2, n=8), SumNLL())
+    named = dict(backend.module.named_parameters())
+    base = [p for n, p in named.items() if ".lora." not in n]
+    adapter_numel = sum(p.numel() for n, p in named.items() if ".lora." in n)
+    inner = backend.optimizer.optimizer
+    main = sum(p.numel() for group in inner.param_groups for p in group["params"])
+    counts = torch.tensor([main, adapter_numel], dtype=torch.long)
+    dist.all_reduce(counts)  # the distributed optimizer splits the main weights over the DP ranks
+    before = [p.detach().clone() for p in base]
+    backend.offload()  # colocated release: the frozen base leaves with the rest, and comes back bit for bit
+    released = all(p.untyped_storage().nbytes() == 0 for p in base)
+    backend.onload()
+    return {"base_released": released, "base_back": all(torch.equal(p, b) for p, b in zip(base, before)),
+            "base_bf16": all(p.dtype == torch.bfloat16 and not p.requires_grad for p in base),
+            "main_fp32": all(p.dtype == torch.float32 for group in inner.param_groups for p in group["params"]),
+            "main_numel": int(counts[0]), "adapter_numel": int(counts[1]) // dist.get_world_size()}
+
+
 def record(out: dict, name: str, fn, *, spread: bool = False) -> None:
     """``out[name] = fn()``, or with ``spread`` ``out[f"{name}_{k}"]`` for each item of the dict it
     returns; a failure becomes ``out[name] = "ERROR <traceback>"``, which the test reports under the
@@ -467,7 +648,11 @@ def main() -> None:
         out["fsdp2_compare"] = "SKIP rlcore-fsdp2 is not installed"
     else:
         record(out, "fsdp2_compare", lambda: check_vs_fsdp2(models["llama"]), spread=True)
+        record(out, "lora_fsdp2", lambda: check_lora_vs_fsdp2(models["llama"]), spread=True)
     record(out, "training", lambda: check_training(models["llama"], tmp, out) or {}, spread=True)  # it writes into out
+    record(out, "lora_layouts", lambda: check_lora_layouts(models["llama"]), spread=True)
+    record(out, "lora_export_resume", lambda: check_lora_export_resume(models["llama"], tmp), spread=True)
+    record(out, "lora_bf16", lambda: check_lora_bf16(models["llama"]), spread=True)
     for key, value in out.items():
         if isinstance(value, str) and value.startswith("ERROR"):
             print(f"[rank {rank}] {key}: {value}", file=sys.stderr)

@@ -30,6 +30,17 @@ LOSS_TOL = 1e-5
 # Relative gradient-norm difference: a sum of ~1e6 fp32 squares in another (pairwise, per bucket)
 # order, ~log2(N) * eps32 ~ 2.4e-6, plus the gradients' own rounding.
 GRAD_NORM_RTOL = 1e-5
+# LoRA (dist_worker.check_lora_*): the loss there is ~1.9 over ~75 tokens: 75 * 1.2e-7 * 1.9 ~ 2e-5.
+LORA_LOSS_TOL = 2e-5
+# An adapter gradient entry sums products over the tokens (~75) and, before that, over the hidden (256) or
+# intermediate (512) size, which TP/SP/PP split or reorder; fp32 rounding of such a sum is ~sqrt(N) * eps32 of the
+# sum of its terms' magnitudes, which cancellation (advantages of both signs) makes 10-100x the result: 1e-4 of the
+# largest gradient. A wrong shard, row order or missing reduction is off by the gradient's own size.
+LORA_GRAD_RTOL = 1e-4
+# Adapters after one Adam step (lr 1e-2, eps 1e-3): a gradient difference d moves an entry by at most lr * d / eps
+# (~3e-5 for d ~ 3e-6, the differences seen); 5% of lr, as WEIGHTS_TOL. A wrong update moves it by ~lr.
+LORA_LR = 1e-2
+LORA_WEIGHTS_TOL = 0.05 * LORA_LR
 # fp32 logits and logprobs (|logp| <~ 8, where an ulp is 4.8e-7) from GEMMs over another number of rows, which
 # may block the hidden-size (256) sum otherwise: ~sqrt(256) * eps32 * |logp| ~ 1e-5.
 LOGPROB_TOL = 1e-5
@@ -39,7 +50,7 @@ LOGPROB_TOL = 1e-5
 def results(tiny_model_factory, tmp_path_factory):
     models = {a: str(tiny_model_factory(a, hidden_size=256, num_heads=4, num_kv_heads=2)) for a in ARCHS}
     out = tmp_path_factory.mktemp("megatron-dist")
-    data = rank_results(WORKER, [json.dumps(models), out], out / "rank_0.json", what="megatron workers", timeout=420)
+    data = rank_results(WORKER, [json.dumps(models), out], out / "rank_0.json", what="megatron workers", timeout=600)
     errors = {k: v for k, v in data.items() if isinstance(v, str) and v.startswith("ERROR")}
     data["_errors"] = errors
     return data
@@ -164,3 +175,53 @@ def test_releasing_the_state_to_host_memory_and_back_changes_nothing(results):
     step the same to the bit as a backend that never released."""
     for key in ("out_True", "out_False", "equal_True", "equal_False", "loss_equal", "weights_equal", "state_equal"):
         assert value(results, f"release_dp2_{key}") is True, key
+
+
+@pytest.mark.parametrize("layout", ("tp2", "tp2_sp", "pp2", "cp2"))
+def test_lora_layouts_equal_one_process(results, layout):
+    """LoRA on every projection from the same nonzero adapters, one step: TP=2 (with and without sequence
+    parallelism), PP=2 and CP=2 give TP=1's loss, adapter gradients (gathered whole, PEFT names) and adapters after
+    the step; the merged weights each layout exports are its adapters merged into the base in fp32."""
+    grad_max = value(results, "lora_layouts_grad_max")
+    assert value(results, "lora_layouts_grad_min") > 1e-3  # every adapter, A and B, got a gradient
+    assert value(results, "lora_layouts_change") > 0.5 * LORA_LR  # the step moved the adapters
+    assert value(results, "lora_layouts_merge") < 1e-6
+    assert value(results, f"lora_layouts_{layout}_loss") < LORA_LOSS_TOL
+    assert value(results, f"lora_layouts_{layout}_grads") < LORA_GRAD_RTOL * grad_max
+    assert value(results, f"lora_layouts_{layout}_adapters") < LORA_WEIGHTS_TOL
+    assert value(results, f"lora_layouts_{layout}_merge") < 1e-6
+
+
+def test_lora_equals_fsdp2_peft(results):
+    """The same tiny model, batch and adapters through the fsdp2 backend (PEFT's layers, one adapter per q/k/v and
+    gate/up projection) and Megatron's fused linear_qkv / linear_fc1 adapters, DP=2: same loss and adapter gradients."""
+    if str(results.get("fsdp2_compare", "")).startswith("SKIP"):
+        pytest.skip(results["fsdp2_compare"])
+    assert value(results, "lora_fsdp2_grad_min") > 1e-3
+    assert value(results, "lora_fsdp2_loss") < LORA_LOSS_TOL
+    assert value(results, "lora_fsdp2_grads") < LORA_GRAD_RTOL * value(results, "lora_layouts_grad_max")
+
+
+def test_lora_export_reference_and_resume(results):
+    """Only the adapters train (DP=2, distributed optimizer); the reference is the base model; the merged export and
+    the PEFT adapter (loaded by peft onto the base) give the trained model's logprobs; the checkpoint holds the
+    adapters alone and resumes to the same step, bit for bit."""
+    assert value(results, "lora_export_resume_only_adapters_train") is True
+    assert value(results, "lora_export_resume_reference") < LOGPROB_TOL
+    assert value(results, "lora_export_resume_moved") > 1e-2
+    assert value(results, "lora_export_resume_peft") < LOGPROB_TOL
+    assert value(results, "lora_export_resume_merged") < LOGPROB_TOL
+    assert value(results, "lora_export_resume_ckpt_adapters") == 28  # 2 layers x 7 projections x (A, B)
+    assert value(results, "lora_export_resume_ckpt_not_adapters") == []
+    assert value(results, "lora_export_resume_resume_weights") == 0.0
+    assert value(results, "lora_export_resume_resume_loss") == 0.0
+
+
+def test_lora_bf16_base_has_no_main_weights(results):
+    """bf16 LoRA: the frozen base stays bf16 outside the gradient buffers; the optimizer's fp32 main weights (and
+    so its state) cover exactly the adapters; releasing the trainer's state to host memory takes the base too."""
+    assert value(results, "lora_bf16_base_released") is True
+    assert value(results, "lora_bf16_base_back") is True
+    assert value(results, "lora_bf16_base_bf16") is True
+    assert value(results, "lora_bf16_main_fp32") is True
+    assert value(results, "lora_bf16_main_numel") == value(results, "lora_bf16_adapter_numel") > 0

@@ -62,7 +62,7 @@ class SequencePackingConfig:
 
 @frozen
 class LoraConfig:
-    """Low-rank adapters on the policy (fsdp2 backend, through ``peft``): only the adapters train."""
+    """Low-rank adapters on the policy (fsdp2 backend through ``peft``; megatron backend): only the adapters train."""
 
     enabled: bool = field(default=False, metadata=doc("train LoRA adapters instead of the full model"))
     rank: int = field(default=8, validator=_positive, metadata=doc("adapter rank r"))
@@ -71,7 +71,8 @@ class LoraConfig:
                            metadata=doc("dropout on the adapters' input"))
     target_modules: tuple[str, ...] = field(
         default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        metadata=doc("names of the linear layers that get adapters"))
+        metadata=doc("Hugging Face names of the linear layers that get adapters (megatron also takes linear_qkv, "
+                     "linear_proj, linear_fc1, linear_fc2; a fused layer gets one adapter per projection named)"))
 
 
 @frozen

@@ -5,34 +5,23 @@ before parallelization, and every other parameter is frozen: FSDP2 shards the fr
 trainable adapters together, and the optimizer keeps state only for parameters that get
 gradients. The reference policy is the initial weights, i.e. the base model (B = 0 at init).
 
-Refit and ``export_hf`` send *merged* weights in the base model's Hugging Face names::
-
-    W' = W + (alpha / r) * B @ A          computed in float32, then cast to the export dtype
-
-Merging in bf16 rounds away small updates (the product lands below W's bf16 resolution:
-NeMo-RL#3696); merging in fp32 first keeps them until the one final cast. ``export_hf`` also
-writes the adapter in PEFT's format (``<path>/adapter``: ``adapter_config.json`` +
-``adapter_model.safetensors``), loadable with ``peft.PeftModel.from_pretrained``. Sending the
-adapters alone to vLLM (its LoRA support) is not implemented.
+Refit and ``export_hf`` send *merged* weights in the base model's Hugging Face names, merged in
+float32 and cast once, and ``export_hf`` also writes the adapter in PEFT's format
+(:mod:`rlcore.lora`, shared with the Megatron backend). Sending the adapters alone to vLLM (its
+LoRA support) is not implemented.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlcore.lora import merge, peft_config, write_adapter  # noqa: F401 - write_adapter: this module's export API
+
 ADAPTER = "default"  # peft's adapter name
 _PARTS = (".base_layer.weight", f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight")
-
-
-def peft_config(cfg: Any):
-    from peft import LoraConfig
-
-    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                      target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
 
 
 def apply_lora(model: torch.nn.Module, cfg: Any) -> torch.nn.Module:
@@ -64,8 +53,8 @@ def merged(named: Iterator[tuple[str, torch.Tensor]], scale: float, dtype: torch
         parts[part] = tensor
         if len(parts) == len(_PARTS):
             del pending[prefix]
-            base, a, b = (parts[p].float() for p in _PARTS)
-            yield f"{prefix}.weight", (base + scale * (b @ a)).to(dtype)
+            base, a, b = (parts[p] for p in _PARTS)
+            yield f"{prefix}.weight", merge(base, a, b, scale, dtype)
     if pending:
         raise RuntimeError(f"lora merge: layers {sorted(pending)[:3]} are missing a base weight or an adapter")
 
@@ -75,13 +64,3 @@ def adapter_tensors(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torc
     return {f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}": tensor.contiguous()
             for name, tensor in named if ".lora_" in name}
 
-
-def write_adapter(path: str | Path, tensors: dict[str, torch.Tensor], cfg: Any, base_model: str) -> None:
-    from safetensors.torch import save_file
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    config = peft_config(cfg)
-    config.base_model_name_or_path = base_model
-    config.save_pretrained(str(out))
-    save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))

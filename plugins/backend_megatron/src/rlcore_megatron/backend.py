@@ -34,7 +34,7 @@ from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore.training import HostOffloader, check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.weights import chunked, gather_sequences_to_rank0
-from rlcore_megatron import checkpoint, context_parallel, cpu_shims, cuda_graph, kernels, output, parallel
+from rlcore_megatron import checkpoint, context_parallel, cpu_shims, cuda_graph, kernels, lora, output, parallel
 from rlcore_megatron.config import SECTION, MegatronConfig, apply_auto_layout
 from rlcore_megatron.convert import iter_hf_weights, load_hf_into_megatron
 from rlcore_megatron.model import packed_seq_params
@@ -82,6 +82,8 @@ class MegatronBackend:
         self.dp_size = parallel.initialize(cfg, self.hf_config, config, config.train.seed if seed is None else seed)
         self.ranks = parallel.Ranks.current()
         self.kernels = kernels.resolve(cfg, on_cuda=not self.on_cpu, bf16=parallel.params_dtype(cfg, config) == torch.bfloat16)
+        if config.policy.lora.enabled:
+            self.kernels = lora.kernels_for_lora(self.kernels, cfg)
         if self.world.rank == 0:
             print(f"rlcore-megatron: {self.kernels.describe()}", flush=True)
         self._restore_sms = None  # undoes experimental.gemm_sm_margin's process-wide settings at shutdown
@@ -92,6 +94,7 @@ class MegatronBackend:
         if cfg.cuda_graph == "micro_batch":
             cuda_graph.check_supported(cfg, config, self.hf_config, self.kernels, on_cpu=self.on_cpu, capture=self.cuda_graph_capture)
         model = self._build_model(cfg, config, load=hf_config is None)
+        self.lora = self._apply_lora(model, cfg, config, config.train.seed if seed is None else seed)
         graph_stream = None
         if cfg.cuda_graph == "micro_batch" and self.cuda_graph_capture and not self.on_cpu:
             graph_stream = cuda_graph.capture_stream()
@@ -115,7 +118,9 @@ class MegatronBackend:
             self.graphs = cuda_graph.MicroBatchGraphs(self.model, tokens=tokens, stream=graph_stream,
                                                       log=lambda line: print(line, flush=True) if self.world.rank == 0 else None)
         # The reference policy is the initial one: a host copy of this rank's shard.
-        self._reference = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()} if self.keeps_reference else {}
+        # With LoRA the reference is the base model: the adapters switched off, no copy.
+        keep = self.keeps_reference and self.lora is None
+        self._reference = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()} if keep else {}
         self.step = 0
         self.offloader = HostOffloader()
 
@@ -125,6 +130,15 @@ class MegatronBackend:
         if load:
             load_hf_into_megatron(model, self.model_path, self.hf_config)
         return model
+
+    def _apply_lora(self, model, cfg: MegatronConfig, config: RunConfig, seed: int) -> list | None:
+        """``policy.lora``'s adapters attached to ``model`` (base frozen; :mod:`rlcore_megatron.lora`), before DDP wraps it."""
+        if not config.policy.lora.enabled:
+            return None
+        if cfg.cuda_graph == "micro_batch":
+            raise ConfigError(f"{SECTION}.cuda_graph", "'micro_batch' graphs are not built for LoRA runs; set it to 'none' "
+                              "with policy.lora.enabled")
+        return lora.apply(model, config.policy.lora, self.hf_config, seed)
 
     # ---- helpers -----------------------------------------------------------------------------
     @property
@@ -188,7 +202,7 @@ class MegatronBackend:
     @cpu_shims.shimmed
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
         if reference:
-            with self._swapped(self._reference):
+            with lora.disabled(self.lora) if self.lora is not None else self._swapped(self._reference):
                 return self._logprobs(batch)
         if self.routing is None:
             return self._logprobs(batch)
@@ -348,7 +362,12 @@ class MegatronBackend:
 
     def _export_weights(self, dtype, chunk_bytes: int) -> Iterator[NamedTensors]:
         named = iter_hf_weights(self.module, self.hf_config)
-        yield from chunked(((n, t.to(dtype) if dtype is not None else t) for n, t in named), chunk_bytes)
+        if self.lora is not None:  # W + (alpha / r) B A in float32, cast once
+            cfg = self.run.policy.lora
+            named = lora.merged(named, lora.adapter_tensors(self.module, self.hf_config), cfg.alpha / cfg.rank, dtype)
+        elif dtype is not None:
+            named = ((n, t.to(dtype)) for n, t in named)
+        yield from chunked(named, chunk_bytes)
 
     @cpu_shims.shimmed
     def export_hf(self, path: str) -> None:
@@ -373,7 +392,7 @@ class MegatronBackend:
         if self.graphs is not None:  # their memory pool, and buffers that are about to move
             self.graphs.reset()
         buffers = self.model.buffers + self.model.expert_parallel_buffers
-        keep = [b.param_data for b in buffers] if keep_weights else []
+        keep = [b.param_data for b in buffers] + self._frozen_weights() if keep_weights else []
         self.offloader.offload(self.state_tensors(), self._device, keep=keep)
         if not self.on_cpu:
             torch.cuda.synchronize()
@@ -386,10 +405,10 @@ class MegatronBackend:
             torch.cuda.synchronize()
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The rank's training state: parameter and gradient buffers (the model's weights and gradients
-        are views of them), the optimizer's state and its main weights. AdamW's ``step`` counters stay on
+        """The rank's training state: frozen weights, parameter and gradient buffers (the model's other weights
+        and gradients are views of them), the optimizer's state and its main weights. AdamW's ``step`` counters stay on
         the host, as torch's AdamW wants them."""
-        out = []
+        out = self._frozen_weights()
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
             out += [buffer.param_data, buffer.grad_data]
         for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
@@ -399,6 +418,10 @@ class MegatronBackend:
             out += [p.data for group in inner.param_groups for p in group["params"]]
             out += [v for state in inner.state.values() for k, v in state.items() if torch.is_tensor(v) and k != "step"]
         return out
+
+    def _frozen_weights(self) -> list[torch.Tensor]:
+        """Weights outside DDP's buffers, which hold only what trains: a LoRA run's base, a frozen MoE router."""
+        return [p.data for p in self.module.parameters() if not p.requires_grad]
 
     def shutdown(self) -> None:
         """Drop the model, optimizer and reference copy so their memory is free for what runs next."""

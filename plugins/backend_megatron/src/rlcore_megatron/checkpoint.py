@@ -2,7 +2,8 @@
 
 A checkpoint directory holds:
 - ``megatron/``: model and optimizer state as sharded tensors (each rank writes its shards;
-  resumable under the same layout, and the model part under another TP/PP layout);
+  resumable under the same layout, and the model part under another TP/PP layout); with LoRA the
+  adapters and their optimizer state only (the frozen base is ``policy.model_name``'s);
 - ``extra/rank_<r>.pt``: per-rank scheduler state, step counter and RNG states (CPU, CUDA and
   Megatron's RNG tracker), so that a resumed run continues bit for bit.
 
@@ -26,13 +27,26 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rlcore.safe_load import DamagedCheckpointError, load_tensors, rank_failure, verify_dcp_dir
+from rlcore_megatron import lora
 
 # Fully parallel save/load with no gathering; reshardable across data-parallel sizes.
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
+def _model_sharded(backend) -> dict:
+    """The model's sharded state: with LoRA the adapters alone (the base is the Hugging Face checkpoint)."""
+    return lora.sharded_state_dict(backend.module) if backend.lora is not None else backend.module.sharded_state_dict()
+
+
+def _load_model_state(backend, state: dict) -> None:
+    if backend.lora is not None:
+        lora.load_state(backend.module, state)
+    else:
+        backend.module.load_state_dict(state)
+
+
 def _sharded(backend, *, is_loading: bool) -> dict:
-    model_sd = backend.module.sharded_state_dict()
+    model_sd = _model_sharded(backend)
     return {"model": model_sd,
             "optimizer": backend.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)}
 
@@ -107,7 +121,7 @@ def load(backend, path: str) -> None:
     except (Exception, CheckpointException) as exc:
         verify_dcp_dir(root / "megatron", tensors=True)  # names the file at fault when it is one
         raise (rank_failure(exc) if isinstance(exc, CheckpointException) else exc) from None
-    backend.module.load_state_dict(state["model"])
+    _load_model_state(backend, state["model"])
     with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
         backend.optimizer.load_state_dict(state["optimizer"])
     extra_file = root / "extra" / f"rank_{dist.get_rank()}.pt"
@@ -137,13 +151,19 @@ def _verify(directory: Path) -> None:
 
 def export_hf(backend, path: str, shard_bytes: int = 4 << 30) -> None:
     """A Hugging Face checkpoint (:func:`rlcore.weights.write_hf_checkpoint`) in the model's
-    ``params_dtype``, with the tokenizer of ``policy.tokenizer_name`` (default: the model's)."""
+    ``params_dtype``, with the tokenizer of ``policy.tokenizer_name`` (default: the model's). With
+    LoRA the weights are merged, and the adapter is written in PEFT's format to ``<path>/adapter``."""
+    from rlcore.lora import ADAPTER_DIR, write_adapter
     from rlcore.weights import write_hf_checkpoint
 
     policy = backend.run.policy
     dtype = backend.module.config.params_dtype
     write_hf_checkpoint(backend.export_weights(dtype=dtype, chunk_bytes=shard_bytes), path, backend.hf_config, dtype,
                         policy.tokenizer_name or policy.model_name, model_dir=policy.model_name, rank=dist.get_rank())
+    if backend.lora is not None:
+        tensors = lora.adapter_tensors(backend.module, backend.hf_config)  # a collective on every rank
+        if dist.get_rank() == 0:
+            write_adapter(Path(path) / ADAPTER_DIR, tensors, policy.lora, policy.model_name, lora.hf_targets(backend.lora))
     dist.barrier()
 
 
@@ -156,8 +176,8 @@ def load_model(backend, path: str) -> None:
         raise FileNotFoundError(f"{root} is not an rlcore-megatron checkpoint (no megatron/ directory)")
     _verify(root / "megatron")
     try:
-        state = dist_checkpointing.load({"model": backend.module.sharded_state_dict()}, str(root / "megatron"))
+        state = dist_checkpointing.load({"model": _model_sharded(backend)}, str(root / "megatron"))
     except (Exception, CheckpointException) as exc:
         verify_dcp_dir(root / "megatron", tensors=True)
         raise (rank_failure(exc) if isinstance(exc, CheckpointException) else exc) from None
-    backend.module.load_state_dict(state["model"])
+    _load_model_state(backend, state["model"])

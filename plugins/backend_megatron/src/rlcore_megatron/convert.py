@@ -171,8 +171,8 @@ def megatron_value(local: str, get: Callable[[str], torch.Tensor], s: Shape, glo
 
 
 def _skip(name: str, tensor) -> bool:
-    """State that is not a weight: TE/extra state, MoE routing statistics."""
-    return tensor is None or not isinstance(tensor, torch.Tensor) or name.endswith(
+    """State that is not a base weight: TE/extra state, MoE routing statistics, LoRA adapters (rlcore_megatron.lora)."""
+    return tensor is None or not isinstance(tensor, torch.Tensor) or ".lora." in name or name.endswith(
         ("_extra_state", "expert_bias", "local_tokens_per_expert"))
 
 
@@ -313,27 +313,30 @@ def _stacked_expert_weights(t_ERC, kind, pre, epg):
             yield xp + "down_proj.weight", w
 
 
-def iter_hf_weights(model, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full model in HF names, yielded on global rank 0; every rank must iterate (collectives)."""
+def iter_hf_weights(model, hf_config, stage: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full model in HF names, yielded on global rank 0; every rank must iterate (collectives).
+    ``stage``: what each pipeline stage contributes (default :func:`stage_hf_weights`)."""
+    stage = stage or (lambda: stage_hf_weights(model, hf_config))
     pp = mpu.get_pipeline_model_parallel_world_size()
     if pp == 1:
-        for name, t in stage_hf_weights(model, hf_config):
+        for name, t in stage():
             if dist.get_rank() == 0:
                 yield name, t
         return
     ppg, pp_rank = mpu.get_pipeline_model_parallel_group(), mpu.get_pipeline_model_parallel_rank()
     ranks = dist.get_process_group_ranks(ppg)
-    for stage in range(pp):
-        source = iter(stage_hf_weights(model, hf_config)) if stage == pp_rank else None
+    for index in range(pp):
+        source = iter(stage()) if index == pp_rank else None
         while True:
             item = next(source, None) if source is not None else None
             meta = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
-            dist.broadcast_object_list(meta, src=ranks[stage], group=ppg)
+            dist.broadcast_object_list(meta, src=ranks[index], group=ppg)
             if meta[0] is None:
                 break
             name, shape, dtype = meta[0]
             t = item[1].contiguous() if item is not None else torch.empty(shape, dtype=dtype, device=_device(model))
-            dist.broadcast(t, src=ranks[stage], group=ppg)
+            dist.broadcast(t, src=ranks[index], group=ppg)
             if dist.get_rank() == 0:
                 yield name, t
 

@@ -31,7 +31,8 @@ def export_checkpoint(checkpoint_dir: str | Path, config: RunConfig, out_dir: st
                        num_layers_in_last_pipeline_stage=None)
     hf_config = AutoConfig.from_pretrained(config.policy.model_name)
     world = WorldInfo(0, 1, 0, "cpu", Placement())
-    backend = MegatronBackend(config, cfg, world, hf_config=hf_config)  # random init: the checkpoint's weights come next
+    # Random init, the checkpoint's weights come next; a LoRA checkpoint holds the adapters alone: the base is loaded.
+    backend = MegatronBackend(config, cfg, world, hf_config=None if config.policy.lora.enabled else hf_config)
     with cpu_shims.active():
         checkpoint.load_model(backend, str(checkpoint_dir))
     backend.export_hf(str(out_dir))
