@@ -188,6 +188,38 @@ def test_a_hung_generator_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path
     assert "at step 1" in done.stderr
 
 
+HANGING_REWARDS = """
+import time
+def sleeps(prompts, completions, **kwargs):
+    time.sleep(600)
+    return [1.0] * len(completions)
+def spins(prompts, completions, **kwargs):
+    while True:
+        pass
+"""
+
+
+@pytest.mark.wall_clock
+@pytest.mark.parametrize("fn, mode", [("sleeps", "sync"), ("spins", "async")])
+def test_a_reward_function_that_never_returns_stops_the_cli_run_in_one_line(tiny_model_dir, tmp_path, fn, mode):
+    """``env.reward_fn`` that never returns: ``rlcore run`` stops at the first step's scoring, one line
+    naming the function and the step (sync: the main thread's deadline; async: the scoring thread's,
+    reported as the environment's, not the rollout thread's)."""
+    (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
+    recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"cluster.timeout_s": 8, "checkpointing.enabled": False,
+                                                          "env.reward_fn": f"hanging_rewards:{fn}",
+                                                          "grpo.async_grpo.enabled": mode == "async"})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    done = run_script(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\nfrom rlcore.cli import main\n"
+                      f"sys.exit(main(['run', {str(path)!r}]))", tmp_path, timeout=120)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (f"error: EnvironmentTimeout: timeout: environment 'hanging_rewards:{fn}' did not answer within 8s "
+            "(cluster.timeout_s) at step 1; set env.on_timeout=zero") in done.stderr, done.stderr[-3000:]
+    assert "rollout thread" not in done.stderr
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_a_full_disk_during_a_dcp_save_is_named_and_leaves_no_tmp(fsdp2_backend, tmp_path):
     """The backend's data file is /dev/full (writes fail with ENOSPC from the kernel)."""

@@ -27,7 +27,7 @@ from rich.table import Table
 
 from rlcore.checks import check_before_start
 from rlcore.config import ConfigError, load_config, to_dict
-from rlcore.errors import CheckpointError, DataError, RolloutError
+from rlcore.errors import CheckpointError, DataError, RolloutError, RunStopped
 from rlcore.plugins import PluginError, get_plugin_manager
 
 console = Console()
@@ -324,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutError as exc:  # a hung or failing agent: the message names the trajectories, the traceback adds nothing
         err_console.print(f"error: {exc}", highlight=False, markup=False, style="bold red", soft_wrap=True)
         status = 1
+        return status
+    except RunStopped as exc:  # a timeout, non-finite losses: the message names what and where; no traceback
+        err_console.print(f"error: {type(exc).__name__}: {exc}", highlight=False, markup=False, style="bold red",
+                          soft_wrap=True)
         return status
     finally:
         # Once a run has begun (cmd_run sets the limit), its process is ended if it does not exit, but

@@ -11,6 +11,7 @@ import torch
 
 from rlcore.config.generation import GenerationConfig
 from rlcore.controller.deadlines import EnvironmentExit, EnvironmentTimeout
+from rlcore.errors import RunStopped
 from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, SequenceBatch
 
 
@@ -78,7 +79,7 @@ def score(environment, trajectories: list[Trajectory]) -> dict[str, float]:
     return apply_env_steps(trajectories, steps, metrics)
 
 
-class EnvironmentContractError(TypeError):
+class EnvironmentContractError(TypeError, RunStopped):
     """An environment returned something that is not a reward or a metric (a bug in it, not in the
     model's output): the run stops, naming the environment's result at fault."""
 
