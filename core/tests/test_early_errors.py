@@ -131,6 +131,41 @@ def test_a_reward_or_metric_that_is_no_number_names_it(step, says):
         apply_env_steps(_trajs(1), [step])
 
 
+class Returns:
+    def __init__(self, result):
+        self.result = result
+
+    def step(self, samples, responses):
+        return self.result
+
+
+@pytest.mark.parametrize("result, says", [
+    (None, "returned NoneType None from step() for 4 trajectories"),
+    ([EnvStep(reward=1.0)], "returned 1 results from step() for 4 trajectories"),
+    (["1.0", "0.0", "1.0", "0.0"], "result for trajectory 0 is str '1.0'; it must be an EnvStep"),
+])
+def test_an_environment_returning_no_envstep_per_trajectory_stops_the_run_naming_it(result, says):
+    """Scored 0 as "errors" instead, such a run would exit 0 having learned nothing."""
+    env = TimedEnvironment(Returns(result), "broken_env", timeout_s=30, on_timeout="stop")
+    with pytest.raises(EnvironmentContractError, match=says.replace("(", r"\(").replace(")", r"\)")) as failure:
+        score(env, _trajs(4))
+    assert "broken_env" in str(failure.value) or "trajectory 0" in str(failure.value)
+
+
+@pytest.mark.parametrize("rewards", [["yes", "no"], [float("nan"), 1.0], ["1.0", 1.0]], ids=["words", "nan", "numeric-text"])
+def test_a_reward_function_returning_no_number_warns_and_counts_env_errors(rewards, capsys):
+    from rlcore.reward_fn import FunctionEnvironment
+
+    env = TimedEnvironment(FunctionEnvironment(lambda prompts, completions, **kw: rewards, "my_rewards:fn"),
+                           "my_rewards:fn", timeout_s=30, on_timeout="stop")
+    trajs = _trajs(2)
+    metrics = score(env, trajs)
+    bad = sum(1 for r in rewards if isinstance(r, str) or r != r)
+    assert metrics["env/errors"] == bad and [t.reward for t in trajs] == [0.0 if isinstance(r, str) or r != r else r
+                                                                          for r in rewards]
+    assert "reward function my_rewards:fn returned" in capsys.readouterr().out
+
+
 def test_rewards_beyond_float32_count_as_errors_and_nan_metrics_leave_the_mean():
     trajs = _trajs(3)
     metrics = apply_env_steps(trajs, [EnvStep(reward=1e300, metrics={"m": float("nan")}),
@@ -167,6 +202,12 @@ def _score_in(env, box):
     ("environment", "a string", "str 'a string'"),
     ("environment", None, "NoneType None"),
     ("generator", {"generate": 1}, "dict {'generate': 1}"),
+    ("algorithm", None, "NoneType None"),
+    ("algorithm", "grpo", "str 'grpo'"),
+    ("algorithm", {"advantages": None}, "dict {'advantages': None}"),
+    ("dataset", None, "NoneType None"),
+    ("dataset", {"train": []}, "dict {'train': []}"),
+    ("training_backend", "fsdp2", "str 'fsdp2'"),
 ])
 def test_a_factory_returning_the_wrong_object_is_refused_at_build_naming_the_plugin(kind, returned, shown):
     from rlcore.plugins import PluginError, Registration, Source
@@ -178,6 +219,17 @@ def test_a_factory_returning_the_wrong_object_is_refused_at_build_naming_the_plu
     message = str(failure.value)
     assert f"{kind} 'broken' from acme-rl 1.2" in message and f"returned {shown}" in message
     assert "rlcore.interfaces." in message
+
+
+def test_every_plugin_kind_checks_its_factorys_product_and_the_built_in_algorithms_pass():
+    from rlcore.controller.given import BUILT_CHECKS
+    from rlcore.plugins import KINDS, get_plugin_manager
+
+    assert set(BUILT_CHECKS) == set(KINDS)
+    manager = get_plugin_manager()
+    for reg in manager.registry["algorithm"].values():  # checked at build: each built-in follows the protocol
+        if reg.source.distribution == "rlcore":
+            assert reg.build(reg.config_cls()) is not None, reg.name
 
 
 # ---- files and targets --------------------------------------------------------------------------
