@@ -76,6 +76,7 @@ def _sized(*overrides: str):
 @pytest.mark.parametrize("overrides, key", [
     (["train.num_prompts_per_step=1e8"], "train.num_prompts_per_step"),
     (["grpo.num_generations_per_prompt=1"], "grpo.num_generations_per_prompt"),
+    (["grpo.num_generations_per_prompt=100000000"], "grpo.num_generations_per_prompt"),  # memory, before any is used
     (["policy.sequence_packing.train_mb_tokens=1"], "policy.sequence_packing.train_mb_tokens"),
 ])
 def test_sizes_the_run_cannot_have_are_refused_before_the_first_step(overrides, key):
