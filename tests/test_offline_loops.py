@@ -145,6 +145,27 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(name, straight_runs, t
     assert (run_dir / "model" / "config.json").is_file()
 
 
+def test_every_offline_step_record_carries_its_data_position(straight_runs):
+    """As GRPO's: each step's batch is the range from the step before's position to its own."""
+    for name, run_dir in straight_runs.items():
+        steps = [r for r in records(run_dir) if r["step"] >= 1]
+        assert [r["data_position"] for r in steps] == [4 * r["step"] if name != "sft" else 8 * r["step"] for r in steps], name
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_a_packing_budget_below_one_sequence_is_refused_before_the_offline_run_starts(name, tiny_model_dir, tmp_path, capsys):
+    """GRPO's check, made for every loop before the run directory is claimed or a model loads."""
+    from rlcore.cli import main
+
+    recipe = RECIPES[name](tiny_model_dir, tmp_path / "run")
+    recipe["policy"]["sequence_packing"] = {"enabled": True, "train_mb_tokens": 1}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(tmp_path / "recipe.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "error: config key 'policy.sequence_packing.train_mb_tokens': 1 tokens cannot hold one sequence" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_malformed_data_row_ends_rlcore_run_with_one_message_and_status_2(tiny_model_dir, tmp_path, capsys):
     from rlcore.cli import main
 

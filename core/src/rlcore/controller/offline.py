@@ -141,6 +141,7 @@ class OfflineLoop:
     def finish_step(self, record: dict, timer: StepTimer) -> None:
         record.update(timer.finish())
         record["step"] = self.step
+        record["data_position"] = self.cursor.position  # the examples (pairs) drawn up to this step's batch, as GRPO's
         self.records.append(record)
         record["time/elapsed_s"] = self.elapsed()  # before saving, so that a resumed run counts on from it
         if self.ckpt is not None and self.step % self.config.checkpointing.save_period == 0:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlcore.checks import check_packing
 from rlcore.config import ConfigError, RunConfig
 
 log = logging.getLogger("rlcore")
@@ -110,18 +111,12 @@ def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
     are distinct rows of the dataset, a micro-batch's token budget holds the longest sequence, and
     the algorithm accepts a group of ``grpo.num_generations_per_prompt`` (asked of the algorithm
     itself: a group of one has no spread to normalize by)."""
-    per_step, policy = config.train.num_prompts_per_step, config.policy
+    per_step = config.train.num_prompts_per_step
     train = getattr(dataset, "train", None) or ()
     if train and per_step > len(train):  # (an empty one is refused as the loop starts)
         raise ConfigError("train.num_prompts_per_step", f"{per_step} prompts per step, but the training "
                           f"data has {len(train)}; at most {len(train)}")
-    packing = policy.sequence_packing
-    if packing.enabled:
-        for key in ("train_mb_tokens", "logprob_mb_tokens"):
-            budget = getattr(packing, key)
-            if budget < policy.max_total_sequence_length:
-                raise ConfigError(f"policy.sequence_packing.{key}", f"{budget} tokens cannot hold one sequence of "
-                                  f"policy.max_total_sequence_length={policy.max_total_sequence_length}; raise it to at least that")
+    check_packing(config)
     check_step_memory(config)
     G = config.grpo.num_generations_per_prompt
     import copy
