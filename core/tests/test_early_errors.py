@@ -47,6 +47,8 @@ def test_a_value_that_means_nothing_is_refused_naming_the_key(override, key):
     ("train:\n  seed: 1\n  seed: 2\n", "given twice in one mapping (lines 2 and 3)"),
     ("base: &b {seed: 1}\ntrain: *b\n", "alias *b is not allowed"),
     ("policy: {model_name: m}\n\x00\x01\x02", "NUL bytes"),
+    ("policy:\n  ? [a, b]\n  : 1\n", "line 2: a key that is a YAML sequence"),
+    ("train:\n  ? {seed: 1}\n  : 2\n", "line 2: a key that is a YAML mapping"),
 ])
 def test_a_recipe_file_that_hides_a_mistake_is_refused_naming_it(tmp_path, text, says):
     path = tmp_path / "recipe.yaml"
