@@ -287,7 +287,8 @@ def test_export_to_a_read_only_file_system_is_refused_first(tmp_path, monkeypatc
     assert not (tmp_path / "model").exists()  # checked, not left behind
 
 
-@pytest.mark.parametrize("args, key", [(["--batch-size", "0"], "--batch-size"), (["--out", "."], "--out")])
+@pytest.mark.parametrize("args, key", [(["--batch-size", "0"], "--batch-size"), (["--out", "."], "--out"),
+                                       (["--out", "/proc/rlcore-eval.json"], "--out")])  # root may, but cannot create there
 def test_eval_options_are_checked_before_evaluating(run_cli, tmp_path, args, key):
     done = run_cli("eval", str(tmp_path / "no-model"), str(tmp_path / "no-recipe.yaml"), *args, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
