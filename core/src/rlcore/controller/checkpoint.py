@@ -258,10 +258,13 @@ class CheckpointManager:
 
     def _refuse_others(self, final: Path, run_id: str) -> None:
         if final.exists() and self.owner(final) not in (run_id, None):
+            ours = [path.name for _, path in self.complete() if self.owner(path) == run_id]
+            keep = (f"; to keep this run's progress, move its own checkpoints ({', '.join(ours)}) into that directory "
+                    "first") if ours else ""
             raise CheckpointWriteError(
                 f"{final} belongs to run {self.owner(final)}, not this run ({run_id}): checkpointing.checkpoint_dir "
                 f"{self.root} is shared by two runs. Give each run its own checkpointing.checkpoint_dir (the default, "
-                "<logger.log_dir>/checkpoints, is)")
+                f"<logger.log_dir>/checkpoints, is){keep}")
 
     @staticmethod
     def load_loop_state(path: Path) -> dict[str, Any]:
@@ -270,14 +273,22 @@ class CheckpointManager:
     def resume(self, check: Callable[[Path, dict], None], load_backend: Callable[[Path], None]) -> tuple[Path, dict] | None:
         """The newest checkpoint whose loop state and backend state both load: ``check(path, state)``
         may refuse it (raise, e.g. another run's checkpoint), ``load_backend(path)`` restores the
-        backend. Damaged checkpoints are skipped, each with a warning; None when there are none."""
+        backend. Damaged checkpoints are skipped, each with a warning; None when there are none.
+
+        In a directory two runs share, another run's newer checkpoints are passed over for this
+        run's own newest (``check`` refuses theirs with a ConfigError); only when none is this
+        run's is the refusal raised."""
         skipped: list[str] = []
+        others: list[ConfigError] = []
         for _, path in reversed(self.complete()):
             try:
                 state = self.load_loop_state(path)
                 check_loop_state(state)
                 check(path, state)
                 load_backend(path / "backend")
+            except ConfigError as exc:  # another run's checkpoint: this run's own may be older
+                others.append(exc)
+                continue
             except Exception as exc:  # noqa: BLE001 - any failure to load marks it damaged; the reason is shown
                 if _is_refusal(exc):
                     raise
@@ -286,7 +297,12 @@ class CheckpointManager:
                 warnings.warn(f"checkpoint {path} is damaged and was skipped: {reason}", stacklevel=2)
                 print(f"warning: skipped checkpoint {path} (damaged: {reason}); trying the previous one", flush=True)
                 continue
+            if others:
+                print(f"note: {len(others)} newer checkpoint(s) in {self.root} belong to other runs; resuming from "
+                      f"this run's own {path.name}", flush=True)
             return path, state
+        if others:
+            raise others[0]
         if skipped:
             raise CheckpointError(f"no usable checkpoint in {self.root}: " + "; ".join(skipped)
                                   + ". Move them away, or start afresh in another logger.log_dir with --no-resume")
