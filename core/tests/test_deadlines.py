@@ -54,9 +54,12 @@ def test_a_hung_environment_off_the_main_thread_is_bounded_too():
     assert not worker.is_alive() and len(failures) == 1
 
 
-def test_on_timeout_zero_scores_the_batch_zero_and_counts_it():
+def test_on_timeout_zero_scores_the_batch_zero_and_counts_it(capsys):
     steps = _timed(60, "zero").step([Sample(prompt="p"), Sample(prompt="q")], [["r"], ["s"]])
     assert [(s.reward, s.metrics["timeout"]) for s in steps] == [(0.0, 1.0), (0.0, 1.0)]
+    warning = capsys.readouterr().out
+    assert "the batch of 2 scores 0 (env.on_timeout=zero)" in warning
+    assert "set env.on_timeout=zero" not in warning  # what already happens is not advice
 
 
 def _sleeps(prompts, completions, **kwargs):
