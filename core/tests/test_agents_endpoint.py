@@ -133,6 +133,37 @@ def test_bad_requests_are_refused_before_any_generator_and_a_chunked_body_while_
     assert max(sent) < 64 << 20, f"the process grew by {max(sent) >> 20} MiB while the body was sent"
 
 
+def test_a_failed_generator_request_leaves_no_prompt_behind_in_the_trajectory(generator):
+    """The generator fails the first request (500); the next one is fed its own prompt once, not
+    after the failed one's: failed requests never fill the trajectory's room."""
+    statuses = []
+
+    class FailsFirst(Recording):
+        failed = False
+
+        async def agenerate(self, prompt_ids, params):
+            self.calls.append((list(prompt_ids), [], []))
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("engine hiccup")
+            return await self.inner.agenerate(prompt_ids, params)
+
+    async def agent(client, sample):
+        port = int(str(client.base_url).split(":")[2].split("/")[0])
+        async with httpx.AsyncClient() as raw:
+            for _ in range(2):
+                reply = await raw.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "1+1=", "max_tokens": 2},
+                                       headers={"Authorization": f"Bearer {client.api_key}"})
+                statuses.append(reply.status_code)
+        return 1.0
+
+    failing = FailsFirst(generator)
+    with pytest.raises(RuntimeError, match="every one of the 1 agent groups"):  # cause 'endpoint': the attempt fails
+        runner_for(failing, agent, max_retries=0)(samples(1), SamplingParams(n=1, max_new_tokens=2, seed=1))
+    assert statuses == [500, 200]
+    assert failing.calls[1][0] == failing.calls[0][0]
+
+
 def test_five_percent_agent_failures_are_retried_or_their_groups_dropped(generator):
     """5% of attempts raise (seeded), after a model request; sample 103 always fails. Retried
     trajectories keep only their successful attempt's tokens; the always-failing group is dropped

@@ -141,8 +141,8 @@ class Endpoint:
             raise RequestError(f"trajectory {traj.recorder.key}: max_tokens must be a positive integer, got {asked!r}")
         if body.get("n", 1) != 1:
             raise RequestError(f"trajectory {traj.recorder.key}: n must be 1 (each sample of a group is a trajectory of its own)")
-        stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else stop
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise RequestError(f"trajectory {traj.recorder.key}: stop must be a string or a list of strings, got {stop!r:.60}")
         stop = tuple(stop)
@@ -157,12 +157,14 @@ class Endpoint:
             seg.finish_reason = "length"
             return None
         params = self._params(traj, body, room)
-        traj.recorder.commit_prompt(seg, new_ids)
         try:
-            return await self.generator.agenerate(seg.prompt_ids + seg.ids, params)
+            out = await self.generator.agenerate(seg.prompt_ids + seg.ids + list(new_ids), params)
         except Exception as exc:  # noqa: BLE001 - the agent gets a 500; the trajectory fails with cause 'endpoint'
             traj.causes.append("endpoint")
             raise RuntimeError(f"trajectory {traj.recorder.key}: the generator failed: {exc!r}") from exc
+        # Committed once answered: a failed request's prompt never fills the segment's room for later ones
+        traj.recorder.commit_prompt(seg, new_ids)
+        return out
 
     async def _chat(self, traj: OpenTrajectory, body: dict) -> dict:
         rec = traj.recorder
