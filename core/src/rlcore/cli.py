@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 from rich.console import Console
 from rich.table import Table
@@ -174,21 +173,10 @@ def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:
     would keep an ended run's process (and its GPU memory) forever: a long GPU run can print its
     summary and then never exit. The stacks printed first show what it waited for; ``os._exit`` then skips the handlers that hang.
     """
+    from rlcore.controller.deadlines import exit_after
 
-    def end_the_process() -> None:
-        time.sleep(timeout_s)
-        stream = sys.__stderr__
-        if stream is not None:
-            stream.write(f"rlcore: the run has ended (status {status}), but its process did not exit within "
-                         f"{timeout_s:g}s (cluster.exit_timeout_s); every thread's stack follows, then it exits\n")
-            stream.flush()
-            faulthandler.dump_traceback(file=stream, all_threads=True)
-            stream.flush()
-        os._exit(status)
-
-    watchdog = threading.Thread(target=end_the_process, name="rlcore-exit-watchdog", daemon=True)
-    watchdog.start()
-    return watchdog
+    return exit_after(timeout_s, status, lambda: f"the run has ended (status {status}), but its process did not exit "
+                                                 f"within {timeout_s:g}s (cluster.exit_timeout_s)")
 
 
 def cmd_export(args) -> int:

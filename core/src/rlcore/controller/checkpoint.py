@@ -35,6 +35,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rlcore.config.structure import ConfigError
+from rlcore.controller.deadlines import SIGTERM_DEADLINE
 from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -47,13 +48,21 @@ OWNER = "owner"  # the run id of the run that wrote the checkpoint (text)
 INTERRUPTED = threading.Event()
 
 
-def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool = False) -> Any:
+def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool = False,
+                         timeout_s: float | None = None) -> Any:
     """``body()`` with SIGTERM recorded in ``loop.stop_signal`` instead of ending the process: the
     loop ends its step, writes a checkpoint of it and stops (exit 143 in ``rlcore run``). The first
     Ctrl-C (SIGINT) does the same (exit 130); a second one stops at once (KeyboardInterrupt, which
     ``rlcore run`` reports in one line). ``loop`` has ``step`` and ``stop_signal``; ``checkpointed``
-    says whether the stop writes a checkpoint. Off the main thread, where Python cannot catch
+    says whether the stop writes a checkpoint. With ``timeout_s`` (``cluster.timeout_s``), SIGTERM
+    also arms :data:`~rlcore.controller.deadlines.SIGTERM_DEADLINE`: the process ends that long
+    after the signal whatever it waits for. Off the main thread, where Python cannot catch
     signals, ``body()`` runs as it is."""
+
+    def on_sigterm(signum, frame):
+        loop.stop_signal = signum
+        if timeout_s is not None:
+            SIGTERM_DEADLINE.arm(timeout_s, signum)
 
     def on_interrupt(signum, frame):
         if loop.stop_signal == signal.SIGINT:
@@ -64,7 +73,7 @@ def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool 
               f"{' and is checkpointed' if checkpointed else ''} (Ctrl-C again stops at once)", flush=True)
 
     try:
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(loop, "stop_signal", signum))
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
     except ValueError:  # "signal only works in main thread of the main interpreter"
         return body()
     previous_int = signal.signal(signal.SIGINT, on_interrupt)

@@ -25,8 +25,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import faulthandler
+import os
 import queue
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -417,3 +420,57 @@ def within_batch(limit_s: float) -> float:
     if deadline is None:
         return limit_s
     return max(min(limit_s, deadline - time.monotonic()), 1e-3)
+
+
+# ---- the process's own end -------------------------------------------------------------------
+def exit_after(timeout_s: float, status: int, why: Callable[[], str],
+               cancelled: threading.Event | None = None) -> threading.Thread:
+    """A daemon thread that ends this process with ``status`` ``timeout_s`` from now, unless
+    ``cancelled`` is set first: it writes ``rlcore: <why()>`` and every thread's Python stack to the
+    process's own stderr (what it waited for), then ``os._exit`` (no handler or thread can keep it)."""
+    cancelled = cancelled or threading.Event()
+
+    def end_the_process() -> None:
+        if cancelled.wait(timeout_s):
+            return
+        stream = sys.__stderr__
+        if stream is not None:
+            stream.write(f"rlcore: {why()}; every thread's stack follows, then it exits\n")
+            stream.flush()
+            faulthandler.dump_traceback(file=stream, all_threads=True)
+            stream.flush()
+        os._exit(status)
+
+    watchdog = threading.Thread(target=end_the_process, name="rlcore-exit-watchdog", daemon=True)
+    watchdog.start()
+    return watchdog
+
+
+class SigtermDeadline:
+    """After SIGTERM (a scheduler's stop, ``timeout`` on the process group), the run has
+    ``cluster.timeout_s`` to end: its step, its checkpoint and its teardown. A part the signal
+    killed too (vLLM's engine, in the same process group) can leave a call into it waiting: each
+    such call is bounded on its own, but one after another (a refit, then the generator's shutdown)
+    they could add up to several times the limit. :meth:`arm` (by the SIGTERM handler) starts the
+    process's end at the deadline (exit 128 + the signal); :meth:`disarm` (as ``rlcore.run`` returns)
+    cancels it."""
+
+    def __init__(self) -> None:
+        self._cancelled: threading.Event | None = None
+
+    def arm(self, timeout_s: float, signum: int) -> None:
+        if self._cancelled is not None:
+            return
+        self._cancelled = threading.Event()
+        name = signal.Signals(signum).name
+        exit_after(timeout_s, 128 + signum, lambda: f"{name} received {timeout_s:g}s ago (cluster.timeout_s) and the run "
+                                                   "has not ended (a call into a part the signal ended too may never "
+                                                   "return); its newest checkpoint is kept", self._cancelled)
+
+    def disarm(self) -> None:
+        if self._cancelled is not None:
+            self._cancelled.set()
+            self._cancelled = None
+
+
+SIGTERM_DEADLINE = SigtermDeadline()

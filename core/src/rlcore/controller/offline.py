@@ -111,7 +111,8 @@ class OfflineLoop:
         self.nonfinite = NonfiniteStreak(self.loop.max_consecutive_nonfinite)
 
     def run(self) -> list[dict]:
-        return run_catching_sigterm(self, self._run, checkpointed=self.ckpt is not None)
+        return run_catching_sigterm(self, self._run, checkpointed=self.ckpt is not None,
+                                    timeout_s=self.config.cluster.timeout_s)
 
     def _run(self) -> list[dict]:
         self.maybe_resume()
