@@ -168,3 +168,37 @@ def test_ctrl_c_ends_the_step_and_says_how_to_resume(tiny_model_dir, tmp_path):
     assert "Ctrl-C: stopping after step" in out
     _, alive = psutil.wait_procs(children, timeout=60)
     assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def test_a_process_group_sigterm_ends_a_vllm_run_within_cluster_timeout(tiny_model_dir, tmp_path):
+    """SIGTERM to the whole process group (``timeout``, Slurm, Kubernetes): vLLM's engine dies with
+    it, mid-step. The run ends within cluster.timeout_s of the signal, exit 143, the checkpoint of its
+    last finished step kept, and none of its processes left."""
+    psutil = pytest.importorskip("psutil")
+    run_dir = tmp_path / "run"
+    args = overrides(tiny_model_dir, run_dir, generator="vllm", **{
+        "train.max_num_steps": 500, "train.val_period": 0, "checkpointing.enabled": "true",
+        "checkpointing.save_period": 1, "cluster.timeout_s": 30})
+    script = Path(sys.executable).parent / "rlcore"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RLCORE_", "VLLM_LOGGING", "VLLM_ENABLE_V1_MULTI"))},
+           "COLUMNS": "200"}
+    proc = subprocess.Popen([str(script), "run", str(RECIPE), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 480
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        out, err = proc.communicate(timeout=240)
+        ended_after = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-3000:]
+    assert ended_after < 30 + 10, ended_after
+    assert (run_dir / "checkpoints" / "step_000001" / "loop_state.pt").is_file()
+    _, alive = psutil.wait_procs(children, timeout=60)
+    assert not alive, [(p.pid, p.name()) for p in alive]
