@@ -178,7 +178,7 @@ def test_a_process_group_sigterm_ends_a_vllm_run_within_cluster_timeout(tiny_mod
     run_dir = tmp_path / "run"
     args = overrides(tiny_model_dir, run_dir, generator="vllm", **{
         "train.max_num_steps": 500, "train.val_period": 0, "checkpointing.enabled": "true",
-        "checkpointing.save_period": 1, "cluster.timeout_s": 30})
+        "checkpointing.save_period": 1, "cluster.timeout_s": 30, "train.val_at_start": "false"})
     script = Path(sys.executable).parent / "rlcore"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RLCORE_", "VLLM_LOGGING", "VLLM_ENABLE_V1_MULTI"))},
            "COLUMNS": "200"}
@@ -199,6 +199,9 @@ def test_a_process_group_sigterm_ends_a_vllm_run_within_cluster_timeout(tiny_mod
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-3000:]
     assert ended_after < 30 + 10, ended_after
+    ours = [line for line in err.splitlines() if not line.startswith(("(EngineCore", "(Worker"))]  # the engine logs its own end
+    assert not any("Traceback" in line for line in ours), err[-3000:]
+    assert re.search(r"SIGTERM received: (stopped after step \d+|the run stopped mid-step|.*has not ended)", out + err), err[-3000:]
     assert (run_dir / "checkpoints" / "step_000001" / "loop_state.pt").is_file()
     _, alive = psutil.wait_procs(children, timeout=60)
     assert not alive, [(p.pid, p.name()) for p in alive]

@@ -139,11 +139,13 @@ def cmd_run(args) -> int:
         result = rlcore.run(config)
     except KeyboardInterrupt:
         return interrupted(config)
-    except Exception:
-        from rlcore.controller.checkpoint import INTERRUPTED
+    except Exception as exc:
+        from rlcore.controller.checkpoint import INTERRUPTED, TERMINATED
 
         if INTERRUPTED.is_set():  # a child process the terminal's Ctrl-C ended too: the interruption, not a failure
             return interrupted(config)
+        if TERMINATED.is_set():  # a part in the process group the SIGTERM ended too: the stop it asked for
+            return terminated(config, exc)
         raise
     stopped = result["summary"].get("stopped_by_signal")
     return 128 + signal.Signals[stopped].value if stopped else 0  # a shell's status for a run a signal ended
@@ -151,18 +153,29 @@ def cmd_run(args) -> int:
 
 def interrupted(config) -> int:
     """One line for a run Ctrl-C stopped at once: what it saved and how to go on; exit 130."""
+    err_console.print(f"interrupted (Ctrl-C): {saved_for_resume(config)}", highlight=False, markup=False, soft_wrap=True)
+    return 128 + signal.SIGINT.value
+
+
+def terminated(config, exc: BaseException) -> int:
+    """One line for a run that SIGTERM stopped mid-step, a part of it ended by the same signal; exit 143."""
+    cause = (str(exc).strip().splitlines() or [""])[-1][:200]
+    err_console.print(f"SIGTERM received: the run stopped mid-step ({type(exc).__name__}: {cause}); "
+                      f"{saved_for_resume(config)}", highlight=False, markup=False, soft_wrap=True)
+    return 128 + signal.SIGTERM.value
+
+
+def saved_for_resume(config) -> str:
+    """What a stopped run kept and how to go on."""
     from rlcore.controller.checkpoint import CheckpointManager
     from rlcore.controller.run_dir import checkpoint_root
 
     latest = CheckpointManager(checkpoint_root(config), keep_last_k=1).latest() if config.checkpointing.enabled else None
     if latest is not None:
-        saved = f"newest checkpoint {latest}; run the same command again to resume from it"
-    elif config.checkpointing.enabled:
-        saved = "no checkpoint was written yet; run the same command again to start afresh"
-    else:
-        saved = "nothing saved (checkpointing.enabled is false); run the same command again to start afresh"
-    err_console.print(f"interrupted (Ctrl-C): {saved}", highlight=False, markup=False, soft_wrap=True)
-    return 128 + signal.SIGINT.value
+        return f"newest checkpoint {latest}; run the same command again to resume from it"
+    if config.checkpointing.enabled:
+        return "no checkpoint was written yet; run the same command again to start afresh"
+    return "nothing saved (checkpointing.enabled is false); run the same command again to start afresh"
 
 
 def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:

@@ -46,6 +46,9 @@ OWNER = "owner"  # the run id of the run that wrote the checkpoint (text)
 # Set by the first Ctrl-C of a run: ``rlcore run`` then reports an error that follows it (a child
 # process the terminal's SIGINT also ended) as the interruption it is, in one line.
 INTERRUPTED = threading.Event()
+# Set by SIGTERM: an error that follows it (vLLM's engine, in the same process group, died of it
+# too) is reported by ``rlcore run`` as the stop the signal asked for, in one line, exit 143.
+TERMINATED = threading.Event()
 
 
 def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool = False,
@@ -60,6 +63,7 @@ def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool 
     signals, ``body()`` runs as it is."""
 
     def on_sigterm(signum, frame):
+        TERMINATED.set()
         loop.stop_signal = signum
         if timeout_s is not None:
             SIGTERM_DEADLINE.arm(timeout_s, signum)
@@ -72,6 +76,7 @@ def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool 
         print(f"\nCtrl-C: stopping after step {max(loop.step, 1)} ends"
               f"{' and is checkpointed' if checkpointed else ''} (Ctrl-C again stops at once)", flush=True)
 
+    TERMINATED.clear()
     try:
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     except ValueError:  # "signal only works in main thread of the main interpreter"
