@@ -133,26 +133,36 @@ def test_export_and_eval_work_on_the_run_directory(tiny_run, tmp_path):
     assert "Loading weights" not in evaluated.stderr  # transformers' progress bar: off unless --verbose
 
 
+def start_in_own_group(model_dir: Path, run_dir: Path, **extra) -> subprocess.Popen:
+    """``rlcore run`` of the recipe with its vLLM generator for up to 500 steps, checkpointing, in a process
+    group of its own (as a terminal's job, or a scheduler's)."""
+    args = overrides(model_dir, run_dir, generator="vllm", **{
+        "train.max_num_steps": 500, "train.val_period": 0, "checkpointing.enabled": "true", **extra})
+    script = Path(sys.executable).parent / "rlcore"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RLCORE_", "VLLM_LOGGING", "VLLM_ENABLE_V1_MULTI"))},
+           "COLUMNS": "200"}
+    return subprocess.Popen([str(script), "run", str(RECIPE), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+
+
+def children_once_a_step_is_recorded(proc: subprocess.Popen, run_dir: Path, psutil) -> list:
+    """Waits for the run's first metrics record; its processes then (the engine's among them)."""
+    deadline = time.monotonic() + 480
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
 def test_ctrl_c_ends_the_step_and_says_how_to_resume(tiny_model_dir, tmp_path):
     """A terminal's Ctrl-C: SIGINT to the whole foreground process group, here rlcore and the
     processes of the recipe's vLLM engine. The engine takes no part in it: the step ends, its
     checkpoint is written, one line says how to resume, and the engine's processes end with the run."""
     psutil = pytest.importorskip("psutil")
     run_dir = tmp_path / "run"
-    args = overrides(tiny_model_dir, run_dir, generator="vllm", **{
-        "train.max_num_steps": 500, "train.val_period": 0, "checkpointing.enabled": "true",
-        "checkpointing.save_period": 1000})
-    script = Path(sys.executable).parent / "rlcore"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RLCORE_", "VLLM_LOGGING", "VLLM_ENABLE_V1_MULTI"))},
-           "COLUMNS": "200"}
-    proc = subprocess.Popen([str(script), "run", str(RECIPE), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)  # its own group, as a terminal's job
+    proc = start_in_own_group(tiny_model_dir, run_dir, **{"checkpointing.save_period": 1000})
     try:
-        deadline = time.monotonic() + 480
-        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        children = psutil.Process(proc.pid).children(recursive=True)
+        children = children_once_a_step_is_recorded(proc, run_dir, psutil)
         assert any(p.name().startswith("VLLM::") for p in children), [p.name() for p in children]  # the engine's own
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=240)
@@ -166,5 +176,32 @@ def test_ctrl_c_ends_the_step_and_says_how_to_resume(tiny_model_dir, tmp_path):
     step = int(match.group(1))
     assert step < 500 and (run_dir / "checkpoints" / f"step_{step:06d}" / "loop_state.pt").is_file()
     assert "Ctrl-C: stopping after step" in out
+    _, alive = psutil.wait_procs(children, timeout=60)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def test_a_process_group_sigterm_ends_a_vllm_run_within_cluster_timeout(tiny_model_dir, tmp_path):
+    """SIGTERM to the whole process group (``timeout``, Slurm, Kubernetes): vLLM's engine dies with
+    it, mid-step. The run ends within cluster.timeout_s of the signal, exit 143, the checkpoint of its
+    last finished step kept, and none of its processes left."""
+    psutil = pytest.importorskip("psutil")
+    run_dir = tmp_path / "run"
+    proc = start_in_own_group(tiny_model_dir, run_dir, **{"checkpointing.save_period": 1, "cluster.timeout_s": 30,
+                                                          "train.val_at_start": "false"})  # the first record: step 1's
+    try:
+        children = children_once_a_step_is_recorded(proc, run_dir, psutil)
+        os.killpg(proc.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        out, err = proc.communicate(timeout=240)
+        ended_after = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-3000:]
+    assert ended_after < 30 + 10, ended_after
+    ours = [line for line in err.splitlines() if not line.startswith(("(EngineCore", "(Worker"))]  # the engine logs its own end
+    assert not any("Traceback" in line for line in ours), err[-3000:]
+    assert re.search(r"SIGTERM received: (stopped after step \d+|the run stopped mid-step|.*has not ended)", out + err), err[-3000:]
+    assert (run_dir / "checkpoints" / "step_000001" / "loop_state.pt").is_file()
     _, alive = psutil.wait_procs(children, timeout=60)
     assert not alive, [(p.pid, p.name()) for p in alive]

@@ -145,6 +145,45 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(name, straight_runs, t
     assert (run_dir / "model" / "config.json").is_file()
 
 
+def test_every_offline_step_record_carries_its_data_position(straight_runs):
+    """As GRPO's: each step's batch is the range from the step before's position to its own."""
+    for name, run_dir in straight_runs.items():
+        steps = [r for r in records(run_dir) if r["step"] >= 1]
+        assert [r["data_position"] for r in steps] == [4 * r["step"] if name != "sft" else 8 * r["step"] for r in steps], name
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_a_packing_budget_below_one_sequence_is_refused_before_the_offline_run_starts(name, tiny_model_dir, tmp_path, capsys):
+    """GRPO's check, made for every loop before the run directory is claimed or a model loads."""
+    from rlcore.cli import main
+
+    recipe = RECIPES[name](tiny_model_dir, tmp_path / "run")
+    recipe["policy"]["sequence_packing"] = {"enabled": True, "train_mb_tokens": 1}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["run", str(tmp_path / "recipe.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "error: config key 'policy.sequence_packing.train_mb_tokens': 1 tokens cannot hold one sequence" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_non_finite_losses_end_rlcore_run_with_one_line(name, tiny_model_dir, tmp_path, capsys):
+    """A learning rate that overflows the weights after the first update: the next loss is not
+    finite, and with train.max_consecutive_nonfinite=1 the run stops, saying so in one line."""
+    from rlcore.cli import main
+
+    recipe = RECIPES[name](tiny_model_dir, tmp_path / "run")
+    recipe["policy"]["optimizer"]["lr"] = 1e38
+    recipe["policy"]["max_grad_norm"] = None
+    recipe["train"].update(max_num_steps=3, max_consecutive_nonfinite=1, val_period=0, val_at_start=False)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    with pytest.warns(UserWarning, match="non-finite loss"):
+        assert main(["run", str(tmp_path / "recipe.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "error: NonFiniteLossError: 1 non-finite losses in a row (train.max_consecutive_nonfinite)" in err, err[-3000:]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-3000:]
+
+
 def test_a_malformed_data_row_ends_rlcore_run_with_one_message_and_status_2(tiny_model_dir, tmp_path, capsys):
     from rlcore.cli import main
 

@@ -188,6 +188,91 @@ def test_a_hung_generator_is_bounded_by_cluster_timeout(tiny_model_dir, tmp_path
     assert "at step 1" in done.stderr
 
 
+HANGING_REWARDS = """
+import time
+def sleeps(prompts, completions, **kwargs):
+    time.sleep(600)
+    return [1.0] * len(completions)
+def spins(prompts, completions, **kwargs):
+    while True:
+        pass
+"""
+
+
+@pytest.mark.wall_clock
+@pytest.mark.parametrize("fn, mode", [("sleeps", "sync"), ("spins", "async")])
+def test_a_reward_function_that_never_returns_stops_the_cli_run_in_one_line(tiny_model_dir, tmp_path, fn, mode):
+    """``env.reward_fn`` that never returns: ``rlcore run`` stops at the first step's scoring, one line
+    naming the function and the step (sync: the main thread's deadline; async: the scoring thread's,
+    reported as the environment's, not the rollout thread's)."""
+    (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
+    recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"cluster.timeout_s": 8, "checkpointing.enabled": False,
+                                                          "env.reward_fn": f"hanging_rewards:{fn}",
+                                                          "grpo.async_grpo.enabled": mode == "async"})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    done = run_script(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\nfrom rlcore.cli import main\n"
+                      f"sys.exit(main(['run', {str(path)!r}]))", tmp_path, timeout=120)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (f"error: EnvironmentTimeout: timeout: environment 'hanging_rewards:{fn}' did not answer within 8s "
+            "(cluster.timeout_s) at step 1; set env.on_timeout=zero") in done.stderr, done.stderr[-3000:]
+    assert "rollout thread" not in done.stderr
+
+
+STUCK_AFTER_SIGTERM = """
+import pathlib, time, rlcore
+from rlcore.interfaces import EnvStep
+class StuckAtStep2:  # as an environment whose process the group's SIGTERM ended: its call never returns
+    calls = 0
+    def step(self, samples, responses):
+        StuckAtStep2.calls += 1
+        if StuckAtStep2.calls == 2:
+            pathlib.Path({marker!r}).touch()
+            time.sleep(600)
+        return [EnvStep(reward=1.0) for _ in samples]
+class CloseHangs:  # and a logger whose close, at teardown, waits for it too
+    def log(self, metrics, step):
+        pass
+    def close(self):
+        time.sleep(600)
+if __name__ == "__main__":
+    rlcore.run(rlcore.load_config({path!r}), environment=StuckAtStep2(), loggers=[CloseHangs()])
+"""
+
+
+@pytest.mark.wall_clock
+def test_a_run_stuck_after_sigterm_exits_within_cluster_timeout_keeping_its_checkpoint(tiny_model_dir, tmp_path):
+    """SIGTERM while a call into a part the signal ended never returns, then a teardown that waits on
+    it too: each is bounded by cluster.timeout_s on its own, but the process ends cluster.timeout_s
+    after the signal, with 143, its stacks, and the checkpoint of the last finished step."""
+    import signal
+    import time
+
+    marker, path = tmp_path / "stuck", tmp_path / "stuck.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tiny_model_dir, tmp_path / "run", **{"cluster.timeout_s": 6,
+                                                                                 "train.max_num_steps": 4})))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(STUCK_AFTER_SIGTERM.format(marker=str(marker), path=str(path)))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        ended_after = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert ended_after < 6 + 4, ended_after  # cluster.timeout_s after the signal, not one bounded wait after another
+    assert "SIGTERM received 6s ago (cluster.timeout_s) and the run has not ended" in err, err[-3000:]
+    assert "CloseHangs" in err or "close" in err  # the stacks: what it waited for
+    assert (tmp_path / "run" / "checkpoints" / "step_000001" / "loop_state.pt").is_file()
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_a_full_disk_during_a_dcp_save_is_named_and_leaves_no_tmp(fsdp2_backend, tmp_path):
     """The backend's data file is /dev/full (writes fail with ENOSPC from the kernel)."""

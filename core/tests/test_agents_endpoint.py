@@ -5,6 +5,7 @@ cause, never scored), a hung agent stopped with an error naming its trajectory."
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import subprocess
 
@@ -70,6 +71,97 @@ def test_endpoint_listens_on_loopback_only_and_refuses_unknown_keys_and_limits(g
     assert seen["unknown"] == 401 and seen["huge"] == 413
     assert len(seen["path"]["choices"][0]["token_ids"]) >= 1
     assert runner.metrics()["rollout/infra_failures/limit"] == 1  # over max_turns: a failure, not a reward of 0
+
+
+def test_bad_requests_are_refused_before_any_generator_and_a_chunked_body_while_read(generator):
+    """Token ids outside the vocabulary (vLLM's worker aborts on them), a ``stop`` or
+    ``chat_template_kwargs`` of the wrong type, JSON nested past the parser's depth: 400, and the
+    generator is never asked. A chunked body (no Content-Length) over max_request_bytes: 413 once
+    it goes over, the rest never read."""
+    seen, sent = {}, []
+
+    class Counting(Recording):
+        asked = 0
+
+        async def agenerate(self, prompt_ids, params):
+            Counting.asked += 1
+            return await super().agenerate(prompt_ids, params)
+
+    def resident() -> int:  # this process's resident bytes now: the endpoint runs in it
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    async def chunks():
+        start = resident()
+        for _ in range(4096):  # 256 MiB, which a server reading to the end holds at once
+            sent.append(resident() - start)
+            yield b" " * 65536
+
+    async def agent(client, sample):
+        port = int(str(client.base_url).split(":")[2].split("/")[0])
+        headers = {"Authorization": f"Bearer {client.api_key}"}
+        vocab = len(generator.tokenizer)
+        async with httpx.AsyncClient() as raw:
+            base = f"http://127.0.0.1:{port}/v1"
+            for name, route, body in (("negative", "completions", {"prompt": [-5, 3]}),
+                                      ("past_vocab", "completions", {"prompt": [3, vocab]}),
+                                      ("bool", "completions", {"prompt": [True, 3]}),
+                                      ("stop", "completions", {"prompt": "1+1=", "stop": 5}),
+                                      ("stop_list", "chat/completions", {"messages": sample.prompt, "stop": [1]}),
+                                      ("kwargs", "chat/completions", {"messages": sample.prompt, "chat_template_kwargs": 5})):
+                reply = await raw.post(f"{base}/{route}", json={"model": "policy", **body}, headers=headers)
+                seen[name] = (reply.status_code, reply.json()["error"]["message"])
+            deep = "[" * 20000 + "]" * 20000  # past the parser's depth, within max_request_bytes
+            reply = await raw.post(f"{base}/completions", content=deep, headers={**headers, "content-type": "application/json"})
+            seen["deep"] = (reply.status_code, reply.json()["error"]["message"])
+            try:
+                reply = await raw.post(f"{base}/completions", content=chunks(), headers=headers)
+                seen["chunked"] = reply.status_code
+            except httpx.HTTPError as exc:  # the server closed the connection on an unread body: refused too
+                seen["chunked"] = type(exc).__name__
+        return 1.0
+
+    runner = runner_for(Counting(generator), agent, max_request_bytes=1 << 16, max_retries=0, max_turns=20)
+    with pytest.raises(RuntimeError, match="every one of the 1 agent groups"):
+        runner(samples(1), SamplingParams(n=1, max_new_tokens=3, seed=1))
+    for name in ("negative", "past_vocab", "bool", "stop", "stop_list", "kwargs", "deep"):
+        assert seen[name][0] == 400, (name, seen[name])
+    assert "token id -5" in seen["negative"][1] and "outside the vocabulary" in seen["past_vocab"][1]
+    assert "stop must be" in seen["stop"][1] and "nests deeper" in seen["deep"][1]
+    assert Counting.asked == 0
+    assert seen["chunked"] in (413, "RemoteProtocolError", "WriteError", "ReadError"), seen["chunked"]
+    assert max(sent) < 64 << 20, f"the process grew by {max(sent) >> 20} MiB while the body was sent"
+
+
+def test_a_failed_generator_request_leaves_no_prompt_behind_in_the_trajectory(generator):
+    """The generator fails the first request (500); the next one is fed its own prompt once, not
+    after the failed one's: failed requests never fill the trajectory's room."""
+    statuses = []
+
+    class FailsFirst(Recording):
+        failed = False
+
+        async def agenerate(self, prompt_ids, params):
+            self.calls.append((list(prompt_ids), [], []))
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("engine hiccup")
+            return await self.inner.agenerate(prompt_ids, params)
+
+    async def agent(client, sample):
+        port = int(str(client.base_url).split(":")[2].split("/")[0])
+        async with httpx.AsyncClient() as raw:
+            for _ in range(2):
+                reply = await raw.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "1+1=", "max_tokens": 2},
+                                       headers={"Authorization": f"Bearer {client.api_key}"})
+                statuses.append(reply.status_code)
+        return 1.0
+
+    failing = FailsFirst(generator)
+    with pytest.raises(RuntimeError, match="every one of the 1 agent groups"):  # cause 'endpoint': the attempt fails
+        runner_for(failing, agent, max_retries=0)(samples(1), SamplingParams(n=1, max_new_tokens=2, seed=1))
+    assert statuses == [500, 200]
+    assert failing.calls[1][0] == failing.calls[0][0]
 
 
 def test_five_percent_agent_failures_are_retried_or_their_groups_dropped(generator):

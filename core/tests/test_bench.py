@@ -41,6 +41,15 @@ def test_the_config_digest_follows_the_config():
     assert config_digest({"a": 1, "b": [2]}) == config_digest({"b": [2], "a": 1}) != config_digest({"a": 2, "b": [2]})
 
 
+@pytest.mark.parametrize("option, value", [("--warmup", "-1"), ("--steps", "0")])
+def test_a_negative_warmup_or_no_steps_is_refused_naming_the_option(tmp_path, option, value):
+    done = subprocess.run([sys.executable, "-m", "rlcore.cli", "bench", "step", str(REPO / "recipes" / "grpo_arith_tiny_cpu.yaml"),
+                           option, value, "--out", str(tmp_path / "bench")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"argument {option}: must be at least" in done.stderr and "summary_window" not in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "bench").exists()
+
+
 def test_bench_step_prints_the_table_and_appends_the_row(tmp_path):
     out = tmp_path / "bench"
     done = subprocess.run(

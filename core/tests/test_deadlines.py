@@ -54,9 +54,75 @@ def test_a_hung_environment_off_the_main_thread_is_bounded_too():
     assert not worker.is_alive() and len(failures) == 1
 
 
-def test_on_timeout_zero_scores_the_batch_zero_and_counts_it():
+def test_on_timeout_zero_scores_the_batch_zero_and_counts_it(capsys):
     steps = _timed(60, "zero").step([Sample(prompt="p"), Sample(prompt="q")], [["r"], ["s"]])
     assert [(s.reward, s.metrics["timeout"]) for s in steps] == [(0.0, 1.0), (0.0, 1.0)]
+    warning = capsys.readouterr().out
+    assert "the batch of 2 scores 0 (env.on_timeout=zero)" in warning
+    assert "set env.on_timeout=zero" not in warning  # what already happens is not advice
+
+
+def _sleeps(prompts, completions, **kwargs):
+    time.sleep(60)
+    return [1.0] * len(completions)
+
+
+def _spins(prompts, completions, **kwargs):
+    while True:  # pure Python, never returning: interrupted between bytecodes
+        pass
+
+
+@pytest.mark.parametrize("fn", [_sleeps, _spins], ids=["sleeping", "spinning"])
+@pytest.mark.parametrize("thread", [False, True], ids=["main-thread", "other-thread"])
+def test_a_reward_function_that_never_returns_stops_the_run_naming_it(fn, thread):
+    """A plain reward function catches every Exception of its own (they score 0): the deadline's
+    timeout is not one of them, in the sync loop's main thread or the async scoring thread alike."""
+    from rlcore.reward_fn import FunctionEnvironment
+
+    env = TimedEnvironment(FunctionEnvironment(fn, "my_rewards:hangs"), "my_rewards:hangs", timeout_s=0.3, on_timeout="stop")
+    env.current_step = 3
+    outcome = []
+
+    def score():
+        try:
+            outcome.append(env.step([Sample(prompt="p")], [["r"]]))
+        except EnvironmentTimeout as exc:
+            outcome.append(exc)
+
+    began = time.monotonic()
+    if thread:
+        worker = threading.Thread(target=score, daemon=True)
+        worker.start()
+        worker.join(timeout=5)
+    else:
+        score()
+    assert time.monotonic() - began < 5 and len(outcome) == 1, outcome
+    assert isinstance(outcome[0], EnvironmentTimeout), outcome
+    assert "'my_rewards:hangs'" in str(outcome[0]) and "step 3" in str(outcome[0])
+    zero = TimedEnvironment(FunctionEnvironment(fn, "f"), "f", timeout_s=0.3, on_timeout="zero").step([Sample(prompt="p")], [["r"]])
+    assert [(s.reward, s.metrics["timeout"]) for s in zero] == [(0.0, 1.0)]
+
+
+class SwallowsItsTimeout:
+    """Catches every exception, the timeout's too, and scores 0 (or raises its own error)."""
+
+    def __init__(self, raise_instead: bool):
+        self.raise_instead = raise_instead
+
+    def step(self, samples, responses):
+        try:
+            time.sleep(60)
+        except BaseException:  # noqa: BLE001 - the fault under test
+            if self.raise_instead:
+                raise RuntimeError("grader failed") from None
+        return [EnvStep(reward=0.0) for _ in samples]
+
+
+@pytest.mark.parametrize("raise_instead", [False, True], ids=["returns", "raises-its-own"])
+def test_an_environment_that_swallows_its_timeout_has_still_timed_out(raise_instead):
+    env = TimedEnvironment(SwallowsItsTimeout(raise_instead), "greedy", timeout_s=0.3, on_timeout="stop")
+    with pytest.raises(EnvironmentTimeout, match="'greedy' did not answer"):
+        env.step([Sample(prompt="p")], [["r"]])
 
 
 def test_a_prompt_environment_is_untouched_and_its_attributes_pass_through():

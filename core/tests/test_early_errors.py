@@ -47,6 +47,8 @@ def test_a_value_that_means_nothing_is_refused_naming_the_key(override, key):
     ("train:\n  seed: 1\n  seed: 2\n", "given twice in one mapping (lines 2 and 3)"),
     ("base: &b {seed: 1}\ntrain: *b\n", "alias *b is not allowed"),
     ("policy: {model_name: m}\n\x00\x01\x02", "NUL bytes"),
+    ("policy:\n  ? [a, b]\n  : 1\n", "line 2: a key that is a YAML sequence"),
+    ("train:\n  ? {seed: 1}\n  : 2\n", "line 2: a key that is a YAML mapping"),
 ])
 def test_a_recipe_file_that_hides_a_mistake_is_refused_naming_it(tmp_path, text, says):
     path = tmp_path / "recipe.yaml"
@@ -76,6 +78,7 @@ def _sized(*overrides: str):
 @pytest.mark.parametrize("overrides, key", [
     (["train.num_prompts_per_step=1e8"], "train.num_prompts_per_step"),
     (["grpo.num_generations_per_prompt=1"], "grpo.num_generations_per_prompt"),
+    (["grpo.num_generations_per_prompt=100000000"], "grpo.num_generations_per_prompt"),  # memory, before any is used
     (["policy.sequence_packing.train_mb_tokens=1"], "policy.sequence_packing.train_mb_tokens"),
 ])
 def test_sizes_the_run_cannot_have_are_refused_before_the_first_step(overrides, key):
@@ -131,6 +134,41 @@ def test_a_reward_or_metric_that_is_no_number_names_it(step, says):
         apply_env_steps(_trajs(1), [step])
 
 
+class Returns:
+    def __init__(self, result):
+        self.result = result
+
+    def step(self, samples, responses):
+        return self.result
+
+
+@pytest.mark.parametrize("result, says", [
+    (None, "returned NoneType None from step() for 4 trajectories"),
+    ([EnvStep(reward=1.0)], "returned 1 results from step() for 4 trajectories"),
+    (["1.0", "0.0", "1.0", "0.0"], "result for trajectory 0 is str '1.0'; it must be an EnvStep"),
+])
+def test_an_environment_returning_no_envstep_per_trajectory_stops_the_run_naming_it(result, says):
+    """Scored 0 as "errors" instead, such a run would exit 0 having learned nothing."""
+    env = TimedEnvironment(Returns(result), "broken_env", timeout_s=30, on_timeout="stop")
+    with pytest.raises(EnvironmentContractError, match=says.replace("(", r"\(").replace(")", r"\)")) as failure:
+        score(env, _trajs(4))
+    assert "broken_env" in str(failure.value) or "trajectory 0" in str(failure.value)
+
+
+@pytest.mark.parametrize("rewards", [["yes", "no"], [float("nan"), 1.0], ["1.0", 1.0]], ids=["words", "nan", "numeric-text"])
+def test_a_reward_function_returning_no_number_warns_and_counts_env_errors(rewards, capsys):
+    from rlcore.reward_fn import FunctionEnvironment
+
+    env = TimedEnvironment(FunctionEnvironment(lambda prompts, completions, **kw: rewards, "my_rewards:fn"),
+                           "my_rewards:fn", timeout_s=30, on_timeout="stop")
+    trajs = _trajs(2)
+    metrics = score(env, trajs)
+    bad = sum(1 for r in rewards if isinstance(r, str) or r != r)
+    assert metrics["env/errors"] == bad and [t.reward for t in trajs] == [0.0 if isinstance(r, str) or r != r else r
+                                                                          for r in rewards]
+    assert "reward function my_rewards:fn returned" in capsys.readouterr().out
+
+
 def test_rewards_beyond_float32_count_as_errors_and_nan_metrics_leave_the_mean():
     trajs = _trajs(3)
     metrics = apply_env_steps(trajs, [EnvStep(reward=1e300, metrics={"m": float("nan")}),
@@ -167,6 +205,12 @@ def _score_in(env, box):
     ("environment", "a string", "str 'a string'"),
     ("environment", None, "NoneType None"),
     ("generator", {"generate": 1}, "dict {'generate': 1}"),
+    ("algorithm", None, "NoneType None"),
+    ("algorithm", "grpo", "str 'grpo'"),
+    ("algorithm", {"advantages": None}, "dict {'advantages': None}"),
+    ("dataset", None, "NoneType None"),
+    ("dataset", {"train": []}, "dict {'train': []}"),
+    ("training_backend", "fsdp2", "str 'fsdp2'"),
 ])
 def test_a_factory_returning_the_wrong_object_is_refused_at_build_naming_the_plugin(kind, returned, shown):
     from rlcore.plugins import PluginError, Registration, Source
@@ -178,6 +222,17 @@ def test_a_factory_returning_the_wrong_object_is_refused_at_build_naming_the_plu
     message = str(failure.value)
     assert f"{kind} 'broken' from acme-rl 1.2" in message and f"returned {shown}" in message
     assert "rlcore.interfaces." in message
+
+
+def test_every_plugin_kind_checks_its_factorys_product_and_the_built_in_algorithms_pass():
+    from rlcore.controller.given import BUILT_CHECKS
+    from rlcore.plugins import KINDS, get_plugin_manager
+
+    assert set(BUILT_CHECKS) == set(KINDS)
+    manager = get_plugin_manager()
+    for reg in manager.registry["algorithm"].values():  # checked at build: each built-in follows the protocol
+        if reg.source.distribution == "rlcore":
+            assert reg.build(reg.config_cls()) is not None, reg.name
 
 
 # ---- files and targets --------------------------------------------------------------------------
@@ -232,7 +287,8 @@ def test_export_to_a_read_only_file_system_is_refused_first(tmp_path, monkeypatc
     assert not (tmp_path / "model").exists()  # checked, not left behind
 
 
-@pytest.mark.parametrize("args, key", [(["--batch-size", "0"], "--batch-size"), (["--out", "."], "--out")])
+@pytest.mark.parametrize("args, key", [(["--batch-size", "0"], "--batch-size"), (["--out", "."], "--out"),
+                                       (["--out", "/proc/rlcore-eval.json"], "--out")])  # root may, but cannot create there
 def test_eval_options_are_checked_before_evaluating(run_cli, tmp_path, args, key):
     done = run_cli("eval", str(tmp_path / "no-model"), str(tmp_path / "no-recipe.yaml"), *args, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -154,8 +155,9 @@ def test_a_reward_function_never_stops_the_run_on_model_output(capsys):
     assert [s.reward for s in steps] == [0.0, 0.0] and [s.metrics["reward_fn_errors"] for s in steps] == [1.0, 1.0]
     env.step(samples, [["x"], ["y"]])
     assert capsys.readouterr().out.count("raised ValueError") == 1  # said once
-    assert [s.reward for s in FunctionEnvironment(lambda prompts, completions, **kw: [None, float("nan")]).step(
-        samples, [["a"], ["b"]])] == [0.0, 0.0]
+    # None ("does not apply") scores 0; NaN stays NaN, which the loop scores 0 and counts in env/errors
+    none, nan = FunctionEnvironment(lambda prompts, completions, **kw: [None, float("nan")]).step(samples, [["a"], ["b"]])
+    assert none.reward == 0.0 and math.isnan(nan.reward)
     with pytest.raises(ValueError, match="returned 1 rewards for 2 completions"):
         FunctionEnvironment(lambda prompts, completions, **kw: [1.0]).step(samples, [["a"], ["b"]])
 

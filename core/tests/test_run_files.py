@@ -122,6 +122,26 @@ def test_saving_prunes_only_its_own_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000007", "step_000008"]
 
 
+def test_a_run_resumes_from_its_own_newest_checkpoint_past_another_runs_newer_ones(tmp_path, capsys):
+    """Two runs (lr 1e-6 and 2e-6) checkpointing into one directory: the one behind resumes from its
+    own step 3, not refused for the other's step 4; a run with none of its own there is refused."""
+    shared = tmp_path / "shared"
+    runs = {lr: {**RunDir(_config(tmp_path / str(lr), lr=lr, checkpoint_dir=str(shared))).identity(), "run_id": f"run-{lr}"}
+            for lr in (1e-6, 2e-6, 3e-6)}
+    behind, ahead = CheckpointManager(shared, 3), CheckpointManager(shared, 3)
+    for step in (1, 2, 3):
+        behind.save(step, _backend, {**_state(step, runs[1e-6]["run_id"]), "run": runs[1e-6]})
+    ahead.save(4, _backend, {**_state(4, runs[2e-6]["run_id"]), "run": runs[2e-6]})
+    found = behind.resume(lambda path, state: check_owner(state.get("run"), runs[1e-6], path), lambda path: None)
+    assert found is not None and found[0].name == "step_000003" and found[1]["step"] == 3
+    assert "1 newer checkpoint(s)" in capsys.readouterr().out
+    with pytest.raises(ConfigError) as failure:  # none of these is the third run's
+        behind.resume(lambda path, state: check_owner(state.get("run"), runs[3e-6], path), lambda path: None)
+    assert failure.value.key == "policy.optimizer.lr" and "step_000004" in str(failure.value)
+    with pytest.raises(CheckpointWriteError, match=r"move its own checkpoints \(step_000001, step_000002, step_000003\)"):
+        behind.save(4, _backend, {**_state(4, runs[1e-6]["run_id"]), "run": runs[1e-6]})
+
+
 # ---- files of one run stay in its directory -----------------------------------------------------
 @pytest.mark.parametrize("name", ["../other/metrics.jsonl", "/tmp/metrics.jsonl", "a/../../m.jsonl", ""])
 def test_the_metrics_file_stays_in_the_log_dir(name):

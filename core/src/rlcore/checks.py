@@ -5,7 +5,8 @@ torch's distributed parts, loads a model or starts an engine; ``rlcore config`` 
 recipe it prints is one ``rlcore run`` accepts. Each failure names the key and the fix: a logger
 whose client is not installed (``logger.wandb.enabled`` without wandb would otherwise fail after
 the model loaded and vLLM started), a registered name that no installed plugin provides, an
-``env.reward_fn`` that does not import.
+``env.reward_fn`` that does not import, a packing budget that cannot hold one sequence (in every
+loop, GRPO's and the offline ones).
 """
 
 from __future__ import annotations
@@ -46,9 +47,24 @@ def check_names(config: RunConfig, manager: Any, given: dict | None = None) -> N
         raise ConfigError("env.name", str(exc)) from None
 
 
+def check_packing(config: RunConfig) -> None:
+    """Each packed micro-batch's token budget holds the longest sequence (every loop packs: GRPO's,
+    SFT's and the preference pairs')."""
+    policy = config.policy
+    packing = policy.sequence_packing
+    if not packing.enabled:
+        return
+    for key in ("train_mb_tokens", "logprob_mb_tokens"):
+        budget = getattr(packing, key)
+        if budget < policy.max_total_sequence_length:
+            raise ConfigError(f"policy.sequence_packing.{key}", f"{budget} tokens cannot hold one sequence of "
+                              f"policy.max_total_sequence_length={policy.max_total_sequence_length}; raise it to at least that")
+
+
 def check_before_start(config: RunConfig, given: dict | None = None) -> None:
     """Every check above, for ``config`` run with ``given`` objects (``rlcore.run``'s keywords)."""
     manager = get_plugin_manager()
+    check_packing(config)
     check_names(config, manager, given)
     if given is None or given.get("loggers") is None:
         check_requirements(config, manager)

@@ -20,14 +20,13 @@ import os
 import signal
 import sys
 import threading
-import time
 
 from rich.console import Console
 from rich.table import Table
 
 from rlcore.checks import check_before_start
 from rlcore.config import ConfigError, load_config, to_dict
-from rlcore.errors import CheckpointError, DataError, RolloutError
+from rlcore.errors import CheckpointError, DataError, RolloutError, RunStopped
 from rlcore.plugins import PluginError, get_plugin_manager
 
 console = Console()
@@ -140,11 +139,13 @@ def cmd_run(args) -> int:
         result = rlcore.run(config)
     except KeyboardInterrupt:
         return interrupted(config)
-    except Exception:
-        from rlcore.controller.checkpoint import INTERRUPTED
+    except Exception as exc:
+        from rlcore.controller.checkpoint import INTERRUPTED, TERMINATED
 
         if INTERRUPTED.is_set():  # a child process the terminal's Ctrl-C ended too: the interruption, not a failure
             return interrupted(config)
+        if TERMINATED.is_set():  # a part in the process group the SIGTERM ended too: the stop it asked for
+            return terminated(config, exc)
         raise
     stopped = result["summary"].get("stopped_by_signal")
     return 128 + signal.Signals[stopped].value if stopped else 0  # a shell's status for a run a signal ended
@@ -152,18 +153,29 @@ def cmd_run(args) -> int:
 
 def interrupted(config) -> int:
     """One line for a run Ctrl-C stopped at once: what it saved and how to go on; exit 130."""
+    err_console.print(f"interrupted (Ctrl-C): {saved_for_resume(config)}", highlight=False, markup=False, soft_wrap=True)
+    return 128 + signal.SIGINT.value
+
+
+def terminated(config, exc: BaseException) -> int:
+    """One line for a run that SIGTERM stopped mid-step, a part of it ended by the same signal; exit 143."""
+    cause = (str(exc).strip().splitlines() or [""])[-1][:200]
+    err_console.print(f"SIGTERM received: the run stopped mid-step ({type(exc).__name__}: {cause}); "
+                      f"{saved_for_resume(config)}", highlight=False, markup=False, soft_wrap=True)
+    return 128 + signal.SIGTERM.value
+
+
+def saved_for_resume(config) -> str:
+    """What a stopped run kept and how to go on."""
     from rlcore.controller.checkpoint import CheckpointManager
     from rlcore.controller.run_dir import checkpoint_root
 
     latest = CheckpointManager(checkpoint_root(config), keep_last_k=1).latest() if config.checkpointing.enabled else None
     if latest is not None:
-        saved = f"newest checkpoint {latest}; run the same command again to resume from it"
-    elif config.checkpointing.enabled:
-        saved = "no checkpoint was written yet; run the same command again to start afresh"
-    else:
-        saved = "nothing saved (checkpointing.enabled is false); run the same command again to start afresh"
-    err_console.print(f"interrupted (Ctrl-C): {saved}", highlight=False, markup=False, soft_wrap=True)
-    return 128 + signal.SIGINT.value
+        return f"newest checkpoint {latest}; run the same command again to resume from it"
+    if config.checkpointing.enabled:
+        return "no checkpoint was written yet; run the same command again to start afresh"
+    return "nothing saved (checkpointing.enabled is false); run the same command again to start afresh"
 
 
 def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:
@@ -174,21 +186,10 @@ def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:
     would keep an ended run's process (and its GPU memory) forever: a long GPU run can print its
     summary and then never exit. The stacks printed first show what it waited for; ``os._exit`` then skips the handlers that hang.
     """
+    from rlcore.controller.deadlines import exit_after
 
-    def end_the_process() -> None:
-        time.sleep(timeout_s)
-        stream = sys.__stderr__
-        if stream is not None:
-            stream.write(f"rlcore: the run has ended (status {status}), but its process did not exit within "
-                         f"{timeout_s:g}s (cluster.exit_timeout_s); every thread's stack follows, then it exits\n")
-            stream.flush()
-            faulthandler.dump_traceback(file=stream, all_threads=True)
-            stream.flush()
-        os._exit(status)
-
-    watchdog = threading.Thread(target=end_the_process, name="rlcore-exit-watchdog", daemon=True)
-    watchdog.start()
-    return watchdog
+    return exit_after(timeout_s, status, lambda: f"the run has ended (status {status}), but its process did not exit "
+                                                 f"within {timeout_s:g}s (cluster.exit_timeout_s)")
 
 
 def cmd_export(args) -> int:
@@ -324,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutError as exc:  # a hung or failing agent: the message names the trajectories, the traceback adds nothing
         err_console.print(f"error: {exc}", highlight=False, markup=False, style="bold red", soft_wrap=True)
         status = 1
+        return status
+    except RunStopped as exc:  # a timeout, non-finite losses: the message names what and where; no traceback
+        err_console.print(f"error: {type(exc).__name__}: {exc}", highlight=False, markup=False, style="bold red",
+                          soft_wrap=True)
         return status
     finally:
         # Once a run has begun (cmd_run sets the limit), its process is ended if it does not exit, but

@@ -26,3 +26,9 @@ class DataError(ValueError):
 class RolloutError(RuntimeError):
     """Rollouts that cannot go on: agent trajectories still open when their batch's time ran out, or
     a batch in which every agent group failed. The message names the trajectories."""
+
+
+class RunStopped(Exception):
+    """The run stopped for a reason its message states in full (a timeout naming what hung and the
+    step, too many non-finite losses, an environment breaking its contract): the CLI prints the
+    message on one line, without a traceback. Mixed into those errors' own classes."""

@@ -18,7 +18,6 @@ directory by :func:`rlcore.export.export_checkpoint`.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -177,8 +176,16 @@ def check_eval_options(batch_size: int, out: str | None) -> None:
         raise ConfigError("--out", f"{out} is a directory; give a file path for the JSON summary")
     if not path.parent.is_dir():
         raise ConfigError("--out", f"{out}: its directory {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ConfigError("--out", f"{out} cannot be written (no permission)")
+    # Tried, not asked of os.access: root passes every permission check, yet cannot create a file in
+    # /proc or on a read-only filesystem. A file this creates is removed again.
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError("--out", f"{out} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()
 
 
 def write_summary(summary: dict, path: str | None) -> str:

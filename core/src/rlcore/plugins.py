@@ -88,9 +88,9 @@ class Registration:
 
     def _checked(self, built: Any) -> Any:
         """What the factory returned, refused at build time (naming the plugin and what it returned)
-        unless it has the members every run uses of its kind's protocol (environments, generators,
-        loggers): a wrong object would otherwise fail at the first call, or, for an environment,
-        score every rollout 0 as "errors" in a run that exits 0."""
+        unless it has the members every run uses of its kind's protocol (every kind): a wrong object
+        would otherwise fail at the first call with an AttributeError naming no plugin, or, for an
+        environment, score every rollout 0 as "errors" in a run that exits 0."""
         from rlcore.controller.given import BUILT_CHECKS, missing_members
 
         check = BUILT_CHECKS.get(self.kind)

@@ -11,13 +11,16 @@ It is called once per batch of single-turn trajectories with keyword arguments: 
 dataset's prompts, text or chat messages), ``completions`` (the model's text), ``answer`` (each
 sample's ground truth) and each key of the samples' ``metadata`` as a list, as TRL passes a
 dataset's extra columns. It returns one number per completion; ``None`` (TRL: "does not apply")
-and non-finite values score 0.
+scores 0. A value that is no finite number (NaN, a string such as ``"yes"``) scores 0 too, but is
+counted in ``env/errors`` and printed once naming the function: it is a bug in the function.
 
 Reward functions never raise on model output: an exception inside the function scores that batch
 0, is counted in ``env/reward_fn_errors`` and printed once with its message, and the run goes on.
 A function that returns the wrong number of rewards is a bug in the function, not in the model's
 output, and stops the run with a message saying so. Every call is bounded by ``cluster.timeout_s``
-like any environment's (:class:`rlcore.controller.deadlines.TimedEnvironment`, ``env.on_timeout``).
+like any environment's (:class:`rlcore.controller.deadlines.TimedEnvironment`, ``env.on_timeout``):
+a function that never returns, sleeping or spinning, stops the run naming it (the timeout is not one
+of the exceptions that score 0).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlcore.config import ConfigError
+from rlcore.errors import RunStopped
 from rlcore.interfaces import EnvStep, Sample
 
 
@@ -39,6 +43,7 @@ class FunctionEnvironment:
         self.fn = fn
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self._warned = False
+        self._warned_value = False
 
     def step(self, samples: list[Sample], histories: list[list[str]]) -> list[EnvStep]:
         completions = [h[-1] if h else "" for h in histories]
@@ -47,6 +52,8 @@ class FunctionEnvironment:
             kwargs[key] = [(s.metadata or {}).get(key) for s in samples]
         try:
             rewards = list(self.fn(prompts=[s.prompt for s in samples], completions=completions, **kwargs))
+        except RunStopped:  # its deadline (cluster.timeout_s) expired inside it: env.on_timeout decides, not this
+            raise
         except Exception as exc:  # noqa: BLE001 - the rule: a reward function never stops a run on model output
             if not self._warned:
                 print(f"warning: reward function {self.name} raised {type(exc).__name__}: {exc}; that batch scores 0 "
@@ -56,15 +63,25 @@ class FunctionEnvironment:
         if len(rewards) != len(samples):
             raise ValueError(f"reward function {self.name} returned {len(rewards)} rewards for {len(samples)} completions; "
                              "it must return one per completion")
-        return [EnvStep(reward=_score(r), metrics={"reward_fn_errors": 0.0}) for r in rewards]
+        return [EnvStep(reward=self._score(r, i), metrics={"reward_fn_errors": 0.0}) for i, r in enumerate(rewards)]
 
-
-def _score(value: Any) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return value if math.isfinite(value) else 0.0
+    def _score(self, value: Any, index: int) -> float:
+        """``value`` as a reward: None scores 0; a value that is no finite number becomes NaN, which the
+        loop scores 0 and counts in ``env/errors`` (:func:`rlcore.controller.batching.apply_env_steps`)."""
+        if value is None:
+            return 0.0
+        try:  # a string is no reward even when it reads as one ("1.0"): TRL's functions return floats
+            number = math.nan if isinstance(value, (str, bytes)) else float(value)
+        except (TypeError, ValueError, OverflowError):
+            number = math.nan
+        if math.isfinite(number):
+            return number
+        if not self._warned_value:
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            print(f"warning: reward function {self.name} returned {type(value).__name__} {shown} for completion {index}, "
+                  "not a finite number; scored 0 and counted in env/errors (shown once)", flush=True)
+            self._warned_value = True
+        return math.nan
 
 
 def load_reward_fn(spec: str) -> Callable[..., Any]:

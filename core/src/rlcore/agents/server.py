@@ -141,8 +141,11 @@ class Endpoint:
             raise RequestError(f"trajectory {traj.recorder.key}: max_tokens must be a positive integer, got {asked!r}")
         if body.get("n", 1) != 1:
             raise RequestError(f"trajectory {traj.recorder.key}: n must be 1 (each sample of a group is a trajectory of its own)")
-        stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise RequestError(f"trajectory {traj.recorder.key}: stop must be a string or a list of strings, got {stop!r:.60}")
+        stop = tuple(stop)
         seed = None if traj.seed is None else traj.seed + 7919 * traj.recorder.requests
         limit = min(self.params.max_new_tokens, asked or self.params.max_new_tokens, room)
         return attrs.evolve(self.params, n=1, max_new_tokens=limit, seed=seed, stop=tuple(dict.fromkeys(self.params.stop + stop)))
@@ -154,19 +157,24 @@ class Endpoint:
             seg.finish_reason = "length"
             return None
         params = self._params(traj, body, room)
-        traj.recorder.commit_prompt(seg, new_ids)
         try:
-            return await self.generator.agenerate(seg.prompt_ids + seg.ids, params)
+            out = await self.generator.agenerate(seg.prompt_ids + seg.ids + list(new_ids), params)
         except Exception as exc:  # noqa: BLE001 - the agent gets a 500; the trajectory fails with cause 'endpoint'
             traj.causes.append("endpoint")
             raise RuntimeError(f"trajectory {traj.recorder.key}: the generator failed: {exc!r}") from exc
+        # Committed once answered: a failed request's prompt never fills the segment's room for later ones
+        traj.recorder.commit_prompt(seg, new_ids)
+        return out
 
     async def _chat(self, traj: OpenTrajectory, body: dict) -> dict:
         rec = traj.recorder
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise RequestError(f"trajectory {rec.key}: 'messages' must be a list of messages")
-        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict) or not isinstance(body.get("tools") or [], list):
+            raise RequestError(f"trajectory {rec.key}: 'chat_template_kwargs' must be an object and 'tools' a list")
+        kwargs = dict(kwargs)
         if body.get("tools"):
             self._check_tools(rec.key)
             kwargs["tools"] = body["tools"]
@@ -200,6 +208,8 @@ class Endpoint:
             prompt = prompt[0]  # a batch of one
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))):
             raise RequestError(f"trajectory {rec.key}: 'prompt' must be one text or one list of token ids")
+        if isinstance(prompt, list):
+            self._check_token_ids(rec.key, prompt)
         seg, new_ids = rec.completion_prompt(prompt)
         prompt_len = seg.total() + len(new_ids)
         out = await self._generate(traj, seg, new_ids, body)
@@ -208,6 +218,14 @@ class Endpoint:
         rec.record(seg, out, None, None, prompt_text=prompt if isinstance(prompt, str) else None)
         return _completion_reply(rec.key, out.text, _finish(out.finish_reason), out.response_ids, out.response_logprobs,
                                  prompt_len, body)
+
+    def _check_token_ids(self, key: str, ids: list) -> None:
+        """Token ids of the vocabulary only: one out of it (negative, or past the tokenizer's) would reach
+        the generator, where vLLM's worker aborts on it and takes the run down."""
+        vocab = len(self.tokenizer)
+        bad = next((t for t in ids if isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"trajectory {key}: token id {bad!r} in 'prompt' is outside the vocabulary [0, {vocab})")
 
 
 def _finish(reason: str) -> str:
@@ -294,6 +312,25 @@ def _model_list(endpoint: Endpoint, key: str | None):
                                        for name in endpoint.served_models]}
 
 
+async def _read_at_most(request, limit: int) -> bytes | None:
+    """The request's body, or None once it has gone over ``limit`` bytes (the rest is not read)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def _parse(raw: bytes):
+    import json
+
+    try:
+        return json.loads(raw)
+    except RecursionError:  # nesting deeper than the parser's stack: a bad request, not the server's failure
+        raise RequestError("the request body nests deeper than can be parsed") from None
+
+
 def build_app(endpoint: Endpoint):
     """The FastAPI app: the two OpenAI routes and ``models``, at ``/v1`` (key in the bearer token)
     and at ``/trajectories/<key>/v1``."""
@@ -311,12 +348,12 @@ def build_app(endpoint: Endpoint):
         if declared is not None and declared.isdigit() and int(declared) > endpoint.max_request_bytes:
             return _refuse(traj, 413, f"trajectory {key}: request of {declared} bytes, over env.agent.max_request_bytes "
                                       f"({endpoint.max_request_bytes})")
-        raw = await request.body()
-        if len(raw) > endpoint.max_request_bytes:
-            return _refuse(traj, 413, f"trajectory {key}: request of {len(raw)} bytes, over env.agent.max_request_bytes "
-                                      f"({endpoint.max_request_bytes})")
+        raw = await _read_at_most(request, endpoint.max_request_bytes)
+        if raw is None:  # no Content-Length (a chunked body): refused as soon as it goes over, not at its end
+            return _refuse(traj, 413, f"trajectory {key}: request of more than {endpoint.max_request_bytes} bytes, over "
+                                      f"env.agent.max_request_bytes")
         try:
-            body = json.loads(raw)
+            body = _parse(raw)
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
             return await endpoint.serve(traj, body, chat)

@@ -31,11 +31,23 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_list)
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer of at least ``minimum`` (argparse names the option when it is not)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "count"  # argparse's message: "invalid count value" for a text that is no integer
+    return parse
+
+
 def _recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", help="dotted.key=value applied to the recipe")
-    p.add_argument("--steps", type=int, default=5, help="steps (or repetitions of the part) to run")
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
+    p.add_argument("--steps", type=_at_least(1), default=5, help="steps (or repetitions of the part) to run")
+    p.add_argument("--warmup", type=_at_least(0), default=2, help="first steps left out of the means")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="model shape to build (default: the recipe's policy.model_name: a local directory's config "
                         "or a known model name)")

@@ -134,6 +134,9 @@ class _RecipeLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
+            if isinstance(key, (list, dict)):  # YAML's complex key (`? [a, b]`): no recipe key is one
+                raise ConfigError("", f"line {line}: a key that is a YAML {'sequence' if isinstance(key, list) else 'mapping'} "
+                                  f"({str(key)[:60]}); a recipe's keys are names")
             if key in seen:
                 raise ConfigError(str(key), f"given twice in one mapping (lines {seen[key]} and {line}); keep one")
             seen[key] = line

@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from rlcore.controller.deadlines import batch_margin_s
 from rlcore.controller.timing import StepTimer
-from rlcore.errors import RolloutError
+from rlcore.errors import RolloutError, RunStopped
 
 if TYPE_CHECKING:
     from rlcore.controller.batching import Trajectory
@@ -55,6 +56,10 @@ if TYPE_CHECKING:
 
 # Generations begun before the trainer takes the batch two before them (module docstring).
 BATCHES_AHEAD = 2
+
+
+class RolloutTimeout(TimeoutError, RunStopped):
+    """The trainer waited longer than ``cluster.timeout_s`` for the rollout thread."""
 
 
 @attrs.define
@@ -89,6 +94,7 @@ class RolloutProducer:
         self._began = threading.Condition()
         self.last_generation_end: float | None = None
         self._done_at = self._credit_at = 0.0  # when the trainer last finished a batch, last took one
+        self._progress_at = time.monotonic()  # when the rollout side last began or ended a bounded phase
         self._scoring = _ScoringThread(self._failure)
         self.thread = threading.Thread(target=self._produce, name="rlcore-rollouts", daemon=True)
 
@@ -99,11 +105,13 @@ class RolloutProducer:
 
     def generation_began(self) -> None:
         """Called with the generator's lock held, as the rollout thread's generation begins."""
+        self._progress_at = time.monotonic()
         with self._began:
             self._generations += 1
             self._began.notify_all()
 
     def generation_ended(self) -> None:
+        self._progress_at = time.monotonic()
         self.last_generation_end = time.perf_counter()
 
     def _produce(self) -> None:
@@ -167,22 +175,30 @@ class RolloutProducer:
         return True
 
     def _score_and_put(self, generated, timer: StepTimer, metrics: dict, count: int, position: int) -> None:
+        self._progress_at = time.monotonic()
         kept, scored, version = self.rollouts.finish_collect([generated], timer)
         self._batches.put(Produced(kept, {**scored, **metrics}, version, timer, count, position))
 
     # ---- the trainer's side -------------------------------------------------------------------
     def next_batch(self) -> Produced:
-        """The next batch (a credit back to the rollout thread); raises the rollout side's failure."""
-        waited = 0.0
+        """The next batch (a credit back to the rollout thread); raises the rollout side's failure.
+
+        Each phase of the rollout side (a generation, a batch's scoring) is bounded by
+        ``cluster.timeout_s`` on its own, and its error names what hung (the environment, the
+        generator): this wait gives up only once no phase has begun or ended for longer than that
+        and a margin, so that error comes first."""
+        began = time.monotonic()
+        limit = self.timeout_s + batch_margin_s(self.timeout_s)
         while True:
             self.raise_if_failed()
             try:
                 item = self._batches.get(timeout=1.0)
             except queue.Empty:
-                waited += 1.0
-                if waited > self.timeout_s:
-                    raise TimeoutError(f"timeout: the trainer waited {waited:.0f}s (cluster.timeout_s) for the rollout "
-                                       f"thread's next batch") from None
+                idle = time.monotonic() - max(began, self._progress_at)
+                if idle > limit:
+                    self.raise_if_failed()  # failed while this waited: that error, not this one
+                    raise RolloutTimeout(f"timeout: the trainer waited {idle:.0f}s (cluster.timeout_s) for the rollout "
+                                         "thread's next batch, which neither generated nor scored meanwhile") from None
                 continue
             self._credit_at = time.perf_counter()
             self._credits.release()
@@ -204,7 +220,7 @@ class RolloutProducer:
             while self._generations <= count:
                 self.raise_if_failed()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"timeout: the trainer waited {self.timeout_s:g}s (cluster.timeout_s) for the "
+                    raise RolloutTimeout(f"timeout: the trainer waited {self.timeout_s:g}s (cluster.timeout_s) for the "
                                        f"rollout thread to begin its next generation at step {step}")
                 self._began.wait(timeout=1.0)
 
@@ -216,7 +232,7 @@ class RolloutProducer:
     def raise_if_failed(self) -> None:
         """The rollout or scoring thread's exception, if one died, raised in the trainer's thread."""
         if self._failure:
-            if isinstance(self._failure[0], RolloutError):  # its message names the trajectories: shown as it is
+            if isinstance(self._failure[0], (RolloutError, RunStopped)):  # its message names what failed: shown as it is
                 raise self._failure[0]
             raise RuntimeError(f"the rollout thread failed: {self._failure[0]!r}") from self._failure[0]
 

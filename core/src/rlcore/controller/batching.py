@@ -11,6 +11,7 @@ import torch
 
 from rlcore.config.generation import GenerationConfig
 from rlcore.controller.deadlines import EnvironmentExit, EnvironmentTimeout
+from rlcore.errors import RunStopped
 from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, SequenceBatch
 
 
@@ -63,22 +64,32 @@ def sampling_params(generation: GenerationConfig, n: int, seed: int | None, gree
 
 
 def score(environment, trajectories: list[Trajectory]) -> dict[str, float]:
-    """Rewards from the environment; an environment that raises costs reward 0, counted."""
+    """Rewards from the environment; an environment that raises costs reward 0, counted. One that
+    returns something other than one EnvStep per trajectory stops the run (a bug in it: scoring
+    such a batch 0 would make a run that learns nothing exit 0)."""
     metrics: dict[str, float] = {"env/errors": 0.0}
     try:
         steps = environment.step([t.sample for t in trajectories], [[t.result.text] for t in trajectories])
-        if len(steps) != len(trajectories):
-            raise ValueError(f"environment returned {len(steps)} results for {len(trajectories)} trajectories")
     except (EnvironmentTimeout, EnvironmentExit, EnvironmentContractError):
         raise
     except Exception as exc:  # noqa: BLE001 - the run goes on; the failure is counted and shown
         steps = [EnvStep(reward=0.0, metrics={"error": 1.0}) for _ in trajectories]
         metrics["env/errors"] = float(len(trajectories))
         print(f"warning: environment failed on a batch of {len(trajectories)}: {exc!r}; rewards set to 0")
+    if not isinstance(steps, (list, tuple)) or len(steps) != len(trajectories):
+        name = getattr(environment, "name", type(environment).__name__)
+        got = f"{len(steps)} results" if isinstance(steps, (list, tuple)) else f"{type(steps).__name__} {_shown(steps)}"
+        raise EnvironmentContractError(f"environment '{name}' returned {got} from step() for {len(trajectories)} "
+                                       "trajectories; it must return a list of one EnvStep per trajectory")
     return apply_env_steps(trajectories, steps, metrics)
 
 
-class EnvironmentContractError(TypeError):
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class EnvironmentContractError(TypeError, RunStopped):
     """An environment returned something that is not a reward or a metric (a bug in it, not in the
     model's output): the run stops, naming the environment's result at fault."""
 
@@ -89,7 +100,7 @@ _REWARD_LIMIT = float(np.finfo(np.float32).max)  # rewards travel as float32: be
 def _number(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) and not (
             isinstance(value, torch.Tensor) and value.numel() == 1):
-        raise EnvironmentContractError(f"{what} is {type(value).__name__} {str(value)[:60]!r}; it must be a real number "
+        raise EnvironmentContractError(f"{what} is {type(value).__name__} {_shown(value)}; it must be a real number "
                                        "(rlcore.interfaces.EnvStep)")
     return float(value)
 
@@ -100,7 +111,10 @@ def apply_env_steps(trajectories: list[Trajectory], steps: list, metrics: dict[s
     non-finite metric is left out of its mean; a reward or metric that is no number at all is an error."""
     metrics = {"env/errors": 0.0} if metrics is None else metrics
     for i, (traj, step) in enumerate(zip(trajectories, steps)):
-        reward = _number(getattr(step, "reward", None), f"the environment's reward for trajectory {i}")
+        if not hasattr(step, "reward") or not hasattr(step, "metrics"):
+            raise EnvironmentContractError(f"the environment's result for trajectory {i} is {type(step).__name__} "
+                                           f"{_shown(step)}; it must be an EnvStep (rlcore.interfaces.EnvStep)")
+        reward = _number(step.reward, f"the environment's reward for trajectory {i}")
         if not math.isfinite(reward) or abs(reward) > _REWARD_LIMIT:
             if metrics["env/errors"] == 0:
                 print(f"warning: the environment's reward for trajectory {i} is {reward!r} (not a finite float32); "

@@ -35,6 +35,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rlcore.config.structure import ConfigError
+from rlcore.controller.deadlines import SIGTERM_DEADLINE
 from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -45,15 +46,27 @@ OWNER = "owner"  # the run id of the run that wrote the checkpoint (text)
 # Set by the first Ctrl-C of a run: ``rlcore run`` then reports an error that follows it (a child
 # process the terminal's SIGINT also ended) as the interruption it is, in one line.
 INTERRUPTED = threading.Event()
+# Set by SIGTERM: an error that follows it (vLLM's engine, in the same process group, died of it
+# too) is reported by ``rlcore run`` as the stop the signal asked for, in one line, exit 143.
+TERMINATED = threading.Event()
 
 
-def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool = False) -> Any:
+def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool = False,
+                         timeout_s: float | None = None) -> Any:
     """``body()`` with SIGTERM recorded in ``loop.stop_signal`` instead of ending the process: the
     loop ends its step, writes a checkpoint of it and stops (exit 143 in ``rlcore run``). The first
     Ctrl-C (SIGINT) does the same (exit 130); a second one stops at once (KeyboardInterrupt, which
     ``rlcore run`` reports in one line). ``loop`` has ``step`` and ``stop_signal``; ``checkpointed``
-    says whether the stop writes a checkpoint. Off the main thread, where Python cannot catch
+    says whether the stop writes a checkpoint. With ``timeout_s`` (``cluster.timeout_s``), SIGTERM
+    also arms :data:`~rlcore.controller.deadlines.SIGTERM_DEADLINE`: the process ends that long
+    after the signal whatever it waits for. Off the main thread, where Python cannot catch
     signals, ``body()`` runs as it is."""
+
+    def on_sigterm(signum, frame):
+        TERMINATED.set()
+        loop.stop_signal = signum
+        if timeout_s is not None:
+            SIGTERM_DEADLINE.arm(timeout_s, signum)
 
     def on_interrupt(signum, frame):
         if loop.stop_signal == signal.SIGINT:
@@ -63,8 +76,9 @@ def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool 
         print(f"\nCtrl-C: stopping after step {max(loop.step, 1)} ends"
               f"{' and is checkpointed' if checkpointed else ''} (Ctrl-C again stops at once)", flush=True)
 
+    TERMINATED.clear()
     try:
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(loop, "stop_signal", signum))
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
     except ValueError:  # "signal only works in main thread of the main interpreter"
         return body()
     previous_int = signal.signal(signal.SIGINT, on_interrupt)
@@ -258,10 +272,13 @@ class CheckpointManager:
 
     def _refuse_others(self, final: Path, run_id: str) -> None:
         if final.exists() and self.owner(final) not in (run_id, None):
+            ours = [path.name for _, path in self.complete() if self.owner(path) == run_id]
+            keep = (f"; to keep this run's progress, move its own checkpoints ({', '.join(ours)}) into that directory "
+                    "first") if ours else ""
             raise CheckpointWriteError(
                 f"{final} belongs to run {self.owner(final)}, not this run ({run_id}): checkpointing.checkpoint_dir "
                 f"{self.root} is shared by two runs. Give each run its own checkpointing.checkpoint_dir (the default, "
-                "<logger.log_dir>/checkpoints, is)")
+                f"<logger.log_dir>/checkpoints, is){keep}")
 
     @staticmethod
     def load_loop_state(path: Path) -> dict[str, Any]:
@@ -270,14 +287,22 @@ class CheckpointManager:
     def resume(self, check: Callable[[Path, dict], None], load_backend: Callable[[Path], None]) -> tuple[Path, dict] | None:
         """The newest checkpoint whose loop state and backend state both load: ``check(path, state)``
         may refuse it (raise, e.g. another run's checkpoint), ``load_backend(path)`` restores the
-        backend. Damaged checkpoints are skipped, each with a warning; None when there are none."""
+        backend. Damaged checkpoints are skipped, each with a warning; None when there are none.
+
+        In a directory two runs share, another run's newer checkpoints are passed over for this
+        run's own newest (``check`` refuses theirs with a ConfigError); only when none is this
+        run's is the refusal raised."""
         skipped: list[str] = []
+        others: list[ConfigError] = []
         for _, path in reversed(self.complete()):
             try:
                 state = self.load_loop_state(path)
                 check_loop_state(state)
                 check(path, state)
                 load_backend(path / "backend")
+            except ConfigError as exc:  # another run's checkpoint: this run's own may be older
+                others.append(exc)
+                continue
             except Exception as exc:  # noqa: BLE001 - any failure to load marks it damaged; the reason is shown
                 if _is_refusal(exc):
                     raise
@@ -286,7 +311,12 @@ class CheckpointManager:
                 warnings.warn(f"checkpoint {path} is damaged and was skipped: {reason}", stacklevel=2)
                 print(f"warning: skipped checkpoint {path} (damaged: {reason}); trying the previous one", flush=True)
                 continue
+            if others:
+                print(f"note: {len(others)} newer checkpoint(s) in {self.root} belong to other runs; resuming from "
+                      f"this run's own {path.name}", flush=True)
             return path, state
+        if others:
+            raise others[0]
         if skipped:
             raise CheckpointError(f"no usable checkpoint in {self.root}: " + "; ".join(skipped)
                                   + ". Move them away, or start afresh in another logger.log_dir with --no-resume")

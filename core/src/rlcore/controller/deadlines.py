@@ -6,7 +6,8 @@ environment's own main-thread deadlines, such as rlcore-math's inline grader, ke
 grader suspends and re-arms an outer timer), elsewhere by waiting on a helper thread (reused once
 free: a multi-turn step makes one bounded call per trajectory turn, hundreds of them). A timer
 someone else armed (pytest-timeout, say) still fires on time. A call in the main thread that sits
-in one long C call is interrupted only when it returns to Python.
+in one long C call is interrupted only when it returns to Python. A call that catches its timeout (a
+broad ``except`` in a reward function) and returns, or raises something else, has still timed out.
 
 On expiry of an environment call the run stops with an error naming the environment, the call and
 the step (``env.on_timeout: stop``), or the batch (the trajectory, for a multi-turn environment's
@@ -24,28 +25,32 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import faulthandler
+import os
 import queue
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable
 
+from rlcore.errors import RunStopped
 from rlcore.interfaces import EnvStep, SessionEnvironment, TrajectoryTurns
 
 
-class EnvironmentTimeout(TimeoutError):
+class EnvironmentTimeout(TimeoutError, RunStopped):
     """An environment call took longer than ``cluster.timeout_s``."""
 
 
-class EnvironmentExit(RuntimeError):
+class EnvironmentExit(RuntimeError, RunStopped):
     """An environment called ``sys.exit`` (``SystemExit``): the run stops saying so, not silently."""
 
 
-class GenerationTimeout(TimeoutError):
+class GenerationTimeout(TimeoutError, RunStopped):
     """A generator call took longer than ``cluster.timeout_s``."""
 
 
-class CallTimeout(TimeoutError):
+class CallTimeout(TimeoutError, RunStopped):
     """A call of the run loop into a plugin other than the environment and the generator (a metric
     logger, a distillation teacher) took longer than ``cluster.timeout_s``."""
 
@@ -113,13 +118,15 @@ def _with_alarm(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
     outer_delay, outer_interval = signal.getitimer(signal.ITIMER_REAL)
     outer_first = bool(outer_delay) and outer_delay <= timeout_s and callable(previous)
     started = time.monotonic()
+    fired: list[TimeoutError] = []
 
     def expire(signum, frame):
         if outer_first and time.monotonic() - started < timeout_s:
             previous(signum, frame)  # the other deadline came first: it decides (pytest-timeout fails the test)
             signal.setitimer(signal.ITIMER_REAL, max(timeout_s - (time.monotonic() - started), 1e-3))
             return
-        raise expired()
+        fired.append(expired())
+        raise fired[-1]
 
     try:
         signal.signal(signal.SIGALRM, expire)
@@ -127,7 +134,15 @@ def _with_alarm(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
         raise _OffTheMainThread from exc
     signal.setitimer(signal.ITIMER_REAL, outer_delay if outer_first else timeout_s)
     try:
-        return fn()
+        value = fn()
+    except BaseException as exc:
+        if fired and exc is not fired[0]:  # the call caught its timeout and raised something else instead
+            raise fired[0] from None
+        raise
+    else:
+        if fired:  # the call caught its timeout (a broad ``except`` inside it) and returned: it still timed out
+            raise fired[0]
+        return value
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -238,8 +253,9 @@ class TimedEnvironment(_Wrapper):
         within = (f"{self.timeout_s:g}s (cluster.timeout_s)" if limit >= self.timeout_s else
                   f"{limit:.3g}s (what was left of the batch's cluster.timeout_s={self.timeout_s:g}s)")
         what = f"environment '{self.name}'" + (f" ({call})" if call else "")
-        return (f"timeout: {what} did not answer within {within} at step {self.current_step}; "
-                f"set env.on_timeout=zero to score such {'trajectories' if call else 'batches'} 0 and go on")
+        advice = (f"; set env.on_timeout=zero to score such {'trajectories' if call else 'batches'} 0 and go on"
+                  if self.on_timeout == "stop" else "")  # with zero, the warning says what happens instead
+        return f"timeout: {what} did not answer within {within} at step {self.current_step}{advice}"
 
     def _bounded(self, fn: Callable[[], Any], call: str = "") -> Any:
         limit = self._limit()
@@ -404,3 +420,57 @@ def within_batch(limit_s: float) -> float:
     if deadline is None:
         return limit_s
     return max(min(limit_s, deadline - time.monotonic()), 1e-3)
+
+
+# ---- the process's own end -------------------------------------------------------------------
+def exit_after(timeout_s: float, status: int, why: Callable[[], str],
+               cancelled: threading.Event | None = None) -> threading.Thread:
+    """A daemon thread that ends this process with ``status`` ``timeout_s`` from now, unless
+    ``cancelled`` is set first: it writes ``rlcore: <why()>`` and every thread's Python stack to the
+    process's own stderr (what it waited for), then ``os._exit`` (no handler or thread can keep it)."""
+    cancelled = cancelled or threading.Event()
+
+    def end_the_process() -> None:
+        if cancelled.wait(timeout_s):
+            return
+        stream = sys.__stderr__
+        if stream is not None:
+            stream.write(f"rlcore: {why()}; every thread's stack follows, then it exits\n")
+            stream.flush()
+            faulthandler.dump_traceback(file=stream, all_threads=True)
+            stream.flush()
+        os._exit(status)
+
+    watchdog = threading.Thread(target=end_the_process, name="rlcore-exit-watchdog", daemon=True)
+    watchdog.start()
+    return watchdog
+
+
+class SigtermDeadline:
+    """After SIGTERM (a scheduler's stop, ``timeout`` on the process group), the run has
+    ``cluster.timeout_s`` to end: its step, its checkpoint and its teardown. A part the signal
+    killed too (vLLM's engine, in the same process group) can leave a call into it waiting: each
+    such call is bounded on its own, but one after another (a refit, then the generator's shutdown)
+    they could add up to several times the limit. :meth:`arm` (by the SIGTERM handler) starts the
+    process's end at the deadline (exit 128 + the signal); :meth:`disarm` (as ``rlcore.run`` returns)
+    cancels it."""
+
+    def __init__(self) -> None:
+        self._cancelled: threading.Event | None = None
+
+    def arm(self, timeout_s: float, signum: int) -> None:
+        if self._cancelled is not None:
+            return
+        self._cancelled = threading.Event()
+        name = signal.Signals(signum).name
+        exit_after(timeout_s, 128 + signum, lambda: f"{name} received {timeout_s:g}s ago (cluster.timeout_s) and the run "
+                                                   "has not ended (a call into a part the signal ended too may never "
+                                                   "return); its newest checkpoint is kept", self._cancelled)
+
+    def disarm(self) -> None:
+        if self._cancelled is not None:
+            self._cancelled.set()
+            self._cancelled = None
+
+
+SIGTERM_DEADLINE = SigtermDeadline()

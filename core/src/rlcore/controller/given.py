@@ -28,9 +28,11 @@ REQUIRED: dict[str, tuple[type, tuple[str, ...]]] = {
     "generator": (interfaces.Generator, ("weights_version", "generate()", "update_weights()")),
 }
 KNOWN = (*REQUIRED, "tokenizer", "loggers")
-# plugin kind -> what its factory's product must have (rlcore.plugins.Registration.build checks it)
+# plugin kind -> what its factory's product must have (rlcore.plugins.Registration.build checks it);
+# every kind of rlcore.plugins.KINDS has an entry (a test checks it)
 BUILT_CHECKS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "environment": REQUIRED["environment"], "generator": REQUIRED["generator"],
+    "environment": REQUIRED["environment"], "generator": REQUIRED["generator"], "algorithm": REQUIRED["algorithm"],
+    "dataset": REQUIRED["dataset"], "training_backend": REQUIRED["backend"],
     "logger": (interfaces.MetricLogger, ("log()", "close()")),
 }
 

@@ -117,7 +117,8 @@ class GRPOLoop:
         self.phase_memory = PhaseMemory.on_cuda() if driver is run_sync else None
         try:
             with self.collector, self.gc_clock, self.lock_lag:
-                return run_catching_sigterm(self.progress, body, checkpointed=self.checkpoints.ckpt is not None)
+                return run_catching_sigterm(self.progress, body, checkpointed=self.checkpoints.ckpt is not None,
+                                            timeout_s=self.c.config.cluster.timeout_s)
         finally:
             if self.phase_memory is not None:
                 self.phase_memory.close()

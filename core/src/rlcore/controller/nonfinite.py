@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import warnings
 
+from rlcore.errors import RunStopped
 
-class NonFiniteLossError(RuntimeError):
+
+class NonFiniteLossError(RuntimeError, RunStopped):
     """Too many non-finite losses in a row."""
 
 

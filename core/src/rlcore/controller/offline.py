@@ -111,7 +111,8 @@ class OfflineLoop:
         self.nonfinite = NonfiniteStreak(self.loop.max_consecutive_nonfinite)
 
     def run(self) -> list[dict]:
-        return run_catching_sigterm(self, self._run, checkpointed=self.ckpt is not None)
+        return run_catching_sigterm(self, self._run, checkpointed=self.ckpt is not None,
+                                    timeout_s=self.config.cluster.timeout_s)
 
     def _run(self) -> list[dict]:
         self.maybe_resume()
@@ -141,6 +142,7 @@ class OfflineLoop:
     def finish_step(self, record: dict, timer: StepTimer) -> None:
         record.update(timer.finish())
         record["step"] = self.step
+        record["data_position"] = self.cursor.position  # the examples (pairs) drawn up to this step's batch, as GRPO's
         self.records.append(record)
         record["time/elapsed_s"] = self.elapsed()  # before saving, so that a resumed run counts on from it
         if self.ckpt is not None and self.step % self.config.checkpointing.save_period == 0:

@@ -4,9 +4,11 @@ later, deep inside a library, without naming the key or the row at fault."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
+from rlcore.checks import check_packing
 from rlcore.config import ConfigError, RunConfig
 
 log = logging.getLogger("rlcore")
@@ -109,18 +111,13 @@ def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
     are distinct rows of the dataset, a micro-batch's token budget holds the longest sequence, and
     the algorithm accepts a group of ``grpo.num_generations_per_prompt`` (asked of the algorithm
     itself: a group of one has no spread to normalize by)."""
-    per_step, policy = config.train.num_prompts_per_step, config.policy
+    per_step = config.train.num_prompts_per_step
     train = getattr(dataset, "train", None) or ()
     if train and per_step > len(train):  # (an empty one is refused as the loop starts)
         raise ConfigError("train.num_prompts_per_step", f"{per_step} prompts per step, but the training "
                           f"data has {len(train)}; at most {len(train)}")
-    packing = policy.sequence_packing
-    if packing.enabled:
-        for key in ("train_mb_tokens", "logprob_mb_tokens"):
-            budget = getattr(packing, key)
-            if budget < policy.max_total_sequence_length:
-                raise ConfigError(f"policy.sequence_packing.{key}", f"{budget} tokens cannot hold one sequence of "
-                                  f"policy.max_total_sequence_length={policy.max_total_sequence_length}; raise it to at least that")
+    check_packing(config)
+    check_step_memory(config)
     G = config.grpo.num_generations_per_prompt
     import copy
 
@@ -135,6 +132,27 @@ def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
     except ValueError as exc:
         raise ConfigError("grpo.num_generations_per_prompt", f"{G} generations per prompt: algorithm "
                           f"'{getattr(algorithm, 'name', type(algorithm).__name__)}' refuses such groups ({exc})") from None
+
+
+# What one trajectory of a step holds in host memory at the least, whatever the backend: its
+# objects and text, and per token of policy.max_total_sequence_length its ids, logprobs and mask as
+# Python lists (a pointer and an object each) and then as the training batch's tensors.
+_TRAJECTORY_BYTES = 1024
+_TOKEN_BYTES = 64
+
+
+def check_step_memory(config: RunConfig) -> None:
+    """A step's P x G trajectories must fit in this machine's memory: a group size of 10^8 would
+    otherwise grow until the kernel kills the run, with no message."""
+    P, G = config.train.num_prompts_per_step, config.grpo.num_generations_per_prompt
+    L = config.policy.max_total_sequence_length
+    need = P * G * (_TRAJECTORY_BYTES + _TOKEN_BYTES * L)
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > host:
+        raise ConfigError("grpo.num_generations_per_prompt", f"{G} generations for each of train.num_prompts_per_step={P} "
+                          f"prompts are {P * G} trajectories a step; holding them takes at least {need / 2**30:.1f} GiB "
+                          f"at policy.max_total_sequence_length={L}, more than this machine's {host / 2**30:.1f} GiB; "
+                          "lower them")
 
 
 def check_pairs(dataset: Any, config: RunConfig) -> dict[str, int]:

@@ -16,6 +16,7 @@ import yaml
 from rlcore.checks import check_before_start
 from rlcore.config import ConfigError, RunConfig, to_dict
 from rlcore.controller.builders import seed_everything
+from rlcore.controller.deadlines import SIGTERM_DEADLINE
 from rlcore.controller.given import check_given
 from rlcore.controller.grpo_run import run_grpo
 from rlcore.controller.offline import trains_on
@@ -52,4 +53,5 @@ def run(config: RunConfig, **given) -> dict:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         return LOOPS[kind](config, owner, run_dir, given)
     finally:
+        SIGTERM_DEADLINE.disarm()  # the run has ended: from here on the caller (rlcore run: exit_timeout_s) decides
         owner.close()

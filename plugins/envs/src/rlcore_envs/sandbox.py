@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -172,26 +173,68 @@ def run_in_sandbox(config: SandboxConfig, solution: str, entry_point: str, input
             cgroup.close()
         return SandboxResult("infra", infra=True, detail=f"cannot start {config.bwrap!r}: {exc}")
     try:
-        out, err, timed_out = _communicate(proc, job, config.wall_time_s)
+        out, err, timed_out = communicate_bounded(proc, job.encode(), config.wall_time_s, config.max_output_bytes)
     finally:
         if cgroup:
             cgroup.close()
-    result = _read(out[: config.max_output_bytes], err[-4000:], proc.returncode, timed_out)
+    result = _read(out, err, proc.returncode, timed_out)
     result.seconds = time.perf_counter() - started
     return result
 
 
-def _communicate(proc: subprocess.Popen, job: str, wall_time_s: float) -> tuple[bytes, bytes, bool]:
+STDERR_TAIL_BYTES = 4000  # of the sandbox's stderr, the end: where a traceback's last lines are
+
+
+def communicate_bounded(proc: subprocess.Popen, job: bytes, wall_time_s: float, max_output_bytes: int) -> tuple[bytes, bytes, bool]:
+    """``job`` to the process's stdin; the first ``max_output_bytes`` of its stdout and the last
+    :data:`STDERR_TAIL_BYTES` of its stderr, read to their end as they come (a solution writing
+    gigabytes to its file descriptors costs no more memory than that); and whether it ran past
+    ``wall_time_s`` (then its process group is killed)."""
+    readers = [_BoundedReader(proc.stdout, max_output_bytes, keep_head=True),
+               _BoundedReader(proc.stderr, STDERR_TAIL_BYTES, keep_head=False)]
+    writer = threading.Thread(target=_write_and_close, args=(proc.stdin, job), daemon=True)
+    writer.start()
     try:
-        out, err = proc.communicate(job.encode(), timeout=wall_time_s)
-        return out, err, False
+        proc.wait(timeout=wall_time_s)
+        timed_out = False
     except subprocess.TimeoutExpired:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # bwrap and, through --die-with-parent, the whole sandbox
         except ProcessLookupError:
             pass
-        out, err = proc.communicate()
-        return out, err, True
+        proc.wait()
+        timed_out = True
+    for reader in readers:  # the pipes close as the sandbox ends (--die-with-parent); bounded all the same
+        reader.thread.join(timeout=wall_time_s)
+    return bytes(readers[0].data), bytes(readers[1].data), timed_out
+
+
+def _write_and_close(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except (BrokenPipeError, OSError):  # the process ended without reading it all: its result says why
+        pass
+
+
+class _BoundedReader:
+    """Reads a pipe to its end on a thread of its own, keeping at most ``limit`` bytes of it: the first
+    (``keep_head``) or the last."""
+
+    def __init__(self, pipe, limit: int, keep_head: bool):
+        self.pipe, self.limit, self.keep_head = pipe, limit, keep_head
+        self.data = bytearray()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        with self.pipe:
+            while chunk := os.read(self.pipe.fileno(), 1 << 16):
+                if self.keep_head:
+                    self.data += chunk[: max(0, self.limit - len(self.data))]
+                else:
+                    self.data += chunk
+                    del self.data[: max(0, len(self.data) - self.limit)]
 
 
 def _read(out: bytes, err: bytes, returncode: int, timed_out: bool) -> SandboxResult:
