@@ -17,6 +17,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -153,15 +154,18 @@ def cmd_run(args) -> int:
 def interrupted(config) -> int:
     """One line for a run Ctrl-C stopped at once: what it saved and how to go on; exit 130."""
     from rlcore.controller.checkpoint import CheckpointManager
-    from rlcore.controller.run_dir import checkpoint_root
+    from rlcore.controller.run_dir import checkpoint_root, holds_records
 
+    log_dir = config.logger.log_dir
     latest = CheckpointManager(checkpoint_root(config), keep_last_k=1).latest() if config.checkpointing.enabled else None
     if latest is not None:
         saved = f"newest checkpoint {latest}; run the same command again to resume from it"
-    elif config.checkpointing.enabled:
-        saved = "no checkpoint was written yet; run the same command again to start afresh"
-    else:
-        saved = "nothing saved (checkpointing.enabled is false); run the same command again to start afresh"
+    elif not holds_records(log_dir):  # stopped before its first record: the directory takes a new run
+        saved = "nothing saved yet; run the same command again to start afresh"
+    else:  # records, nothing to resume them from: a new run in that directory is refused (run_dir)
+        why = "no checkpoint was written yet" if config.checkpointing.enabled else "checkpointing.enabled is false"
+        saved = (f"nothing to resume from ({why}); its records stay in {log_dir}. To start afresh, delete them "
+                 f"(rm -r {shlex.quote(str(log_dir))}) or run again with logger.log_dir=<another directory>")
     err_console.print(f"interrupted (Ctrl-C): {saved}", highlight=False, markup=False, soft_wrap=True)
     return 128 + signal.SIGINT.value
 
@@ -239,8 +243,17 @@ def stdout_to_stderr():
 VERBOSE_HELP = "also print the INFO logs and progress bars of vLLM, transformers, Ray (logger.verbosity=verbose)"
 
 
+class Parser(argparse.ArgumentParser):
+    """An argparse parser that takes no abbreviated option: ``--resum`` is an error, not ``--resume``
+    (a prefix that happens to be unique today changes meaning when an option is added). Subparsers
+    are made of the same class, so every level of ``rlcore`` refuses abbreviations."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlcore", description="RL post-training of LLMs with pluggable backends.")
+    parser = Parser(prog="rlcore", description="RL post-training of LLMs with pluggable backends.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run a recipe")
     p.add_argument("recipe")

@@ -157,8 +157,8 @@ def move_aside(run_dir: Path) -> Path | None:
     return target
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo", help="working directory")
     # 0.35: from a weaker warm start (0.25) GRPO's gain only just clears demo-examples'
     # --require-gain 0.25; from 0.35 it gains about +0.4
@@ -178,7 +178,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--require-gain", type=float, default=None, metavar="G",
                         help="exit with an error unless held-out accuracy rose by at least G (CI)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, dotted.key=value")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
 
     from rlcore.verbosity import apply_verbosity
 

@@ -89,7 +89,9 @@ def cmd_list(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlcore")
+    from rlcore.cli import Parser
+
+    parser = Parser(prog="rlcore")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(argv or [])])
     return args.func(args)

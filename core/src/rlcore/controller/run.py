@@ -51,5 +51,8 @@ def run(config: RunConfig, **given) -> dict:
                               f"rlcore runs algorithms that train on {sorted(k for k in LOOPS if k)}")
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         return LOOPS[kind](config, owner, run_dir, given)
+    except BaseException:
+        owner.discard_if_unused()  # a run that failed before its first record leaves no files behind
+        raise
     finally:
         owner.close()
