@@ -115,6 +115,18 @@ def test_summary_is_titled_by_algorithm_and_names_its_columns():
     assert "logprobs" in shown and "probe mean/max:" in shown and "scoring:" in shown
 
 
+def test_the_step_table_starts_with_the_held_out_accuracy_before_training():
+    from rich.console import Console
+
+    from rlcore.controller.report import Reporter
+
+    reporter = Reporter(3, console=Console(file=io.StringIO(), width=300))
+    reporter.start({"step": 0, "val/accuracy": 0.421875})
+    reporter.step({"step": 1, "train/reward_mean": 0.5, "timing/total": 1.0}, 1)
+    rows = reporter.console.file.getvalue().splitlines()[2:]  # under the header and the legend
+    assert rows[0].split()[:3] == ["0", "-", "0.422"] and rows[1].split()[:3] == ["1", "0.500", "-"], rows
+
+
 # ---- 7. a plain reward function ---------------------------------------------------------------------
 def exact_sum(prompts, completions, **kwargs):
     return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, kwargs["answer"])]

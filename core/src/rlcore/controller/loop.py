@@ -113,6 +113,7 @@ class GRPOLoop:
                 start["time/elapsed_s"] = self.progress.elapsed()
                 self.progress.records.append({"step": 0, **start})
                 self._log(start, 0)
+                self.c.reporter.start({"step": 0, **start})
 
     def next_step(self) -> int:
         """Advances to the next step and tells the trainer its number."""
