@@ -72,3 +72,24 @@ def test_every_recipe_command_resolves(where, argv, shown, monkeypatch):
 def test_the_snippets_are_found():
     assert len(YAML_BLOCKS) >= 8 and len(COMMANDS) >= 8
     assert any(shown for _, _, shown in COMMANDS)  # the error examples are checked too
+
+
+def _figures(text: str) -> list[str]:
+    return re.findall(r"(?<![\w.-])\d[\d,]*\.?\d*(?=\s?(?:s\b|%|generated|\)))", text)
+
+
+def test_the_readme_quotes_only_measured_rows_of_rlcore():
+    """README's performance figures are rlcore's rows of docs/performance.md (rounded), and it sets
+    none beside a peer's figure: NeMo-RL's published rows are other work (GPU count, lengths, batch)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Performance", 1)[1].split("\n## ", 1)[0]
+    assert "NeMo-RL" not in section, section
+    ours = (ROOT / "docs" / "performance.md").read_text().split("\n## rlcore", 1)[1]
+    measured = {float(n) for n in re.findall(r"\d+\.\d+|\d+", ours)}
+    figures = _figures(section)
+    assert len(figures) >= 5, figures
+    for figure in figures:
+        value = float(figure.replace(",", ""))
+        digits = len(figure.split(".")[1]) if "." in figure else 0
+        close = 0.5 * 10 ** -digits if "," not in figure else 50  # "3,500": a rounded hundred
+        assert any(abs(m - value) <= close for m in measured), f"README's {figure} is no row of docs/performance.md"
