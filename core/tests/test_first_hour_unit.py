@@ -127,6 +127,45 @@ def test_the_step_table_starts_with_the_held_out_accuracy_before_training():
     assert rows[0].split()[:3] == ["0", "-", "0.422"] and rows[1].split()[:3] == ["1", "0.500", "-"], rows
 
 
+def test_a_silent_run_prints_what_it_is_doing_every_few_seconds():
+    import threading
+
+    from rlcore.controller.heartbeat import doing, heartbeat, said
+
+    lines, written = [], threading.Event()
+
+    def write(line):
+        lines.append(line)
+        written.set()
+
+    doing("outside any block")  # a no-op
+    with heartbeat(every_s=0.2, write=write):
+        doing("starting the generator")
+        said()
+        assert written.wait(60), "no line while the block was silent"
+    count = len(lines)
+    assert lines[0].startswith("... starting the generator: ") and lines[0].endswith("s")
+    doing("after the block")
+    threading.Event().wait(0.5)
+    assert len(lines) == count  # the thread ended with its block
+
+
+def test_the_demo_ends_with_the_commands_to_type_next_and_their_environment(tmp_path):
+    """``make demo`` runs .venv's python without activating .venv: the commands it suggests need it."""
+    script = Path(sys.executable).parent / "rlcore"
+    code = ("from pathlib import Path; from rlcore.demo import next_commands, RECIPE; "
+            "print(next_commands(Path('runs/demo/grpo'), Path('runs/demo/sft'), str(RECIPE)))")
+    bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert bare.returncode == 0, bare.stderr
+    lines = bare.stdout.strip().splitlines()
+    assert lines[0] == "next:" and f"source {os.path.relpath(script.parent, REPO) if script.is_relative_to(REPO) else script.parent}/activate" in lines[1]
+    assert any(line.split()[:2] == ["rlcore", "eval"] and "runs/demo/grpo recipes/grpo_arith_tiny_cpu.yaml" in line for line in lines)
+    active = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PATH": f"{script.parent}{os.pathsep}/usr/bin:/bin"})
+    assert "activate" not in active.stdout and "rlcore plugins" in active.stdout  # rlcore on PATH: nothing to add
+
+
 # ---- 7. a plain reward function ---------------------------------------------------------------------
 def exact_sum(prompts, completions, **kwargs):
     return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, kwargs["answer"])]

@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -95,11 +98,10 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     data, environment, precision and device. Held-out accuracy is greedy, on the recipe's
     validation split, every ``eval_every`` steps (the hf generator, on the trainer's device)."""
     from rlcore.config.hf_generation import HFGenerationConfig
-    from rlcore.controller.builders import StreamTransport
-    from rlcore.controller.sft import answer_batch, greedy_accuracy
+    from rlcore.controller.heartbeat import heartbeat
     from rlcore.controller.workers import LocalTrainer
     from rlcore.hf_generator import HFGenerator
-    from rlcore.interfaces import Placement, SamplingParams
+    from rlcore.interfaces import Placement
     from rlcore.plugins import get_plugin_manager
     from transformers import AutoTokenizer
 
@@ -115,10 +117,28 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     reg = manager.get("training_backend", "fsdp2")
     trainer = LocalTrainer.build(reg, config, config.section(reg.section), Placement(device=device))
     evaluator = HFGenerator(str(base_dir), HFGenerationConfig(), config.policy.max_total_sequence_length, device=device)
-    transport = StreamTransport()
     val = list(dataset.validation)
+    with heartbeat():  # a line every 10 s between the evaluations, however loaded the machine
+        history = _sft_steps(trainer, evaluator, environment, dataset, tokenizer, algorithm, val, target, max_steps,
+                             batch_size, max_new_tokens, eval_every)
+    trainer.backend.export_hf(str(out_dir))
+    tokenizer.save_pretrained(out_dir)
+    trainer.shutdown()
+    (out_dir / "sft_history.json").write_text(json.dumps(history, indent=2))
+    return history[-1] if history else {}
+
+
+def _sft_steps(trainer, evaluator, environment, dataset, tokenizer, algorithm, val, target, max_steps, batch_size,
+               max_new_tokens, eval_every) -> list[dict]:
+    from rlcore.controller.builders import StreamTransport
+    from rlcore.controller.heartbeat import doing, said
+    from rlcore.controller.sft import answer_batch, greedy_accuracy
+    from rlcore.interfaces import SamplingParams
+
+    transport = StreamTransport()
     history, started = [], time.perf_counter()
     for step in range(1, max_steps + 1):
+        doing(f"SFT warm start, step {step}")
         first = (step - 1) * batch_size
         samples = [dataset.train[(first + i) % len(dataset.train)] for i in range(batch_size)]
         metrics = trainer.train(answer_batch(samples, tokenizer)[0], algorithm)
@@ -130,13 +150,10 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
                             "seconds": time.perf_counter() - started})
             print(f"sft step {step:4d}  loss {history[-1]['loss']:.4f}  held-out greedy accuracy {accuracy:.3f}  "
                   f"({time.perf_counter() - started:.0f}s)", flush=True)
+            said()
             if accuracy >= target:
                 break
-    trainer.backend.export_hf(str(out_dir))
-    tokenizer.save_pretrained(out_dir)
-    trainer.shutdown()
-    (out_dir / "sft_history.json").write_text(json.dumps(history, indent=2))
-    return history[-1] if history else {}
+    return history
 
 
 def move_aside(run_dir: Path) -> Path | None:
@@ -223,7 +240,33 @@ def main(argv: list[str] | None = None) -> dict:
         if first is None or last is None or last - first < args.require_gain:
             raise SystemExit(f"held-out accuracy {first} -> {last}: it did not rise by {args.require_gain} (--require-gain)")
         print(f"held-out accuracy rose by {last - first:.3f} >= {args.require_gain} (--require-gain)")
+    print(next_commands(grpo_dir, sft, args.recipe), flush=True)
     return result
+
+
+def next_commands(run_dir: Path, sft: Path, recipe: str) -> str:
+    """What to type after the demo, and in which environment: ``rlcore`` is a script of the demo's
+    virtual environment, which the shell that ran ``make demo`` has not activated."""
+    script = Path(sys.executable).parent / "rlcore"
+    lines = ["", "next:"]
+    if shutil.which("rlcore") != str(script) and script.exists():
+        bin_dir = _shown(script.parent)
+        lines.append(f"  source {bin_dir}/activate      # once per shell: puts rlcore on PATH "
+                     f"(or type {bin_dir}/rlcore instead of rlcore)")
+    shown_recipe = _shown(Path(recipe))
+    lines += [
+        "  rlcore plugins                 # what is installed",
+        f"  rlcore eval {run_dir} {shown_recipe} policy.generation.backend=hf   # the trained model's accuracy (JSON)",
+        f"  rlcore export {run_dir} {run_dir}-hf                                # as a Hugging Face model directory",
+        f"  rlcore run {shown_recipe} policy.model_name={sft} train.max_num_steps=20 logger.log_dir=runs/my-first-run",
+    ]
+    return "\n".join(lines)
+
+
+def _shown(path: Path) -> str:
+    """``path`` as typed from here: relative below the working directory, else absolute."""
+    relative = os.path.relpath(path.resolve())
+    return str(path.resolve()) if relative.startswith("..") else relative
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from rlcore.controller.heartbeat import doing, said
+
 STEP_COLUMNS = [
     ("step", "step", "{:.0f}"),
     ("reward", "train/reward_mean", "{:.3f}"),
@@ -79,6 +81,8 @@ class Reporter:
             if self._at_start is not None:
                 self._row(self._at_start)
         self._row(record)
+        said()
+        doing(f"step {completed + 1} of {self.progress.tasks[0].total}")
 
     def _row(self, record: dict) -> None:
         cells = []
