@@ -53,6 +53,38 @@ def test_the_demo_moves_the_previous_run_aside(tmp_path):
     assert move_aside(run) == tmp_path / "grpo-20261204-101010-abcdef-2"  # never over an earlier one
 
 
+def test_a_shipped_recipe_is_found_by_name(tmp_path, monkeypatch):
+    from rlcore.config import load_config
+    from rlcore.shipped_recipes import shipped_recipe, shipped_recipes
+
+    assert set(shipped_recipes()) == {p.stem for p in (REPO / "recipes").glob("*.yaml")}
+    monkeypatch.chdir(tmp_path)  # no recipes/ here: a wheel's user
+    for name in ("grpo_arith_tiny_cpu", "grpo_arith_tiny_cpu.yaml", "recipes/grpo_arith_tiny_cpu.yaml"):
+        assert shipped_recipe(name).read_text() == (REPO / "recipes" / "grpo_arith_tiny_cpu.yaml").read_text()
+        assert load_config(name, ["train.max_num_steps=3"]).train.max_num_steps == 3
+    for name in ("mine/grpo_arith_tiny_cpu.yaml", "./x/recipes/grpo_arith_tiny_cpu", "grpo_arith_tiny_cpu.yml", "nothere"):
+        assert shipped_recipe(name) is None, name  # a path of the user's is never swapped for a shipped recipe
+    with pytest.raises(ConfigError, match="recipe not found: nothere .*rlcore recipes"):
+        load_config("nothere")
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "grpo_arith_tiny_cpu.yaml").write_text("policy: {model_name: mine}\n")
+    assert load_config("recipes/grpo_arith_tiny_cpu.yaml").policy.model_name == "mine"  # a local file wins
+
+
+def test_rlcore_recipes_lists_prints_and_copies_out(run_cli, tmp_path):
+    listed = run_cli("recipes")
+    assert listed.returncode == 0 and "grpo_arith_tiny_cpu" in listed.stdout, listed.stderr
+    shown = run_cli("recipes", "sft_arith_tiny_cpu")
+    assert shown.stdout == (REPO / "recipes" / "sft_arith_tiny_cpu.yaml").read_text()
+    out = tmp_path / "mine.yaml"
+    assert run_cli("recipes", "sft_arith_tiny_cpu", "--out", str(out)).returncode == 0
+    assert out.read_text() == shown.stdout
+    again = run_cli("recipes", "sft_arith_tiny_cpu", "--out", str(out))
+    assert again.returncode == 2 and "--force" in again.stderr  # never overwrites an edited copy unasked
+    unknown = run_cli("recipes", "grpo_nothere")
+    assert unknown.returncode == 2 and "rlcore recipes" in unknown.stderr
+
+
 # ---- 2. export/eval errors say how to get a checkpoint; a run directory's final model exports --
 def test_export_of_a_directory_without_checkpoints_says_how_to_get_one(tmp_path):
     from rlcore.errors import CheckpointError

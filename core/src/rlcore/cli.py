@@ -1,4 +1,4 @@
-"""The ``rlcore`` command: run, plugins, config, doctor.
+"""The ``rlcore`` command: run, plugins, config, recipes, doctor.
 
 Rich tables for people, ``--json`` for machines. Errors in recipes, plugins and data (a dataset's
 :class:`~rlcore.errors.DataError`, naming the file and row) exit with code 2 and one clear message,
@@ -18,10 +18,12 @@ import faulthandler
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -94,6 +96,37 @@ def cmd_config(args) -> int:
         print(json.dumps(resolved, indent=2, default=str))
     else:
         print(yaml.safe_dump(resolved, sort_keys=False, default_flow_style=None), end="")
+    return 0
+
+
+def cmd_recipes(args) -> int:
+    from rlcore.shipped_recipes import shipped_recipe, shipped_recipes, summary
+
+    if args.name is None:
+        found = shipped_recipes()
+        if args.json:
+            print(json.dumps({name: {"path": str(path), "about": summary(path)} for name, path in found.items()}, indent=2))
+            return 0
+        table = Table(title="recipes shipped with rlcore (rlcore run NAME; rlcore recipes NAME --out FILE copies one)",
+                      title_justify="left")
+        table.add_column("name", overflow="fold")
+        table.add_column("what it runs", overflow="fold")
+        for name, path in found.items():
+            table.add_row(name, summary(path))
+        console.print(table)
+        return 0
+    path = shipped_recipe(args.name)
+    if path is None:
+        raise ConfigError("", f"no shipped recipe named {args.name!r}; `rlcore recipes` lists them")
+    if args.out is None:
+        print(path.read_text(encoding="utf-8"), end="")
+        return 0
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise ConfigError("", f"{out} exists; choose another --out or pass --force to overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, out)
+    print(f"wrote {out} (recipe {path.stem}); run it with: rlcore run {out}")
     return 0
 
 
@@ -273,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-descriptions", action="store_true", help="with --defaults: the values only")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_config)
+    p = sub.add_parser("recipes", help="list the recipes shipped with rlcore, print one, or copy it out (--out)")
+    p.add_argument("name", nargs="?", help="a recipe's name: print it (or copy it to --out)")
+    p.add_argument("--out", default=None, help="write the recipe to this file, to edit it")
+    p.add_argument("--force", action="store_true", help="with --out: overwrite an existing file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_recipes)
     p = sub.add_parser("doctor", help="check installed versions")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)

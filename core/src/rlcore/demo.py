@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "grpo_arith_tiny_cpu.yaml"
+RECIPE = (Path(__file__).resolve().parent / "recipes" / "grpo_arith_tiny_cpu.yaml").resolve()  # shipped with rlcore
 DEMO_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, max_positions=128)
 # --shape: model presets (Llama, random init). llama150m: 141M parameters, the GPU learning recipe's.
 MODEL_SHAPES = {
