@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlcore.checks import check_before_start
+from rlcore.cli_parser import Parser
 from rlcore.config import ConfigError, load_config, to_dict
 from rlcore.errors import CheckpointError, DataError
 from rlcore.plugins import PluginError, get_plugin_manager
@@ -274,15 +275,6 @@ def stdout_to_stderr():
 
 
 VERBOSE_HELP = "also print the INFO logs and progress bars of vLLM, transformers, Ray (logger.verbosity=verbose)"
-
-
-class Parser(argparse.ArgumentParser):
-    """An argparse parser that takes no abbreviated option: ``--resum`` is an error, not ``--resume``
-    (a prefix that happens to be unique today changes meaning when an option is added). Subparsers
-    are made of the same class, so every level of ``rlcore`` refuses abbreviations."""
-
-    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
-        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:

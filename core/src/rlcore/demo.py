@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlcore.cli_parser import Parser
+
 RECIPE = (Path(__file__).resolve().parent / "recipes" / "grpo_arith_tiny_cpu.yaml").resolve()  # shipped with rlcore
 DEMO_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, max_positions=128)
 # --shape: model presets (Llama, random init). llama150m: 141M parameters, the GPU learning recipe's.
@@ -175,7 +177,7 @@ def move_aside(run_dir: Path) -> Path | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo", help="working directory")
     # 0.35: from a weaker warm start (0.25) GRPO's gain only just clears demo-examples'
     # --require-gain 0.25; from 0.35 it gains about +0.4

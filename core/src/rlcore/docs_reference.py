@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from rlcore.cli_parser import Parser
 from rlcore.config.defaults import REQUIRED
 from rlcore.config.schema import RunConfig
 
@@ -129,7 +130,7 @@ def render(manager: Any) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m rlcore.docs_reference", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m rlcore.docs_reference", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the page (default {DEFAULT_OUT})")
     parser.add_argument("--check", action="store_true", help="compare with the page instead of writing it")
     return parser

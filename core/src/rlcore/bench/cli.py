@@ -89,7 +89,7 @@ def cmd_list(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlcore.cli import Parser
+    from rlcore.cli_parser import Parser
 
     parser = Parser(prog="rlcore")
     add_parser(parser.add_subparsers(dest="command", required=True))
