@@ -93,3 +93,44 @@ def test_the_readme_quotes_only_measured_rows_of_rlcore():
         digits = len(figure.split(".")[1]) if "." in figure else 0
         close = 0.5 * 10 ** -digits if "," not in figure else 50  # "3,500": a rounded hundred
         assert any(abs(m - value) <= close for m in measured), f"README's {figure} is no row of docs/performance.md"
+
+
+def _performance_tables():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("performance_tables", ROOT / "benchmarks" / "performance_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_demo_figures_in_the_docs_are_the_newest_recorded_demo():
+    """README.md and docs/performance.md show the newest ``make demo`` row of benchmarks/results.jsonl,
+    as ``performance_tables.py --write-demo`` writes them: no figure of the demo is typed by hand."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "performance_tables.py"), "--check-demo"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_recorded_demo_renders_as_the_demo_printed_it(tmp_path):
+    """``python -m rlcore.demo --record`` writes a row from the run's summary; the docs' block shows
+    the warm start, the summary table and the accuracies of that row."""
+    import json
+
+    from rlcore.demo import demo_row
+
+    (tmp_path / "sft_history.json").write_text(json.dumps([{"step": 200, "loss": 0.9, "val_accuracy": 0.36, "seconds": 44.2}]))
+    summary = {"window_first": 2, "window_last": 240, "timing/total": 1.2, "timing/training": 0.6, "timing/refit": 0.1,
+               "timing/generation": 0.4, "timing/logprobs": 0.0, "timing/reward": 0.1, "rollout/mean_response_tokens": 3.4,
+               "val/accuracy_first": 0.421875, "val/accuracy_last": 0.8125, "steps": 240, "run_id": "r"}
+    row = json.loads(json.dumps(demo_row(summary, 288.4, tmp_path, "recipes/grpo_arith_tiny_cpu.yaml", [])))
+    assert row["bench"] == "demo" and row["variant"] == "make demo" and row["config"] == "grpo_arith_tiny_cpu"
+    tables = _performance_tables()
+    block = tables.demo_readme(row)
+    assert "SFT warm start: 200 steps, 44s, held-out greedy accuracy 0.360" in block
+    assert "│ 2-240 │ 1.20 │  0.60 │  0.10 │ 0.40 │     0.00 │    0.10 │        3.4 │" in block
+    assert block.rstrip("`\n").endswith("GRPO took 288s; held-out accuracy 0.422 -> 0.812 (+0.391)")
+    assert "| 240 | 200 steps, 44 s | 288 s | **1.20** |" in tables.demo_performance(row)

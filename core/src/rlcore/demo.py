@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"PPO with a learned critic instead of GRPO (recipe {PPO_RECIPE.name} unless --recipe is given), in <out>/ppo")
     parser.add_argument("--require-gain", type=float, default=None, metavar="G",
                         help="exit with an error unless held-out accuracy rose by at least G (CI)")
+    parser.add_argument("--record", default=None, metavar="FILE",
+                        help="append the demo's figures (phase times, step table, accuracies) as one JSON row to FILE "
+                             "(benchmarks/results.jsonl: benchmarks/performance_tables.py --write-demo puts them in the docs)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, dotted.key=value")
     return parser
 
@@ -234,16 +237,44 @@ def main(argv: list[str] | None = None) -> dict:
     config = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", f"logger.log_dir={grpo_dir}", *overrides])
     started = time.perf_counter()
     result = rlcore.run(config)
-    summary = result["summary"]
-    print(f"{'PPO' if args.ppo else 'GRPO'} took {time.perf_counter() - started:.0f}s; held-out accuracy "
+    summary, seconds = result["summary"], time.perf_counter() - started
+    print(f"{'PPO' if args.ppo else 'GRPO'} took {seconds:.0f}s; held-out accuracy "
           f"{change(summary['val/accuracy_first'], summary['val/accuracy_last'])}")
     if args.require_gain is not None:
         first, last = summary["val/accuracy_first"], summary["val/accuracy_last"]
         if first is None or last is None or last - first < args.require_gain:
             raise SystemExit(f"held-out accuracy {first} -> {last}: it did not rise by {args.require_gain} (--require-gain)")
         print(f"held-out accuracy rose by {last - first:.3f} >= {args.require_gain} (--require-gain)")
+    if args.record:
+        with open(args.record, "a", encoding="utf-8") as f:
+            f.write(json.dumps(demo_row(summary, seconds, sft, args.recipe, overrides)) + "\n")
+        print(f"figures appended to {args.record}", flush=True)
     print(next_commands(grpo_dir, sft, args.recipe), flush=True)
     return result
+
+
+# The summary's figures -> their names in a results row (benchmarks/results.jsonl's stable names).
+ROW_FIGURES = {"timing/total": "step_s", "timing/training": "train_s", "timing/refit": "refit_s",
+               "timing/generation": "generation_s", "timing/logprobs": "logprobs_s", "timing/reward": "reward_s",
+               "rollout/mean_response_tokens": "tokens_per_sample", "val/accuracy_first": "val_accuracy_first",
+               "val/accuracy_last": "val_accuracy_last", "window_first": "window_first", "window_last": "window_last"}
+
+
+def demo_row(summary: dict, grpo_s: float, sft: Path, recipe: str, overrides: list[str]) -> dict:
+    """One results row of this demo: both phases' seconds, the SFT warm start's accuracy (from its
+    ``sft_history.json``, also when it was cached), the step table's means and the accuracies."""
+    import datetime
+
+    from rlcore.bench.report import commit
+
+    history = json.loads((sft / "sft_history.json").read_text()) if (sft / "sft_history.json").is_file() else []
+    warm = history[-1] if history else {}
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "bench": "demo",
+            "machine": f"cpu ({os.cpu_count()} cores)", "commit": commit(Path(__file__).resolve().parent),
+            "config": Path(recipe).stem, "variant": " ".join(overrides) or "make demo", "run_id": summary.get("run_id"),
+            "load_average": round(os.getloadavg()[0], 1), "sft_steps": warm.get("step"), "sft_s": warm.get("seconds"),
+            "sft_accuracy": warm.get("val_accuracy"), "grpo_s": grpo_s, "steps": summary.get("steps"),
+            **{name: summary.get(key) for key, name in ROW_FIGURES.items()}}
 
 
 def next_commands(run_dir: Path, sft: Path, recipe: str) -> str:
