@@ -82,7 +82,8 @@ class Reporter:
                 self._row(self._at_start)
         self._row(record)
         said()
-        doing(f"step {completed + 1} of {self.progress.tasks[0].total}")
+        total = self.progress.tasks[0].total
+        doing(f"step {completed + 1} of {total:.0f}" if completed < total else "ending the run (final model, summary)")
 
     def _row(self, record: dict) -> None:
         cells = []
