@@ -84,12 +84,10 @@ CONFIGS = {
     # ranks, its values and critic-training phases timed beside the policy's (values_s, critic_train_s)
     "tiny-fsdp2-ppo": ("tiny", "fsdp2", {"algorithm.name": "ppo"}),
     "tiny-megatron-ppo": ("tiny", "megatron", {"algorithm.name": "ppo"}),
-    # At 1.2B the policy's and the critic's training state (about 40 GB) and vLLM's default half of an
-    # 80 GB GPU do not fit together at the engine's wake-up: the engine gets a quarter (still several
-    # times the KV cache 256 x 1024 tokens need), and Megatron returns its cached activation memory.
-    "llama1b-fsdp2-ppo": ("llama1b", "fsdp2", {"algorithm.name": "ppo", "policy.generation.gpu_memory_utilization": 0.25}),
-    "llama1b-megatron-ppo": ("llama1b", "megatron", {"algorithm.name": "ppo", "policy.generation.gpu_memory_utilization": 0.25,
-                                                     "policy.megatron_cfg.empty_unused_memory_level": 1}),
+    # The policy's and the critic's training state (about 40 GB at 1.2B) stay beside the engine: the run's
+    # memory plan sizes the engine's share from what they leave.
+    "llama1b-fsdp2-ppo": ("llama1b", "fsdp2", {"algorithm.name": "ppo"}),
+    "llama1b-megatron-ppo": ("llama1b", "megatron", {"algorithm.name": "ppo"}),
     "llama1b-fsdp2-compile": ("llama1b", "fsdp2", {"policy.dtensor_cfg.compile": True}),
     "llama1b-megatron-fp8": ("llama1b", "megatron", {"policy.megatron_cfg.fp8_cfg.enabled": True,
                                                      "policy.megatron_cfg.fp8_cfg.fp8_recipe": "delayed"}),
@@ -327,6 +325,10 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         "generation_s_each": [round(r["timing/generation"], 3) for r in records if "timing/generation" in r],
         "gc_s_each": [round(r["time/gc_s"], 3) for r in records if "time/gc_s" in r],
         **{key: _mean([r[key] for r in records if key in r]) for key in MEAN_KEYS if any(key in r for r in records)},
+        # peak memory per phase over the window (torch's allocator, the device's NVML count) and the plan's prediction
+        **{k: round(v, 2) for k, v in s.items() if k.startswith("memory/")},
+        **next(({k: round(v, 3) for k, v in r.items() if k.startswith("memory_plan/")}
+                for r in result["records"] if "memory_plan/training_gib" in r), {}),
     }
 
 

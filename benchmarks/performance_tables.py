@@ -117,6 +117,36 @@ def grpo_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def memory_table(rows: list[dict]) -> str:
+    """Rows with the run's memory plan: the engine's share and the release the plan chose, the step, and each
+    phase's predicted peak beside the device's measured one (NVML; torch's allocator in parentheses): training
+    is the trainer's phases (logprobs, training), generation the engine's awake ones (refit, generation)."""
+    lines = ["| Config | Machine | Engine share | State released | Step (s) | Training: plan / measured GiB | "
+             "Generation: plan / measured GiB | Command | Date | Commit |",
+             "|---|---|---:|---|---:|---|---|---|---|---|"]
+
+    def pair(plan, measured, torch_peak) -> str:
+        if plan is None or measured is None:
+            return ""
+        return f"{plan:.1f} / {measured:.1f} ({100 * (measured / plan - 1):+.0f}%; torch {_f(torch_peak, 1)})"
+
+    for r in rows:
+        train = max((r[k] for k in ("memory/training_device_gib", "memory/logprobs_device_gib") if r.get(k) is not None),
+                    default=None)
+        train_torch = max((r[k] for k in ("memory/training_torch_gib", "memory/logprobs_torch_gib") if r.get(k) is not None),
+                          default=None)
+        awake = [k for k in ("memory/generation_device_gib", "memory/refit_device_gib") if r.get(k) is not None]
+        awake_torch = [k for k in ("memory/generation_torch_gib", "memory/refit_torch_gib") if r.get(k) is not None]
+        gen = max((r[k] for k in awake), default=None)
+        gen_torch = max((r[k] for k in awake_torch), default=None)
+        released = "yes" if r.get("memory_plan/offload_trainer_state") else "no"
+        lines.append(f"| `{r['variant']}` | {machine(r)} | {_f(r.get('memory_plan/engine_fraction'))} | {released} | "
+                     f"**{_f(r['step_s'])}** | {pair(r.get('memory_plan/training_gib'), train, train_torch)} | "
+                     f"{pair(r.get('memory_plan/generation_gib'), gen, gen_torch)} | "
+                     f"`{grpo_command(r)}` | {r['date'][:10]} | `{str(r['commit'])[:7]}` |")
+    return "\n".join(lines)
+
+
 def endpoint_table(rows: list[dict]) -> str:
     """Each ``*-tool-agent`` row (an agent through the OpenAI-compatible endpoint) beside the
     ``*-tool-async`` row of the same work and machine (``rlcore.rollout``): the endpoint's overhead."""
@@ -242,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     gpu = [r for r in steps if "cpu" not in r["machine"].lower()]
     plain = [r for r in gpu if "[" not in r["variant"]]
     print("### GRPO step, GPU\n\n" + grpo_table(plain) + "\n")
+    planned = [r for r in gpu + ppo if r.get("memory_plan/training_gib") is not None]
+    if planned:
+        print("### Memory: the run's plan against the measured peaks\n\n" + memory_table(planned) + "\n")
     print("### PPO step (a critic beside the policy)\n\n" + grpo_table(ppo) + "\n")
     print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain]) + "\n")
     print("### GRPO step, CPU (tiny shapes)\n\n" + grpo_table([r for r in steps if r not in gpu]) + "\n")

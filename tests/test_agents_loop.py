@@ -61,3 +61,29 @@ def test_agent_failures_are_retried_dropped_counted_and_kept_out_of_advantages(t
     for record, (rewards_N, groups_N) in zip(steps, algorithm.seen):
         surviving = 8 - record["rollout/dropped_groups"]
         assert len(groups_N.unique()) == surviving and len(rewards_N) == 4 * surviving == record["rollout/num_trajectories"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_hung_agent_ends_rlcore_run_with_one_line_naming_its_trajectory(tiny_model_dir, tmp_path, capfd, mode):
+    import yaml
+
+    from rlcore.cli import main
+
+    recipe = {
+        "policy": {"model_name": str(tiny_model_dir), "precision": "float32", "max_total_sequence_length": 48,
+                   "dtensor_cfg": {"enabled": True}, "generation": {"backend": "hf", "max_new_tokens": 2}},
+        "algorithm": {"name": "grpo"},
+        "data": {"name": "arithmetic", "digits": 1, "num_validation": 4, "num_train": 8},
+        "env": {"name": "agent", "agent": {"function": f"{AGENT.with_name('_hung_agent.py')}:agent"}},
+        "train": {"num_prompts_per_step": 4, "max_num_steps": 1, "val_period": 0, "val_at_start": False, "seed": 3},
+        "grpo": {"num_generations_per_prompt": 2, "async_grpo": {"enabled": mode == "async"}},
+        "cluster": {"timeout_s": 20},
+        "logger": {"log_dir": str(tmp_path / "run"), "print_table": False, "plot": False},
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    capfd.readouterr()
+    assert main(["run", str(tmp_path / "recipe.yaml")]) == 1
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and len(errors) == 1
+    assert "did not finish" in errors[0] and "(sample 2, trajectory 0, attempt 0; 1 requests served)" in errors[0]

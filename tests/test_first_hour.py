@@ -60,7 +60,7 @@ def tiny_run(tiny_model_dir, rewards_site, tmp_path_factory):
     # the recipe's own generator, vLLM: the libraries' lines counted below are mostly its
     done = rlcore("run", RECIPE, *overrides(tiny_model_dir, run_dir, generator="vllm", **{
         "env.reward_fn": "my_rewards:exact_sum", "checkpointing.enabled": "true", "checkpointing.save_period": 2,
-        "logger.tensorboard.enabled": "true"}), env={"PYTHONPATH": str(rewards_site)})
+        "logger.tensorboard.enabled": "true"}), env={"PYTHONPATH": os.pathsep.join(filter(None, [str(rewards_site), os.environ.get("PYTHONPATH")]))})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return run_dir, done
 
@@ -87,8 +87,27 @@ def test_every_run_writes_its_final_model_and_a_last_step_checkpoint(tiny_run):
     # where the outputs went: model, checkpoint, metrics, TensorBoard's event files
     tail = done.stdout[done.stdout.index("outputs of this run"):]
     for what, path in (("model", run_dir / "model"), ("checkpoint", run_dir / "checkpoints" / "step_000003"),
-                       ("TensorBoard", run_dir / "tensorboard"), ("metrics", run_dir / "metrics.jsonl")):
+                       ("TensorBoard", run_dir / "tensorboard"), ("metrics", run_dir / "metrics.jsonl"),
+                       ("rollout traces", run_dir / "rollouts.jsonl")):
         assert re.search(rf"{what}.*{re.escape(str(path))}", tail), (what, tail)
+
+
+def test_rlcore_rollouts_prints_the_runs_traces(tiny_run):
+    """The run's traces (vLLM's rollouts, 16 a step: 8 traced), worst first, and TensorBoard's table of them."""
+    run_dir, _ = tiny_run
+    traces = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in traces] == [1] * 8 + [2] * 8 + [3] * 8
+    assert all(len(t["sampling_logprobs"]) == len(t["response_ids"]) == len(t["loss_mask"]) > 0 for t in traces)
+    done = rlcore("rollouts", run_dir, "--worst", "-n", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = [float(r) for r in re.findall(r"step 3 · sample \d+ · reward (\S+)", done.stdout)]
+    assert len(shown) == 3 and shown == sorted(shown) and "3 trajectories of step 3" in done.stdout
+    assert any(t["completion"] and t["completion"] in done.stdout for t in traces if t["step"] == 3)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Tensors("rollouts/text_summary")] == [1, 2, 3]
 
 
 def test_the_summary_says_what_it_shows(tiny_run):

@@ -303,3 +303,37 @@ def test_each_running_agent_has_an_http_client_of_its_own_reused_after_it(genera
     assert sum(len(g) for g in groups) == 8
     assert len(made) == 3  # 8 agents, 3 at a time: 3 clients, each lent again
     assert all(http.is_closed for http in held)  # closed with the call's event loop
+
+
+def test_an_unknown_model_is_a_404_and_models_are_listed_to_a_trajectory_only(generator):
+    """OpenAI's semantics: a model the endpoint does not serve is ``404 model_not_found`` (the
+    attempt fails with cause ``request``, never scored); ``/v1/models`` lists the served names to a
+    trajectory's key and refuses anyone else; the run's model name is served beside ``policy``."""
+    import openai
+
+    seen = {}
+
+    async def agent(client, sample):
+        if sample.index == 100:
+            async with httpx.AsyncClient() as raw:
+                base = str(client.base_url).rstrip("/")
+                seen["anonymous"] = (await raw.get(f"{base}/models")).status_code
+                seen["models"] = (await raw.get(f"{base}/models", headers={"Authorization": f"Bearer {client.api_key}"})).json()
+                seen["models_at"] = (await raw.get(base.replace("/v1", f"/trajectories/{client.api_key}/v1") + "/models")).json()
+            reply = await client.chat.completions.create(model="tiny/llama", messages=sample.prompt, max_tokens=2)
+            return float(bool(reply.choices[0].token_ids))
+        try:
+            await client.chat.completions.create(model="gpt-4o", messages=sample.prompt, max_tokens=2)
+        except openai.NotFoundError as exc:
+            seen["404"] = exc
+            raise
+
+    runner = AgentRunner(generator, generator.tokenizer, agent, AgentEnvConfig(function="x:y", max_retries=0),
+                         max_total_tokens=64, timeout_s=120.0, served_models=("policy", "tiny/llama"))
+    results = runner(samples(2), SamplingParams(n=1, max_new_tokens=2, seed=1))
+    assert [len(g) for g in results] == [1, 0] and runner.metrics()["rollout/infra_failures/request"] == 1
+    error = seen["404"]
+    assert error.status_code == 404 and error.code == "model_not_found"
+    assert "'gpt-4o' does not exist" in error.message and "'policy' and 'tiny/llama'" in error.message
+    assert seen["anonymous"] == 401
+    assert [m["id"] for m in seen["models"]["data"]] == ["policy", "tiny/llama"] == [m["id"] for m in seen["models_at"]["data"]]

@@ -1,4 +1,4 @@
-"""Token in, token out through the agents' endpoint, for the Llama 3, Qwen2 and Qwen3 chat templates.
+"""Token in, token out through the agents' endpoint, for the Llama 3, Llama 3.1, Qwen2 and Qwen3 chat templates.
 
 An agent written with the ``openai`` client talks to the real endpoint (FastAPI under uvicorn on
 loopback); the engine behind it writes fixed turns as vLLM returns them (the ids hold a stop string
@@ -12,6 +12,7 @@ segment (nothing earlier was re-tokenized); a rewritten history (compaction, Qwe
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 
@@ -26,12 +27,15 @@ pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
-EOS = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>"}
+EOS = {"llama3": "<|eot_id|>", "llama31": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>"}
+TOOL_FAMILIES = ("llama31", "qwen2", "qwen3")  # templates with tool support
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is 12*7+16? Put your final answer within \\boxed{}."
 TOOL_TURNS = ['<tool_call>\n{"name": "calc", "arguments": {"expression": "12*7"}}\n</tool_call>',
               '<tool_call>\n{"name": "calc", "arguments": {"expression": "84+16"}}\n</tool_call>',
               "So the answer is \\boxed{100}."]
+LLAMA_TOOL_TURNS = ['{"name": "calc", "parameters": {"expression": "12*7"}}', '{"name": "calc", "parameters": {"expression": "84+16"}}',
+                    "So the answer is \\boxed{100}."]
 CALC_TURNS = ["Let me compute 12*7 first. <calc>12*7</calc>", "Then add 16: <calc>84+16</calc>", "So the answer is \\boxed{100}."]
 
 
@@ -109,17 +113,21 @@ def test_the_math_tool_agent_solves_the_task_token_exact(tokenizers, family):
     (Qwen2, Qwen3) or as <calc> text (Llama 3): it solves the task, and its one trajectory is the
     engine's three turns, token for token, with everything between them masked."""
     tok = tokenizers[family]
-    engine = ScriptedEngine(tok, family, CALC_TURNS if family == "llama3" else TOOL_TURNS)
-    runner, results = run_agent(tok, engine, resolve_agent(f"{EXAMPLES / 'math_tool_agent.py'}:agent"))
+    turns = CALC_TURNS if family == "llama3" else LLAMA_TOOL_TURNS if family == "llama31" else TOOL_TURNS
+    engine = ScriptedEngine(tok, family, turns)
+    name = "calc_agent" if family == "llama3" else "agent"
+    runner, results = run_agent(tok, engine, resolve_agent(f"{EXAMPLES / 'math_tool_agent.py'}:{name}"))
     (traj,) = runner.last_trajectories[0]
     assert traj.reward == 1.0 and traj.env_metrics["correct"] == 1.0 and traj.env_metrics["tool_calls"] == 2.0
     (result,) = results[0]
     assert result.segments is None and result.num_turns == 3
     assert_segment_is_engines(result, engine, [0, 1, 2])
     assert result.prompt_ids == engine.prompts[0]
-    if family != "llama3":  # the tool results went back as role 'tool', templated by the chat template
-        text = tok.decode(result.prompt_ids + result.response_ids)
+    text = tok.decode(result.prompt_ids + result.response_ids)
+    if family.startswith("qwen"):  # the tool results went back as role 'tool', templated by the chat template
         assert text.count("<tool_response>\n84\n</tool_response>") == 1 and "<tool_response>\n100\n</tool_response>" in text
+    elif family == "llama31":  # Llama 3.1 shows them under the ipython role
+        assert text.count('ipython<|end_header_id|>\n\n"84"<|eot_id|>') == 1 and '"100"<|eot_id|>' in text
 
 
 def _strip_think(text: str) -> str:
@@ -237,3 +245,67 @@ def test_segments_carry_their_trajectorys_reward_to_a_critic(tokenizers):
     trajs = [Trajectory(t.sample, 0, t.result, reward) for t, reward in zip(runner.last_trajectories[0], (1.0, 0.25))]
     batch, rewards_N = Learner(None, PPO(PPOConfig()), 4096, 3).batch_and_rewards(trajs)
     assert len(batch) == 4 and rewards_N.tolist() == [1.0, 0.25, 1.0, 0.25]
+
+
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
+def test_tool_calls_are_parsed_and_rendered_back_token_exact(tokenizers, family):
+    """The reply's ``tool_calls`` are parsed from the template's format, and the conversation the
+    agent sends back (its assistant message as received, the ``tool`` results) is exactly the
+    tokens the chat template renders for it: nothing trained differs from what the template shows."""
+    from rlcore.agents.recorder import template_message
+
+    tok = tokenizers[family]
+    engine = ScriptedEngine(tok, family, LLAMA_TOOL_TURNS if family == "llama31" else TOOL_TURNS)
+    tools = [{"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+    seen: dict = {}
+
+    async def agent(client, sample):
+        messages = list(sample.prompt)
+        for result in ("84", "100", None):
+            reply = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if result is None:
+                break
+            (call,) = message.tool_calls
+            seen.setdefault("calls", []).append((reply.choices[0].finish_reason, call.function.name, json.loads(call.function.arguments)))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        seen["messages"] = messages
+        return 1.0
+
+    runner, results = run_agent(tok, engine, agent)
+    (result,) = results[0]
+    assert seen["calls"] == [("tool_calls", "calc", {"expression": "12*7"}), ("tool_calls", "calc", {"expression": "84+16"})]
+    assert result.segments is None  # the conversation was extended, never re-rendered
+    assert_segment_is_engines(result, engine, [0, 1, 2])
+    # the last request's prompt (two tool calls and their results, recorded turn by turn) is the
+    # template's rendering of the conversation the agent sent, token for token
+    sent = [template_message(m) for m in seen["messages"][:-1]]
+    rendered = tok.apply_chat_template(sent, tools=tools, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert engine.prompts[2] == rendered
+    turns = result.turns
+    assert [len(t.get("tool_calls", ())) for t in turns] == [1, 1, 0]
+    assert [m["content"] for m in turns[1]["messages"] if m["role"] == "tool"] == ["84"]
+
+
+def test_tools_on_a_template_without_tool_support_are_a_400_naming_it(tokenizers):
+    import openai
+
+    tok = tokenizers["llama3"]  # Llama 3.0's template renders no tools
+    engine = ScriptedEngine(tok, "llama3", ["never"])
+    errors = []
+
+    async def agent(client, sample):
+        try:
+            await client.chat.completions.create(model="policy", messages=sample.prompt, tools=[{"type": "function", "function": {
+                "name": "calc", "parameters": {"type": "object", "properties": {}}}}])
+        except openai.BadRequestError as exc:
+            errors.append(exc)
+            raise
+
+    with pytest.raises(RuntimeError, match="every one of the 1 agent groups"):  # a batch with no group left stops the run
+        run_agent(tok, engine, agent, max_retries=0)
+    (error,) = errors
+    assert error.status_code == 400 and "'tools'" in error.message and tok.name_or_path in error.message
+    assert "no tool support" in error.message and engine.prompts == []  # refused before generating

@@ -92,7 +92,8 @@ def test_explicit_keys_bind_the_search(shipped):
 
 
 def test_a_model_too_large_for_the_gpus_says_why(shipped):
-    inp = plan.inputs(load_config(RECIPE_8B), gpus=1, gpu_name="l40s", calibration=load_calibration("l40s"))
+    one_gpu = ["policy.megatron_cfg.tensor_model_parallel_size=1", "policy.megatron_cfg.sequence_parallel=false"]
+    inp = plan.inputs(load_config(RECIPE_8B, one_gpu), gpus=1, gpu_name="l40s", calibration=load_calibration("l40s"))
     ranked = plan.plan(inp)
     assert ranked and not any(e.fits for e in ranked)
     assert "GiB >" in ranked[0].memory.problem and "largest" in ranked[0].memory.problem
@@ -148,7 +149,7 @@ def test_run_time_choice_keeps_the_recipes_engine_share(shipped, monkeypatch):
     data = yaml.safe_load(RECIPE_8B.read_text())
     data["policy"]["megatron_cfg"] = {"enabled": True, "layout": "auto"}  # every size left to the planner
     shape = resolve_shape("meta-llama/Llama-3.1-8B")
-    hf = {"hidden_size": shape.hidden, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+    hf = {"model_type": "llama", "hidden_size": shape.hidden, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
           "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "intermediate_size": shape.ffn,
           "vocab_size": shape.vocab}
     data["policy"]["generation"]["gpu_memory_utilization"] = 0.3

@@ -1,7 +1,8 @@
 """The ``math_tool`` task as an agent: the policy may call a calculator, in OpenAI's ``tools``
-format (chat templates that support tools: Qwen2.5, Qwen3, Llama 3.1+) or as ``<calc>expr</calc>``
-in its text (any template); the agent evaluates each call, sends the result back, and grades the
-final answer (its ``\\boxed{}``, else its last number) against ``sample.answer``.
+format (``agent``: chat templates that support tools, Qwen2.5, Qwen3, Llama 3.1+) or as
+``<calc>expr</calc>`` in its text (``calc_agent``: any template); the agent evaluates each call,
+sends the result back, and grades the final answer (its ``\\boxed{}``, else its last number)
+against ``sample.answer``.
 
 Written with the ``openai`` client alone, no rlcore import: the same function runs against any
 OpenAI-compatible server, and rlcore trains it through its endpoint with
@@ -54,10 +55,21 @@ def grade(text: str, answer) -> bool:
 
 
 async def agent(client, sample):
+    """The calculator as an OpenAI tool (templates with tool support; others answer 400)."""
+    return await _solve(client, sample, tools=True)
+
+
+async def calc_agent(client, sample):
+    """The calculator as ``<calc>expr</calc>`` in the text: any chat template."""
+    return await _solve(client, sample, tools=False)
+
+
+async def _solve(client, sample, tools: bool):
     messages = list(sample.prompt) if isinstance(sample.prompt, list) else [{"role": "user", "content": sample.prompt}]
+    options = {"tools": TOOLS} if tools else {"stop": ["</calc>"]}
     calls = 0
     for turn in range(MAX_TURNS):
-        reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stop=["</calc>"])
+        reply = await client.chat.completions.create(model="policy", messages=messages, **options)
         message = reply.choices[0].message
         content = message.content or ""
         if message.tool_calls:  # OpenAI tools format
@@ -67,7 +79,7 @@ async def agent(client, sample):
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(expression)})
             calls += len(message.tool_calls)
             continue
-        expressions = CALC.findall(content)
+        expressions = [] if tools else CALC.findall(content)
         if expressions and turn < MAX_TURNS - 1:  # the calculator in the text
             messages.append({"role": "assistant", "content": content})
             messages.append({"role": "user", "content": "\n".join(f"<result>{calculate(e)}</result>" for e in expressions)})

@@ -31,7 +31,7 @@ from rich.table import Table
 from rlcore.checks import check_before_start
 from rlcore.cli_parser import Parser
 from rlcore.config import ConfigError, load_config, to_dict
-from rlcore.errors import CheckpointError, DataError
+from rlcore.errors import CheckpointError, DataError, RolloutError
 from rlcore.plugins import PluginError, get_plugin_manager
 
 console = Console()
@@ -331,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rlcore.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from rlcore.traces_cli import add_parser as add_rollouts_parser
+
+    add_rollouts_parser(sub)
     return parser
 
 
@@ -361,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         # soft_wrap: never break the message (key paths, file paths) at the terminal width.
         err_console.print(f"error: {exc}", highlight=False, markup=False, style="bold red", soft_wrap=True)
         status = 2
+        return status
+    except RolloutError as exc:  # a hung or failing agent: the message names the trajectories, the traceback adds nothing
+        err_console.print(f"error: {exc}", highlight=False, markup=False, style="bold red", soft_wrap=True)
+        status = 1
         return status
     finally:
         # Once a run has begun (cmd_run sets the limit), its process is ended if it does not exit, but

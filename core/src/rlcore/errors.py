@@ -21,3 +21,8 @@ class DamagedCheckpointError(CheckpointError):
 class DataError(ValueError):
     """A dataset cannot be used as given (a malformed row, a missing file or column); the message
     names the file and the line or row. Dataset plugins raise it, or a subclass of it."""
+
+
+class RolloutError(RuntimeError):
+    """Rollouts that cannot go on: agent trajectories still open when their batch's time ran out, or
+    a batch in which every agent group failed. The message names the trajectories."""

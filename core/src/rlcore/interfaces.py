@@ -94,6 +94,10 @@ class GenerationResult:
     # a dropped ``<think>``): sequences of their own that train with this trajectory's reward and
     # advantage (:mod:`rlcore.agents`). None: one sequence.
     segments: list[GenerationResult] | None = None
+    # What an agent's conversation held beyond its tokens, request by request: the messages each
+    # request added (tool results among them), the reply and its tool calls (rollout traces,
+    # :mod:`rlcore.traces`). None: not recorded.
+    turns: list[dict] | None = None
 
 
 @attrs.define
@@ -169,6 +173,11 @@ class Placement:
     # When not colocated on GPUs of one node with a local Ray instance: the devices left to generation
     # (as CUDA_VISIBLE_DEVICES names them); the trainer's actors hold the others. Empty otherwise.
     generator_gpus: tuple[str, ...] = ()
+    # The run's memory plan (rlcore.planning.run_memory), for recipes that leave these keys auto: the
+    # engine's share of a GPU (None: the generator's own choice, or no plan), and whether the trainer's
+    # gradients and optimizer state leave the GPU while a colocated engine is awake.
+    engine_memory_fraction: float | None = None
+    offload_trainer_state: bool = False
 
 
 @attrs.frozen
@@ -488,6 +497,14 @@ class MetricLogger(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class RolloutTableLogger(Protocol):
+    """A logger that also shows a few of each step's rollout traces as a table (:mod:`rlcore.traces`)."""
+
+    def log_rollouts(self, rows: list[list], step: int) -> None:
+        """``rows`` of :data:`rlcore.traces.TABLE_COLUMNS` (sample, reward, advantage, prompt, completion)."""
 
 
 @runtime_checkable

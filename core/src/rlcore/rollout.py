@@ -197,6 +197,7 @@ class MultiTurnRunner:
         self.last_barrier_rounds = 0
         self.suffixes = ChatSuffixes(tokenizer, observation_role)
         self.last_trajectories: list[list[MultiTurnTrajectory]] = []
+        self.last_failures: list[dict] = []  # never any: an environment's error is scored, not retried (the agent runner's have some)
 
     def _turn_params(self, params: SamplingParams, room: int, seed: int | None, budget: int | None = None) -> SamplingParams:
         limit = min(params.max_new_tokens, room) if budget is None else min(params.max_new_tokens, room, max(1, budget))

@@ -84,3 +84,53 @@ def check_world(world: WorldInfo, who: str) -> None:
 
 
 __all__ = ["OptimizerStep", "check_world", "combine_optimizer_steps", "sum_over_ranks", "train_in_optimizer_steps"]
+
+
+class HostOffloader:
+    """Releases a trainer's state to host memory and brings it back bit for bit, for
+    ``policy.generation.colocated.offload_trainer_state``: each distinct storage is copied to host memory
+    (pinned when it lives on a GPU, so the way back runs asynchronously) and resized to 0 bytes. Tensors,
+    and every view and optimizer reference to them, stay the same objects, so nothing is re-wired on the
+    way back; on CPU the storages are released and restored the same way. Written here, not taken from a
+    library: torch's own offload paths (FSDP2's ``CPUOffloadPolicy``, Megatron's buffer offload) each
+    cover one backend's tensors and re-create them, which would cut the optimizer's references."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self.saved: list[tuple[Any, Any]] = []  # (released storage, its host copy)
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.saved)
+
+    def offload(self, tensors, device, *, keep=()) -> None:
+        """Release the storages of ``tensors`` on ``device`` (once each; a no-op while offloaded), except
+        those of ``keep`` (tensors whose storage must stay: the weights a refit reads)."""
+        torch = self._torch
+        if self.saved:
+            return
+        seen = {t.untyped_storage().data_ptr() for t in keep}
+        pin = torch.device(device).type == "cuda"
+        with torch.no_grad():
+            for t in tensors:
+                storage = t.untyped_storage()
+                if t.device != torch.device(device) or storage.nbytes() == 0 or storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),))
+                copy = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+                copy.copy_(view)
+                self.saved.append((storage, copy))
+            for storage, _ in self.saved:
+                storage.resize_(0)
+
+    def onload(self) -> None:
+        torch = self._torch
+        with torch.no_grad():
+            for storage, copy in self.saved:
+                storage.resize_(copy.numel())
+                view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (copy.numel(),))
+                view.copy_(copy, non_blocking=True)
+        self.saved = []

@@ -88,6 +88,33 @@ def scenario_llama(model_dir: str, ckpt: str, hf_dir: str):
     return out
 
 
+def scenario_release(model_dir: str):
+    """offload/onload round trips (weights kept for a refit, then released too) between two training steps, beside
+    a backend that never releases: every state tensor bitwise equal after each trip, its storage empty while out,
+    and the next step the same to the bit."""
+    from rlcore_fsdp2.weights import local, state_tensors
+
+    released, plain = build(model_dir, gbs=4), build(model_dir, gbs=4)
+    train_flow(released, 1), train_flow(plain, 1)
+    out = {}
+    for keep in (True, False):
+        tensors = list(state_tensors(released.model, released.optimizer))
+        weights = {local(p).untyped_storage().data_ptr() for p in released.model.parameters()}
+        is_weight = [t.untyped_storage().data_ptr() in weights for t in tensors]
+        before = [t.clone() for t in tensors]
+        released.offload(keep_weights=keep)
+        out[f"out_{keep}"] = all((t.untyped_storage().nbytes() > 0) == (keep and w) for t, w in zip(tensors, is_weight))
+        released.onload()
+        out[f"equal_{keep}"] = all(torch.equal(a, b) for a, b in zip(before, tensors))
+    a, b = train_flow(released, 2), train_flow(plain, 2)
+    out["loss_equal"] = a["metrics"]["loss"] == b["metrics"]["loss"]
+    out["params_equal"] = all(torch.equal(a["params"][k], b["params"][k]) for k in b["params"])
+    out["state_equal"] = all(torch.equal(x, y) for x, y in zip(state_tensors(released.model, released.optimizer),
+                                                                state_tensors(plain.model, plain.optimizer)))
+    released.shutdown(), plain.shutdown()
+    return out
+
+
 def scenario_resume(model_dir: str, ckpt: str):
     backend = build(model_dir, gbs=4)
     backend.load_checkpoint(ckpt)
@@ -137,6 +164,7 @@ def main() -> None:
 
     run("llama", scenario_llama, spec["llama"], spec["ckpt"], spec["hf_out"])
     run("resume", scenario_resume, spec["llama"], spec["ckpt"])
+    run("release", scenario_release, spec["llama"])
     run("qwen2", scenario_arch, spec["qwen2"], False)
     run("qwen3", scenario_arch, spec["qwen3"], True)
     run("qwen3_tp", scenario_arch, spec["qwen3"], True, tensor_parallel_size=2, sequence_parallel=True,

@@ -380,6 +380,32 @@ def check_training(path: str, tmp: Path, out: dict) -> None:
         out["nonfinite_weight_change"] = max(float((before[k] - after[k]).abs().max()) for k in before)
 
 
+def check_release(path: str) -> dict:
+    """offload/onload round trips (weights kept for a refit, then released too) between two training steps of DP=2
+    with the distributed optimizer, beside a backend that never releases: every state tensor bitwise equal after
+    each trip, its storage empty while out, and the next step the same to the bit."""
+    batch1, batch2 = make_batch(2, n=8), make_batch(3, n=8)
+    released, plain = backend_for(path), backend_for(path)
+    assert released.cfg.optimizer.use_distributed_optimizer and dist.get_world_size() == 2
+    released.train(batch1, SumNLL()), plain.train(batch1, SumNLL())
+    out = {}
+    for keep in (True, False):
+        tensors = released.state_tensors()
+        weights = {b.param_data.untyped_storage().data_ptr() for b in released.model.buffers}
+        is_weight = [t.untyped_storage().data_ptr() in weights for t in tensors]
+        before = [t.clone() for t in tensors]
+        released.offload(keep_weights=keep)
+        out[f"out_{keep}"] = all((t.untyped_storage().nbytes() > 0) == (keep and w) for t, w in zip(tensors, is_weight))
+        released.onload()
+        out[f"equal_{keep}"] = all(torch.equal(a, b) for a, b in zip(before, tensors))
+    m1, m2 = released.train(batch2, SumNLL()), plain.train(batch2, SumNLL())
+    out["loss_equal"] = m1["loss"] == m2["loss"]
+    a, b = exported(released), exported(plain)
+    out["weights_equal"] = all(torch.equal(a[k], b[k]) for k in b) if dist.get_rank() == 0 else True
+    out["state_equal"] = all(torch.equal(x, y) for x, y in zip(released.state_tensors(), plain.state_tensors()))
+    return out
+
+
 def record(out: dict, name: str, fn, *, spread: bool = False) -> None:
     """``out[name] = fn()``, or with ``spread`` ``out[f"{name}_{k}"]`` for each item of the dict it
     returns; a failure becomes ``out[name] = "ERROR <traceback>"``, which the test reports under the
@@ -410,6 +436,7 @@ def main() -> None:
                   ("cp2_logprobs_qwen2", lambda: check_logprobs(models["qwen2"], context_parallel_size=2))]
     for name, fn in scenarios:
         record(out, name, fn)
+    record(out, "release_dp2", lambda: check_release(models["llama"]), spread=True)
     variants = {
         "tp2_sp_full_recompute_llama": ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True,
                                                      activation_checkpointing="full")),

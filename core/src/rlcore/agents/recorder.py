@@ -55,6 +55,7 @@ class Segment:
     last_response: list[int] = attrs.field(factory=list)  # the model's last turn (its end-of-turn is completed)
     finish_reason: str = "stop"
     version: int | None = None
+    turns: list[dict] = attrs.field(factory=list)  # per request: the new messages and the reply (rollout traces)
 
     def total(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
@@ -67,7 +68,7 @@ class Segment:
     def result(self, text: str, num_turns: int) -> GenerationResult:
         return GenerationResult(prompt_ids=list(self.prompt_ids), response_ids=list(self.ids), response_logprobs=list(self.logprobs),
                                 finish_reason=self.finish_reason, text=text, response_mask=list(self.mask),
-                                policy_version=self.version or 0, num_turns=num_turns)
+                                policy_version=self.version or 0, num_turns=num_turns, turns=list(self.turns) or None)
 
 
 def _text_of(content: Any) -> str:
@@ -138,6 +139,43 @@ def parse_tool_calls(text: str, call_prefix: str) -> tuple[str, list[dict]]:
     return content, calls
 
 
+def _turn(request: int, new_messages: list[dict] | None, reply: dict | None, out: GenerationResult,
+          prompt_text: str | None) -> dict:
+    """One request as traces show it: the messages it added (tool results among them), the reply and
+    its tool calls, how many tokens the model wrote and with which weights."""
+    turn: dict[str, Any] = {"request": request, "response_tokens": len(out.response_ids), "policy_version": out.policy_version,
+                            "finish_reason": out.finish_reason}
+    if new_messages is not None:
+        turn["messages"] = [{k: (_text_of(v) if k == "content" else v) for k, v in m.items()
+                             if k in ("role", "content", "tool_call_id", "name", "tool_calls")} for m in new_messages]
+    elif prompt_text is not None:
+        turn["prompt_chars"] = len(prompt_text)
+    turn["reply"] = (reply or {}).get("content", out.text) if reply is not None else out.text
+    if reply is not None and reply.get("tool_calls"):
+        turn["tool_calls"] = reply["tool_calls"]
+    return turn
+
+
+_PROBE_TOOL = "rlcore_tool_probe"
+
+
+def template_takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template shows the model the ``tools`` it is given (a template
+    without tool support renders them to nothing, and the model would never see them)."""
+    probe = [{"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tools=probe, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - no template, or one that cannot take tools
+        return False
+    return isinstance(text, str) and _PROBE_TOOL in text
+
+
+def template_name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+
+
 class TrajectoryRecorder:
     """The segments of one trajectory. Not thread-safe: the endpoint serves one request of a
     trajectory at a time."""
@@ -204,6 +242,8 @@ class TrajectoryRecorder:
         seg.finish_reason = out.finish_reason
         seg.version = out.policy_version if seg.version is None else min(seg.version, out.policy_version)
         self.last_text = out.text
+        seg.turns.append(_turn(self.requests, messages[len(seg.messages or ()):] if messages is not None else None,
+                               reply, out, prompt_text))
         if messages is not None:
             seg.messages = [normalize(m) for m in messages] + [normalize(reply or {"role": "assistant", "content": out.text})]
             seg.text = None

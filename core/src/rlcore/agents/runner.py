@@ -40,8 +40,14 @@ from rlcore.agents.config import AgentEnvConfig
 from rlcore.agents.server import Endpoint
 from rlcore.config import ConfigError
 from rlcore.controller.deadlines import DaemonThreads, GenerationTimeout, batch_margin_s
+from rlcore.errors import RolloutError
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
 from rlcore.rollout import ChatSuffixes
+
+
+class AgentTimeout(GenerationTimeout, RolloutError):
+    """Agent trajectories still open when their batch's time (``cluster.timeout_s``) ran out; the
+    message names them. The CLI prints it as one line."""
 
 
 class AgentFailure(Exception):
@@ -110,16 +116,19 @@ def reward_of(value: Any) -> tuple[float, dict[str, float]]:
 
 
 class AgentRunner:
-    def __init__(self, generator, tokenizer, agent: Callable, config: AgentEnvConfig, *, max_total_tokens: int, timeout_s: float):
+    def __init__(self, generator, tokenizer, agent: Callable, config: AgentEnvConfig, *, max_total_tokens: int, timeout_s: float,
+                 served_models: tuple[str, ...] = ("policy",)):
         self.agent, self.cfg, self.timeout_s = agent, config, timeout_s
         suffixes = ChatSuffixes(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         self.endpoint = Endpoint(generator, tokenizer, suffixes, max_total_tokens=max_total_tokens, max_turns=config.max_turns,
-                                 max_request_bytes=config.max_request_bytes, max_concurrent_requests=config.max_concurrent_requests)
+                                 max_request_bytes=config.max_request_bytes, max_concurrent_requests=config.max_concurrent_requests,
+                                 served_models=served_models)
         self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))
         # Daemon threads: a hung plain-function agent, abandoned at its timeout, is not joined at exit.
         self._threads = None if self.is_async else DaemonThreads("rlcore-agent")
         self.last_trajectories: list[list[AgentTrajectory]] = []
         self.counts: Counter = Counter()
+        self.last_failures: list[dict] = []  # the last call's failed attempts: sample, trajectory, cause, error (traces)
         self._slots: asyncio.Semaphore | None = None
         self._idle_clients: list = []  # HTTP clients of finished agents, lent to the next (during a call)
         self._tls = None  # one TLS context for every client: each would load the CA bundle (~20 ms)
@@ -176,7 +185,9 @@ class AgentRunner:
         finally:
             self.endpoint.close(key)
             self._open.pop(key, None)
-        metrics.update({"agent_requests": float(traj.recorder.requests), "agent_segments": float(1 + len(result.segments or ()))})
+        calls = sum(len(turn.get("tool_calls") or ()) for seg in traj.recorder.segments for turn in seg.turns)
+        metrics.update({"agent_requests": float(traj.recorder.requests), "agent_segments": float(1 + len(result.segments or ())),
+                        "agent_tool_calls": float(calls)})
         return AgentTrajectory(sample, result, reward, metrics, key, 1)
 
     async def _trajectory(self, sample: Sample, seed: int | None, name: str) -> AgentTrajectory | AgentFailure:
@@ -191,6 +202,8 @@ class AgentRunner:
                     failure = exc
                     self.counts[f"rollout/infra_failures/{exc.cause}"] += 1
                     self.counts["rollout/infra_failures"] += 1
+                    self.last_failures.append({"sample": sample.index, "trajectory": f"{name}, attempt {attempt}",
+                                               "cause": exc.cause, "error": str(exc)[:2000]})
                     continue
                 finally:
                     if http is not None:
@@ -231,7 +244,7 @@ class AgentRunner:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-                raise GenerationTimeout(f"timeout: agent trajectories did not finish within {limit:g}s (cluster.timeout_s less "
+                raise AgentTimeout(f"timeout: agent trajectories did not finish within {limit:g}s (cluster.timeout_s less "
                                         f"a margin): {'; '.join(open_now[:8]) or 'none open'}")
             groups = [t.result() for t in tasks]
         finally:
@@ -239,14 +252,14 @@ class AgentRunner:
             await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
             await self.endpoint.stop()
         if samples and not any(groups):
-            raise RuntimeError(f"every one of the {len(samples)} agent groups of this batch failed (see the warnings above; "
+            raise RolloutError(f"every one of the {len(samples)} agent groups of this batch failed (see the warnings above; "
                                f"counts {dict(self.counts)}): the agent, its tools or the endpoint are broken")
         return groups
 
     def __call__(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[GenerationResult]]:
         """``params.n`` results per sample, none for a dropped group; trajectories with rewards in
         ``last_trajectories``."""
-        self.counts = Counter()
+        self.counts, self.last_failures = Counter(), []
         self.last_trajectories = asyncio.run(self.arun(samples, params))
         return [[t.result for t in group] for group in self.last_trajectories]
 
@@ -261,4 +274,5 @@ def make_agent_runner(generator, tokenizer, config, section: AgentEnvConfig) -> 
         raise ValueError("env.agent.turn_barrier: an agent sends its requests when it chooses, so its turns cannot wait for "
                          "the other trajectories'; set it false (or use a turn-by-turn multi-turn environment)")
     return AgentRunner(generator, tokenizer, resolve_agent(section.function), section,
-                       max_total_tokens=config.policy.max_total_sequence_length, timeout_s=config.cluster.timeout_s)
+                       max_total_tokens=config.policy.max_total_sequence_length, timeout_s=config.cluster.timeout_s,
+                       served_models=("policy", config.policy.model_name))

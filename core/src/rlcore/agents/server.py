@@ -4,7 +4,9 @@
 FastAPI serves it, under uvicorn, in the event loop the agents run in (so that a generator bound
 to that loop, such as vLLM's async engine, serves its requests directly). Each trajectory has a key:
 the ``api_key`` its client sends (``Authorization: Bearer <key>``), or the path prefix
-``/trajectories/<key>/v1``. A request for a key not open now is refused (401).
+``/trajectories/<key>/v1``. A request for a key not open now is refused (401), ``/v1/models``
+included. The model is served as ``policy`` and as the run's ``policy.model_name``; another name
+is a 404 ``model_not_found``. ``tools`` on a chat template that renders none is a 400 naming it.
 
 Limits, per trajectory: the request body (``max_request_bytes``, 413), model requests
 (``max_turns``, 429), requests in flight or waiting (``max_concurrent_requests``, 429; they are
@@ -22,14 +24,20 @@ train), whatever a request asks; a request's ``max_tokens`` (at most the run's `
 
 import asyncio
 import contextlib
+import json
 import socket
 import time
 import attrs
 
-from rlcore.agents.recorder import RequestError, TrajectoryRecorder, parse_tool_calls
+from rlcore.agents.recorder import RequestError, TrajectoryRecorder, parse_tool_calls, template_name, template_takes_tools
 from rlcore.interfaces import AsyncTokenGenerator, SamplingParams
 
 HOST = "127.0.0.1"
+_DEFAULT_MODEL = "policy"  # served always; a request may also leave 'model' out
+
+
+class UnknownModelError(ValueError):
+    """A request for a model the endpoint does not serve (HTTP 404 ``model_not_found``)."""
 
 
 class LimitError(RuntimeError):
@@ -54,11 +62,13 @@ class Endpoint:
     """Open trajectories by key and serve their requests through the generator."""
 
     def __init__(self, generator: AsyncTokenGenerator, tokenizer, suffixes, *, max_total_tokens: int, max_turns: int,
-                 max_request_bytes: int, max_concurrent_requests: int):
+                 max_request_bytes: int, max_concurrent_requests: int, served_models: tuple[str, ...] = (_DEFAULT_MODEL,)):
         self.generator, self.tokenizer, self.suffixes = generator, tokenizer, suffixes
+        self.served_models = tuple(dict.fromkeys(served_models))  # the names a request's 'model' may give
         self.max_total_tokens, self.max_turns = max_total_tokens, max_turns
         self.max_request_bytes, self.max_concurrent = max_request_bytes, max_concurrent_requests
         self.params = SamplingParams()
+        self._takes_tools: bool | None = None  # whether the chat template shows tools (probed at the first request with tools)
         self.trajectories: dict[str, OpenTrajectory] = {}
         self.port: int | None = None
         self._server = None
@@ -109,6 +119,10 @@ class Endpoint:
 
     async def serve(self, traj: OpenTrajectory, body: dict, chat: bool) -> dict:
         rec = traj.recorder
+        model = body.get("model")
+        if model is not None and model not in self.served_models:
+            raise UnknownModelError(f"trajectory {rec.key}: the model {model!r} does not exist here; this endpoint serves "
+                                    f"{' and '.join(map(repr, self.served_models))} (the policy being trained)")
         if traj.waiting >= self.max_concurrent:
             raise LimitError(429, f"trajectory {rec.key}: more than {self.max_concurrent} requests at once "
                                   "(env.agent.max_concurrent_requests)")
@@ -154,6 +168,7 @@ class Endpoint:
             raise RequestError(f"trajectory {rec.key}: 'messages' must be a list of messages")
         kwargs = dict(body.get("chat_template_kwargs") or {})
         if body.get("tools"):
+            self._check_tools(rec.key)
             kwargs["tools"] = body["tools"]
         seg, new_ids = rec.chat_prompt(messages, kwargs)
         prompt_len = seg.total() + len(new_ids)
@@ -168,6 +183,15 @@ class Endpoint:
         finish = "tool_calls" if calls and out.finish_reason == "stop" else _finish(out.finish_reason)
         return _chat_reply(rec.key, reply, finish, out.response_ids, out.response_logprobs, prompt_len, body,
                            prompt_ids=seg.prompt_ids + seg.ids[: len(seg.ids) - len(out.response_ids)])
+
+    def _check_tools(self, key: str) -> None:
+        """A template that renders no tools would hide them from the model: refused, not ignored."""
+        if self._takes_tools is None:
+            self._takes_tools = template_takes_tools(self.tokenizer)
+        if not self._takes_tools:
+            raise RequestError(f"trajectory {key}: the request has 'tools' but the chat template of "
+                               f"{template_name(self.tokenizer)} has no tool support (it renders no tools); send tool calls "
+                               "as text, or use a model whose template takes tools (Qwen2.5, Qwen3, Llama 3.1+)")
 
     async def _completion(self, traj: OpenTrajectory, body: dict) -> dict:
         rec = traj.recorder
@@ -202,7 +226,7 @@ def _chat_reply(key, message, finish, ids, logprobs, prompt_len, body, prompt_id
     choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": _logprobs(ids, logprobs) if body.get("logprobs") else None,
               "token_ids": list(ids)}
     return {"id": f"chatcmpl-{key}-{time.monotonic_ns()}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model") or "policy", "choices": [choice], "usage": _usage(prompt_len, ids),
+            "model": body.get("model") or _DEFAULT_MODEL, "choices": [choice], "usage": _usage(prompt_len, ids),
             "prompt_token_ids": prompt_ids}
 
 
@@ -212,7 +236,7 @@ def _completion_reply(key, text, finish, ids, logprobs, prompt_len, body) -> dic
         lp = {"tokens": [str(t) for t in ids], "token_logprobs": [float(x) for x in logprobs], "top_logprobs": None, "text_offset": None}
     choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": lp, "token_ids": list(ids)}
     return {"id": f"cmpl-{key}-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model") or "policy", "choices": [choice], "usage": _usage(prompt_len, ids)}
+            "model": body.get("model") or _DEFAULT_MODEL, "choices": [choice], "usage": _usage(prompt_len, ids)}
 
 
 def _quiet_server(config):
@@ -227,25 +251,58 @@ def _quiet_server(config):
     return QuietServer(config)
 
 
-def _error(status: int, message: str, kind: str):
+def _error(status: int, message: str, kind: str, code: str | int | None = None):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status if code is None else code}}, status_code=status)
+
+
+def _bearer(request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
+
+def _refuse(traj: OpenTrajectory, status: int, message: str):
+    traj.errors.append(message)
+    traj.causes.append("limit")
+    return _error(status, message, "rate_limit_error" if status == 429 else "invalid_request_error")
+
+
+def _failed(traj: OpenTrajectory, key: str, exc: Exception):
+    """The response to a request that failed, its cause noted on the trajectory (the attempt fails with it)."""
+    if isinstance(exc, LimitError):
+        return _refuse(traj, exc.status, str(exc))
+    traj.errors.append(str(exc))
+    if isinstance(exc, UnknownModelError):
+        traj.causes.append("request")
+        return _error(404, str(exc), "invalid_request_error", "model_not_found")
+    if isinstance(exc, (RequestError, json.JSONDecodeError)):  # ours, or the body's JSON
+        traj.causes.append("request")
+        return _error(400, f"trajectory {key}: {exc}" if key not in str(exc) else str(exc), "invalid_request_error")
+    if "endpoint" not in traj.causes:  # a generator failure: 500
+        traj.causes.append("endpoint")
+    return _error(500, str(exc), "server_error")
+
+
+def _model_list(endpoint: Endpoint, key: str | None):
+    """``/v1/models``: the served names, to an open trajectory's key only."""
+    try:
+        endpoint.trajectory(key)
+    except PermissionError as exc:
+        return _error(401, str(exc), "authentication_error")
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "rlcore"}
+                                       for name in endpoint.served_models]}
 
 
 def build_app(endpoint: Endpoint):
-    """The FastAPI app: the two OpenAI routes, at ``/v1`` (key in the bearer token) and at
-    ``/trajectories/<key>/v1``, and ``/v1/models``."""
-    import json
-
+    """The FastAPI app: the two OpenAI routes and ``models``, at ``/v1`` (key in the bearer token)
+    and at ``/trajectories/<key>/v1``."""
     from fastapi import FastAPI, Request
 
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
     async def handle(request: Request, key: str | None, chat: bool):
-        if key is None:
-            auth = request.headers.get("authorization", "")
-            key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        key = _bearer(request) if key is None else key
         try:
             traj = endpoint.trajectory(key)
         except PermissionError as exc:
@@ -263,22 +320,8 @@ def build_app(endpoint: Endpoint):
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
             return await endpoint.serve(traj, body, chat)
-        except LimitError as exc:
-            return _refuse(traj, exc.status, str(exc))
-        except (RequestError, json.JSONDecodeError) as exc:
-            traj.errors.append(str(exc))
-            traj.causes.append("request")
-            return _error(400, f"trajectory {key}: {exc}" if key not in str(exc) else str(exc), "invalid_request_error")
-        except Exception as exc:  # noqa: BLE001 - a generator failure: 500, and the trajectory's cause is 'endpoint'
-            traj.errors.append(str(exc))
-            if "endpoint" not in traj.causes:
-                traj.causes.append("endpoint")
-            return _error(500, str(exc), "server_error")
-
-    def _refuse(traj: OpenTrajectory, status: int, message: str):
-        traj.errors.append(message)
-        traj.causes.append("limit")
-        return _error(status, message, "rate_limit_error" if status == 429 else "invalid_request_error")
+        except Exception as exc:  # noqa: BLE001 - every failure is a response and the trajectory's cause
+            return _failed(traj, key, exc)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -297,7 +340,11 @@ def build_app(endpoint: Endpoint):
         return await handle(request, key, False)
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlcore"}]}
+    async def models(request: Request):
+        return _model_list(endpoint, _bearer(request))
+
+    @app.get("/trajectories/{key}/v1/models")
+    async def models_at(key: str):
+        return _model_list(endpoint, key)
 
     return app

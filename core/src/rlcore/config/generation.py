@@ -10,6 +10,8 @@ Imports no torch.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 from attrs import field, frozen
 
@@ -25,6 +27,12 @@ def fraction(instance, attribute, value):
     """attrs validator: ``value`` in (0, 1]."""
     if not 0.0 < value <= 1.0:
         raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
+
+
+def fraction_or_auto(instance, attribute, value):
+    """attrs validator: ``"auto"`` or a fraction in (0, 1]."""
+    if value != "auto":
+        fraction(instance, attribute, value)
 
 
 def _top_k(instance, attribute, value):
@@ -47,12 +55,13 @@ class ColocatedConfig:
 
     enabled: bool = field(default=True, metadata=doc("share the trainer's devices (the generator sleeps while it trains)"))
     resources: GenerationResources = field(factory=GenerationResources, metadata=doc("generation's own devices when enabled is false"))
-    offload_trainer_state: bool = field(default=False, metadata=doc(
+    offload_trainer_state: bool | Literal["auto"] = field(default="auto", metadata=doc(
         "move the trainer's optimizer state and gradients to host memory while the engines are awake (after each "
         "training phase, back before the next), for models whose training state and engine do not fit one GPU "
         "together; costs two host copies of that state a step (timed as timing/offload: seconds a step for a "
-        "model of a few billion parameters); "
-        "synchronous GRPO with colocated engines only"))
+        "model of a few billion parameters); synchronous GRPO with colocated engines only. auto: on when the "
+        "run's memory plan needs it (the engine would get less KV cache than a step's sequences need), which "
+        "the run's console line says"))
 
 
 @frozen
@@ -78,6 +87,11 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = field(default=(), metadata=doc("stop when any is generated (kept out of the response text)"))
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=doc("stop on these ids besides EOS"))
     ignore_eos: bool = field(default=False, metadata=doc("keep generating past EOS (benchmarks)"))
+    gpu_memory_utilization: float | Literal["auto"] = field(default="auto", validator=fraction_or_auto, metadata=doc(
+        "share of a GPU the engine may take (weights, KV cache, activations, CUDA graphs; vLLM's key). auto: the "
+        "run's memory plan gives a colocated engine what the trainer leaves free while the engine is awake, less "
+        "a headroom, up to 0.9 (0.9 on GPUs of its own); the run's console line says what it chose. Generators "
+        "that size their memory themselves (hf) ignore it"))
     return_routed_experts: bool = field(default=False, metadata=doc(
         "MoE models: the generator reports the experts every MoE layer chose for each token "
         "(GenerationResult.routed_experts), for the trainer's routing replay R3; a generator that cannot refuses it"))

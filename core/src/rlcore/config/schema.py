@@ -15,6 +15,7 @@ from attrs import field, frozen
 
 from rlcore.config.generation import GenerationConfig
 from rlcore.config.structure import ConfigError, doc
+from rlcore.config.traces import RolloutTracesConfig
 
 _positive = attrs.validators.gt(0)
 _non_negative = attrs.validators.ge(0)
@@ -188,6 +189,7 @@ class LoggerConfig:
         default="quiet", metadata=doc("quiet: the libraries underneath (vLLM, transformers, Ray, torch.distributed) print "
                                       "errors only; verbose: their own INFO logs and progress bars too (rlcore run --verbose)"),
     )
+    rollouts: RolloutTracesConfig = field(factory=RolloutTracesConfig, metadata=doc("rollout traces (rlcore.traces)"))
 
 
 @frozen

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from rlcore.controller.timing import StepTimer
+from rlcore.errors import RolloutError
 
 if TYPE_CHECKING:
     from rlcore.controller.batching import Trajectory
@@ -215,6 +216,8 @@ class RolloutProducer:
     def raise_if_failed(self) -> None:
         """The rollout or scoring thread's exception, if one died, raised in the trainer's thread."""
         if self._failure:
+            if isinstance(self._failure[0], RolloutError):  # its message names the trajectories: shown as it is
+                raise self._failure[0]
             raise RuntimeError(f"the rollout thread failed: {self._failure[0]!r}") from self._failure[0]
 
     def close(self) -> None:

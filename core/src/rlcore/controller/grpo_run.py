@@ -20,6 +20,7 @@ from rlcore.controller.builders import (
 from rlcore.controller.deadlines import bounded_teardown
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
+from rlcore.controller.memory_plan import apply_memory_plan
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
 from rlcore.controller.offline import build_loggers
 from rlcore.controller.heartbeat import doing
@@ -29,7 +30,9 @@ from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.run_end import print_outputs, save_final_model
 from rlcore.controller.timing import summarize
+from rlcore.interfaces import RolloutTableLogger
 from rlcore.plugins import get_plugin_manager
+from rlcore.traces import RolloutTraces
 from rlcore.utils import resolve
 
 
@@ -54,7 +57,7 @@ def build_components(config: RunConfig, **given) -> Components:
     dataset = given_or_built_dataset(config, manager, given, tokenizer)
     check_prompt_lengths(dataset, config)
     check_run_sizes(config, dataset, algorithm)
-    placement = plan_placement(config)
+    placement, memory_plan = apply_memory_plan(config, plan_placement(config), critic=critic_step.trains_critic(algorithm), given=given)
     doing("loading the model into the training backend")
     trainer = build_trainer(config, manager, placement, given.get("backend"))
     critic = build_critic(config, manager, algorithm, trainer, placement, given.get("backend"))  # ppo's value model
@@ -71,8 +74,10 @@ def build_components(config: RunConfig, **given) -> Components:
     if loggers is None:
         loggers = build_loggers(config, run_dir)
     reporter = Reporter(config.train.max_num_steps, enabled=config.logger.print_table, label=algorithm.name)
+    traces = RolloutTraces(config.logger.rollouts, run_dir, tokenizer, [lg for lg in loggers if isinstance(lg, RolloutTableLogger)],
+                           timeout_s=config.cluster.timeout_s)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
-                      teacher=teacher, critic=critic)
+                      teacher=teacher, critic=critic, placement=placement, memory_plan=memory_plan, traces=traces)
 
 
 def export_critic(components: Components, run_dir: Path) -> None:
@@ -80,7 +85,7 @@ def export_critic(components: Components, run_dir: Path) -> None:
     ``offload_trainer_state`` its state comes back for it while the engines sleep."""
     if components.critic is None:
         return
-    offloaded = components.config.generation.colocated.offload_trainer_state
+    offloaded = components.placement.offload_trainer_state
     if offloaded:
         components.generator.sleep()
     try:
@@ -114,6 +119,8 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
         limit = config.cluster.timeout_s
         for logger in components.loggers:
             bounded_teardown(logger.close, f"logger {type(logger).__name__} (close)", limit)
+        if components.traces is not None:
+            components.traces.close()
         if components.critic is not None:
             bounded_teardown(components.critic.shutdown, "the critic (shutdown)", limit)
         bounded_teardown(components.trainer.shutdown, "the trainer (shutdown)", limit)

@@ -19,18 +19,21 @@ from rlcore.controller.batching import Trajectory, to_sequence_batch
 from rlcore.controller.nonfinite import NonfiniteStreak
 from rlcore.controller.rollouts import reward_tensors
 from rlcore.controller.timing import StepTimer
-from rlcore.interfaces import Algorithm, CriticHandle, SequenceBatch, Teacher, TrainerHandle
+from rlcore.interfaces import Algorithm, CriticHandle, Generator, SequenceBatch, Teacher, TrainerHandle
 
 
 class Learner:
     """Trains the policy on one step's trajectories through the trainer handle."""
 
     def __init__(self, trainer: TrainerHandle, algorithm: Algorithm, max_length: int, max_consecutive_nonfinite: int,
-                 teacher: Teacher | None = None, offload_trainer_state: bool = False, critic: CriticHandle | None = None):
+                 teacher: Teacher | None = None, offload_trainer_state: bool = False, critic: CriticHandle | None = None,
+                 may_offload: bool = False):
         self.trainer, self.algorithm, self.teacher, self.critic = trainer, algorithm, teacher, critic
         self.max_length = max_length
         self.nonfinite = NonfiniteStreak(max_consecutive_nonfinite)
         self.offload_trainer_state = offload_trainer_state
+        # offload_trainer_state: auto on a synchronous colocated GPU run: a wake-up refused for memory turns it on
+        self.may_offload = may_offload
         self.policy_version = 0  # optimizer steps taken (a skipped non-finite update is none)
 
     def batch(self, trajectories: list[Trajectory]) -> SequenceBatch:
@@ -95,6 +98,24 @@ class Learner:
         self._move(out=False, timer=timer)
         yield  # a failed step propagates as it is, the state left where it is
         self._move(out=True, timer=timer)
+
+    def wake(self, generator: Generator, timer: StepTimer | None = None) -> None:
+        """The engines' wake-up after training. A wake-up refused for memory (the generator raises
+        :class:`MemoryError` before it maps anything back) while the trainer's state is on the GPU and the
+        recipe left ``offload_trainer_state`` auto: the state (and a critic's) goes to host memory, the
+        wake-up is tried once more, and from then on the state leaves while the engine is awake."""
+        try:
+            generator.wake_up()
+        except MemoryError as exc:
+            if self.offload_trainer_state or not self.may_offload:
+                raise
+            print(f"memory: {exc}. The trainer's gradients and optimizer state leave the GPU while the engine is awake "
+                  "from now on (policy.generation.colocated.offload_trainer_state: auto)", flush=True)
+            self.offload_trainer_state = True
+            self._move(out=True, timer=timer)
+            if self.critic is not None:
+                self.critic.offload()
+            generator.wake_up()
 
     def _move(self, out: bool, timer: StepTimer | None) -> None:
         with timer.phase("offload") if timer is not None else contextlib.nullcontext():

@@ -23,6 +23,7 @@ from rlcore.controller.heartbeat import doing
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.learner import Learner
 from rlcore.controller.nonfinite import NonFiniteLossError
+from rlcore.controller.phase_memory import PhaseMemory
 from rlcore.controller.refitter import Refitter
 from rlcore.controller.resume import LoopCheckpoints, Progress
 from rlcore.controller.rollouts import Rollouts
@@ -30,13 +31,16 @@ from rlcore.controller.run_dir import checkpoint_root, fingerprint
 from rlcore.controller.timing import StepTimer
 from rlcore.controller.validation import Validator
 from rlcore.interfaces import (
-    Algorithm, CriticHandle, Environment, Generator, MetricLogger, PromptDataset, Teacher, TrainerHandle, WeightTransport,
+    Algorithm, CriticHandle, Environment, Generator, MetricLogger, Placement, PromptDataset, Teacher, TrainerHandle,
+    WeightTransport,
 )
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
+    from rlcore.planning.run_memory import RunMemoryPlan
     from rlcore.controller.report import Reporter
     from rlcore.rollout import MultiTurnRunner
+    from rlcore.traces import RolloutTraces
 
 __all__ = ["Components", "GRPOLoop", "NonFiniteLossError", "run_sync"]
 
@@ -58,6 +62,9 @@ class Components:
     run_identity: dict | None = None  # RunDir.identity(): run id, log dir, fingerprint (checkpoints record it)
     teacher: Teacher | None = None  # scores rollouts for algorithms registered with a teacher (distillation)
     critic: CriticHandle | None = None  # the value model of algorithms that train one (ppo)
+    placement: Placement = attrs.Factory(Placement)  # where the parts run, and the memory plan's decisions
+    memory_plan: RunMemoryPlan | None = None  # what the run predicted each phase holds (rlcore.planning.run_memory)
+    traces: RolloutTraces | None = None  # rollout traces of each step (logger.rollouts); None: none written
 
 
 class GRPOLoop:
@@ -69,9 +76,11 @@ class GRPOLoop:
         self.progress = Progress()
         self.rollouts = Rollouts(cfg, c.generator, c.environment, c.algorithm, c.dataset, c.multi_turn)
         teacher = None if c.teacher is None else TimedTeacher(c.teacher, cfg.cluster.timeout_s)
+        may_offload = (cfg.generation.colocated.offload_trainer_state == "auto" and c.placement.device == "cuda"
+                       and c.placement.colocated and not cfg.grpo.async_grpo.enabled)
         self.learner = Learner(c.trainer, c.algorithm, cfg.policy.max_total_sequence_length,
                                cfg.train.max_consecutive_nonfinite, teacher,
-                               cfg.generation.colocated.offload_trainer_state, c.critic)
+                               c.placement.offload_trainer_state, c.critic, may_offload=may_offload)
         self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock,
                                  cfg.policy.max_total_sequence_length, cfg.cluster.timeout_s)
         self.validator = Validator(self.rollouts, c.trainer, cfg.train.max_val_samples, cfg.train.seed,
@@ -79,10 +88,13 @@ class GRPOLoop:
         identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
         ckpt = CheckpointManager(checkpoint_root(cfg), cfg.checkpointing.keep_last_k) if cfg.checkpointing.enabled else None
         self.checkpoints = LoopCheckpoints(ckpt, checkpoint_root(cfg), self.progress, self.learner, self.rollouts.cursor,
-                                           self.refitter, c.generator, c.loggers, identity)
+                                           self.refitter, c.generator, [*c.loggers, *([c.traces] if c.traces else [])], identity)
         # the garbage collector's pauses and the interpreter lock's waits, recorded with each step (interpreter.py)
         self.collector = CollectorPolicy(cfg.cluster.gc_period)
         self.gc_clock, self.lock_lag = GCClock(), LockLagProbe(cfg.experimental.gil_lag_probe)
+        self.phase_memory: PhaseMemory | None = None  # peak GPU memory per phase (the sync loop on CUDA)
+        # the plan's prediction, with this process's first step record (beside the measured peaks)
+        self._plan_metrics = c.memory_plan.metrics() if c.memory_plan is not None else {}
 
     @property
     def step(self) -> int:
@@ -103,8 +115,13 @@ class GRPOLoop:
             driver(self)
             return self.progress.records
 
-        with self.collector, self.gc_clock, self.lock_lag:
-            return run_catching_sigterm(self.progress, body, checkpointed=self.checkpoints.ckpt is not None)
+        self.phase_memory = PhaseMemory.on_cuda() if driver is run_sync else None
+        try:
+            with self.collector, self.gc_clock, self.lock_lag:
+                return run_catching_sigterm(self.progress, body, checkpointed=self.checkpoints.ckpt is not None)
+        finally:
+            if self.phase_memory is not None:
+                self.phase_memory.close()
 
     def _start(self) -> None:
         self.checkpoints.resume(self.c.config.checkpointing.resume)
@@ -127,6 +144,8 @@ class GRPOLoop:
         """The learner's step, then the garbage collector's collection when due (``cluster.gc_period``)."""
         out = self.learner.train_on(trajectories, timer, self.progress.step)
         self.collector.after_training(self.progress.step)
+        if self.c.traces is not None:  # a sample of what was just trained, as it was trained
+            self.c.traces.write(self.progress.step, trajectories, out[1], self.rollouts.take_failures(self.progress.step))
         return out
 
     def validates(self) -> bool:
@@ -143,6 +162,8 @@ class GRPOLoop:
         record.update(self.lock_lag.take())
         record["step"] = p.step
         record["policy_version"] = self.learner.policy_version
+        record.update(self._plan_metrics)
+        self._plan_metrics = {}
         # The prompts drawn up to this step's batch (a count over epochs): each step's batch is the
         # range from the step before's, so a run's records show every prompt drawn once, in order.
         record["data_position"] = self.checkpoints.data_position()
@@ -169,7 +190,7 @@ def run_sync(run: GRPOLoop) -> None:
     generator = run.c.generator
     while run.step < run.train_cfg.max_num_steps:
         step = run.next_step()
-        timer = StepTimer()
+        timer = StepTimer(run.phase_memory)
         # Draw P prompts, generate G responses to each, score them, keep whole groups.
         trajectories, record, _ = run.rollouts.collect(step, timer)
         # Colocated engines release their memory while the trainer works (a no-op on CPU).
@@ -179,7 +200,7 @@ def run_sync(run: GRPOLoop) -> None:
         with run.learner.state_on_device(timer):
             metrics, batch = run.train(trajectories, timer)
         with timer.phase("refit"):
-            generator.wake_up()
+            run.learner.wake(generator, timer)
         record.update(metrics)
         # The new weights to the generator, checked by the probe.
         record.update(run.refitter.refit(batch, timer, step))

@@ -23,7 +23,7 @@ def plan_placement(config: RunConfig) -> Placement:
     device = "cuda" if cluster.gpus_per_node > 0 else "cpu"
     world = cluster.gpus_per_node * cluster.num_nodes if device == "cuda" else cluster.cpu_workers
     colocated = generation.colocated.enabled
-    if generation.colocated.offload_trainer_state:
+    if generation.colocated.offload_trainer_state is True:
         if not colocated:
             raise ConfigError(_OFFLOAD_KEY, "moves the trainer's state out of the engines' way, but "
                                             "policy.generation.colocated.enabled is false: they have devices of their own")
@@ -48,7 +48,8 @@ def plan_placement(config: RunConfig) -> Placement:
     local_ray = not (cluster.ray_address or os.environ.get("RAY_ADDRESS"))
     if separate_gpus and local_ray and cluster.num_nodes == 1:
         generator_gpus = tuple(driver_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), cluster.gpus_per_node, world))
-    return Placement(device=device, trainer_ranks=world, use_ray=use_ray, colocated=colocated, generator_gpus=generator_gpus)
+    return Placement(device=device, trainer_ranks=world, use_ray=use_ray, colocated=colocated, generator_gpus=generator_gpus,
+                     offload_trainer_state=generation.colocated.offload_trainer_state is True)
 
 
 def driver_gpu_ids(visible: str | None, gpus_per_node: int, trainer_gpus: int) -> list[str]:

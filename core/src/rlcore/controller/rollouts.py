@@ -100,12 +100,15 @@ class Rollouts:
         self.cursor = DataCursor(len(dataset.train), config.train.seed)
         self.generator_lock = threading.Lock()
         self.score_lock = threading.Lock()
+        self._failures: dict[int, list[dict]] = {}  # failed agent attempts by the step generated for, until traced
+        self._failures_lock = threading.Lock()
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, samples: list[Sample], n: int, seed: int | None, step: int, greedy: bool = False,
-                 observer: GenerationObserver | None = None):
+                 observer: GenerationObserver | None = None, failures: list[dict] | None = None):
         """Results per sample, the weights version, for multi-turn environments the EnvSteps the rollouts
-        ended with (else None), and the ``time.perf_counter()`` at which the generation took the generator."""
+        ended with (else None), and the ``time.perf_counter()`` at which the generation took the generator.
+        ``failures``, when given, gets the agent attempts that failed (for the rollout traces)."""
         params = sampling_params(self.generation_cfg, n, seed, greedy)
         final_steps = None
         with self.generator_lock:
@@ -119,6 +122,8 @@ class Rollouts:
                 results = self._bounded(lambda: self.multi_turn(samples, params), "multi-turn rollouts", step)
                 final_steps = [[EnvStep(reward=t.reward, metrics=t.env_metrics) for t in group]
                                for group in self.multi_turn.last_trajectories]
+                if failures is not None:
+                    failures.extend(self.multi_turn.last_failures)
             elif any(s.images is not None for s in samples):
                 generator = image_generator(self.generator)
                 results = self._bounded(lambda: generator.generate_with_images(
@@ -166,7 +171,11 @@ class Rollouts:
         G = self.grpo.num_generations_per_prompt
         samples = [self.dataset.train[i] for i in self.cursor.take(self.train_cfg.num_prompts_per_step)]
         seed = (self.train_cfg.seed * 1_000_003 + step * 101 + round_) if self.train_cfg.deterministic else None
-        results, version, final_steps, began = self.generate(samples, G, seed, step, observer=observer)
+        failures: list[dict] = []
+        results, version, final_steps, began = self.generate(samples, G, seed, step, observer=observer, failures=failures)
+        if failures:
+            with self._failures_lock:
+                self._failures.setdefault(step, []).extend(failures)
         first_group = round_ * len(samples)  # unique group ids across refill rounds
         trajectories = [Trajectory(s, first_group + g, r) for g, (s, rs) in enumerate(zip(samples, results)) for r in rs]
         return GeneratedRound(trajectories, version, final_steps, began, step)
@@ -175,6 +184,12 @@ class Rollouts:
                        observer: GenerationObserver | None = None) -> GeneratedRound:
         with timer.phase("generation"):
             return self._rollout_group(step, round_, observer)
+
+    def take_failures(self, step: int) -> list[dict]:
+        """The failed agent attempts of the rounds generated for steps up to ``step``, handed over once."""
+        with self._failures_lock:
+            done = sorted(k for k in self._failures if k <= step)
+            return [failure for k in done for failure in self._failures.pop(k)]
 
     def data_position(self) -> int:
         """Prompts drawn so far (the cursor's position): a checkpoint's place in the data."""

@@ -54,11 +54,12 @@ def outputs(run_dir: str | Path, config: Any) -> list[tuple[str, Path]]:
     """What the run in ``run_dir`` left, as (what, where), for the files that exist."""
     from rlcore.controller.checkpoint import CheckpointManager
     from rlcore.controller.run_dir import checkpoint_root
+    from rlcore.traces import trace_path
 
     run_dir = Path(run_dir)
     found = [("model (Hugging Face)", run_dir / MODEL_DIR), ("metrics", run_dir / "metrics.jsonl"),
              ("summary", run_dir / "summary.json"), ("curves", run_dir / "curves.png"),
-             ("TensorBoard", run_dir / "tensorboard")]
+             ("rollout traces", trace_path(run_dir, config.logger.rollouts)), ("TensorBoard", run_dir / "tensorboard")]
     latest = CheckpointManager(checkpoint_root(config), keep_last_k=1).latest()
     if latest is not None:
         found.insert(1, ("checkpoint", latest))
@@ -74,6 +75,8 @@ def print_outputs(run_dir: str | Path, config: Any, console: Any = None) -> None
     lines = [f"outputs of this run in {run_dir}:"] + [f"  {what:<{width}}  {path}" for what, path in listed]
     if any(path.name == MODEL_DIR for _, path in listed):
         lines.append(f"  evaluate it: rlcore eval {Path(run_dir) / MODEL_DIR} RECIPE")
+    if any(what == "rollout traces" for what, _ in listed):
+        lines.append(f"  read the rollouts: rlcore rollouts {run_dir} --worst")
     text = "\n".join(lines)
     if console is not None:
         console.print(text, highlight=False, markup=False, soft_wrap=True)

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
-
 from attrs import field, frozen
 
-from rlcore.config.structure import ConfigError, doc
-
-
-def _inside_log_dir(instance, attribute, value: str) -> None:
-    """A plain relative path with no ``..``: the file stays inside logger.log_dir, under its lock."""
-    path = PurePosixPath(value)
-    if not value or path.is_absolute() or ".." in path.parts or "\\" in value or value.endswith("/"):
-        raise ConfigError(f"logger.jsonl.{attribute.name}", f"{value!r} must be a file name inside logger.log_dir "
-                          "(relative, no '..'); to write elsewhere set logger.log_dir")
+from rlcore.config.structure import doc
+from rlcore.config.traces import inside_log_dir
 
 
 @frozen
 class JsonlLoggerConfig:
     enabled: bool = field(default=True, metadata=doc("write metrics.jsonl, one record per step"))
-    filename: str = field(default="metrics.jsonl", validator=_inside_log_dir,
+    filename: str = field(default="metrics.jsonl", validator=inside_log_dir("logger.jsonl"),
                           metadata=doc("file name inside logger.log_dir (relative, no '..')"))
 
 

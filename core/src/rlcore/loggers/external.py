@@ -11,10 +11,17 @@ class WandbLogger:
             import wandb
         except ImportError as exc:
             raise RuntimeError("logger.wandb.enabled is true but wandb is not installed: pip install wandb") from exc
+        self.wandb = wandb
         self.run = wandb.init(project=config.project, name=config.name, dir=str(run_dir))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(dict(metrics), step=step)
+
+    def log_rollouts(self, rows: list[list], step: int) -> None:
+        """A few of the step's rollout traces as a ``wandb.Table``."""
+        from rlcore.traces import TABLE_COLUMNS
+
+        self.run.log({"rollouts": self.wandb.Table(columns=list(TABLE_COLUMNS), data=rows)}, step=step)
 
     def close(self) -> None:
         self.run.finish()

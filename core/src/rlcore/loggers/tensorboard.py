@@ -18,6 +18,17 @@ class TensorboardLogger:
             self.writer.add_scalar(key, float(value), step)
         self.writer.flush()
 
+    def log_rollouts(self, rows: list[list], step: int) -> None:
+        """A few of the step's rollout traces as a Markdown table under the Text tab."""
+        from rlcore.traces import TABLE_COLUMNS
+
+        def cell(value) -> str:
+            return str(value).replace("|", "\\|").replace("\n", "⏎ ")
+
+        lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+        self.writer.add_text("rollouts", "\n".join(lines), step)
+
     def resume_at(self, step: int, records: list[dict] | None = None) -> None:
         """Events of the steps after ``step`` (the checkpoint resumed from) are redone: TensorBoard
         drops the earlier copies when it reads the directory. (``records``: the JSONL logger's.)"""

@@ -8,8 +8,8 @@ The H200 rows of ``benchmarks/results.jsonl`` that carry what a prediction needs
 - ``bench_grpo_step`` (whole synchronous GRPO steps, one GPU, colocated vLLM): ``train_s``, ``refit_s``,
   ``offload_s``, ``logprobs_s`` where the step ran a logprob pass, and ``generation_s`` against the median
   of the rows of its model (the same configuration's generation phase varies 2.6x from host to host).
-  One step off (``async``), MPS-shared, FP8 and non-colocated variants are left out: the planner models a
-  synchronous step with bf16 weights.
+  One step off (``async``), MPS-shared, FP8 and non-colocated variants are left out: the fit uses
+  synchronous steps with bf16 weights (the planner refuses FP8, and prices one step off from the phases).
 - ``generation`` (vLLM alone, 256 sequences of 64 + 1024 tokens): ``decode_step_ms`` of the bf16 rows with
   one engine per GPU and no MPS cap.
 

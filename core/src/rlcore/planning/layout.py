@@ -7,18 +7,22 @@ import math
 import attrs
 from attrs import frozen
 
+from rlcore.planning.shapes import ModelShape
+
 Recompute = str  # "none" | "selective" | "full"
 
 
 @frozen
 class Workload:
-    """One GRPO step's shape. Times use ``response_tokens`` for every sample (responses that run to the
-    limit, the worst case); memory uses ``max_seq`` for the longest sequence a micro-batch holds."""
+    """One GRPO step's shape. ``response_tokens`` is the mean response, ``response_max`` the longest (the
+    decode tail; 0: every response is ``response_tokens`` long); memory uses ``max_seq`` for the longest
+    sequence a micro-batch holds."""
 
     samples: int  # sequences a step generates and trains on
     prompt_tokens: int
     response_tokens: int
     max_seq: int
+    response_max: int = 0
     packing: bool = True
     micro_batch_size: int = 1  # sequences per micro-batch without packing
     logprob_passes: int = 1  # old-policy and reference passes
@@ -30,10 +34,20 @@ class Workload:
     grad_bytes: int = 4  # Megatron: 4 with grad_reduce_in_fp32, else the dtype's
     optimizer_states: int = 2  # Adam: 2 moments; SGD with momentum: 1
     overlap_grad_reduce: bool = False
+    critic: bool = False  # PPO: a value model of the policy's shape trains beside it (its state on the same GPUs)
+    critic_model: ModelShape | None = None  # the critic's shape for its phases (None: the policy's with a value head)
+    refit_chunk_bytes: int = 1 << 30  # weights staged for the engine at a time while it is awake (refit.chunk_bytes)
+    probe_tokens: int = 0  # tokens the refit probe's logprob pass scores while the engine is awake
+    graph_pool: bool = False  # training micro-batches replayed as CUDA graphs: their memory pool stays between steps
+    one_step_off: bool = False  # asynchronous GRPO: step k+1 generates while step k trains
 
     @property
     def seq_tokens(self) -> int:
         return self.prompt_tokens + self.response_tokens
+
+    @property
+    def longest_response(self) -> int:
+        return max(self.response_max, self.response_tokens)
 
     @property
     def tokens(self) -> int:
@@ -60,10 +74,16 @@ class Layout:
     train_mb_tokens: int = 8192
     logprob_mb_tokens: int = 16384
     offload: bool = False  # megatron: colocated.offload_trainer_state; fsdp2: dtensor_cfg.cpu_offload
+    release: bool = False  # fsdp2: colocated.offload_trainer_state (megatron's is ``offload``)
     colocated: bool = True
     gen_gpus: int = 0  # GPUs of generation's own when not colocated
     gen_tp: int = 1
     gen_memory_fraction: float = 0.0  # filled in by the planner: the engine's share of a GPU (vLLM gpu_memory_utilization)
+
+    @property
+    def releases_state(self) -> bool:
+        """Whether the trainer's gradients and optimizer state leave the GPU while a colocated engine is awake."""
+        return self.release or (self.offload and self.backend == "megatron")
 
     def train_world(self, world: int) -> int:
         return world if self.colocated else world - self.gen_gpus

@@ -4,7 +4,9 @@ Training phase: weights, gradients and optimizer state of the rank's shard; the 
 backward of the micro-batches in flight (one, or a pipeline's ``pp`` on its first stage); the logits of
 one micro-batch (last stage); collective buffers; a sleeping colocated engine's remainder. Generation
 phase (colocated): the trainer's resident state (its gradients and optimizer state leave for host memory
-with ``offload``) beside the engine's weights, KV cache and overhead. Logprob passes hold a forward's
+when released: ``colocated.offload_trainer_state``), what the refit allocates while the engine is awake (a
+staged chunk, the probe's logprob pass), beside the engine's weights, KV cache and overhead; an engine
+sized automatically takes what is left. Logprob passes hold a forward's
 activations only and never exceed training. Activation bytes per token and layer follow the tensors
 Megatron-Core keeps for backward (its paper's count, with flash attention's linear memory):
 ``8h`` replicated over tensor-parallel ranks without sequence parallelism, ``2(q+2kv) + 2q + 6f`` split.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 from attrs import frozen
 
 from rlcore.planning.calibration import Calibration
@@ -34,6 +37,13 @@ class Memory:
     engine_fraction: float  # the engine's share of a GPU (vLLM gpu_memory_utilization)
     problem: str | None  # why it does not fit, None when it does
     train_parts: dict  # the training phase's parts (GiB)
+    gen_parts: dict = attrs.Factory(dict)  # the generation phase's parts (GiB; empty without a generator)
+    kv_need_gib: float = 0.0  # KV cache for every sequence of a step decoding at once (per engine GPU)
+
+    @property
+    def kv_short(self) -> bool:
+        """The engine's KV cache holds fewer sequences than a step decodes at once (it then takes turns)."""
+        return self.engine_kv_gib < self.kv_need_gib
 
     @property
     def fits(self) -> bool:
@@ -53,7 +63,7 @@ def _local_params(shape: ModelShape, lay: Layout, stage: str) -> tuple[float, fl
         dense += shape.embedding_params
     elif stage == "first" or not shape.tied:
         dense += embed
-    expert = layers * shape.experts * shape.expert_params / (lay.ep * lay.etp)
+    expert = layers * shape.routed_layer_params / (lay.ep * lay.etp)
     return dense / lay.tp, expert
 
 
@@ -64,7 +74,7 @@ def activation_bytes_per_token_layer(shape: ModelShape, lay: Layout) -> float:
     if lay.recompute == "selective":  # core attention recomputed: its inputs are not kept
         attention = 2 * shape.q_dim
     if shape.moe:  # each token's top-k copies (permuted input, expert MLP, output), split over expert-TP ranks
-        mlp = shape.topk * (4 * h + 6 * shape.moe_ffn) / lay.etp
+        mlp = shape.topk * (4 * h + 6 * shape.moe_ffn) / lay.etp + 6 * shape.shared_ffn / tp
     else:
         mlp = 6 * shape.ffn / tp
     return replicated + attention / tp + mlp
@@ -100,7 +110,7 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
         acts = tokens * (layers * in_flight * 2 * shape.hidden / (lay.tp if lay.sp else 1) + per_layer)
     else:
         acts = tokens * layers * in_flight * per_layer
-    logits = tokens * shape.vocab / lay.tp * cal.logits_bytes if (stage == "last" or lay.pp == 1) else 0.0
+    logits = tokens * shape.output_width / lay.tp * cal.logits_bytes if (stage == "last" or lay.pp == 1) else 0.0
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts, "logits": logits}
     parts = {k: v / GIB for k, v in parts.items()}
     parts["comm_buffers"] = cal.comm_buffer_gib * (1 if world > 1 else 0) + (0.25 if lay.ep > 1 else 0.0)
@@ -109,8 +119,9 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
 
 
 def kv_bytes_per_gpu(shape: ModelShape, work: Workload, gen_tp: int) -> float:
-    """KV bytes per token on one engine GPU: key-value heads split over TP ranks, replicated past their count."""
-    return shape.kv_bytes_per_token(work.dtype_bytes) / min(gen_tp, shape.kv_heads)
+    """KV bytes per token on one engine GPU: key-value heads split over TP ranks (replicated past their count;
+    latent attention's compressed vector whole on every rank)."""
+    return shape.kv_bytes_per_token(work.dtype_bytes) / shape.kv_shards(gen_tp)
 
 
 def engine_need(shape: ModelShape, work: Workload, lay: Layout, cal: Calibration, replicas: int) -> tuple[float, float]:
@@ -121,46 +132,74 @@ def engine_need(shape: ModelShape, work: Workload, lay: Layout, cal: Calibration
     return weights, kv
 
 
+ENGINE_CAP = 0.9  # the largest share of a GPU an automatically sized engine takes (vLLM's own default)
+
+
+def state_parts(train: dict, work: Workload, lay: Layout) -> dict:
+    """The trainer's state kept on the GPU while a colocated engine is awake: its weights (the refit reads
+    them), and its gradients and optimizer state unless they leave for host memory; a PPO critic's alike."""
+    kept = {"weights": train["weights"], "gradients": train["gradients"], "optimizer": train["optimizer"]}
+    if lay.releases_state:
+        kept["gradients"] = kept["optimizer"] = 0.0
+    if work.critic:
+        kept["critic_state"] = (kept["weights"] + kept["gradients"] + kept["optimizer"])
+    if work.graph_pool and not lay.releases_state:  # a micro-batch's activations and logits, captured (released with the state)
+        kept["graph_pool"] = train["activations"] + train["logits"]
+    return kept
+
+
+def refit_transient_gib(shape: ModelShape, work: Workload, lay: Layout, cal: Calibration) -> float:
+    """What the trainer allocates while the engine is awake: one chunk of weights staged for the engine, and
+    the refit probe's logprob pass (its logits dominate)."""
+    probe = work.probe_tokens * shape.vocab / lay.tp * cal.forward_logits_bytes
+    return (work.refit_chunk_bytes + probe) / GIB
+
+
 def estimate(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration) -> Memory:
+    """Both phases of a step on the busiest GPU. The engine's share (``gen_memory_fraction``) is the
+    layout's when set; 0 sizes it: everything the trainer leaves free while the engine is awake, less the
+    calibration's headroom, up to :data:`ENGINE_CAP` of the GPU."""
     limit = cluster.gpu.memory_gib * (1 - cal.headroom)  # what a fitting layout may use
     stages = ["first", "last"] if lay.pp > 1 else ["last"]
     train = max((training_parts(shape, work, lay, cluster, cal, s) for s in stages), key=lambda p: sum(p.values()))
+    if work.critic:  # the critic's state stays beside the policy's while the policy trains
+        train["critic_state"] = train["weights"] + train["gradients"] + train["optimizer"]
     train_total = sum(train.values())
     if not work.generation:
         return Memory(train, "training", train_total, limit, 0.0, 0.0, _too_big(train, train_total, limit, "training"), train)
     replicas = lay.gen_replicas(cluster.world)
     eng_weights, kv_need = engine_need(shape, work, lay, cal, replicas)
     if lay.colocated:
-        resident = {k: train[k] for k in ("weights", "gradients", "optimizer")}
-        if lay.offload and lay.backend == "megatron":
-            resident["gradients"] = resident["optimizer"] = 0.0
-        base = sum(resident.values()) + train["comm_buffers"] + cal.fixed_gib
+        resident = {**state_parts(train, work, lay), "refit": refit_transient_gib(shape, work, lay, cal),
+                    "comm_buffers": train["comm_buffers"]}
     else:
-        resident, base = {}, cal.fixed_gib
-    room = limit - base - eng_weights - cal.engine_overhead_gib
+        resident = {}
+    resident["other"] = cal.fixed_gib
+    base = sum(resident.values())
+    total_gib = cluster.gpu.memory_gib
     if lay.gen_memory_fraction > 0:  # the engine's share is set (vLLM's gpu_memory_utilization): it takes all of it
-        room = min(room, lay.gen_memory_fraction * cluster.gpu.memory_gib - eng_weights - cal.engine_overhead_gib)
-        kv = max(0.0, room)
+        engine_total = lay.gen_memory_fraction * total_gib
     else:
-        kv = max(0.0, min(kv_need * 1.05, room))
-    gen = {**resident, "engine_weights": eng_weights, "kv_cache": kv, "engine_other": cal.engine_overhead_gib,
-           "comm_buffers": train["comm_buffers"] if lay.colocated else 0.0, "other": cal.fixed_gib}
-    fraction = min(1.0, (eng_weights + kv + cal.engine_overhead_gib) / cluster.gpu.memory_gib)
+        engine_total = max(0.0, min(limit - base, ENGINE_CAP * total_gib))
+    kv = max(0.0, engine_total - eng_weights - cal.engine_overhead_gib)
+    gen = {**resident, "engine_weights": eng_weights, "kv_cache": kv, "engine_other": cal.engine_overhead_gib}
     gen_total = sum(gen.values())
+    one_sequence = work.max_seq * kv_bytes_per_gpu(shape, work, lay.gen_tp) / GIB
     problem = None
-    if lay.gen_memory_fraction > 0 and base + lay.gen_memory_fraction * cluster.gpu.memory_gib > limit:
+    if lay.gen_memory_fraction > 0 and base + engine_total > limit:
         problem = (f"generation: the trainer keeps {base:.1f} GiB while the engine takes gpu_memory_utilization "
-                   f"{lay.gen_memory_fraction:g} x {cluster.gpu.memory_gib:.0f} GiB")
-    elif room <= 0.02 * kv_need or room <= 0.5:
+                   f"{lay.gen_memory_fraction:g} x {total_gib:.0f} GiB")
+    elif kv < max(one_sequence, 0.02 * kv_need, 0.5):
         problem = (f"generation: the engine's weights ({eng_weights:.1f} GiB) leave no room for a KV cache"
                    + (f" beside the trainer's {base:.1f} GiB" if lay.colocated else ""))
-    if lay.colocated:
-        peak_parts, phase = (train, "training") if train_total >= gen_total else (gen, "generation")
-        problem = _too_big(train, train_total, limit, "training") or problem
+    problem = _too_big(train, train_total, limit, "training") or problem
+    if lay.colocated and gen_total > train_total:
+        peak_parts, phase = gen, "generation"
     else:
         peak_parts, phase = train, "training"
-        problem = _too_big(train, train_total, limit, "training") or problem
-    return Memory(peak_parts, phase, max(train_total, gen_total if lay.colocated else 0.0), limit, kv, round(fraction, 3), problem, train)
+    fraction = min(1.0, (eng_weights + kv + cal.engine_overhead_gib) / total_gib)
+    return Memory(peak_parts, phase, max(train_total, gen_total if lay.colocated else 0.0), limit, kv, round(fraction, 3),
+                  problem, train, gen, kv_need)
 
 
 def _too_big(parts: dict, total: float, limit: float, phase: str) -> str | None:

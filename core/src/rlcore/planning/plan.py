@@ -7,9 +7,11 @@ config class: the key names below are the backends' and the generator's document
 
 from __future__ import annotations
 
+import attrs
 from attrs import frozen
 
-from rlcore.config import RunConfig, to_dict
+from rlcore.config import ConfigError, RunConfig, to_dict
+from rlcore.planning import checks, lengths
 from rlcore.planning import search as _search
 from rlcore.planning.calibration import Calibration, load_calibration
 from rlcore.planning.hardware import Cluster, gpu
@@ -43,38 +45,101 @@ def _recompute(value) -> str:
     return "full" if value in (True, "full") else ("selective" if value == "selective" else "none")
 
 
+def _fraction(value) -> float:
+    """The recipe's engine share of a GPU; 0 = the planner sizes it (``auto``, or no such key)."""
+    return 0.0 if value in (None, "auto") else float(value)
+
+
 def backend_of(tree: dict) -> str:
     return "megatron" if (tree["policy"].get("megatron_cfg") or {}).get("enabled") else "fsdp2"
 
 
 def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = None, gpu_name: str = "h200",
            shape: str | None = None, layers: int | None = None, prompt_tokens: int | None = None,
-           response_tokens: int | None = None, calibration: Calibration | None = None, world: int | None = None,
-           model: ModelShape | None = None) -> Inputs:
+           response_tokens: int | None = None, response_max: int | None = None, lengths_from: str | None = None,
+           calibration: Calibration | None = None, world: int | None = None, model: ModelShape | None = None) -> Inputs:
+    """The planner's inputs for ``config``, every one checked (:mod:`rlcore.planning.checks`): a bad count,
+    length or parallel size is a :class:`ConfigError` naming its key."""
     tree = to_dict(config)
     policy, gen = tree["policy"], tree["policy"].get("generation") or {}
     backend = backend_of(tree)
     section = policy.get("megatron_cfg" if backend == "megatron" else "dtensor_cfg") or {}
     model = model or resolve_shape(policy["model_name"], shape, layers)
-    nodes = nodes or (1 if gpus else config.cluster.num_nodes)
     if world is not None:
         cluster = Cluster(gpu(gpu_name), 1, world)
     else:
-        per_node = (gpus // nodes if gpus else config.cluster.gpus_per_node) or 1
-        cluster = Cluster(gpu(gpu_name), nodes, per_node)
-    work = workload(config, tree, prompt_tokens, response_tokens, has_generator=bool(gen.get("backend")))
+        cluster = Cluster(gpu(gpu_name), *checks.cluster_size(gpus, nodes, config.cluster.num_nodes, config.cluster.gpus_per_node))
+    work = workload(config, tree, prompt_tokens, response_tokens, has_generator=bool(gen.get("backend")),
+                    response_max=response_max, lengths_from=lengths_from)
+    critic = critic_shape(tree, model)
+    work = attrs.evolve(work, critic=critic is not None, critic_model=critic)
     auto = section.get("layout") == "auto"
     explicit = config.section(MEGATRON if backend == "megatron" else DTENSOR).explicit_keys if auto else frozenset()
-    return Inputs(model, work, cluster, calibration or load_calibration(gpu_name), backend,
-                  recipe_layout(tree, backend, section, gen), fixed_keys(backend, section, explicit, gen, config), auto)
+    layout, fixed = recipe_layout(tree, backend, section, gen), fixed_keys(backend, section, explicit, gen, config)
+    if world is None:  # a run's own callers pass its world; its backend checks its sizes as it builds
+        # layout: auto searches the sizes the section leaves out: only those it sets must divide what they split
+        bound = layout.with_(**{f: fixed.get(f, 1) for f in ("tp", "pp", "cp", "ep", "etp")}) if auto else layout
+        checks.recipe_layout(model, bound, cluster.world, backend, section, generation=work.generation)
+    return Inputs(model, work, cluster, calibration or load_calibration(gpu_name), backend, layout, fixed, auto)
+
+
+# settings the planner's model does not price: (config key, the value refused, the value to plan with, why)
+UNMODELLED = (
+    ("policy.megatron_cfg.fp8_cfg.enabled", True, "false", "FP8 training is not modelled (the training efficiency and "
+     "activation bytes are fitted to bf16 rows only)"),
+    ("policy.generation.quantization", "fp8", "none", "FP8 rollouts are not modelled (decode is priced reading bf16 "
+     "weights and refit moving bf16 bytes; the decode factors are fitted to bf16 rows only)"),
+    ("policy.generation.kv_cache_dtype", "fp8", "auto", "an FP8 KV cache is not modelled (the cache's size and the bytes "
+     "a decode step reads are priced in bf16)"),
+)
+
+
+def refuse_unmodelled(tree: dict) -> None:
+    """``rlcore plan`` refuses a recipe that sets what its model does not price, naming the key, rather than
+    planning another run than the one asked for."""
+    for key, value, instead, why in UNMODELLED:
+        node = tree
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node == value:
+            raise ConfigError(key, f"{why}; plan the run with {key}={instead}")
+
+
+def critic_shape(tree: dict, policy: ModelShape) -> ModelShape | None:
+    """PPO's value model: ``algorithm.critic.model_name``'s shape, else the policy's, with a value head."""
+    algorithm = tree.get("algorithm") or {}
+    if algorithm.get("name") != "ppo":
+        return None
+    name = (algorithm.get("critic") or {}).get("model_name")
+    return (resolve_shape(name) if name else policy).as_critic()
+
+
+def _lengths(gen: dict, max_seq: int, prompt: int | None, response: int | None, response_max: int | None,
+             lengths_from: str | None) -> tuple[int, int, int]:
+    """(prompt, mean response, longest response) tokens. Default: every response at ``max_new_tokens`` (the worst
+    case); a mean alone keeps the longest at that limit (a step's tail usually reaches it)."""
+    checks.lengths(prompt, response, response_max, max_seq)
+    if lengths_from is not None:
+        if response is not None or response_max is not None:
+            raise ConfigError(lengths.FLAG, "reads the response lengths: give it or --response-tokens / --response-max, not both")
+        found = lengths.from_metrics(lengths_from)
+        prompt = prompt or max(1, round(found.prompt))
+        response, response_max = max(1, round(found.response_mean)), max(1, round(found.response_max))
+        if prompt + response_max > max_seq:
+            raise ConfigError(lengths.FLAG, f"{lengths_from}: {prompt} prompt + {response_max} response tokens exceed "
+                              f"policy.max_total_sequence_length={max_seq}")
+        return prompt, response, response_max
+    limit = min(int(gen.get("max_new_tokens", 256)), max_seq - 1)
+    prompt = prompt or max(1, min(256, max_seq - (response_max or response or limit)))
+    longest = min(response_max or max(limit, response or 0), max_seq - prompt)
+    return prompt, min(response or longest, longest), longest
 
 
 def workload(config: RunConfig, tree: dict, prompt_tokens: int | None, response_tokens: int | None, *,
-             has_generator: bool) -> Workload:
+             has_generator: bool, response_max: int | None = None, lengths_from: str | None = None) -> Workload:
     policy, gen = config.policy, tree["policy"].get("generation") or {}
     max_seq = policy.max_total_sequence_length
-    response = min(response_tokens or gen.get("max_new_tokens", 256), max_seq - 1)
-    prompt = prompt_tokens or max(1, min(256, max_seq - response))
+    prompt, response, longest = _lengths(gen, max_seq, prompt_tokens, response_tokens, response_max, lengths_from)
     samples = config.train.num_prompts_per_step * config.grpo.num_generations_per_prompt
     algorithm = tree.get("algorithm") or {}
     minibatches = policy.train_global_batch_size is not None and policy.train_global_batch_size < samples
@@ -83,12 +148,14 @@ def workload(config: RunConfig, tree: dict, prompt_tokens: int | None, response_
     ddp = mcfg.get("distributed_data_parallel_config") or {}
     megatron = bool(mcfg.get("enabled"))
     return Workload(
-        samples=samples, prompt_tokens=prompt, response_tokens=response, max_seq=max_seq,
+        samples=samples, prompt_tokens=prompt, response_tokens=response, response_max=longest, max_seq=max_seq,
         packing=policy.sequence_packing.enabled, micro_batch_size=policy.train_micro_batch_size, logprob_passes=passes,
         generation=has_generator, max_num_seqs=int(gen.get("max_num_seqs", 256)),
+        uniform_lengths=longest == response, one_step_off=config.grpo.async_grpo.enabled,
         dtype_bytes=4 if policy.precision in ("float32", "float64") else 2,
         grad_bytes=4 if (not megatron or ddp.get("grad_reduce_in_fp32", True)) else 2,
         overlap_grad_reduce=bool(ddp.get("overlap_grad_reduce")) if megatron else False,
+        graph_pool=megatron and mcfg.get("cuda_graph", "none") != "none",
     )
 
 
@@ -98,16 +165,17 @@ def recipe_layout(tree: dict, backend: str, section: dict, gen: dict) -> Layout:
     resources = (gen.get("colocated") or {}).get("resources") or {}
     common = dict(train_mb_tokens=packing.get("train_mb_tokens", 4096), logprob_mb_tokens=packing.get("logprob_mb_tokens", 8192),
                   colocated=colocated, gen_gpus=0 if colocated else resources.get("gpus_per_node", 0) * resources.get("num_nodes", 1),
-                  gen_tp=gen.get("tensor_parallel_size", 1), gen_memory_fraction=float(gen.get("gpu_memory_utilization", 0.0) or 0.0))
+                  gen_tp=gen.get("tensor_parallel_size", 1), gen_memory_fraction=_fraction(gen.get("gpu_memory_utilization")))
     if backend == "fsdp2":
         tp = section.get("tensor_parallel_size", 1)
         return Layout(backend="fsdp2", tp=tp, sp=bool(section.get("sequence_parallel")),
-                      recompute=_recompute(section.get("activation_checkpointing")), offload=bool(section.get("cpu_offload")), **common)
+                      recompute=_recompute(section.get("activation_checkpointing")), offload=bool(section.get("cpu_offload")),
+                      release=(gen.get("colocated") or {}).get("offload_trainer_state") is True, **common)
     tp = section.get("tensor_model_parallel_size", 1)
     return Layout(tp=tp, pp=section.get("pipeline_model_parallel_size", 1), cp=section.get("context_parallel_size", 1),
                   ep=section.get("expert_model_parallel_size", 1), etp=section.get("expert_tensor_parallel_size") or tp,
                   sp=bool(section.get("sequence_parallel")), recompute=_recompute(section.get("activation_checkpointing")),
-                  offload=bool((gen.get("colocated") or {}).get("offload_trainer_state")), **common)
+                  offload=(gen.get("colocated") or {}).get("offload_trainer_state") is True, **common)
 
 
 def fixed_keys(backend: str, section: dict, explicit: frozenset, gen: dict, config: RunConfig) -> dict:

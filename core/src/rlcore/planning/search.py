@@ -29,6 +29,7 @@ class Estimate:
     layout: Layout
     memory: memory.Memory
     phases: dict
+    overlapped: bool = False  # one step off, generation on GPUs of its own: see timing.step_s
 
     @property
     def fits(self) -> bool:
@@ -36,13 +37,14 @@ class Estimate:
 
     @property
     def step_s(self) -> float:
-        return sum(self.phases.values())
+        return timing.step_s(self.phases, self.overlapped)
 
 
 def evaluate(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration) -> Estimate:
     mem = memory.estimate(shape, work, lay, cluster, cal)
     lay = attrs.evolve(lay, gen_memory_fraction=mem.engine_fraction)
-    return Estimate(lay, mem, timing.phases(shape, work, lay, cluster, cal, mem))
+    overlapped = work.one_step_off and work.generation and not lay.colocated
+    return Estimate(lay, mem, timing.phases(shape, work, lay, cluster, cal, mem), overlapped)
 
 
 def _pow2(limit: int) -> list[int]:

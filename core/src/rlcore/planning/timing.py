@@ -5,15 +5,19 @@ over the GPUs at a calibrated efficiency, a pipeline's bubble ``(pp-1)/(vpp m)``
 micro-batch, and the bytes of the collectives over the link they cross (NVLink inside a node, the
 network across): tensor-parallel all-reduces, expert all-to-alls, context-parallel KV exchange, the
 data-parallel gradient reduce-scatter and parameter all-gather (FSDP: per micro-batch), the part of
-the overlappable ones not hidden behind compute. Generation: each decode step reads the engine's weights
-and the KV cache of the sequences in flight from memory (or computes their GEMMs, whichever is
-slower) plus a host cost per step; prefill is FLOPs. Refit: bytes into the engine plus a fixed cost.
+the overlappable ones not hidden behind compute. Generation: an engine's decode steps are its tokens in
+full batches and then its longest response's tail; each step reads the engine's weights and the KV cache
+of the sequences in flight from memory (or computes their GEMMs, whichever is slower) plus a host cost per
+step; prefill is FLOPs. Refit: bytes into the engine plus a fixed cost. PPO's critic: its values and
+training passes (:mod:`rlcore.planning.critic`). The step: the sum, or one step off the longer of
+generation and the trainer's side (:func:`step_s`).
 """
 
 from __future__ import annotations
 
 import math
 
+from rlcore.planning import critic
 from rlcore.planning.calibration import Calibration
 from rlcore.planning.hardware import Cluster
 from rlcore.planning.layout import Layout, Workload, micro_batches
@@ -83,26 +87,39 @@ def _comm_s(shape, work, lay, cluster, cal, n_mb, mb_tokens, forward_only) -> fl
     return tp + ep + overlappable * (1 - hidden)
 
 
+def decode_steps(work: Workload, per_replica: int, concurrent: int) -> int:
+    """Decode steps of one engine: its tokens in batches of ``concurrent`` (continuous batching refills a slot
+    as a sequence ends), then the tail: its longest response goes on after the mean-length ones finished,
+    and no engine finishes before its longest response."""
+    mean, longest = work.response_tokens, work.longest_response
+    return max(longest, math.ceil(per_replica * mean / concurrent) + longest - mean)
+
+
 def generation_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration, mem: Memory) -> tuple[float, int]:
-    """(seconds, sequences an engine decodes at once) for a step's ``samples`` over the engine replicas."""
+    """(seconds, sequences an engine decodes at once) for a step's ``samples`` over the engine replicas.
+
+    Every replica is taken to get sequences as long as the step's longest (the decode tail bounds each
+    engine); the KV cache read over the step is each sequence's own, summed over its decode steps."""
     replicas = lay.gen_replicas(cluster.world)
     per_replica = math.ceil(work.samples / replicas)
     kv_token = kv_bytes_per_gpu(shape, work, lay.gen_tp)
     fits = int(mem.engine_kv_gib * 2**30 / max(kv_token * work.seq_tokens, 1))
     concurrent = max(1, min(work.max_num_seqs, per_replica, fits))
-    rounds = math.ceil(per_replica / concurrent)
+    steps = decode_steps(work, per_replica, concurrent)
+    in_flight = per_replica * work.response_tokens / steps  # sequences a decode step advances, on average
     gpu = cluster.gpu
     weights = shape.total_params * work.dtype_bytes / lay.gen_tp
     if shape.moe:  # a decode step touches the experts its tokens chose: at most all of them
-        touched = min(1.0, concurrent * shape.topk / shape.experts)
+        touched = min(1.0, in_flight * shape.topk / shape.experts)
         weights = (shape.total_params - shape.expert_total_params * (1 - touched)) * work.dtype_bytes / lay.gen_tp
-    kv_read = concurrent * (work.prompt_tokens + work.response_tokens / 2) * kv_token
+    # a sequence's decode step t reads its prompt's and t response tokens' KV: summed, p*r + r^2/2 per sequence
+    kv_read = per_replica * (work.prompt_tokens * work.response_tokens + work.response_tokens ** 2 / 2) * kv_token / steps
     memory_s = (weights + kv_read) / (gpu.hbm_tbps * 1e12 * cal.decode_bandwidth_efficiency)
-    compute_s = 2 * shape.active_matmul_params * concurrent / lay.gen_tp / (gpu.peak_tflops * 1e12 * cal.decode_flops_efficiency)
+    compute_s = 2 * shape.active_matmul_params * in_flight / lay.gen_tp / (gpu.peak_tflops * 1e12 * cal.decode_flops_efficiency)
     tp_s = 0.0 if lay.gen_tp == 1 else 2 * shape.layers * 8e-6  # two small all-reduces a layer, latency-bound
     step = cal.decode_host_ms / 1e3 + max(memory_s, compute_s) + tp_s
     prefill = 2 * shape.active_matmul_params * per_replica * work.prompt_tokens / lay.gen_tp / (gpu.peak_tflops * 1e12 * cal.prefill_efficiency)
-    return rounds * work.response_tokens * step + prefill, concurrent
+    return steps * step + prefill, concurrent
 
 
 def refit_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration) -> float:
@@ -131,4 +148,23 @@ def phases(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal
         out["generation"], _ = generation_s(shape, work, lay, cluster, cal, mem)
         out["refit"] = refit_s(shape, work, lay, cluster, cal)
         out["offload"] = offload_s(mem, lay, work, cal)
+    if work.critic:
+        model = work.critic_model or shape.as_critic()
+        extra = critic.phases(model, work, lay, cluster, cal, lambda fwd: _pass_s(model, work, lay, cluster, cal, forward_only=fwd))
+        out["offload"] = out.get("offload", 0.0) + extra.pop("offload", 0.0)
+        out.update(extra)
     return out
+
+
+TRAINER_SIDE = ("logprobs", "training", "values", "critic")
+
+
+def step_s(phases: dict, overlapped: bool) -> float:
+    """A synchronous step is the sum of its phases. One step off, with the engines on GPUs of their own, the
+    trainer's side of step k (logprobs, the critic, training) runs while step k+1 generates: the step is the
+    longer of the two, plus the refit between them (the engines wait for the new weights)."""
+    if not overlapped:
+        return sum(phases.values())
+    trainer = sum(phases.get(p, 0.0) for p in TRAINER_SIDE)
+    rest = sum(v for k, v in phases.items() if k not in TRAINER_SIDE and k != "generation")
+    return max(phases.get("generation", 0.0), trainer) + rest

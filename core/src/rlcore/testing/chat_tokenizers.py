@@ -5,8 +5,8 @@ tokenization and the separators of its template are single characters, so it can
 multi-turn rollout loses, duplicates or re-merges separator tokens. These tokenizers can. Each is
 trained offline with ``tokenizers`` (well under a second) on a synthetic corpus, using its
 family's real pre-tokenizer regex, normalizer, special and added tokens, and the family's chat
-template (Llama-3-Instruct's header/``<|eot_id|>`` format, Qwen2.5's and Qwen3's ChatML, Qwen3
-with its ``<think>`` handling), copied from the released ``tokenizer_config.json`` files. The
+template (Llama-3-Instruct's header/``<|eot_id|>`` format, Llama 3.1's with its tools, Qwen2.5's
+and Qwen3's ChatML with theirs, Qwen3 with its ``<think>`` handling), copied from the released ``tokenizer_config.json`` files. The
 vocabularies are small and synthetic, so ids differ from the released ones; what is kept is how
 text around the turn boundaries is split and merged.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("llama3", "qwen2", "qwen3")
+FAMILIES = ("llama3", "llama31", "qwen2", "qwen3")
 
 # Llama 3's pre-tokenizer splits runs of digits by three and keeps "\n\n" apart from the word after it.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -36,6 +36,119 @@ LLAMA3_CHAT_TEMPLATE = (
     "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
+
+# Llama 3.1 Instruct's template as released (custom tools as JSON in the first user turn; a tool
+# call is a bare {"name", "parameters"} turn; tool results come back under the "ipython" role).
+LLAMA31_CHAT_TEMPLATE = """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message + builtin tools #}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{%- if builtin_tools is defined %}
+    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\\n\\n"}}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
+            {%- for arg_name, arg_val in tool_call.arguments | items %}
+                {{- arg_name + '="' + arg_val + '"' }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- endif %}
+                {%- endfor %}
+            {{- ")" }}
+        {%- else  %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+            {{- '{"name": "' + tool_call.name + '", ' }}
+            {{- '"parameters": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- "}" }}
+        {%- endif %}
+        {%- if builtin_tools is defined %}
+            {#- This means we're in ipython mode #}
+            {{- "<|eom_id|>" }}
+        {%- else %}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
 
 _QWEN_TOOLS_INTRO = (
     "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
@@ -198,12 +311,14 @@ QWEN3_CHAT_TEMPLATE = """{%- if tools %}
 
 _SPECIAL = {
     "llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    "llama31": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<|eom_id|>", "<|python_tag|>"],
     "qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
     "qwen3": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
 }
 # Qwen3's added tokens that are not special: decoding with skip_special_tokens keeps them.
 _QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
-_TEMPLATES = {"llama3": LLAMA3_CHAT_TEMPLATE, "qwen2": QWEN2_CHAT_TEMPLATE, "qwen3": QWEN3_CHAT_TEMPLATE}
+_TEMPLATES = {"llama3": LLAMA3_CHAT_TEMPLATE, "llama31": LLAMA31_CHAT_TEMPLATE, "qwen2": QWEN2_CHAT_TEMPLATE, "qwen3": QWEN3_CHAT_TEMPLATE}
 
 
 def _corpus() -> list[str]:
@@ -213,6 +328,7 @@ def _corpus() -> list[str]:
     lines += [f"{a}*{b}={a * b}, {a}+{b}={a + b}. <calc>{a}*{b}</calc> <result>{a * b}</result>"
               for a in range(3, 40, 3) for b in range(2, 30, 4)]
     lines += ["\n\n".join(lines[i : i + 3]) for i in range(0, 60, 3)]  # newline runs, so "\n\n" merges
+    lines += ['{"name": "calc", "parameters": {"expression": "12*7"}}', '<tool_call>\n{"name": "calc", "arguments": {}}\n</tool_call>']
     return lines + ["\\boxed{100}", "<think>\nwe need\n</think>\n\n"]
 
 
@@ -220,9 +336,10 @@ def _train(family: str, vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     core = Tokenizer(models.BPE())
-    if family != "llama3":
+    llama = family.startswith("llama")
+    if not llama:
         core.normalizer = normalizers.NFC()
-    split = _LLAMA3_SPLIT if family == "llama3" else _QWEN_SPLIT
+    split = _LLAMA3_SPLIT if llama else _QWEN_SPLIT
     core.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
@@ -231,7 +348,7 @@ def _train(family: str, vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL[family], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator(_corpus(), trainer)
-    if family == "llama3":  # as released: encode() with special tokens prepends <|begin_of_text|>
+    if llama:  # as released: encode() with special tokens prepends <|begin_of_text|>
         bos = core.token_to_id("<|begin_of_text|>")
         core.post_processor = processors.Sequence([
             processors.ByteLevel(trim_offsets=False),
@@ -244,14 +361,14 @@ def _train(family: str, vocab_size: int):
 
 
 def build_chat_tokenizer(family: str, path: str | Path, *, vocab_size: int = 700):
-    """Train a byte-level BPE tokenizer of ``family`` (``llama3``, ``qwen2``, ``qwen3``), save it to
+    """Train a byte-level BPE tokenizer of ``family`` (``llama3``, ``llama31``, ``qwen2``, ``qwen3``), save it to
     ``path`` with its chat template and load it back with ``AutoTokenizer``; returns the loaded one."""
     from tokenizers import AddedToken
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if family not in FAMILIES:
         raise ValueError(f"unknown tokenizer family {family!r}; choose one of {FAMILIES}")
-    if family == "llama3":
+    if family.startswith("llama"):
         names = dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|end_of_text|>")
     else:
         names = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>")

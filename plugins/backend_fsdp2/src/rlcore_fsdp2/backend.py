@@ -37,10 +37,10 @@ from rlcore_fsdp2.optim import ShardLocalAdamW
 from rlcore_fsdp2.parallel_dims import ParallelDims
 from rlcore_fsdp2.parallelize import defer_grad_sync, hf_name, parallelize
 from rlcore.schedule import lr_lambda
-from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
+from rlcore.training import HostOffloader, check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.utils import torch_dtype
 from rlcore.weights import chunked, gather_sequences_to_rank0, write_hf_checkpoint
-from rlcore_fsdp2.weights import Offloader, ReferencePolicy, gather_full, iter_hf_tensors, local
+from rlcore_fsdp2.weights import ReferencePolicy, gather_full, iter_hf_tensors, local, state_tensors
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class FSDP2Backend:
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config))
         self.reference = ReferencePolicy(self.params) if self.keeps_reference else None
-        self.offloader = Offloader()
+        self.offloader = HostOffloader()
         self.step = 0
         self._empty_cache_after_train = self.device.type == "cuda" and _empty_cache_after_train(world, cfg)
         # FSDP2's one-rank copy-in and accumulation, cheaper (process-wide until shutdown)
@@ -387,7 +387,7 @@ class FSDP2Backend:
 
     def offload(self, *, keep_weights: bool = False) -> None:
         self._reshard()
-        self.offloader.offload(Offloader.tensors(self.model, self.optimizer, weights=not keep_weights), self.device)
+        self.offloader.offload(state_tensors(self.model, self.optimizer, weights=not keep_weights), self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

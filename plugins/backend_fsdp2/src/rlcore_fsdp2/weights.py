@@ -83,48 +83,15 @@ class ReferencePolicy:
                     local(p).copy_(cur, non_blocking=True)
 
 
-class Offloader:
-    """Frees accelerator memory of sharded params and optimizer state by copying each storage
-    to CPU and resizing it to 0 bytes; tensors (and the optimizer's references to them) stay
-    the same objects, so nothing has to be re-wired on the way back."""
-
-    def __init__(self) -> None:
-        self.saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
-
-    @staticmethod
-    def tensors(model: nn.Module, optimizer: torch.optim.Optimizer, weights: bool = True) -> Iterator[torch.Tensor]:
-        for p in model.parameters():
-            if weights:
-                yield local(p)
-            if p.grad is not None:
-                yield local(p.grad)
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    yield local(value)
-
-    @torch.no_grad()
-    def offload(self, tensors: Iterable[torch.Tensor], device: torch.device) -> None:
-        if self.saved:
-            return
-        seen: set[int] = set()
-        pin = device.type == "cuda"
-        for t in tensors:
-            storage = t.untyped_storage()
-            if t.device != device or storage.nbytes() == 0 or storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),))
-            copy = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-            copy.copy_(view)
-            self.saved.append((storage, copy))
-        for storage, _ in self.saved:
-            storage.resize_(0)
-
-    @torch.no_grad()
-    def onload(self) -> None:
-        for storage, copy in self.saved:
-            storage.resize_(copy.numel())
-            view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (copy.numel(),))
-            view.copy_(copy, non_blocking=True)
-        self.saved = []
+def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, weights: bool = True) -> Iterator[torch.Tensor]:
+    """The rank's training state for :class:`rlcore.training.HostOffloader`: the local shards of the
+    parameters (unless ``weights`` is false), their gradients, and the optimizer's state."""
+    for p in model.parameters():
+        if weights:
+            yield local(p)
+        if p.grad is not None:
+            yield local(p.grad)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield local(value)

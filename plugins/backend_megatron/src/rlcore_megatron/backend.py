@@ -32,7 +32,7 @@ from rlcore.config import ConfigError, RunConfig
 from rlcore.algorithms.base import merge_metrics
 from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
-from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
+from rlcore.training import HostOffloader, check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.weights import chunked, gather_sequences_to_rank0
 from rlcore_megatron import checkpoint, context_parallel, cpu_shims, cuda_graph, kernels, output, parallel
 from rlcore_megatron.config import SECTION, MegatronConfig, apply_auto_layout
@@ -117,7 +117,7 @@ class MegatronBackend:
         # The reference policy is the initial one: a host copy of this rank's shard.
         self._reference = {k: v.detach().to("cpu", copy=True) for k, v in self._weights().items()} if self.keeps_reference else {}
         self.step = 0
-        self._offloaded = False
+        self.offloader = HostOffloader()
 
     def _build_model(self, cfg: MegatronConfig, config: RunConfig, *, load: bool):
         """This rank's model, with the checkpoint's weights when ``load`` (else random init)."""
@@ -333,7 +333,10 @@ class MegatronBackend:
         return bool(flag.item() == 1.0)
 
     def _maybe_empty_cache(self, level: int) -> None:
-        if self.cfg.empty_unused_memory_level >= level and not self.on_cpu:
+        chosen = self.cfg.empty_unused_memory_level
+        if chosen is None:
+            chosen = 1 if self.world.placement.colocated else 0
+        if chosen >= level and not self.on_cpu:
             torch.cuda.empty_cache()
 
     def _lr(self) -> float:
@@ -362,45 +365,40 @@ class MegatronBackend:
     # ---- memory ------------------------------------------------------------------------------
     @cpu_shims.shimmed
     def offload(self, *, keep_weights: bool = False) -> None:
-        """Move optimizer state, the gradient buffers (dropped: the next step zeroes them) and, unless
-        ``keep_weights``, the parameter buffers to host memory (GPU only)."""
-        if self.on_cpu or self._offloaded:
+        """Release the optimizer state, the main weights that own their storage, the gradient buffers and,
+        unless ``keep_weights``, the parameter buffers to host memory (:class:`rlcore.training.HostOffloader`:
+        bit for bit, every reference kept; on CPU the storages are released and restored the same way)."""
+        if self.offloader.offloaded:
             return
         if self.graphs is not None:  # their memory pool, and buffers that are about to move
             self.graphs.reset()
-        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-            buffer.offload_to_cpu(move_params=not keep_weights, move_grads=True)
-        self._move_optimizer_state("cpu")
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        self._offloaded = True
+        buffers = self.model.buffers + self.model.expert_parallel_buffers
+        keep = [b.param_data for b in buffers] if keep_weights else []
+        self.offloader.offload(self.state_tensors(), self._device, keep=keep)
+        if not self.on_cpu:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     @cpu_shims.shimmed
     def onload(self) -> None:
-        if self.on_cpu or not self._offloaded:
-            return
-        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-            buffer.reload_from_cpu(move_params=True, move_grads=True)
-        self._move_optimizer_state(self._device)
-        torch.cuda.synchronize()
-        self._offloaded = False
+        self.offloader.onload()
+        if not self.on_cpu:
+            torch.cuda.synchronize()
 
-    def _move_optimizer_state(self, device) -> None:
-        """Optimizer state and the main-weight copies that own their storage. Main weights that are
-        views of model parameters (fp32 training) move with the parameter buffers instead, and
-        AdamW's ``step`` counters stay on the host (torch's AdamW wants them there)."""
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The rank's training state: parameter and gradient buffers (the model's weights and gradients
+        are views of them), the optimizer's state and its main weights. AdamW's ``step`` counters stay on
+        the host, as torch's AdamW wants them."""
+        out = []
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            out += [buffer.param_data, buffer.grad_data]
         for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = getattr(sub, "optimizer", None)
             if inner is None:
                 continue
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    if p._base is None:
-                        p.data = p.data.to(device, non_blocking=True)
-            for state in inner.state.values():
-                for key, value in state.items():
-                    if torch.is_tensor(value) and key != "step":
-                        state[key] = value.to(device, non_blocking=True)
+            out += [p.data for group in inner.param_groups for p in group["params"]]
+            out += [v for state in inner.state.values() for k, v in state.items() if torch.is_tensor(v) and k != "step"]
+        return out
 
     def shutdown(self) -> None:
         """Drop the model, optimizer and reference copy so their memory is free for what runs next."""

@@ -200,7 +200,10 @@ class MegatronConfig:
         "captured once per shape bucket (micro-batches padded to the token budget; rlcore_megatron.cuda_graph). CUDA "
         "with Transformer Engine's fused RoPE, sequence packing, PP = CP = 1, dense models, no recompute, no fp16, "
         "no FP8"))
-    empty_unused_memory_level: Literal[0, 1, 2] = field(default=0, metadata=doc("torch.cuda.empty_cache: 0 never, 1 after each optimizer step, 2 also after each forward(-backward) pass over the micro-batches"))
+    empty_unused_memory_level: Literal[0, 1, 2] | None = field(default=None, metadata=doc(
+        "torch.cuda.empty_cache: 0 never, 1 after each optimizer step, 2 also after each forward(-backward) pass over the "
+        "micro-batches; None: 1 when a colocated engine shares the GPU (it wakes up after training and needs the "
+        "allocator's cached activation blocks), else 0 (re-allocating them costs host time)"))
     optimizer: MegatronOptimizerConfig = field(factory=MegatronOptimizerConfig, metadata=doc("optimizer"))
     scheduler: MegatronSchedulerConfig = field(factory=MegatronSchedulerConfig, metadata=doc("learning-rate/weight-decay schedule"))
     distributed_data_parallel_config: MegatronDDPConfig = field(factory=MegatronDDPConfig, metadata=doc("data-parallel gradient handling"))

@@ -79,7 +79,6 @@ class VllmConfig(GenerationConfig):
     backend: str = field(default="vllm", metadata=doc("generator plugin; 'vllm' selects this one"))
     async_engine: bool = field(default=False, metadata=doc("AsyncLLM (multi-turn, streaming) instead of the sync LLM"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=doc("engine weights dtype; auto = policy.precision"))
-    gpu_memory_utilization: float = field(default=0.5, validator=fraction, metadata=doc("share of GPU memory vLLM may take"))
     enforce_eager: bool = field(default=False, metadata=doc("no CUDA graphs / torch.compile"))
     tensor_parallel_size: int = field(default=1, validator=_positive, metadata=doc("vLLM tensor parallelism per replica"))
     num_replicas: int = field(default=1, validator=_positive, metadata=doc("data-parallel engine replicas; requests are balanced across them"))

@@ -53,7 +53,7 @@ class VllmGenerator:
 
     def __init__(self, model_path: str, config: VllmConfig | None = None, *, max_model_len: int = 1024,
                  dtype: str = "float32", seed: int = 0, device: str = "cpu", tokenizer_path: str | None = None,
-                 engine_kwargs: dict[str, Any] | None = None):
+                 engine_kwargs: dict[str, Any] | None = None, memory_fraction: float | None = None):
         self.config = config or VllmConfig()
         self.model_path = str(model_path)
         self.max_model_len = self.config.max_model_len or max_model_len
@@ -61,6 +61,8 @@ class VllmGenerator:
         self.dtype = dtype
         self.weights_version = 0
         self.sleeping = False
+        self.memory_fraction = memory_fraction_of(self.config, memory_fraction)
+        self._wake_bytes = 0  # what the engine gave back at its last sleep, and maps back at wake-up
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
         self.image_token, self.model_impl, vocab_size = self._vision_family()
         kwargs = self._engine_kwargs(dtype, seed, tokenizer_path)
@@ -125,7 +127,7 @@ class VllmGenerator:
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_space_gib * (1 << 30))
         else:
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = self.memory_fraction
             if cfg.gpu_kv_cache_gib is not None:
                 kwargs["kv_cache_memory_bytes"] = int(cfg.gpu_kv_cache_gib * (1 << 30))
             kwargs["enable_sleep_mode"] = self._sleeps
@@ -346,11 +348,19 @@ class VllmGenerator:
         """Release weights and KV cache (see ``_sleeps``); otherwise only marks the engine asleep, so that
         generating before ``wake_up`` fails the same way on every placement."""
         if self._sleeps and not self.sleeping:
+            free_before = _free_gpu_bytes()
             self.engine.sleep(level=self.config.colocated.sleep_level)
+            self._wake_bytes = max(0, _free_gpu_bytes() - free_before)  # what the wake-up maps back
         self.sleeping = True
 
     def wake_up(self) -> None:
+        """Map the engine's weights and KV cache back. Refused, naming what each side holds, when the GPU has
+        less free memory than the engine gave back at sleep (vLLM's allocator would fail midway)."""
         if self._sleeps and self.sleeping:
+            need = self._wake_bytes
+            free = _free_gpu_bytes()
+            if need and free < need:
+                raise MemoryError(wake_up_refusal(need, free, self.memory_fraction))
             self.engine.wake_up()
         self.sleeping = False
 
@@ -365,6 +375,27 @@ class VllmGenerator:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
+
+
+def _free_gpu_bytes() -> int:
+    """Free memory of this process's GPU, every process's use counted (the engine's may be another's)."""
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def wake_up_refusal(need: int, free: int, fraction: float) -> str:
+    """The wake-up's refusal: what the engine needs, what is free, what this process's allocator holds."""
+    import torch
+
+    gib = float(1 << 30)
+    total = torch.cuda.mem_get_info()[1]
+    return (f"vLLM cannot wake up: its weights and KV cache need {need / gib:.1f} GiB and the GPU has {free / gib:.1f} of "
+            f"{total / gib:.1f} GiB free (the engine's share, policy.generation.gpu_memory_utilization, is {fraction:.2f}); "
+            f"this process's tensors hold {torch.cuda.memory_allocated() / gib:.1f} GiB and its allocator caches "
+            f"{(torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / gib:.1f} GiB more (the trainer's state and "
+            "what its last phase left). To fit: policy.generation.colocated.offload_trainer_state: true (or auto), or a "
+            "smaller policy.generation.gpu_memory_utilization (auto sizes it from the run's memory plan)")
 
 
 def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
@@ -439,7 +470,21 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
         device=device, tokenizer_path=policy.tokenizer_name,
         # vLLM's bar over checkpoint shards ignores the logging level: drawn only at logger.verbosity: verbose
         engine_kwargs={"use_tqdm_on_load": config.logger.verbosity == "verbose"},
+        memory_fraction=placement.engine_memory_fraction,
     )
+
+
+# The engine's share when the recipe says auto and the run made no memory plan (a model shape the planner
+# cannot read, or a generator built outside a run): vLLM's own default less the room a colocated trainer needs.
+UNPLANNED_FRACTION = 0.5
+
+
+def memory_fraction_of(config: VllmConfig, planned: float | None) -> float:
+    """``policy.generation.gpu_memory_utilization``: the recipe's number, else the run's plan, else
+    :data:`UNPLANNED_FRACTION`."""
+    if config.gpu_memory_utilization != "auto":
+        return float(config.gpu_memory_utilization)
+    return planned if planned is not None else UNPLANNED_FRACTION
 
 
 def engine_in_own_process(choice: bool | None, *, device: str, colocated: bool, async_grpo: bool) -> bool | None:

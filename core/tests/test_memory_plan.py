@@ -1,0 +1,192 @@
+"""The run's memory plan (rlcore.planning.run_memory): the engine's share and the trainer's release chosen from
+the model, batch and card when the recipe leaves them auto; runs that cannot fit refused before anything loads,
+naming the key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+import rlcore
+from rlcore.config import ConfigError
+from rlcore.planning.hardware import GPUS
+from rlcore.planning.run_memory import PlanRefused, plan_run_memory
+from rlcore.planning.shapes import from_hf_config
+
+LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "intermediate_size": 8192, "vocab_size": 128256, "tie_word_embeddings": True, "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"], "head_dim": 64}
+LLAMA_3B = {**LLAMA_1B, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "head_dim": 128,
+            "intermediate_size": 8192}
+LLAMA_8B = {**LLAMA_1B, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "head_dim": 128,
+            "intermediate_size": 14336, "tie_word_embeddings": False}
+H100 = GPUS["h100"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config(backend: str = "megatron", **overrides):
+    tree = {
+        "policy": {"model_name": "unused", "precision": "bfloat16", "max_total_sequence_length": 1088,
+                   "sequence_packing": {"enabled": True, "train_mb_tokens": 8192, "logprob_mb_tokens": 16384},
+                   "dtensor_cfg": {"enabled": backend == "fsdp2"}, "megatron_cfg": {"enabled": backend == "megatron"},
+                   "generation": {"backend": "vllm", "max_new_tokens": 1024, "dtype": "bfloat16"}},
+        "algorithm": {"name": "grpo"}, "data": {"name": "arithmetic"}, "env": {"name": "math"},
+        "train": {"num_prompts_per_step": 32}, "grpo": {"num_generations_per_prompt": 8},
+        "cluster": {"gpus_per_node": 1},
+    }
+    return rlcore.build_config(tree, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def plan(cfg, hf=LLAMA_1B, gpu=H100, *, critic=False):
+    return plan_run_memory(cfg, from_hf_config("m", hf), gpu, 1, critic=critic)
+
+
+def test_auto_is_the_default_and_numbers_still_parse():
+    cfg = config()
+    assert cfg.generation.gpu_memory_utilization == "auto"
+    assert cfg.generation.colocated.offload_trainer_state == "auto"
+    cfg = config(**{"policy.generation.gpu_memory_utilization": "0.3",
+                    "policy.generation.colocated.offload_trainer_state": "true"})
+    assert cfg.generation.gpu_memory_utilization == 0.3 and cfg.generation.colocated.offload_trainer_state is True
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        config(**{"policy.generation.gpu_memory_utilization": "1.5"})
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        config(**{"policy.generation.gpu_memory_utilization": "half"})
+
+
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
+def test_the_engine_gets_what_the_trainer_leaves_free(backend):
+    p = plan(config(backend))
+    m = p.memory
+    assert m.fits and not p.offload_trainer_state  # 1.2B: its Adam state and the engine fit an 80 GB card together
+    kept = sum(v for k, v in m.gen_parts.items() if not k.startswith(("engine", "kv_cache")))
+    # the engine's share is the card less the headroom less what the trainer keeps (weights, gradients, Adam)
+    assert p.engine_fraction * H100.memory_gib == pytest.approx(m.limit_gib - kept, abs=0.01 * H100.memory_gib)
+    assert m.gen_parts["optimizer"] > 8  # 1.24B parameters x (fp32 main weights and two moments) = 14.8 GB
+    assert m.engine_kv_gib >= m.kv_need_gib  # every sequence of the step decodes at once
+    assert "gpu_memory_utilization=" in p.line() and "offload_trainer_state=false" in p.line()
+
+
+def test_a_bigger_card_gives_the_engine_more_but_never_past_the_cap():
+    on_h100, on_h200 = plan(config()), plan(config(), gpu=GPUS["h200"])
+    assert on_h200.engine_fraction * 140.4 > on_h100.engine_fraction * 79.6
+    assert on_h200.engine_fraction <= 0.9
+
+
+def test_a_critic_keeps_its_state_beside_the_policys():
+    alone, ppo = plan(config()), plan(config(), critic=True)
+    assert ppo.memory.gen_parts["critic_state"] == pytest.approx(
+        sum(alone.memory.gen_parts[k] for k in ("weights", "gradients", "optimizer")))
+    assert ppo.engine_fraction < alone.engine_fraction
+
+
+def test_auto_releases_the_trainer_state_when_it_would_crowd_the_engine():
+    # 3.2B: weights, fp32 gradients and Adam state are about 55 GiB; kept, the engine's KV cache holds
+    # fewer sequences than the step's 256 decode at once
+    p = plan(config(), hf=LLAMA_3B)
+    assert p.offload_trainer_state and p.memory.gen_parts["optimizer"] == 0.0
+    assert not p.memory.kv_short
+    # set by the recipe: kept as it is (and still fits, with less KV cache)
+    kept = plan(config(**{"policy.generation.colocated.offload_trainer_state": "false"}), hf=LLAMA_3B)
+    assert not kept.offload_trainer_state and kept.memory.kv_short
+    # the async loop trains while the engine generates: its state cannot leave
+    async_run = plan(config(**{"grpo.async_grpo.enabled": "true"}), hf=LLAMA_3B)
+    assert not async_run.offload_trainer_state
+
+
+def test_a_run_that_cannot_fit_is_refused_naming_the_key():
+    with pytest.raises(PlanRefused) as info:  # 8B full fine-tuning: 8B x 18 bytes of state on one 80 GB card
+        plan(config(), hf=LLAMA_8B)
+    assert info.value.key == "policy.megatron_cfg.tensor_model_parallel_size"
+    assert "training" in info.value.message and "largest: optimizer" in info.value.message
+    with pytest.raises(PlanRefused) as info:
+        plan(config("fsdp2"), hf=LLAMA_8B)
+    assert info.value.key == "cluster.gpus_per_node"
+    with pytest.raises(PlanRefused) as info:  # a hand-set share the trainer's state leaves no room for
+        plan(config(**{"policy.generation.gpu_memory_utilization": "0.9"}))
+    assert info.value.key == "policy.generation.gpu_memory_utilization"
+
+
+def test_long_micro_batches_name_the_packing_key():
+    cfg = config(**{"policy.max_total_sequence_length": 200000, "policy.sequence_packing.train_mb_tokens": 200000,
+                    "policy.sequence_packing.logprob_mb_tokens": 200000, "policy.generation.max_new_tokens": 1024})
+    with pytest.raises(PlanRefused) as info:
+        plan(cfg)
+    assert info.value.key == "policy.sequence_packing.train_mb_tokens"
+
+
+def test_cpu_checks_training_against_host_memory():
+    host = attrs.evolve(GPUS["h100"], name="cpu", memory_gib=64.0)
+    ok = plan_run_memory(config(), from_hf_config("m", LLAMA_1B), host, 1, critic=False, cpu=True)
+    assert ok.memory.gen_parts == {} and not ok.offload_trainer_state
+    with pytest.raises(PlanRefused, match="does not fit"):
+        plan_run_memory(config(), from_hf_config("m", LLAMA_8B), host, 1, critic=False, cpu=True)
+
+
+def test_a_run_too_big_for_the_host_is_refused_before_the_model_loads(tmp_path):
+    """The CLI, end to end: an 8B-shaped checkpoint directory (its config and a tokenizer, no weights) is
+    refused before any weight is read, in one line naming the key, exit 2."""
+    from rlcore.testing.tiny import build_tiny_model
+
+    model = tmp_path / "model"
+    build_tiny_model(model)
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()  # loading it would fail: the plan must refuse first
+    (model / "config.json").write_text(json.dumps({**LLAMA_8B, "torch_dtype": "float32"}))
+    proc = subprocess.run([sys.executable, "-m", "rlcore.cli", "run", str(REPO / "recipes" / "grpo_arith_tiny_cpu.yaml"), f"policy.model_name={model}",
+                           "policy.generation.backend=hf", f"logger.log_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "config key 'cluster.gpus_per_node'" in proc.stderr and "does not fit" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+class _Recorder:
+    """A trainer and a critic that record the moves asked of them (the fallback's control flow alone)."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def offload(self, *, keep_weights=False):
+        self.calls.append(("offload", keep_weights))
+
+    def onload(self):
+        self.calls.append(("onload",))
+
+
+class _EngineShortOfMemory:
+    """A generator whose first wake-up is refused for memory (a fault injected on purpose)."""
+
+    def __init__(self, calls, refusals=1):
+        self.calls, self.refusals = calls, refusals
+
+    def wake_up(self):
+        if self.refusals:
+            self.refusals -= 1
+            self.calls.append(("refused",))
+            raise MemoryError("vLLM cannot wake up: its weights and KV cache need 40.0 GiB and the GPU has 30.0 free")
+        self.calls.append(("woke",))
+
+
+def test_a_refused_wake_up_releases_the_trainer_state_when_auto(capsys):
+    from rlcore.controller.learner import Learner
+
+    calls = []
+    learner = Learner(_Recorder(calls), algorithm=None, max_length=8, max_consecutive_nonfinite=3,
+                      critic=_Recorder(calls), may_offload=True)
+    learner.wake(_EngineShortOfMemory(calls))
+    assert calls == [("refused",), ("offload", True), ("offload", False), ("woke",)]  # the refit reads the policy's weights
+    assert learner.offload_trainer_state  # from now on the state leaves after each training phase
+    assert "from now on" in capsys.readouterr().out
+    with learner.state_on_device():
+        pass
+    assert calls[-2:] == [("onload",), ("offload", True)]
+    # set by the recipe (true or false), or a loop that cannot release: the refusal stands
+    for learner in (Learner(_Recorder(calls), None, 8, 3, may_offload=False),
+                    Learner(_Recorder(calls), None, 8, 3, offload_trainer_state=True, may_offload=True)):
+        with pytest.raises(MemoryError, match="cannot wake up"):
+            learner.wake(_EngineShortOfMemory([]))
