@@ -21,7 +21,7 @@ _ACTIVE: Heartbeat | None = None
 class Heartbeat:
     def __init__(self, every_s: float, write: Callable[[str], None]):
         self.every_s, self.write = every_s, write
-        self.what, self.since = "starting", time.monotonic()
+        self.what, self.since = "starting the run", time.monotonic()
         self.last = self.since  # when a line was last printed, by the run or by this
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="rlcore-heartbeat", daemon=True)
