@@ -41,6 +41,11 @@ class EngineProcesses:
         self.segments: set[str] = set()
 
     def before(self) -> None:
+        from multiprocessing import resource_tracker
+
+        # Started now if it is not running, so it is not taken for one of the engine's processes
+        # (it lives as long as this process: release() would wait for it in vain).
+        resource_tracker.ensure_running()
         self._known = set(_children())
 
     def after(self) -> None:
