@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYPROJECTS := core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
 
-.PHONY: install demo demo-examples test test-fast bench-packing docs clean
+.PHONY: install demo demo-examples test test-fast bench-packing docs wheels clean
 
 install: $(STAMP)
 
@@ -49,6 +49,18 @@ demo-examples: install
 		examples/ddp_backend_plugin examples/hf_static_generator_plugin
 	PYTHONPATH=$(EXAMPLES_SITE) $(BIN)/python -m rlcore.demo --require-gain 0.25 $(EXAMPLES_DEMO) $(ARGS)
 
+# The pip route: the six distributions as wheels in $(DIST) (`pip install dist/*.whl`, torch pinned first
+# as in the README). The recipes ship inside rlcore's wheel (core/src/rlcore/recipes links to recipes/).
+# Built with the setuptools of $(WHEEL_PYTHON) (.venv's once it exists), no build isolation: no index needed.
+DIST ?= dist
+WHEEL_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+DISTRIBUTIONS := ./core ./plugins/backend_fsdp2 ./plugins/backend_megatron ./plugins/gen_vllm ./plugins/env_math ./plugins/envs
+wheels:
+	rm -rf $(addsuffix /build,$(DISTRIBUTIONS))  # a previous build's copies would ship modules deleted since
+	mkdir -p $(DIST)
+	$(WHEEL_PYTHON) -m pip wheel -q --no-deps --no-build-isolation --disable-pip-version-check --no-index -w $(DIST) $(DISTRIBUTIONS)
+	@ls $(DIST)/*.whl
+
 # The documentation site: the configuration reference regenerated from the installed schemas, then
 # a strict build into site/ (a broken link or a stale page fails it).
 docs: install
@@ -56,4 +68,4 @@ docs: install
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) runs site
+	rm -rf $(VENV) runs site dist

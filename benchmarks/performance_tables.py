@@ -4,6 +4,7 @@ the command, date, machine and commit behind each row: what ``docs/performance.m
 
     python benchmarks/performance_tables.py                  # prints the tables
     python benchmarks/performance_tables.py --results other.jsonl
+    python benchmarks/performance_tables.py --write-demo      # the demo's figures into README.md, performance.md
 
 Reads only the JSONL the benchmarks append to; runs anywhere (no GPU, no torch).
 """
@@ -188,11 +189,83 @@ def sandbox_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The demo's figures in README.md and docs/performance.md: the text between these markers is
+# written by --write-demo from the newest "demo" row (python -m rlcore.demo --record), never by hand.
+DEMO_BEGIN = "<!-- demo figures: python benchmarks/performance_tables.py --write-demo -->"
+DEMO_END = "<!-- end of demo figures -->"
+DEMO_PAGES = {"README.md": "readme", "docs/performance.md": "performance"}
+
+
+def newest_demo(rows: list[dict]) -> dict:
+    demo = [r for r in rows if r.get("bench") == "demo" and r.get("variant") == "make demo"]
+    if not demo:
+        raise SystemExit("no 'make demo' row in the results: python -m rlcore.demo --record benchmarks/results.jsonl")
+    return max(demo, key=lambda r: r["date"])
+
+
+def demo_readme(row: dict) -> str:
+    """What the demo printed at its end: the SFT warm start's last line, the summary table, the result."""
+    import io
+
+    from rich.console import Console
+
+    from rlcore.controller.report import change, summary_table
+
+    summary = {"window_first": row["window_first"], "window_last": row["window_last"], "timing/total": row["step_s"],
+               "timing/training": row["train_s"], "timing/refit": row["refit_s"], "timing/generation": row["generation_s"],
+               "timing/logprobs": row["logprobs_s"], "timing/reward": row["reward_s"],
+               "rollout/mean_response_tokens": row["tokens_per_sample"]}
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    console.print(summary_table(summary, "grpo"))
+    lines = [f"SFT warm start: {row['sft_steps']} steps, {row['sft_s']:.0f}s, held-out greedy accuracy {row['sft_accuracy']:.3f}"
+             ] if row.get("sft_s") is not None else []
+    lines += [line.rstrip() for line in console.file.getvalue().splitlines()]
+    lines.append(f"GRPO took {row['grpo_s']:.0f}s; held-out accuracy {change(row['val_accuracy_first'], row['val_accuracy_last'])}")
+    return "```text\n" + "\n".join(lines) + "\n```"
+
+
+def demo_performance(row: dict) -> str:
+    lines = ["| Steps | SFT warm start | GRPO | Step (s) | Train | Refit | Generation | Logprobs | Tokens/sample | Held-out accuracy | "
+             "Load average | Command | Date | Machine | Commit |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|---|---|"]
+    warm = f"{row['sft_steps']} steps, {row['sft_s']:.0f} s" if row.get("sft_s") is not None else "not recorded"
+    lines.append(f"| {row['steps']} | {warm} | {row['grpo_s']:.0f} s | **{_f(row['step_s'])}** | {_f(row['train_s'])} | "
+                 f"{_f(row['refit_s'])} | {_f(row['generation_s'])} | {_f(row['logprobs_s'])} | {_f(row['tokens_per_sample'], 1)} | "
+                 f"{row['val_accuracy_first']:.3f} -> **{row['val_accuracy_last']:.3f}** | {_f(row.get('load_average'), 1)} | "
+                 f"`make demo` | {row['date'][:10]} | {machine(row)} | `{str(row['commit'])[:7]}` |")
+    return "\n".join(lines)
+
+
+def write_demo(rows: list[dict], root: Path, check: bool) -> int:
+    """Put the newest demo row's figures between the markers of each page (``check``: say which differ)."""
+    row = newest_demo(rows)
+    stale = []
+    for page, kind in DEMO_PAGES.items():
+        path = root / page
+        text = path.read_text()
+        before, rest = text.split(DEMO_BEGIN, 1)
+        _, after = rest.split(DEMO_END, 1)
+        figures = demo_readme(row) if kind == "readme" else demo_performance(row)
+        new = f"{before}{DEMO_BEGIN}\n{figures}\n{DEMO_END}{after}"
+        if new != text:
+            stale.append(page)
+            if not check:
+                path.write_text(new)
+    if check and stale:
+        print(f"the demo's figures in {', '.join(stale)} are not the newest demo row's: python benchmarks/performance_tables.py --write-demo")
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=HERE / "results.jsonl")
+    parser.add_argument("--write-demo", action="store_true", help="write the newest demo row's figures into README.md "
+                        "and docs/performance.md (between their demo-figures markers)")
+    parser.add_argument("--check-demo", action="store_true", help="exit 1 if those pages do not show the newest demo row")
     args = parser.parse_args(argv)
     rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    if args.write_demo or args.check_demo:
+        return write_demo(rows, HERE.parent, check=args.check_demo)
     steps = newest(rows, "bench_grpo_step")
     ppo = [r for r in steps if r.get("values_s") is not None]  # a critic's phases: PPO's own table
     steps = [r for r in steps if r not in ppo]

@@ -164,6 +164,6 @@ def test_a_hub_model_that_cannot_be_had_fails_before_any_worker(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "rlcore.cli", "run", str(recipe), f"logger.log_dir={tmp_path / 'run'}"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert ("config key 'policy.model_name': 'Qwen/Qwen2.5-1.5B-Instruct' is neither a local directory nor a loadable "
-            "Hugging Face model") in proc.stderr
+    assert ("config key 'policy.model_name': 'Qwen/Qwen2.5-1.5B-Instruct' is not a local directory and not in the "
+            "Hugging Face cache, and HF_HUB_OFFLINE is set") in proc.stderr
     assert "training backend:" not in proc.stdout  # no backend, generator or Ray was started

@@ -59,14 +59,18 @@ def test_bench_step_prints_the_table_and_appends_the_row(tmp_path):
          "--warmup", "1", "--out", str(out), "--workdir", str(tmp_path / "models")],
         capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| GPUs | Step (s) | Train | Refit | Generation | Logprobs | Tokens/sample | Gen tok/GPU-s | MFU |" in done.stdout
+    # a CPU run is labelled as one: no "GPUs 1", the generation rate is the machine's
+    assert "| Device | Step (s) | Train | Refit | Generation | Logprobs | Tokens/sample | Gen tok/s | MFU |" in done.stdout
+    assert "\n| CPU | " in done.stdout and "| GPUs |" not in done.stdout
+    assert "Writing model shards" not in done.stdout + done.stderr  # the random-init model is saved quietly
     rows = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
     assert len(rows) == 1
     row = rows[0]
     assert row["shape"] == "tiny" and row["steps_averaged"] == 1 and row["mfu"] is None  # no peak for a CPU
     assert row["tokens_per_sample"] == 2.0  # ignore_eos: every response runs to max_new_tokens
     assert row["step"] >= row["training"] > 0 and row["generation"] > 0 and row["refit"] > 0
-    assert row["gen_tokens_per_gpu_s"] == pytest.approx(4 * 2 / row["step"])
+    assert row["gen_tokens_per_s"] == pytest.approx(4 * 2 / row["step"]) and row["gen_tokens_per_gpu_s"] is None
+    assert row["gpus"] == 0
     assert row["versions"]["torch"] and row["config_digest"] and row["device"].startswith("cpu")
     assert row["commit"] is None or len(row["commit"]) >= 7
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -54,6 +54,38 @@ def test_the_demo_moves_the_previous_run_aside(tmp_path):
     assert move_aside(run) == tmp_path / "grpo-20261204-101010-abcdef-2"  # never over an earlier one
 
 
+def test_a_shipped_recipe_is_found_by_name(tmp_path, monkeypatch):
+    from rlcore.config import load_config
+    from rlcore.shipped_recipes import shipped_recipe, shipped_recipes
+
+    assert set(shipped_recipes()) == {p.stem for p in (REPO / "recipes").glob("*.yaml")}
+    monkeypatch.chdir(tmp_path)  # no recipes/ here: a wheel's user
+    for name in ("grpo_arith_tiny_cpu", "grpo_arith_tiny_cpu.yaml", "recipes/grpo_arith_tiny_cpu.yaml"):
+        assert shipped_recipe(name).read_text() == (REPO / "recipes" / "grpo_arith_tiny_cpu.yaml").read_text()
+        assert load_config(name, ["train.max_num_steps=3"]).train.max_num_steps == 3
+    for name in ("mine/grpo_arith_tiny_cpu.yaml", "./x/recipes/grpo_arith_tiny_cpu", "grpo_arith_tiny_cpu.yml", "nothere"):
+        assert shipped_recipe(name) is None, name  # a path of the user's is never swapped for a shipped recipe
+    with pytest.raises(ConfigError, match="recipe not found: nothere .*rlcore recipes"):
+        load_config("nothere")
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "grpo_arith_tiny_cpu.yaml").write_text("policy: {model_name: mine}\n")
+    assert load_config("recipes/grpo_arith_tiny_cpu.yaml").policy.model_name == "mine"  # a local file wins
+
+
+def test_rlcore_recipes_lists_prints_and_copies_out(run_cli, tmp_path):
+    listed = run_cli("recipes")
+    assert listed.returncode == 0 and "grpo_arith_tiny_cpu" in listed.stdout, listed.stderr
+    shown = run_cli("recipes", "sft_arith_tiny_cpu")
+    assert shown.stdout == (REPO / "recipes" / "sft_arith_tiny_cpu.yaml").read_text()
+    out = tmp_path / "mine.yaml"
+    assert run_cli("recipes", "sft_arith_tiny_cpu", "--out", str(out)).returncode == 0
+    assert out.read_text() == shown.stdout
+    again = run_cli("recipes", "sft_arith_tiny_cpu", "--out", str(out))
+    assert again.returncode == 2 and "--force" in again.stderr  # never overwrites an edited copy unasked
+    unknown = run_cli("recipes", "grpo_nothere")
+    assert unknown.returncode == 2 and "rlcore recipes" in unknown.stderr
+
+
 # ---- 2. export/eval errors say how to get a checkpoint; a run directory's final model exports --
 def test_export_of_a_directory_without_checkpoints_says_how_to_get_one(tmp_path):
     from rlcore.errors import CheckpointError
@@ -114,6 +146,57 @@ def test_summary_is_titled_by_algorithm_and_names_its_columns():
     reporter.step({"step": 1, "timing/logprobs": 0.1}, 1)
     shown = reporter.console.file.getvalue()
     assert "logprobs" in shown and "probe mean/max:" in shown and "scoring:" in shown
+
+
+def test_the_step_table_starts_with_the_held_out_accuracy_before_training():
+    from rich.console import Console
+
+    from rlcore.controller.report import Reporter
+
+    reporter = Reporter(3, console=Console(file=io.StringIO(), width=300))
+    reporter.start({"step": 0, "val/accuracy": 0.421875})
+    reporter.step({"step": 1, "train/reward_mean": 0.5, "timing/total": 1.0}, 1)
+    rows = reporter.console.file.getvalue().splitlines()[2:]  # under the header and the legend
+    assert rows[0].split()[:3] == ["0", "-", "0.422"] and rows[1].split()[:3] == ["1", "0.500", "-"], rows
+
+
+def test_a_silent_run_prints_what_it_is_doing_every_few_seconds():
+    import threading
+
+    from rlcore.controller.heartbeat import doing, heartbeat, said
+
+    lines, written = [], threading.Event()
+
+    def write(line):
+        lines.append(line)
+        written.set()
+
+    doing("outside any block")  # a no-op
+    with heartbeat(every_s=0.2, write=write):
+        doing("starting the generator")
+        said()
+        assert written.wait(60), "no line while the block was silent"
+    count = len(lines)
+    assert lines[0].startswith("... starting the generator: ") and lines[0].endswith("s")
+    doing("after the block")
+    threading.Event().wait(0.5)
+    assert len(lines) == count  # the thread ended with its block
+
+
+def test_the_demo_ends_with_the_commands_to_type_next_and_their_environment(tmp_path):
+    """``make demo`` runs .venv's python without activating .venv: the commands it suggests need it."""
+    script = Path(sys.executable).parent / "rlcore"
+    code = ("from pathlib import Path; from rlcore.demo import next_commands, RECIPE; "
+            "print(next_commands(Path('runs/demo/grpo'), Path('runs/demo/sft'), str(RECIPE)))")
+    bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert bare.returncode == 0, bare.stderr
+    lines = bare.stdout.strip().splitlines()
+    assert lines[0] == "next:" and f"source {os.path.relpath(script.parent, REPO) if script.is_relative_to(REPO) else script.parent}/activate" in lines[1]
+    assert any(line.split()[:2] == ["rlcore", "eval"] and "runs/demo/grpo recipes/grpo_arith_tiny_cpu.yaml" in line for line in lines)
+    active = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PATH": f"{script.parent}{os.pathsep}/usr/bin:/bin"})
+    assert "activate" not in active.stdout and "rlcore plugins" in active.stdout  # rlcore on PATH: nothing to add
 
 
 # ---- 7. a plain reward function ---------------------------------------------------------------------
@@ -200,6 +283,60 @@ def test_rlcore_run_takes_a_reward_function(tiny_model_dir, tmp_path):
     result = rlcore.run(config, reward_fn=counting)
     assert calls and calls[0] == 4 and result["summary"]["steps"] == 1
     assert (tmp_path / "run" / "model" / "config.json").is_file()  # GRPO keeps its final model
+
+
+def test_rows_with_a_prompt_column_are_a_dataset_as_in_trl(tiny_model_dir):
+    """Text prompts are used as they are (TRL's standard format); chat messages go through the chat
+    template with its generation prompt (conversational); a DatasetDict's test split is held out."""
+    datasets = pytest.importorskip("datasets")
+    from transformers import AutoTokenizer
+
+    from rlcore.rows import rows_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = rows_dataset(datasets.Dataset.from_dict({"prompt": ["1+2=", "3+4="], "answer": [3, 7], "level": [1, 2]}), tokenizer)
+    assert text.validation is None and [s.answer for s in text.train] == [3, 7]
+    assert text.train[0].prompt_ids == tokenizer("1+2=", add_special_tokens=False)["input_ids"]
+    assert text.train[1].metadata == {"level": 2} and text.train[1].index == 1
+    chat = [{"role": "user", "content": "1+2="}]
+    split = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": chat, "answer": 3}]),
+                                  "test": datasets.Dataset.from_list([{"prompt": chat, "answer": 3}] * 2)})
+    conversational = rows_dataset(split, tokenizer)
+    assert conversational.train[0].prompt_ids == tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                                               tokenize=True, return_dict=False)
+    assert len(conversational.validation) == 2
+    assert rows_dataset([{"prompt": "1+2=", "answer": 3}], tokenizer).train[0].prompt_ids == text.train[0].prompt_ids
+
+
+def test_rows_without_a_prompt_are_refused_before_the_run_starts(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    import rlcore
+
+    config = build_config({"policy": {"model_name": str(tmp_path / "never-loaded")}, "logger": {"log_dir": str(tmp_path / "run")}})
+    with pytest.raises(TypeError, match=r"no 'prompt' column \(they have \['question', 'answer'\]\)"):
+        rlcore.run(config, dataset=datasets.Dataset.from_dict({"question": ["1+2="], "answer": [3]}), reward_fn=exact_sum)
+    assert not (tmp_path / "run").exists()
+
+
+def test_trls_quickstart_task_in_a_few_lines(tiny_model_dir, tmp_path):
+    """TRL's quickstart (a hub dataset with a prompt column, a reward function, a model name) as
+    rlcore.run: no recipe, no dataset class; one real step."""
+    datasets = pytest.importorskip("datasets")
+    import rlcore
+
+    seen = []
+
+    def unique_chars(completions, **kwargs):  # TRL's quickstart reward
+        seen.append(sorted(kwargs))
+        return [float(len(set(c))) for c in completions]
+
+    dataset = datasets.Dataset.from_dict({"prompt": [f"{a}+{a}=" for a in range(8)], "source": ["x"] * 8})
+    config = rlcore.build_config({"policy": {"model_name": str(tiny_model_dir), "dtensor_cfg": {"enabled": True},
+                                             "generation": {"backend": "hf", "max_new_tokens": 3}},
+                                  "algorithm": {"name": "grpo"}, "logger": {"log_dir": str(tmp_path / "run"), "plot": False}},
+                                 ["train.max_num_steps=1", "train.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2"])
+    result = rlcore.run(config, dataset=dataset, reward_fn=unique_chars)
+    assert result["summary"]["steps"] == 1 and seen and "source" in seen[0]  # the other columns reach the function
 
 
 # ---- 8. checks before anything heavy starts ---------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The ``rlcore`` command: run, plugins, config, doctor.
+"""The ``rlcore`` command: run, plugins, config, recipes, doctor.
 
 Rich tables for people, ``--json`` for machines. Errors in recipes, plugins and data (a dataset's
 :class:`~rlcore.errors.DataError`, naming the file and row) exit with code 2 and one clear message,
@@ -17,14 +17,18 @@ import contextlib
 import faulthandler
 import json
 import os
+import shlex
+import shutil
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from rlcore.checks import check_before_start
+from rlcore.cli_parser import Parser
 from rlcore.config import ConfigError, load_config, to_dict
 from rlcore.errors import CheckpointError, DataError, RolloutError, RunStopped
 from rlcore.plugins import PluginError, get_plugin_manager
@@ -92,6 +96,37 @@ def cmd_config(args) -> int:
         print(json.dumps(resolved, indent=2, default=str))
     else:
         print(yaml.safe_dump(resolved, sort_keys=False, default_flow_style=None), end="")
+    return 0
+
+
+def cmd_recipes(args) -> int:
+    from rlcore.shipped_recipes import shipped_recipe, shipped_recipes, summary
+
+    if args.name is None:
+        found = shipped_recipes()
+        if args.json:
+            print(json.dumps({name: {"path": str(path), "about": summary(path)} for name, path in found.items()}, indent=2))
+            return 0
+        table = Table(title="recipes shipped with rlcore (rlcore run NAME; rlcore recipes NAME --out FILE copies one)",
+                      title_justify="left")
+        table.add_column("name", overflow="fold")
+        table.add_column("what it runs", overflow="fold")
+        for name, path in found.items():
+            table.add_row(name, summary(path))
+        console.print(table)
+        return 0
+    path = shipped_recipe(args.name)
+    if path is None:
+        raise ConfigError("", f"no shipped recipe named {args.name!r}; `rlcore recipes` lists them")
+    if args.out is None:
+        print(path.read_text(encoding="utf-8"), end="")
+        return 0
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise ConfigError("", f"{out} exists; choose another --out or pass --force to overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, out)
+    print(f"wrote {out} (recipe {path.stem}); run it with: rlcore run {out}")
     return 0
 
 
@@ -168,14 +203,18 @@ def terminated(config, exc: BaseException) -> int:
 def saved_for_resume(config) -> str:
     """What a stopped run kept and how to go on."""
     from rlcore.controller.checkpoint import CheckpointManager
-    from rlcore.controller.run_dir import checkpoint_root
+    from rlcore.controller.run_dir import checkpoint_root, holds_records
 
+    log_dir = config.logger.log_dir
     latest = CheckpointManager(checkpoint_root(config), keep_last_k=1).latest() if config.checkpointing.enabled else None
     if latest is not None:
         return f"newest checkpoint {latest}; run the same command again to resume from it"
-    if config.checkpointing.enabled:
-        return "no checkpoint was written yet; run the same command again to start afresh"
-    return "nothing saved (checkpointing.enabled is false); run the same command again to start afresh"
+    if not holds_records(log_dir):  # stopped before its first record: the directory takes a new run
+        return "nothing saved yet; run the same command again to start afresh"
+    # records, nothing to resume them from: a new run in that directory is refused (run_dir)
+    why = "no checkpoint was written yet" if config.checkpointing.enabled else "checkpointing.enabled is false"
+    return (f"nothing to resume from ({why}); its records stay in {log_dir}. To start afresh, delete them "
+            f"(rm -r {shlex.quote(str(log_dir))}) or run again with logger.log_dir=<another directory>")
 
 
 def start_exit_watchdog(timeout_s: float, status: int) -> threading.Thread:
@@ -241,7 +280,7 @@ VERBOSE_HELP = "also print the INFO logs and progress bars of vLLM, transformers
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlcore", description="RL post-training of LLMs with pluggable backends.")
+    parser = Parser(prog="rlcore", description="RL post-training of LLMs with pluggable backends.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run a recipe")
     p.add_argument("recipe")
@@ -261,6 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-descriptions", action="store_true", help="with --defaults: the values only")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_config)
+    p = sub.add_parser("recipes", help="list the recipes shipped with rlcore, print one, or copy it out (--out)")
+    p.add_argument("name", nargs="?", help="a recipe's name: print it (or copy it to --out)")
+    p.add_argument("--out", default=None, help="write the recipe to this file, to edit it")
+    p.add_argument("--force", action="store_true", help="with --out: overwrite an existing file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_recipes)
     p = sub.add_parser("doctor", help="check installed versions")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)

@@ -28,10 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
-RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "grpo_arith_tiny_cpu.yaml"
+from rlcore.cli_parser import Parser
+
+RECIPE = (Path(__file__).resolve().parent / "recipes" / "grpo_arith_tiny_cpu.yaml").resolve()  # shipped with rlcore
 DEMO_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, max_positions=128)
 # --shape: model presets (Llama, random init). llama150m: 141M parameters, the GPU learning recipe's.
 MODEL_SHAPES = {
@@ -95,11 +100,10 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     data, environment, precision and device. Held-out accuracy is greedy, on the recipe's
     validation split, every ``eval_every`` steps (the hf generator, on the trainer's device)."""
     from rlcore.config.hf_generation import HFGenerationConfig
-    from rlcore.controller.builders import StreamTransport
-    from rlcore.controller.sft import answer_batch, greedy_accuracy
+    from rlcore.controller.heartbeat import heartbeat
     from rlcore.controller.workers import LocalTrainer
     from rlcore.hf_generator import HFGenerator
-    from rlcore.interfaces import Placement, SamplingParams
+    from rlcore.interfaces import Placement
     from rlcore.plugins import get_plugin_manager
     from transformers import AutoTokenizer
 
@@ -115,10 +119,28 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
     reg = manager.get("training_backend", "fsdp2")
     trainer = LocalTrainer.build(reg, config, config.section(reg.section), Placement(device=device))
     evaluator = HFGenerator(str(base_dir), HFGenerationConfig(), config.policy.max_total_sequence_length, device=device)
-    transport = StreamTransport()
     val = list(dataset.validation)
+    with heartbeat():  # a line every 10 s between the evaluations, however loaded the machine
+        history = _sft_steps(trainer, evaluator, environment, dataset, tokenizer, algorithm, val, target, max_steps,
+                             batch_size, max_new_tokens, eval_every)
+    trainer.backend.export_hf(str(out_dir))
+    tokenizer.save_pretrained(out_dir)
+    trainer.shutdown()
+    (out_dir / "sft_history.json").write_text(json.dumps(history, indent=2))
+    return history[-1] if history else {}
+
+
+def _sft_steps(trainer, evaluator, environment, dataset, tokenizer, algorithm, val, target, max_steps, batch_size,
+               max_new_tokens, eval_every) -> list[dict]:
+    from rlcore.controller.builders import StreamTransport
+    from rlcore.controller.heartbeat import doing, said
+    from rlcore.controller.sft import answer_batch, greedy_accuracy
+    from rlcore.interfaces import SamplingParams
+
+    transport = StreamTransport()
     history, started = [], time.perf_counter()
     for step in range(1, max_steps + 1):
+        doing(f"SFT warm start, step {step}")
         first = (step - 1) * batch_size
         samples = [dataset.train[(first + i) % len(dataset.train)] for i in range(batch_size)]
         metrics = trainer.train(answer_batch(samples, tokenizer)[0], algorithm)
@@ -130,13 +152,10 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
                             "seconds": time.perf_counter() - started})
             print(f"sft step {step:4d}  loss {history[-1]['loss']:.4f}  held-out greedy accuracy {accuracy:.3f}  "
                   f"({time.perf_counter() - started:.0f}s)", flush=True)
+            said()
             if accuracy >= target:
                 break
-    trainer.backend.export_hf(str(out_dir))
-    tokenizer.save_pretrained(out_dir)
-    trainer.shutdown()
-    (out_dir / "sft_history.json").write_text(json.dumps(history, indent=2))
-    return history[-1] if history else {}
+    return history
 
 
 def move_aside(run_dir: Path) -> Path | None:
@@ -157,8 +176,8 @@ def move_aside(run_dir: Path) -> Path | None:
     return target
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo", help="working directory")
     # 0.35: from a weaker warm start (0.25) GRPO's gain only just clears demo-examples'
     # --require-gain 0.25; from 0.35 it gains about +0.4
@@ -177,8 +196,15 @@ def main(argv: list[str] | None = None) -> dict:
                         help=f"PPO with a learned critic instead of GRPO (recipe {PPO_RECIPE.name} unless --recipe is given), in <out>/ppo")
     parser.add_argument("--require-gain", type=float, default=None, metavar="G",
                         help="exit with an error unless held-out accuracy rose by at least G (CI)")
+    parser.add_argument("--record", default=None, metavar="FILE",
+                        help="append the demo's figures (phase times, step table, accuracies) as one JSON row to FILE "
+                             "(benchmarks/results.jsonl: benchmarks/performance_tables.py --write-demo puts them in the docs)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, dotted.key=value")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
 
     from rlcore.verbosity import apply_verbosity
 
@@ -211,15 +237,69 @@ def main(argv: list[str] | None = None) -> dict:
     config = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", f"logger.log_dir={grpo_dir}", *overrides])
     started = time.perf_counter()
     result = rlcore.run(config)
-    summary = result["summary"]
-    print(f"{'PPO' if args.ppo else 'GRPO'} took {time.perf_counter() - started:.0f}s; held-out accuracy "
+    summary, seconds = result["summary"], time.perf_counter() - started
+    print(f"{'PPO' if args.ppo else 'GRPO'} took {seconds:.0f}s; held-out accuracy "
           f"{change(summary['val/accuracy_first'], summary['val/accuracy_last'])}")
     if args.require_gain is not None:
         first, last = summary["val/accuracy_first"], summary["val/accuracy_last"]
         if first is None or last is None or last - first < args.require_gain:
             raise SystemExit(f"held-out accuracy {first} -> {last}: it did not rise by {args.require_gain} (--require-gain)")
         print(f"held-out accuracy rose by {last - first:.3f} >= {args.require_gain} (--require-gain)")
+    if args.record:
+        with open(args.record, "a", encoding="utf-8") as f:
+            f.write(json.dumps(demo_row(summary, seconds, sft, args.recipe, overrides)) + "\n")
+        print(f"figures appended to {args.record}", flush=True)
+    print(next_commands(grpo_dir, sft, args.recipe), flush=True)
     return result
+
+
+# The summary's figures -> their names in a results row (benchmarks/results.jsonl's stable names).
+ROW_FIGURES = {"timing/total": "step_s", "timing/training": "train_s", "timing/refit": "refit_s",
+               "timing/generation": "generation_s", "timing/logprobs": "logprobs_s", "timing/reward": "reward_s",
+               "rollout/mean_response_tokens": "tokens_per_sample", "val/accuracy_first": "val_accuracy_first",
+               "val/accuracy_last": "val_accuracy_last", "window_first": "window_first", "window_last": "window_last"}
+
+
+def demo_row(summary: dict, grpo_s: float, sft: Path, recipe: str, overrides: list[str]) -> dict:
+    """One results row of this demo: both phases' seconds, the SFT warm start's accuracy (from its
+    ``sft_history.json``, also when it was cached), the step table's means and the accuracies."""
+    import datetime
+
+    from rlcore.bench.report import commit
+
+    history = json.loads((sft / "sft_history.json").read_text()) if (sft / "sft_history.json").is_file() else []
+    warm = history[-1] if history else {}
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "bench": "demo",
+            "machine": f"cpu ({os.cpu_count()} cores)", "commit": commit(Path(__file__).resolve().parent),
+            "config": Path(recipe).stem, "variant": " ".join(overrides) or "make demo", "run_id": summary.get("run_id"),
+            "load_average": round(os.getloadavg()[0], 1), "sft_steps": warm.get("step"), "sft_s": warm.get("seconds"),
+            "sft_accuracy": warm.get("val_accuracy"), "grpo_s": grpo_s, "steps": summary.get("steps"),
+            **{name: summary.get(key) for key, name in ROW_FIGURES.items()}}
+
+
+def next_commands(run_dir: Path, sft: Path, recipe: str) -> str:
+    """What to type after the demo, and in which environment: ``rlcore`` is a script of the demo's
+    virtual environment, which the shell that ran ``make demo`` has not activated."""
+    script = Path(sys.executable).parent / "rlcore"
+    lines = ["", "next:"]
+    if shutil.which("rlcore") != str(script) and script.exists():
+        bin_dir = _shown(script.parent)
+        lines.append(f"  source {bin_dir}/activate      # once per shell: puts rlcore on PATH "
+                     f"(or type {bin_dir}/rlcore instead of rlcore)")
+    shown_recipe = _shown(Path(recipe))
+    lines += [
+        "  rlcore plugins                 # what is installed",
+        f"  rlcore eval {run_dir} {shown_recipe} policy.generation.backend=hf   # the trained model's accuracy (JSON)",
+        f"  rlcore export {run_dir} {run_dir}-hf                                # as a Hugging Face model directory",
+        f"  rlcore run {shown_recipe} policy.model_name={sft} train.max_num_steps=20 logger.log_dir=runs/my-first-run",
+    ]
+    return "\n".join(lines)
+
+
+def _shown(path: Path) -> str:
+    """``path`` as typed from here: relative below the working directory, else absolute."""
+    relative = os.path.relpath(path.resolve())
+    return str(path.resolve()) if relative.startswith("..") else relative
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from rlcore.cli_parser import Parser
 from rlcore.config.defaults import REQUIRED
 from rlcore.config.schema import RunConfig
 
@@ -128,11 +129,15 @@ def render(manager: Any) -> str:
     return "\n".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlcore.docs_reference", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="python -m rlcore.docs_reference", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the page (default {DEFAULT_OUT})")
     parser.add_argument("--check", action="store_true", help="compare with the page instead of writing it")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from rlcore.plugins import get_plugin_manager
 
     text = render(get_plugin_manager())

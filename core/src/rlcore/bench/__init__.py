@@ -9,7 +9,7 @@
 (:mod:`rlcore.bench.models`; nothing is downloaded), runs ``--steps`` steps through ``rlcore.run``
 (the path ``rlcore run`` takes), and prints NeMo-RL's step-time table (step, training, refit,
 generation, logprobs, tokens per sample: means of the steps after ``--warmup``) with generated
-tokens per GPU-second and training MFU against the device's peak (:data:`PEAK_FLOPS`). Responses run
+tokens per GPU-second (per second, on a CPU: its rows say ``gpus`` 0) and training MFU against the device's peak (:data:`PEAK_FLOPS`). Responses run
 to ``max_new_tokens`` (``ignore_eos``), so a random model does the work a trained one would; its
 rewards are about 0, which changes no step's work. One JSON row (figures, versions, device, the
 resolved config's digest, the commit in a checkout) is appended to ``<out>/bench.jsonl``.

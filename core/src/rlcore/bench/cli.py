@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rlcore.bench.models import SHAPES
 from rlcore.bench.prepare import bench_config
-from rlcore.bench.report import append_row, device_name, print_table, step_row
+from rlcore.bench.report import append_row, device_name, gpu_count, print_table, step_row
 
 
 def add_parser(sub) -> None:
@@ -62,8 +62,8 @@ def cmd_step(args) -> int:
 
     config, info, out = bench_config(args)
     result = rlcore.run(config)
-    gpus = max(config.cluster.gpus_per_node, 1)
     device = device_name()
+    gpus = gpu_count(config, device)
     samples = config.train.num_prompts_per_step * config.grpo.num_generations_per_prompt
     summary = result["summary"]
     window = [r for r in result["records"] if args.warmup < r.get("step", 0) and "rollout/mean_prompt_tokens" in r]
@@ -101,7 +101,9 @@ def cmd_list(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlcore")
+    from rlcore.cli_parser import Parser
+
+    parser = Parser(prog="rlcore")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(argv or [])])
     return args.func(args)

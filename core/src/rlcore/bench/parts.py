@@ -8,7 +8,7 @@ import statistics
 import time
 
 from rlcore.bench.prepare import bench_config, bench_out_dir
-from rlcore.bench.report import append_row, device_name, peak_flops, train_flops
+from rlcore.bench.report import append_row, device_name, gpu_count, peak_flops, train_flops
 from rlcore.controller.grpo_run import build_components
 from rlcore.controller.loop import GRPOLoop
 from rlcore.controller.timing import StepTimer
@@ -29,14 +29,15 @@ def _measure(part: str, loop: GRPOLoop, args, info: dict, gpus: int) -> dict:
     if part == "generate":
         seconds, metrics = _repeat(args, lambda: loop.rollouts.collect(loop.next_step(), StepTimer())[1])
         tokens = statistics.mean(m["rollout/mean_response_tokens"] * m["rollout/num_trajectories"] for m in metrics)
-        return {"seconds": statistics.mean(seconds), "gen_tokens_per_gpu_s": tokens / statistics.mean(seconds) / gpus}
+        rate = tokens / statistics.mean(seconds)
+        return {"seconds": statistics.mean(seconds), "gen_tokens_per_s": rate, "gen_tokens_per_gpu_s": rate / gpus if gpus else None}
     if part == "train":
         loop.c.generator.sleep()
         seconds, _ = _repeat(args, lambda: loop.train(trajectories, StepTimer())[0])
         seq = statistics.mean(len(t.result.prompt_ids) + len(t.result.response_ids) for t in trajectories)
         peak = peak_flops(device_name())
         flops = train_flops(info, len(trajectories), seq)
-        mfu = flops / (statistics.mean(seconds) * gpus * peak) if peak else None
+        mfu = flops / (statistics.mean(seconds) * gpus * peak) if peak and gpus else None
         return {"seconds": statistics.mean(seconds), "mfu": mfu}
     batch = loop.learner.batch(trajectories)
     seconds, metrics = _repeat(args, lambda: loop.refitter.refit(batch, StepTimer(), loop.step))
@@ -50,7 +51,7 @@ def time_part(args) -> int:
     config, info, out = bench_config(args)
     out.mkdir(parents=True, exist_ok=True)
     components = build_components(config, loggers=[])
-    gpus = max(config.cluster.gpus_per_node, 1)
+    gpus = gpu_count(config, device_name())
     try:
         row = _measure(args.part, GRPOLoop(components), args, info, gpus)
     finally:
@@ -85,7 +86,7 @@ def run_component(args) -> int:
     row = (resolve(fn) if isinstance(fn, str) else fn)(config, args.steps, args.warmup)
     _print(f"rlcore bench component {args.name}: {args.recipe} on {device_name()}", row)
     path = append_row(out, f"component/{args.name}", row, recipe=args.recipe, config_tree=to_dict(config),
-                      device=device_name(), gpus=max(config.cluster.gpus_per_node, 1))
+                      device=device_name(), gpus=gpu_count(config, device_name()))
     print(f"row appended to {path}")
     return 0
 

@@ -22,6 +22,9 @@ def bench_config(args):
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}: the means need a step after warm-up")
     recipe = load_config(args.recipe, list(args.overrides))
+    from rlcore.verbosity import apply_verbosity
+
+    apply_verbosity(recipe.logger.verbosity)  # before the model is built: transformers' "Writing model shards" bar
     out = bench_out_dir(args, create=False)
     model = build_model(recipe.policy.model_name, Path(args.workdir), args.shape, gpu=torch.cuda.is_available())
     bench = [f"policy.model_name={model}", f"policy.tokenizer_name={model}", f"train.max_num_steps={args.steps}",

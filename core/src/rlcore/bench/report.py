@@ -41,6 +41,12 @@ def device_name() -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+def gpu_count(config, device: str) -> int:
+    """The GPUs a run's figures are divided by: the recipe's ``cluster.gpus_per_node`` (at least one) on
+    a GPU, 0 on a CPU, whose figures are the machine's (no per-GPU column, no "GPUs 1")."""
+    return 0 if device.startswith("cpu") else max(config.cluster.gpus_per_node, 1)
+
+
 def peak_flops(device: str) -> float | None:
     """The device's dense bf16 peak, None when it is not in :data:`PEAK_FLOPS` (a CPU)."""
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # GH200 before H200
@@ -90,7 +96,8 @@ def step_row(summary: dict, info: dict, *, samples: int, prompt_tokens: float, g
     row = {name: summary.get(key) for name, key in COLUMNS}
     row.update({
         "tokens_per_sample": tokens_per_sample,
-        "gen_tokens_per_gpu_s": samples * tokens_per_sample / (total * gpus) if total else None,
+        "gen_tokens_per_s": samples * tokens_per_sample / total if total else None,
+        "gen_tokens_per_gpu_s": samples * tokens_per_sample / (total * gpus) if total and gpus else None,
         "mfu": flops / (training * gpus * peak) if training and peak else None,
         "steps_averaged": summary.get("num_steps"),
     })
@@ -98,12 +105,15 @@ def step_row(summary: dict, info: dict, *, samples: int, prompt_tokens: float, g
 
 
 def print_table(title: str, gpus: int, row: dict) -> None:
+    """NeMo-RL's step-time columns; on a CPU (``gpus`` 0) the first column names the device and the
+    generation rate is the machine's, not per GPU."""
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    where, rate = ("GPUs", "Gen tok/GPU-s") if gpus else ("Device", "Gen tok/s")
     print(f"\n{title}")
-    print("| GPUs | Step (s) | Train | Refit | Generation | Logprobs | Tokens/sample | Gen tok/GPU-s | MFU |")
+    print(f"| {where} | Step (s) | Train | Refit | Generation | Logprobs | Tokens/sample | {rate} | MFU |")
     print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {gpus} | " + " | ".join(fmt(row[name]) for name, _ in COLUMNS)
-          + f" | {fmt(row['tokens_per_sample'], '{:.0f}')} | {fmt(row['gen_tokens_per_gpu_s'], '{:.0f}')}"
+    print(f"| {gpus or 'CPU'} | " + " | ".join(fmt(row[name]) for name, _ in COLUMNS)
+          + f" | {fmt(row['tokens_per_sample'], '{:.0f}')} | {fmt(row['gen_tokens_per_gpu_s' if gpus else 'gen_tokens_per_s'], '{:.0f}')}"
           + f" | {fmt(None if row['mfu'] is None else 100 * row['mfu'], '{:.1f}%')} |", flush=True)
 
 

@@ -166,7 +166,13 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), manager: Plu
     """Read a YAML recipe, apply ``a.b.c=value`` overrides and validate it all."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError("", f"recipe not found: {path}")
+        from rlcore.shipped_recipes import shipped_recipe
+
+        shipped = shipped_recipe(path)  # a name, or the documentation's recipes/NAME.yaml outside a checkout
+        if shipped is None:
+            raise ConfigError("", f"recipe not found: {path} (`rlcore recipes` lists the recipes that ship with rlcore, "
+                              "by name)")
+        path = shipped
     data = read_recipe_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError("", f"{path}: a recipe must be a mapping at the top level")

@@ -21,6 +21,7 @@ from rlcore.controller.mps_client import enter_mps_client
 from rlcore.controller.ray_local import start_local_ray
 from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
 from rlcore.interfaces import CriticHandle, Generator, OldLogprobsChoice, Placement, TrainerHandle, WeightTransport
+from rlcore.rows import is_rows, rows_dataset
 from rlcore.weights import stream_into
 
 
@@ -156,6 +157,8 @@ def given_or_built_dataset(config: RunConfig, manager, given: dict, tokenizer: A
     if dataset is None:
         data_cfg = config.require_section("data")
         dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
+    elif is_rows(dataset):  # TRL's train_dataset: rows with a "prompt" column
+        dataset = rows_dataset(dataset, tokenizer)
     return dataset
 
 

@@ -94,8 +94,10 @@ def stop_after_step(loop: Any, checkpoint_dir: Any) -> bool:
     through ``loop.save()`` unless that was just done, and say where it went."""
     if loop.stop_signal is None:
         return False
-    where = ("no checkpoint (checkpointing.enabled is false): the model of this step goes to <logger.log_dir>/model, "
-             "and running the command again starts afresh")
+    log_dir = loop.identity.get("log_dir", "<logger.log_dir>")
+    # A new run is refused in a directory that holds another's records (run_dir): say what will work.
+    where = (f"no checkpoint (checkpointing.enabled is false): the model of this step goes to {log_dir}/model. "
+             f"To start afresh, delete {log_dir} or run again with logger.log_dir=<another directory>")
     if loop.ckpt is not None:
         if loop.saved_step != loop.step:
             loop.save()

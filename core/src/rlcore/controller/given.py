@@ -8,6 +8,9 @@ that every run uses is an error naming it, before any model is loaded. (Members 
 use are looked up when used: a generator's ``score`` by refit probes, ``agenerate`` by async and
 multi-turn rollouts; a backend's checkpoint methods when checkpointing is on.)
 
+``dataset`` may also be rows (a ``datasets.Dataset`` with a ``prompt`` column, TRL's
+``train_dataset``; :mod:`rlcore.rows`), tokenized once the tokenizer is loaded.
+
 A passed environment runs single-turn: multi-turn environments are registered plugins, whose
 section holds the turn settings (:mod:`rlcore.config.environment`).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlcore import interfaces
+from rlcore.rows import check_rows, is_rows
 
 # keyword of rlcore.run -> (protocol, the members every run uses: "name()" a method, "name" an attribute)
 REQUIRED: dict[str, tuple[type, tuple[str, ...]]] = {
@@ -55,7 +59,9 @@ def check_given(given: dict[str, Any]) -> None:
         raise TypeError(f"rlcore.run got unknown keyword(s) {unknown}; it takes {', '.join(KNOWN)}")
     for kind, (protocol, members) in REQUIRED.items():
         obj = given.get(kind)
-        if obj is not None:
+        if kind == "dataset" and obj is not None and is_rows(obj):  # a datasets.Dataset, a list of dicts
+            check_rows(obj)
+        elif obj is not None:
             _refuse_missing(f"rlcore.run({kind}=...)", obj, members, protocol)
     loggers = given.get("loggers")
     for index, logger in enumerate(loggers or []):

@@ -23,6 +23,7 @@ from rlcore.controller.given import check_given
 from rlcore.controller.memory_plan import apply_memory_plan
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
 from rlcore.controller.offline import build_loggers
+from rlcore.controller.heartbeat import doing
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_run_sizes
 from rlcore.controller.report import Reporter, plot_curves, summary_table
@@ -57,8 +58,10 @@ def build_components(config: RunConfig, **given) -> Components:
     check_prompt_lengths(dataset, config)
     check_run_sizes(config, dataset, algorithm)
     placement, memory_plan = apply_memory_plan(config, plan_placement(config), critic=critic_step.trains_critic(algorithm), given=given)
+    doing("loading the model into the training backend")
     trainer = build_trainer(config, manager, placement, given.get("backend"))
     critic = build_critic(config, manager, algorithm, trainer, placement, given.get("backend"))  # ppo's value model
+    doing("starting the generator")
     generator = build_generator(config, manager, placement, given)
     transport = pick_transport(manager, trainer, generator, config)
     print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)

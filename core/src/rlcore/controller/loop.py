@@ -19,6 +19,7 @@ import attrs
 
 from rlcore.controller.checkpoint import CheckpointManager, run_catching_sigterm
 from rlcore.controller.deadlines import TimedTeacher, bounded_call
+from rlcore.controller.heartbeat import doing
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.learner import Learner
 from rlcore.controller.nonfinite import NonFiniteLossError
@@ -126,11 +127,13 @@ class GRPOLoop:
     def _start(self) -> None:
         self.checkpoints.resume(self.c.config.checkpointing.resume)
         if self.train_cfg.val_at_start and self.progress.step == 0:
+            doing("held-out evaluation before the first step")
             start = self.validator.validate(0)
             if start:
                 start["time/elapsed_s"] = self.progress.elapsed()
                 self.progress.records.append({"step": 0, **start})
                 self._log(start, 0)
+                self.c.reporter.start({"step": 0, **start})
 
     def next_step(self) -> int:
         """Advances to the next step and tells the trainer its number."""

@@ -30,6 +30,7 @@ from rlcore.controller.batching import DataCursor
 from rlcore.controller.checkpoint import (
     CheckpointManager, resume_loggers, rng_state, run_catching_sigterm, set_rng_state, stop_after_step,
 )
+from rlcore.controller.heartbeat import doing, said
 from rlcore.controller.nonfinite import NonfiniteStreak
 from rlcore.controller.run_dir import check_owner, checkpoint_root
 from rlcore.controller.run_end import print_outputs, save_final_checkpoint
@@ -158,6 +159,8 @@ class OfflineLoop:
         if self.print_lines:
             shown = {k: record[k] for k in self.steps.shown if k in record}
             print(f"{self.label} step {record['step']:4d}  " + "  ".join(f"{k} {v:.4f}" for k, v in shown.items()), flush=True)
+            said()
+        doing(f"{self.label} step {record['step'] + 1}")
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.started

@@ -25,6 +25,7 @@ import torch
 
 from rlcore.config import ConfigError, RunConfig
 from rlcore.controller.builders import build_trainer, given_or_built_dataset, given_or_loaded_tokenizer
+from rlcore.controller.heartbeat import doing
 from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline, trains_on
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_pairs
@@ -72,6 +73,7 @@ class PolicyPairTrainer(BackendPolicy):
 
 def policy_pair_trainer(config: RunConfig, algorithm: Any, tokenizer: Any) -> PolicyPairTrainer:
     manager = get_plugin_manager()
+    doing("loading the model into the training backend")
     trainer = build_trainer(config, manager, plan_placement(config))
     return PolicyPairTrainer(trainer, algorithm, config.policy.max_total_sequence_length)
 

@@ -54,16 +54,47 @@ def _check_hf_dir(key: str, name: str, need: str | None) -> None:
         return
     if path.exists():
         raise ConfigError(key, f"{name!r} is a file; give the Hugging Face model directory that holds it")
-    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
+    if not looks_like_hub_id(name):
         raise ConfigError(key, f"{name!r}: no such directory (a local Hugging Face model directory is expected)")
+    _check_hub_model(key, name)
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``org/model``, and no path a local file system could mean: not ``./x``, ``/abs``, ``~/x``,
+    ``a/b/c``, nor ``runs/nothere`` where ``runs`` is a local directory (a missing local run
+    directory is reported as such, never looked up on the hub)."""
+    if name.count("/") != 1 or name.startswith((".", "/", "~")) or "\\" in name:
+        return False
+    return not Path(name.split("/")[0]).is_dir()
+
+
+def _check_hub_model(key: str, name: str) -> None:
+    """A hub model is taken from the local cache when it is there; otherwise one request asks the
+    hub whether it exists, failing in one line (transformers' own lookup retries five times, about
+    a minute, with a line per retry, before it says the same)."""
     from transformers import AutoConfig
 
     try:
-        AutoConfig.from_pretrained(name)
-    except Exception as exc:  # noqa: BLE001 - transformers' many error types; the key is what matters
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(key, f"{name!r} is neither a local directory nor a loadable Hugging Face model: {first}") from None
+        AutoConfig.from_pretrained(name, local_files_only=True)
+        return
+    except Exception:  # noqa: BLE001 - not in the cache (or a broken entry there): ask the hub below
+        pass
+    import huggingface_hub
+    from huggingface_hub.utils import OfflineModeIsEnabled, RepositoryNotFoundError
+
+    where = f"{name!r} is not a local directory and not in the Hugging Face cache"
+    try:
+        huggingface_hub.model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise ConfigError(key, f"{where}, and the hub has no such model (or it is private: log in with "
+                          "`hf auth login`); give a local model directory or an existing model id") from None
+    except OfflineModeIsEnabled:
+        raise ConfigError(key, f"{where}, and HF_HUB_OFFLINE is set; download it first or give a local model "
+                          "directory") from None
+    except Exception as exc:  # noqa: BLE001 - the hub's and its HTTP client's (httpx) errors: out of reach
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(key, f"{where}, and the hub cannot be reached ({type(exc).__name__}: {first}); give a "
+                          "local model directory") from None
 
 
 def check_prompt_lengths(dataset: Any, config: RunConfig) -> dict[str, int]:

@@ -9,6 +9,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from rlcore.controller.heartbeat import doing, said
+
 STEP_COLUMNS = [
     ("step", "step", "{:.0f}"),
     ("reward", "train/reward_mean", "{:.3f}"),
@@ -51,6 +53,7 @@ class Reporter:
         )
         self.task = self.progress.add_task("steps", total=total_steps)
         self._columns: list[tuple[str, str, str]] | None = None  # chosen at the first step's record
+        self._at_start: dict | None = None  # the held-out metrics before the first step (train.val_at_start)
 
     def __enter__(self):
         if self.enabled:
@@ -59,6 +62,12 @@ class Reporter:
 
     def __exit__(self, *exc):
         self.progress.stop()
+
+    def start(self, record: dict) -> None:
+        """The step-0 record (held-out metrics before training): the table's first row, so the starting
+        accuracy is on screen from the start, not only in the summary. Printed with the header, whose
+        columns the first step's record decides."""
+        self._at_start = record
 
     def step(self, record: dict, completed: int) -> None:
         self.progress.update(self.task, completed=completed)
@@ -69,6 +78,14 @@ class Reporter:
             self.console.print(" ".join(f"{name:>10}" for name, _, _ in self._columns), style="bold", highlight=False, soft_wrap=True)
             legend = STEP_LEGEND + ("; values, critic: the critic's passes (ppo)" if self._columns is not STEP_COLUMNS else "")
             self.console.print(legend, style="dim", highlight=False, soft_wrap=True)
+            if self._at_start is not None:
+                self._row(self._at_start)
+        self._row(record)
+        said()
+        total = self.progress.tasks[0].total
+        doing(f"step {completed + 1} of {total:.0f}" if completed < total else "ending the run (final model, summary)")
+
+    def _row(self, record: dict) -> None:
         cells = []
         for _, key, fmt in self._columns:
             value = record.get(key)

@@ -19,6 +19,7 @@ from rlcore.controller.builders import seed_everything
 from rlcore.controller.deadlines import SIGTERM_DEADLINE
 from rlcore.controller.given import check_given
 from rlcore.controller.grpo_run import run_grpo
+from rlcore.controller.heartbeat import heartbeat
 from rlcore.controller.offline import trains_on
 from rlcore.controller.pairs import run_pairs
 from rlcore.controller.run_dir import RunDir
@@ -51,7 +52,11 @@ def run(config: RunConfig, **given) -> dict:
             raise ConfigError("algorithm.name", f"algorithm '{config.section('algorithm').name}' trains on {kind!r}; "
                               f"rlcore runs algorithms that train on {sorted(k for k in LOOPS if k)}")
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-        return LOOPS[kind](config, owner, run_dir, given)
+        with heartbeat(enabled=config.logger.print_table):  # a line every 10 s while the run is silent
+            return LOOPS[kind](config, owner, run_dir, given)
+    except BaseException:
+        owner.discard_if_unused()  # a run that failed before its first record leaves no files behind
+        raise
     finally:
         SIGTERM_DEADLINE.disarm()  # the run has ended: from here on the caller (rlcore run: exit_timeout_s) decides
         owner.close()

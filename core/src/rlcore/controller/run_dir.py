@@ -106,6 +106,8 @@ class RunDir:
         self.run_id = ""
         self.fingerprint = fingerprint(config)
         self._lock = None
+        self._created = False  # whether open() made the directory
+        self._fresh = False  # whether it held no records when opened (no run resumed here)
 
     def identity(self) -> dict[str, Any]:
         """What every checkpoint of this run records about it: run id, log dir, fingerprint, and the
@@ -114,9 +116,11 @@ class RunDir:
                 "config": yaml.safe_dump(to_dict(self.config), sort_keys=False)}
 
     def open(self) -> "RunDir":
+        self._created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         self._acquire()
         try:
+            self._fresh = not holds_records(self.path)
             previous = self._previous()
             self.run_id = self._choose_run_id(previous)
             write_atomically(self.path / RUN_FILE, json.dumps({**self.identity(), "started": time.time()}, indent=1))
@@ -147,14 +151,9 @@ class RunDir:
         except (OSError, ValueError):
             return None
 
-    def _has_records(self) -> bool:
-        if (self.path / "summary.json").exists():
-            return True
-        return any(p.stat().st_size > 0 for p in self.path.glob("*.jsonl"))
-
     def _choose_run_id(self, previous: dict | None) -> str:
         fresh = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        if not self._has_records():
+        if not holds_records(self.path):
             return fresh
         cfg = self.config.checkpointing
         resumable = cfg.enabled and cfg.resume and CheckpointManager(checkpoint_root(self.config), cfg.keep_last_k).complete()
@@ -171,11 +170,32 @@ class RunDir:
         check_owner(previous, self.identity(), self.path / RUN_FILE, fix=f"choose another logger.log_dir, or delete {self.path}")
         return str(previous.get("run_id") or fresh)
 
+    def discard_if_unused(self) -> None:
+        """After a run that ended before its first record (a model that does not load, Ctrl-C while
+        starting): remove what :meth:`open` and ``rlcore.run`` wrote (``config.yaml``, ``run.json``,
+        ``run.lock``, and the directory if it made it and nothing else is there), so the directory
+        is as it was. A directory that held records, or now holds a record or a checkpoint, is kept."""
+        if not self._fresh or holds_records(self.path) or CheckpointManager(checkpoint_root(self.config), 1).complete():
+            return
+        for name in ("config.yaml", RUN_FILE, LOCK_FILE):
+            (self.path / name).unlink(missing_ok=True)  # the lock file goes while held: no other run took it
+        if self._created and not any(self.path.iterdir()):
+            self.path.rmdir()
+
     def close(self) -> None:
         if self._lock is not None:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()
             self._lock = None
+
+
+def holds_records(log_dir: Path) -> bool:
+    """Whether a run directory holds a run's records (a summary, a non-empty ``*.jsonl``): such a
+    directory is refused to a new run that would not resume it."""
+    log_dir = Path(log_dir)
+    if (log_dir / "summary.json").exists():
+        return True
+    return any(p.stat().st_size > 0 for p in log_dir.glob("*.jsonl"))
 
 
 def _checkpoint_identity(step_dir: Path) -> dict | None:

@@ -34,6 +34,7 @@ from rlcore.controller.builders import (
     build_algorithm, build_environment, build_generator, build_trainer, given_or_built_dataset, given_or_loaded_tokenizer,
     pick_transport,
 )
+from rlcore.controller.heartbeat import doing
 from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline, trains_on
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
@@ -134,6 +135,7 @@ def build_sft_run(config: RunConfig, given: dict) -> tuple[SFTTrainer, Any]:
                           "(rlcore.interfaces.Sample); this dataset does not provide them")
     check_prompt_lengths(dataset, config)
     placement = plan_placement(config)
+    doing("loading the model into the training backend")
     trainer = build_trainer(config, manager, placement, given.get("backend"))
     generator = environment = transport = None
     if given.get("generator") is not None or config.section("policy.generation") is not None:

@@ -24,6 +24,8 @@ import threading
 import uuid
 from typing import Any
 
+from rlcore_vllm.shm_segments import EngineProcesses
+
 
 @contextlib.contextmanager
 def terminal_sigint_held():
@@ -74,8 +76,11 @@ class SyncEngine:
     def __init__(self, engine_kwargs: dict[str, Any]):
         from vllm import LLM
 
+        self._processes = EngineProcesses()  # what the engine's processes leave in /dev/shm goes with them
+        self._processes.before()
         with terminal_sigint_held():
             self.llm = LLM(**engine_kwargs)
+        self._processes.after()
         self._lock = threading.Lock()
         self._lock_start = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -153,6 +158,7 @@ class SyncEngine:
                 core.shutdown()
             del llm, engine, core
             _release_device_memory()
+            self._processes.release()
 
 
 def _release_device_memory() -> None:
@@ -187,7 +193,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlcore-vllm-async", daemon=True)
         self._thread.start()
         self._ids = itertools.count()
+        self._processes = EngineProcesses()
+        self._processes.before()
         self.engine = self._call(self._create(engine_kwargs), timeout=start_timeout_s)
+        self._processes.after()
 
     @staticmethod
     async def _create(engine_kwargs):
@@ -236,6 +245,7 @@ class AsyncEngine:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
+            self._processes.release()
         if self._loop.is_running():
             try:
                 self._call(_cancel_other_tasks(), timeout=10)

@@ -1,0 +1,136 @@
+"""Every config the documentation shows is one rlcore accepts: each ```yaml block of README.md and
+docs/ builds against the installed schemas, and each ``rlcore run|config recipes/...`` command's
+``key=value`` overrides resolve on that recipe. A command shown with the ``error:`` line it prints
+(a mistyped key, a moved one) must fail with exactly that line. A renamed or moved key thus fails
+here, not in a reader's terminal."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlcore.config import ConfigError, build_config, load_config
+from rlcore.plugins import get_plugin_manager
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+
+
+def _blocks(language: str | None = None):
+    for page in PAGES:
+        text = page.read_text()
+        for match in BLOCK.finditer(text):
+            if language is None or match.group(1) == language:
+                yield f"{page.relative_to(ROOT)}:{text[:match.start()].count(chr(10)) + 1}", match.group(2)
+
+
+YAML_BLOCKS = list(_blocks("yaml"))
+
+
+def _commands():
+    """``(where, argv, the error line shown after it or None)`` of each ``rlcore run|config`` of a recipe."""
+    for where, body in _blocks():
+        lines = [line.split("  #")[0].strip() for line in re.sub(r"\\\n\s*", " ", body).splitlines()]
+        for i, line in enumerate(lines):
+            line = line.removeprefix("$ ")
+            if re.match(r"rlcore (run|config) recipes/\S+\.yaml", line):
+                shown = lines[i + 1] if i + 1 < len(lines) and lines[i + 1].startswith("error: ") else None
+                yield where, shlex.split(line), shown
+
+
+COMMANDS = list(_commands())
+
+
+@pytest.mark.parametrize("where, body", YAML_BLOCKS, ids=[w for w, _ in YAML_BLOCKS])
+def test_every_yaml_snippet_builds(where, body):
+    tree = yaml.safe_load(body)
+    assert isinstance(tree, dict), f"{where}: a config snippet is a mapping"
+    # A snippet shows the keys it is about; what every run needs is filled in (a model, an algorithm).
+    tree.setdefault("policy", {}).setdefault("model_name", "models/any")
+    if isinstance(tree.get("algorithm"), dict):
+        tree["algorithm"].setdefault("name", "grpo")
+    build_config(tree, manager=get_plugin_manager())
+
+
+@pytest.mark.parametrize("where, argv, shown", COMMANDS, ids=[f"{w}:{a[1]}:{a[2]}" for w, a, _ in COMMANDS])
+def test_every_recipe_command_resolves(where, argv, shown, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the commands name recipes/ of the checkout
+    overrides = [a for a in argv[3:] if "=" in a and not a.startswith("-")]
+    if shown is None:
+        load_config(argv[2], overrides)
+        return
+    with pytest.raises(ConfigError) as failure:
+        load_config(argv[2], overrides)
+    assert f"error: {failure.value}" == shown, where
+
+
+def test_the_snippets_are_found():
+    assert len(YAML_BLOCKS) >= 8 and len(COMMANDS) >= 8
+    assert any(shown for _, _, shown in COMMANDS)  # the error examples are checked too
+
+
+def _figures(text: str) -> list[str]:
+    return re.findall(r"(?<![\w.-])\d[\d,]*\.?\d*(?=\s?(?:s\b|%|generated|\)))", text)
+
+
+def test_the_readme_quotes_only_measured_rows_of_rlcore():
+    """README's performance figures are rlcore's rows of docs/performance.md (rounded), and it sets
+    none beside a peer's figure: NeMo-RL's published rows are other work (GPU count, lengths, batch)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Performance", 1)[1].split("\n## ", 1)[0]
+    assert "NeMo-RL" not in section, section
+    ours = (ROOT / "docs" / "performance.md").read_text().split("\n## rlcore", 1)[1]
+    measured = {float(n) for n in re.findall(r"\d+\.\d+|\d+", ours)}
+    figures = _figures(section)
+    assert len(figures) >= 5, figures
+    for figure in figures:
+        value = float(figure.replace(",", ""))
+        digits = len(figure.split(".")[1]) if "." in figure else 0
+        close = 0.5 * 10 ** -digits if "," not in figure else 50  # "3,500": a rounded hundred
+        assert any(abs(m - value) <= close for m in measured), f"README's {figure} is no row of docs/performance.md"
+
+
+def _performance_tables():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("performance_tables", ROOT / "benchmarks" / "performance_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_demo_figures_in_the_docs_are_the_newest_recorded_demo():
+    """README.md and docs/performance.md show the newest ``make demo`` row of benchmarks/results.jsonl,
+    as ``performance_tables.py --write-demo`` writes them: no figure of the demo is typed by hand."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "performance_tables.py"), "--check-demo"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_recorded_demo_renders_as_the_demo_printed_it(tmp_path):
+    """``python -m rlcore.demo --record`` writes a row from the run's summary; the docs' block shows
+    the warm start, the summary table and the accuracies of that row."""
+    import json
+
+    from rlcore.demo import demo_row
+
+    (tmp_path / "sft_history.json").write_text(json.dumps([{"step": 200, "loss": 0.9, "val_accuracy": 0.36, "seconds": 44.2}]))
+    summary = {"window_first": 2, "window_last": 240, "timing/total": 1.2, "timing/training": 0.6, "timing/refit": 0.1,
+               "timing/generation": 0.4, "timing/logprobs": 0.0, "timing/reward": 0.1, "rollout/mean_response_tokens": 3.4,
+               "val/accuracy_first": 0.421875, "val/accuracy_last": 0.8125, "steps": 240, "run_id": "r"}
+    row = json.loads(json.dumps(demo_row(summary, 288.4, tmp_path, "recipes/grpo_arith_tiny_cpu.yaml", [])))
+    assert row["bench"] == "demo" and row["variant"] == "make demo" and row["config"] == "grpo_arith_tiny_cpu"
+    tables = _performance_tables()
+    block = tables.demo_readme(row)
+    assert "SFT warm start: 200 steps, 44s, held-out greedy accuracy 0.360" in block
+    assert "│ 2-240 │ 1.20 │  0.60 │  0.10 │ 0.40 │     0.00 │    0.10 │        3.4 │" in block
+    assert block.rstrip("`\n").endswith("GRPO took 288s; held-out accuracy 0.422 -> 0.812 (+0.391)")
+    assert "| 240 | 200 steps, 44 s | 288 s | **1.20** |" in tables.demo_performance(row)
