@@ -1,0 +1,129 @@
+"""Paths under a run directory that stay under it, and outputs replaced whole or not at all.
+
+Every file and directory a run writes under ``logger.log_dir`` is named through :func:`inside`,
+which refuses a path that a symbolic link on the way (``sub -> ../other_run``, ``model ->
+/elsewhere``) leads out of the run directory: past that link the run's lock protects nothing, and
+another run's (or the system's) files would be written. What ``rlcore export`` copies is checked
+with :func:`unsafe_links` first, so that a link in a run directory (``notes.txt -> /etc/passwd``)
+never exports what it points at. :func:`replace_dir` writes a directory output (the final model,
+the critic, an export) beside its place and renames it there when complete: a full disk leaves
+what was there before, and says how much space there was. No heavy imports here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from rlcore.config.structure import ConfigError
+from rlcore.errors import CheckpointError
+
+# The run directory's own files, which no configurable output name may take.
+CONTROL_FILES = ("run.json", "run.lock", "config.yaml", "summary.json", "curves.png")
+OUTPUT_DIRS = ("model", "critic", "checkpoints", "tensorboard")
+
+
+class OutputWriteError(CheckpointError):
+    """An output directory could not be written (typically: the disk is full); what was there is kept."""
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def inside(run_dir: str | Path, relative: str | Path, key: str = "logger.log_dir", *, file: bool = False) -> Path:
+    """``run_dir/relative``, refused (a ConfigError naming ``key``) when it resolves outside
+    ``run_dir`` through a symbolic link, or (``file``) when it is a directory. The path is resolved
+    as it stands now: nothing is created."""
+    run_dir = Path(run_dir)
+    path = run_dir / relative
+    real = path.resolve()
+    if not _within(real, run_dir.resolve()):
+        raise ConfigError(key, f"{path} leads out of the run directory {run_dir} (to {real}, through a symbolic link): "
+                          "the run writes only inside its logger.log_dir; remove the link or choose another logger.log_dir")
+    if file and real.is_dir():
+        raise ConfigError(key, f"{path} is a directory, not a file the run can write; name a file inside logger.log_dir")
+    return path
+
+
+def unsafe_links(tree: str | Path, boundary: str | Path) -> list[tuple[Path, Path]]:
+    """Every symbolic link at or under ``tree`` whose target resolves outside ``boundary`` (a
+    dangling one by where it would point), or is a directory holding the link (a loop a copy would
+    follow forever), with that target. Linked directories are not entered."""
+    tree, limit = Path(tree), Path(boundary).resolve()
+    candidates = [tree]
+    if tree.is_dir() and not tree.is_symlink():
+        for parent, dirs, files in os.walk(tree):  # followlinks=False: a linked directory is a link, not a tree
+            candidates += [Path(parent) / name for name in (*dirs, *files)]
+    found = []
+    for link in (p for p in candidates if p.is_symlink()):
+        target = link.resolve()
+        if not _within(target, limit) or _within(link.parent.resolve(), target):
+            found.append((link, target))
+    return found
+
+
+def refuse_unsafe_links(tree: str | Path, boundary: str | Path, what: str) -> None:
+    """A CheckpointError naming the first links of ``tree`` that leave ``boundary`` or loop (:func:`unsafe_links`)."""
+    found = unsafe_links(tree, boundary)
+    if found:
+        shown = "; ".join(f"{link} -> {target}" for link, target in found[:3]) + ("; ..." if len(found) > 3 else "")
+        raise CheckpointError(f"{what}: {len(found)} symbolic link(s) point outside {Path(boundary)} or back into "
+                              f"their own directory ({shown}); nothing was copied. Replace each link by the file it "
+                              "should hold, or remove it")
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files under ``path`` (links counted as links)."""
+    total = 0
+    for parent, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path`` without following a link: a link is unlinked, a directory deleted below it."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def replace_dir(final: str | Path, write: Callable[[Path], None], what: str, needed_bytes: int = 0,
+                fix: str = "set logger.log_dir on a larger disk") -> Path:
+    """``write(tmp)`` fills a new directory beside ``final``; once it returns, the directory takes
+    ``final``'s place (an earlier ``final`` is removed only then). If ``write`` fails, its partial
+    directory is removed and ``final`` is left as it was; a full disk is an :class:`OutputWriteError`
+    naming ``final``, the space it needed (at least ``needed_bytes``) and the space there was, and
+    ``fix``: what else to do."""
+    from rlcore.controller.checkpoint import _disk_full
+
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.tmp.{os.getpid()}")
+    _remove(tmp)  # a killed earlier attempt's, under this process id's name
+    try:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+    except BaseException as exc:
+        written = tree_bytes(tmp) if tmp.exists() else 0
+        _remove(tmp)
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc, final.parent):
+            free = shutil.disk_usage(final.parent).free
+            kept = f"the earlier {final} is kept" if final.exists() else f"nothing was left at {final}"
+            raise OutputWriteError(
+                f"no space left on device: {what} could not be written to {final} (it needs at least "
+                f"{max(needed_bytes, written) / 2**20:.1f} MiB; {free / 2**20:.1f} MiB free); its partial copy was "
+                f"removed and {kept}. Free some space, or {fix}") from exc
+        raise
+    old = final.with_name(f".{final.name}.old.{os.getpid()}")
+    if final.exists() or final.is_symlink():
+        final.rename(old)  # a link is moved as a link: what it points at is never touched
+    tmp.rename(final)
+    _remove(old)
+    return final
