@@ -76,6 +76,27 @@ def test_no_resume_flag_on_a_checkpointed_run_refuses(checkpointed_run):
     assert again.returncode == 2 and "checkpointing.resume is false" in again.stderr, again.stderr[-2000:]
 
 
+@pytest.mark.parametrize("loop", ["grpo", "dpo"])
+def test_a_users_directories_in_the_checkpoints_directory_are_refused_not_deleted(tiny_model_dir, tmp_path, loop):
+    from test_offline_loops import pair_recipe
+
+    ckpt = tmp_path / "ckpt"
+    for step in (1, 2):  # a user's own directories, no checkpoint in them
+        (ckpt / f"step_00000{step}").mkdir(parents=True)
+        (ckpt / f"step_00000{step}" / "notes.txt").write_text(f"notes {step}")
+    if loop == "grpo":
+        recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"checkpointing.checkpoint_dir": str(ckpt)})
+    else:
+        recipe = pair_recipe("dpo_tiny_cpu.yaml", tiny_model_dir, tmp_path / "run")
+        recipe["checkpointing"].update(checkpoint_dir=str(ckpt), save_period=1)
+    done = _cli(recipe, tmp_path)
+    assert done.returncode == 2 and "checkpointing.checkpoint_dir" in done.stderr, done.stderr[-2000:]
+    assert str(ckpt / "step_000001") in done.stderr and "not rlcore checkpoints" in done.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000001", "step_000002"]
+    assert [(p / "notes.txt").read_text() for p in sorted(ckpt.iterdir())] == ["notes 1", "notes 2"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.fixture(scope="module")
 def fsdp2_backend(single_process_group, tiny_model_dir):
     from rlcore.config.schema import PolicyConfig, RunConfig

@@ -122,6 +122,70 @@ def test_saving_prunes_only_its_own_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000007", "step_000008"]
 
 
+def _user_dirs(root: Path) -> dict[str, str]:
+    """A user's own ``step_N`` directories (no checkpoint in them), as the issue's report had them."""
+    for step in (1, 2):
+        (root / f"step_00000{step}").mkdir(parents=True)
+        (root / f"step_00000{step}" / "notes.txt").write_text(f"notes {step}")
+    return {p.name: (p / "notes.txt").read_text() for p in root.iterdir()}
+
+
+def _left(root: Path) -> dict[str, str]:
+    return {p.name: (p / "notes.txt").read_text() for p in root.iterdir() if (p / "notes.txt").exists()}
+
+
+def test_saving_never_replaces_a_directory_that_is_no_checkpoint_of_this_run(tmp_path):
+    before = _user_dirs(tmp_path)
+    with pytest.raises(CheckpointWriteError, match="no rlcore owner file") as failure:
+        CheckpointManager(tmp_path, 1).save(1, _backend, _state(1, "run-a"))
+    assert str(tmp_path / "step_000001") in str(failure.value) and "checkpointing.checkpoint_dir" in str(failure.value)
+    assert _left(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002"]
+
+
+@pytest.mark.parametrize("kind", ["dir", "file"])
+def test_saving_and_pruning_never_follow_a_link_out_of_the_checkpoints_directory(tmp_path, kind):
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    root.mkdir()
+    if kind == "dir":  # a whole checkpoint of this run, linked in from elsewhere
+        CheckpointManager(outside, 1).save(1, _backend, _state(1, "run-a"))
+        target = outside / "step_000001"
+    else:
+        outside.mkdir()
+        target = outside / "notes.txt"
+        target.write_text("keep me")
+    (root / "step_000001").symlink_to(target)
+    listing = sorted(str(p) for p in outside.rglob("*"))
+    ours = CheckpointManager(root, 1)
+    with pytest.raises(CheckpointWriteError, match="a symbolic link"):
+        ours.save(1, _backend, _state(1, "run-a"))
+    for step in (2, 3):  # pruning keeps one: step_000001 is a link, never ours to delete
+        ours.save(step, _backend, _state(step, "run-a"))
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000003"]
+    assert (root / "step_000001").is_symlink() and sorted(str(p) for p in outside.rglob("*")) == listing
+
+
+def test_a_leftover_partial_checkpoint_that_is_a_link_is_unlinked_not_followed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "notes.txt").write_text("keep me")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "step_000001.tmp.run-a").symlink_to(outside)
+    CheckpointManager(tmp_path / "ckpt", 1).save(1, _backend, _state(1, "run-a"))
+    assert (outside / "notes.txt").read_text() == "keep me" and sorted(p.name for p in outside.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000001"]
+
+
+def test_a_run_refuses_at_the_start_a_checkpoint_place_that_holds_a_users_directory(tmp_path):
+    before = _user_dirs(tmp_path / "ckpt")
+    config = _config(tmp_path / "run", steps=4, enabled=True, save_period=2, checkpoint_dir=str(tmp_path / "ckpt"))
+    with pytest.raises(ConfigError, match="not rlcore checkpoints") as failure:
+        RunDir(config).open()
+    assert failure.value.key == "checkpointing.checkpoint_dir" and str(tmp_path / "ckpt" / "step_000002") in str(failure.value)
+    assert str(tmp_path / "ckpt" / "step_000001") not in str(failure.value)  # step 1 is never saved with save_period 2
+    assert _left(tmp_path / "ckpt") == before and not (tmp_path / "run" / RUN_FILE).exists()
+    RunDir(_config(tmp_path / "other", steps=1, enabled=True, save_period=1, checkpoint_dir=str(tmp_path / "elsewhere"))).open().close()
+
+
 # ---- files of one run stay in its directory -----------------------------------------------------
 @pytest.mark.parametrize("name", ["../other/metrics.jsonl", "/tmp/metrics.jsonl", "a/../../m.jsonl", ""])
 def test_the_metrics_file_stays_in_the_log_dir(name):

@@ -87,7 +87,7 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
-def _remove(path: Path) -> None:
+def remove_no_follow(path: Path) -> None:
     """Remove ``path`` without following a link: a link is unlinked, a directory deleted below it."""
     if path.is_symlink() or path.is_file():
         path.unlink()
@@ -106,13 +106,13 @@ def replace_dir(final: str | Path, write: Callable[[Path], None], what: str, nee
 
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp.{os.getpid()}")
-    _remove(tmp)  # a killed earlier attempt's, under this process id's name
+    remove_no_follow(tmp)  # a killed earlier attempt's, under this process id's name
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
     except BaseException as exc:
         written = tree_bytes(tmp) if tmp.exists() else 0
-        _remove(tmp)
+        remove_no_follow(tmp)
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc, final.parent):
             free = shutil.disk_usage(final.parent).free
             kept = f"the earlier {final} is kept" if final.exists() else f"nothing was left at {final}"
@@ -125,5 +125,5 @@ def replace_dir(final: str | Path, write: Callable[[Path], None], what: str, nee
     if final.exists() or final.is_symlink():
         final.rename(old)  # a link is moved as a link: what it points at is never touched
     tmp.rename(final)
-    _remove(old)
+    remove_no_follow(old)
     return final

@@ -119,6 +119,7 @@ class RunDir:
         try:
             previous = self._previous()
             self.run_id = self._choose_run_id(previous)
+            self._check_checkpoint_places()
             write_atomically(self.path / RUN_FILE, json.dumps({**self.identity(), "started": time.time()}, indent=1))
         except BaseException:
             self.close()
@@ -170,6 +171,20 @@ class RunDir:
                               f"Choose another logger.log_dir, or delete {self.path}")
         check_owner(previous, self.identity(), self.path / RUN_FILE, fix=f"choose another logger.log_dir, or delete {self.path}")
         return str(previous.get("run_id") or fresh)
+
+    def _check_checkpoint_places(self) -> None:
+        """Refuse, before anything trains, a ``step_N`` in the checkpoints directory that this run
+        would save over and that is no rlcore checkpoint (a user's directory, a file, a link)."""
+        cfg, last = self.config.checkpointing, self.config.train.max_num_steps
+        if not cfg.enabled:
+            return
+        blocked = [str(path) for step, path in CheckpointManager(checkpoint_root(self.config), cfg.keep_last_k)
+                   .not_checkpoints() if step <= last and (step % cfg.save_period == 0 or step == last)]
+        if blocked:
+            raise ConfigError("checkpointing.checkpoint_dir", f"{', '.join(blocked[:3])}{' ...' if len(blocked) > 3 else ''}: "
+                              f"not rlcore checkpoints, where this run would save its own (every "
+                              f"checkpointing.save_period={cfg.save_period} steps and the last); nothing was changed. "
+                              "Move them away, or set another checkpointing.checkpoint_dir")
 
     def close(self) -> None:
         if self._lock is not None:
