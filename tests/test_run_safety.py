@@ -97,6 +97,49 @@ def test_a_users_directories_in_the_checkpoints_directory_are_refused_not_delete
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+# What each case plants in the run directory (or beside it), the override it runs with, the key its
+# one-line refusal names. Each is refused before the model loads, and nothing outside is touched.
+ESCAPES = {
+    "dir_link_out": ({"sub": "../other_run"}, {"logger.jsonl.filename": "sub/metrics.jsonl"}, "logger.jsonl.filename"),
+    "file_link_out": ({"metrics.jsonl": "../other_run/metrics.jsonl"}, {}, "logger.jsonl.filename"),
+    "control_file": ({}, {"logger.jsonl.filename": "run.json"}, "logger.jsonl.filename"),
+    "the_dir_itself": ({}, {"logger.jsonl.filename": "."}, "logger.jsonl.filename"),
+    "model_link_out": ({"model": "../other_run"}, {}, "logger.log_dir"),
+    "checkpoints_link_out": ({"checkpoints": "../other_run"}, {"checkpointing.enabled": True}, "checkpointing.checkpoint_dir"),
+    "lock_link_out": ({"run.lock": "../other_run/metrics.jsonl"}, {}, "logger.log_dir"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ESCAPES))
+def test_no_write_of_a_run_follows_a_link_out_of_its_directory(tiny_model_dir, tmp_path, case):
+    links, overrides, key = ESCAPES[case]
+    other = tmp_path / "other_run"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1, "run_id": "other"}\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, target in links.items():
+        (run / name).symlink_to(target)
+    done = _cli(_recipe(tiny_model_dir, run, **{"checkpointing.enabled": False, **overrides}), tmp_path)
+    assert done.returncode == 2 and key in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) <= 3, done.stderr  # one message, no traceback
+    assert sorted(p.name for p in other.iterdir()) == ["metrics.jsonl"]
+    assert (other / "metrics.jsonl").read_text() == '{"step": 1, "run_id": "other"}\n'
+
+
+def test_a_metrics_file_of_any_name_keeps_the_duplicate_records_guard(tiny_model_dir, tmp_path):
+    """A run killed after its second record (no summary.json yet) left metrics.log; running the
+    same command again must not append a second run's records to it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    left = "".join(json.dumps({"step": s, "run_id": "first"}) + "\n" for s in (1, 2))
+    (run / "metrics.log").write_text(left)
+    done = _cli(_recipe(tiny_model_dir, run, **{"checkpointing.enabled": False, "logger.jsonl.filename": "metrics.log"}),
+                tmp_path)
+    assert done.returncode == 2 and "already holds the records" in done.stderr, done.stderr[-2000:]
+    assert (run / "metrics.log").read_text() == left
+
+
 @pytest.fixture(scope="module")
 def fsdp2_backend(single_process_group, tiny_model_dir):
     from rlcore.config.schema import PolicyConfig, RunConfig

@@ -187,12 +187,23 @@ def test_a_run_refuses_at_the_start_a_checkpoint_place_that_holds_a_users_direct
 
 
 # ---- files of one run stay in its directory -----------------------------------------------------
-@pytest.mark.parametrize("name", ["../other/metrics.jsonl", "/tmp/metrics.jsonl", "a/../../m.jsonl", ""])
+@pytest.mark.parametrize("name", ["../other/metrics.jsonl", "/tmp/metrics.jsonl", "a/../../m.jsonl", "", ".", "sub/.",
+                                  "run.json", "run.lock", "config.yaml", "summary.json", "model/metrics.jsonl",
+                                  "checkpoints/m.jsonl"])
 def test_the_metrics_file_stays_in_the_log_dir(name):
     with pytest.raises(ConfigError, match="inside logger.log_dir") as failure:
         build_config({"policy": {"model_name": "m"}, "logger": {"jsonl": {"filename": name}}})
     assert failure.value.key == "logger.jsonl.filename"
     assert JsonlLoggerConfig(filename="sub/metrics.jsonl").filename == "sub/metrics.jsonl"
+
+
+def test_a_link_inside_the_run_directory_is_written_through(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "metrics.jsonl").symlink_to("logs/metrics.jsonl")
+    logger = JsonlLogger(JsonlLoggerConfig(), tmp_path)
+    logger.log({"loss": 0.5}, 1)
+    logger.close()
+    assert _steps(tmp_path / "logs" / "metrics.jsonl") == [1]
 
 
 def test_export_reads_the_config_the_checkpoint_carries_never_a_path_it_names(tmp_path):

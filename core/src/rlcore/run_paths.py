@@ -33,6 +33,19 @@ def _within(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
+def check_output_name(value: str, key: str) -> None:
+    """A configurable output name (``logger.jsonl.filename``): a plain relative file path inside
+    logger.log_dir that is none of the run's own files or directories, else a ConfigError naming ``key``."""
+    parts = value.split("/")
+    if not value or value.startswith("/") or "\\" in value or any(part in ("", ".", "..") for part in parts):
+        raise ConfigError(key, f"{value!r} must be a file name inside logger.log_dir (relative, no '.', '..' or empty "
+                          "parts); to write elsewhere set logger.log_dir")
+    if value in CONTROL_FILES or parts[0] in OUTPUT_DIRS:
+        raise ConfigError(key, f"{value!r} is the run's own {'file' if value in CONTROL_FILES else 'directory'} "
+                          f"inside logger.log_dir; choose another name (the run writes {', '.join(CONTROL_FILES)} and "
+                          f"{', '.join(d + '/' for d in OUTPUT_DIRS)})")
+
+
 def inside(run_dir: str | Path, relative: str | Path, key: str = "logger.log_dir", *, file: bool = False) -> Path:
     """``run_dir/relative``, refused (a ConfigError naming ``key``) when it resolves outside
     ``run_dir`` through a symbolic link, or (``file``) when it is a directory. The path is resolved

@@ -23,6 +23,7 @@ from rlcore.controller.pairs import run_pairs
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.sft import run_sft
 from rlcore.reward_fn import as_environment
+from rlcore.run_paths import inside
 from rlcore.verbosity import apply_verbosity
 
 # What the algorithm trains on (its registration's ``trains_on``) -> the loop that runs it.
@@ -49,7 +50,7 @@ def run(config: RunConfig, **given) -> dict:
         if kind not in LOOPS:
             raise ConfigError("algorithm.name", f"algorithm '{config.section('algorithm').name}' trains on {kind!r}; "
                               f"rlcore runs algorithms that train on {sorted(k for k in LOOPS if k)}")
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        inside(run_dir, "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         return LOOPS[kind](config, owner, run_dir, given)
     finally:
         owner.close()

@@ -7,8 +7,12 @@
   how long it runs, where and how often it logs, checkpoints and validates, timeouts and cluster
   plumbing). Every checkpoint's loop state carries the same, and resuming from one whose
   fingerprint differs (another learning rate, another seed) is an error naming both runs and the key.
+- Every file and directory the run writes there is checked before anything is written
+  (:func:`output_paths`, :func:`rlcore.run_paths.inside`): a symbolic link that leads one out of
+  the directory is refused, naming it, and so are the writers' own checks when they write.
 - A directory that already holds another run's records is refused unless this run resumes it:
-  records of two runs are never appended to one ``metrics.jsonl``. A missing or unreadable
+  records of two runs are never appended to one metrics file (``metrics.jsonl``, or
+  ``logger.jsonl.filename``, whatever its name). A missing or unreadable
   ``run.json`` does not lift that: the newest checkpoint's identity stands in for it, and with
   none the directory is refused.
 """
@@ -30,6 +34,7 @@ import yaml
 from rlcore.config import ConfigError, RunConfig, to_dict
 from rlcore.config.structure import MOVED_KEYS
 from rlcore.controller.checkpoint import CheckpointManager
+from rlcore.run_paths import CONTROL_FILES, OUTPUT_DIRS, inside
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -45,6 +50,28 @@ def checkpoint_root(config: RunConfig) -> Path:
     """``checkpointing.checkpoint_dir``, or ``<logger.log_dir>/checkpoints`` when it is unset."""
     chosen = config.checkpointing.checkpoint_dir
     return Path(chosen) if chosen else Path(config.logger.log_dir) / "checkpoints"
+
+
+def output_paths(config: RunConfig) -> list[tuple[str, str, bool]]:
+    """What the run writes under ``logger.log_dir``: (relative path, the config key that names or
+    enables it, whether it is a file)."""
+    found = [(name, "logger.log_dir", True) for name in CONTROL_FILES]
+    found += [(name, "logger.log_dir", False) for name in OUTPUT_DIRS if name != "checkpoints"]
+    if not config.checkpointing.checkpoint_dir:
+        found.append(("checkpoints", "checkpointing.checkpoint_dir", False))
+    jsonl = config.section("logger.jsonl")
+    if jsonl is not None and jsonl.enabled:
+        found.append((jsonl.filename, "logger.jsonl.filename", True))
+    wandb = config.section("logger.wandb")
+    if wandb is not None and wandb.enabled:
+        found.append(("wandb", "logger.wandb.enabled", False))
+    return found
+
+
+def metrics_file(config: RunConfig) -> Path | None:
+    """The JSONL logger's file (``logger.jsonl.filename`` in ``logger.log_dir``), None when it is off."""
+    jsonl = config.section("logger.jsonl")
+    return Path(config.logger.log_dir) / jsonl.filename if jsonl is not None and jsonl.enabled else None
 
 
 def fingerprint(config: RunConfig) -> dict[str, str]:
@@ -115,6 +142,8 @@ class RunDir:
 
     def open(self) -> "RunDir":
         self.path.mkdir(parents=True, exist_ok=True)
+        for relative, key, is_file in output_paths(self.config):
+            inside(self.path, relative, key, file=is_file)
         self._acquire()
         try:
             previous = self._previous()
@@ -150,6 +179,9 @@ class RunDir:
 
     def _has_records(self) -> bool:
         if (self.path / "summary.json").exists():
+            return True
+        metrics = metrics_file(self.config)
+        if metrics is not None and metrics.is_file() and metrics.stat().st_size > 0:
             return True
         return any(p.stat().st_size > 0 for p in self.path.glob("*.jsonl"))
 

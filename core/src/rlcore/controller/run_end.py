@@ -16,6 +16,7 @@ line, so they carry over whatever shape the loops take.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +41,29 @@ def save_final_model(loop: Any, trainer: Any, config: Any, run_dir: str | Path, 
         save_final_checkpoint(loop)
     if stopped and loop.ckpt is not None:
         return None
-    out = Path(run_dir) / MODEL_DIR
-    trainer.run_on_ranks("rlcore.controller.offline:export_hf_on_rank", str(out), what="export_hf")
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(config.policy.tokenizer_name or config.policy.model_name)
-    tokenizer.save_pretrained(str(out))
-    return out
+
+    def write(path: Path) -> None:
+        trainer.run_on_ranks("rlcore.controller.offline:export_hf_on_rank", str(path), what="export_hf")
+        tokenizer.save_pretrained(str(path))
+
+    return write_model(run_dir, config, write)
+
+
+def write_model(run_dir: str | Path, config: Any, write: Callable[[Path], None]) -> Path:
+    """``write(path)`` writes the final model into a new directory, which then replaces
+    ``run_dir/model`` (:func:`rlcore.run_paths.replace_dir`: a failed write, a full disk, keeps what
+    was there). The exported model is in the loaded checkpoint's dtype: its weights' size on disk
+    is what the message of a full disk says it needs."""
+    from rlcore.run_paths import inside, replace_dir
+
+    out = inside(run_dir, MODEL_DIR)
+    model = Path(config.policy.model_name)
+    needed = sum(p.stat().st_size for p in model.glob("*.safetensors")) if model.is_dir() else 0
+    return replace_dir(out, write, "the final model", needed)
 
 
 def outputs(run_dir: str | Path, config: Any) -> list[tuple[str, Path]]:
