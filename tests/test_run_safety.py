@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from test_export import small_disk  # noqa: F401 - a fixture
 from test_loop import preloaded_runs, run_recipe, run_rlcore, run_script, tiny_recipe  # noqa: F401 - preloaded_runs: autouse here too
 
 pytestmark = pytest.mark.slow
@@ -138,6 +139,26 @@ def test_a_metrics_file_of_any_name_keeps_the_duplicate_records_guard(tiny_model
                 tmp_path)
     assert done.returncode == 2 and "already holds the records" in done.stderr, done.stderr[-2000:]
     assert (run / "metrics.log").read_text() == left
+
+
+@pytest.mark.parametrize("loop", ["grpo", "dpo"])
+def test_a_full_disk_at_the_final_model_is_one_line_and_leaves_no_part(tiny_model_dir, tmp_path, small_disk, loop):
+    from test_offline_loops import pair_recipe
+
+    run = small_disk / "run"
+    if loop == "grpo":
+        recipe = _recipe(tiny_model_dir, run, **{"checkpointing.enabled": False, "train.max_num_steps": 1})
+    else:
+        recipe = pair_recipe("dpo_tiny_cpu.yaml", tiny_model_dir, run)
+        recipe["train"].update(max_num_steps=1, val_at_start=False, val_period=0)
+        recipe["checkpointing"]["enabled"] = False
+    done = _cli(recipe, tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "no space left on device" in error[0] and str(run / "model") in error[0] and "MiB free" in error[0]
+    assert not [p.name for p in run.iterdir() if "model" in p.name]  # no empty model/, no partial copy
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 @pytest.fixture(scope="module")
