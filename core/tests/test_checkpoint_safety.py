@@ -151,14 +151,11 @@ def test_a_full_disk_keeps_the_earlier_output_and_says_how_much_space(tmp_path, 
         assert (model / "model.safetensors").read_bytes() == b"earlier"
 
 
-def test_a_complete_output_replaces_the_earlier_one_and_a_link_in_its_place_is_not_followed(tmp_path):
+def test_a_complete_output_replaces_the_earlier_one_and_a_link_in_its_place_is_not_followed(tmp_path, outside_dir):
     from rlcore.run_paths import replace_dir
 
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "keep.txt").write_text("keep")
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "model").symlink_to(outside)
+    (tmp_path / "run" / "model").symlink_to(outside_dir)
 
     def write(path: Path) -> None:
         path.mkdir()
@@ -167,4 +164,4 @@ def test_a_complete_output_replaces_the_earlier_one_and_a_link_in_its_place_is_n
     replace_dir(tmp_path / "run" / "model", write, "the final model")
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model"]
     assert not (tmp_path / "run" / "model").is_symlink() and (tmp_path / "run" / "model" / "config.json").exists()
-    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in outside_dir.iterdir()) == ["keep.txt"]

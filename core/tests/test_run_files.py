@@ -143,16 +143,13 @@ def test_saving_never_replaces_a_directory_that_is_no_checkpoint_of_this_run(tmp
 
 
 @pytest.mark.parametrize("kind", ["dir", "file"])
-def test_saving_and_pruning_never_follow_a_link_out_of_the_checkpoints_directory(tmp_path, kind):
-    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+def test_saving_and_pruning_never_follow_a_link_out_of_the_checkpoints_directory(tmp_path, outside_dir, kind):
+    root, outside = tmp_path / "ckpt", outside_dir
     root.mkdir()
+    target = outside / "keep.txt"
     if kind == "dir":  # a whole checkpoint of this run, linked in from elsewhere
         CheckpointManager(outside, 1).save(1, _backend, _state(1, "run-a"))
         target = outside / "step_000001"
-    else:
-        outside.mkdir()
-        target = outside / "notes.txt"
-        target.write_text("keep me")
     (root / "step_000001").symlink_to(target)
     listing = sorted(str(p) for p in outside.rglob("*"))
     ours = CheckpointManager(root, 1)
@@ -164,14 +161,11 @@ def test_saving_and_pruning_never_follow_a_link_out_of_the_checkpoints_directory
     assert (root / "step_000001").is_symlink() and sorted(str(p) for p in outside.rglob("*")) == listing
 
 
-def test_a_leftover_partial_checkpoint_that_is_a_link_is_unlinked_not_followed(tmp_path):
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "notes.txt").write_text("keep me")
+def test_a_leftover_partial_checkpoint_that_is_a_link_is_unlinked_not_followed(tmp_path, outside_dir):
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "step_000001.tmp.run-a").symlink_to(outside)
+    (tmp_path / "ckpt" / "step_000001.tmp.run-a").symlink_to(outside_dir)
     CheckpointManager(tmp_path / "ckpt", 1).save(1, _backend, _state(1, "run-a"))
-    assert (outside / "notes.txt").read_text() == "keep me" and sorted(p.name for p in outside.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in outside_dir.iterdir()) == ["keep.txt"]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000001"]
 
 
