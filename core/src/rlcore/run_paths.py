@@ -12,8 +12,11 @@ what was there before, and says how much space there was. No heavy imports here.
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -108,6 +111,41 @@ def remove_no_follow(path: Path) -> None:
         shutil.rmtree(path)
 
 
+_UNEXPECTED_POS = re.compile(r"unexpected pos \d+ vs \d+")
+_NEARLY_FULL_BYTES = 16 << 20
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every error it wraps: causes, contexts, each rank's error inside DCP's CheckpointException."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")  # not imported: no such exception exists
+    seen: dict[int, BaseException] = {}
+    pending = [exc]
+    while pending:
+        e = pending.pop()
+        if id(e) in seen:
+            continue
+        seen[id(e)] = e
+        pending += [x for x in (e.__cause__, e.__context__) if x is not None]
+        if api is not None and isinstance(e, api.CheckpointException):
+            pending += [pair[0] for pair in e.failures.values()]
+    return list(seen.values())
+
+
+def disk_full(exc: BaseException, root: Path | None = None) -> bool:
+    """Whether ``exc`` (or an error it wraps) is the disk filling up. Ray's errors carry the rank's
+    message as text. torch's own file writer (DCP writes through it) reports a short write only as
+    "unexpected pos A vs B": that counts when ``root``'s file system is then (nearly) full."""
+    chain = _chain(exc)
+    if root is not None and any(_UNEXPECTED_POS.search(str(e)) for e in chain):
+        try:
+            if shutil.disk_usage(root).free < _NEARLY_FULL_BYTES:
+                return True
+        except OSError:
+            pass
+    return any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+               or "No space left on device" in str(e) or "Errno 28" in str(e) for e in chain)
+
+
 def replace_dir(final: str | Path, write: Callable[[Path], None], what: str, needed_bytes: int = 0,
                 fix: str = "set logger.log_dir on a larger disk") -> Path:
     """``write(tmp)`` fills a new directory beside ``final``; once it returns, the directory takes
@@ -115,8 +153,6 @@ def replace_dir(final: str | Path, write: Callable[[Path], None], what: str, nee
     directory is removed and ``final`` is left as it was; a full disk is an :class:`OutputWriteError`
     naming ``final``, the space it needed (at least ``needed_bytes``) and the space there was, and
     ``fix``: what else to do."""
-    from rlcore.controller.checkpoint import _disk_full
-
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp.{os.getpid()}")
     remove_no_follow(tmp)  # a killed earlier attempt's, under this process id's name
@@ -126,7 +162,7 @@ def replace_dir(final: str | Path, write: Callable[[Path], None], what: str, nee
     except BaseException as exc:
         written = tree_bytes(tmp) if tmp.exists() else 0
         remove_no_follow(tmp)
-        if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc, final.parent):
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and disk_full(exc, final.parent):
             free = shutil.disk_usage(final.parent).free
             kept = f"the earlier {final} is kept" if final.exists() else f"nothing was left at {final}"
             raise OutputWriteError(

@@ -22,7 +22,6 @@ the run: that is not damage to route around.
 
 from __future__ import annotations
 
-import errno
 import inspect
 import random
 import re
@@ -35,10 +34,9 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from rlcore.config.structure import ConfigError
-from rlcore.run_paths import remove_no_follow
+from rlcore.run_paths import disk_full, remove_no_follow
 from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -146,48 +144,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-_UNEXPECTED_POS = re.compile(r"unexpected pos \d+ vs \d+")
-_NEARLY_FULL_BYTES = 16 << 20
-
-
-def _disk_full(exc: BaseException, root: Path | None = None) -> bool:
-    """Whether ``exc`` (or what caused it, or a rank's error inside DCP's CheckpointException)
-    is the disk filling up. Ray's errors carry the rank's message as text. torch's own file writer
-    (DCP writes through it) reports a short write only as "unexpected pos A vs B": that counts when
-    the checkpoint's file system is then (nearly) full."""
-    if root is not None and _UNEXPECTED_POS.search(_all_text(exc)):
-        try:
-            if shutil.disk_usage(root).free < _NEARLY_FULL_BYTES:
-                return True
-        except OSError:
-            pass
-    pending: list[BaseException] = [exc]
-    while pending:
-        seen = pending.pop()
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(seen) or "Errno 28" in str(seen):
-            return True
-        if isinstance(seen, CheckpointException):
-            pending += [pair[0] for pair in seen.failures.values()]
-        pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
-    return False
-
-
-def _all_text(exc: BaseException) -> str:
-    seen, pending, parts = set(), [exc], []
-    while pending:
-        e = pending.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        parts.append(str(e))
-        if isinstance(e, CheckpointException):
-            pending += [pair[0] for pair in e.failures.values()]
-        pending += [x for x in (e.__cause__, e.__context__) if x is not None]
-    return "\n".join(parts)
-
-
 class CheckpointManager:
     def __init__(self, root: str | Path, keep_last_k: int):
         self.root = Path(root)
@@ -224,7 +180,7 @@ class CheckpointManager:
                 torch.save(loop_state, f)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc, self.root):
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and disk_full(exc, self.root):
                 free = shutil.disk_usage(self.root).free / 2**20 if self.root.exists() else float("nan")
                 raise CheckpointWriteError(
                     f"no space left on device: the checkpoint of step {step} could not be written to {self.root} "
