@@ -247,3 +247,38 @@ def test_an_older_checkpoint_with_grpo_step_keys_exports_and_resumes_as_the_same
     with pytest.raises(ConfigError, match="which had train.seed=42") as failure:
         check_owner(older, reseeded.identity(), tmp_path / "old")
     assert failure.value.key == "train.seed"
+
+
+@pytest.mark.parametrize("logger", ["jsonl", "tensorboard"])
+def test_each_logger_refuses_a_link_out_of_the_run_directory_when_it_writes(tmp_path, outside_dir, logger):
+    """The run's start checks every output (tests/test_run_safety.py); each writer checks again
+    where it writes (a link made after the start)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if logger == "jsonl":
+        (run / "sub").symlink_to(outside_dir)
+        with pytest.raises(ConfigError, match="leads out of the run directory") as failure:
+            JsonlLogger(JsonlLoggerConfig(filename="sub/metrics.jsonl"), run)
+        assert failure.value.key == "logger.jsonl.filename"
+    else:
+        pytest.importorskip("tensorboard")
+        from rlcore.loggers.config import TensorboardLoggerConfig
+        from rlcore.loggers.tensorboard import TensorboardLogger
+
+        (run / "tensorboard").symlink_to(outside_dir)
+        with pytest.raises(ConfigError, match="leads out of the run directory") as failure:
+            TensorboardLogger(TensorboardLoggerConfig(enabled=True), run)
+        assert failure.value.key == "logger.tensorboard.enabled"
+    assert sorted(p.name for p in outside_dir.iterdir()) == ["keep.txt"]
+
+
+def test_a_link_out_is_refused_only_where_the_run_would_write(tmp_path, outside_dir):
+    from rlcore.loggers.config import TensorboardLoggerConfig
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tensorboard").symlink_to(outside_dir)
+    RunDir(_config(tmp_path / "run")).open().close()  # tensorboard off: the link is none of the run's business
+    config = attrs.evolve(_config(tmp_path / "run"), sections={"logger.tensorboard": TensorboardLoggerConfig(enabled=True)})
+    with pytest.raises(ConfigError, match="leads out of the run directory") as failure:
+        RunDir(config).open()
+    assert failure.value.key == "logger.tensorboard.enabled"

@@ -34,7 +34,7 @@ import yaml
 from rlcore.config import ConfigError, RunConfig, to_dict
 from rlcore.config.structure import MOVED_KEYS
 from rlcore.controller.checkpoint import CheckpointManager
-from rlcore.run_paths import CONTROL_FILES, OUTPUT_DIRS, inside
+from rlcore.run_paths import CONTROL_FILES, inside
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -55,16 +55,17 @@ def checkpoint_root(config: RunConfig) -> Path:
 def output_paths(config: RunConfig) -> list[tuple[str, str, bool]]:
     """What the run writes under ``logger.log_dir``: (relative path, the config key that names or
     enables it, whether it is a file)."""
-    found = [(name, "logger.log_dir", True) for name in CONTROL_FILES]
-    found += [(name, "logger.log_dir", False) for name in OUTPUT_DIRS if name != "checkpoints"]
+    found = [(name, "logger.log_dir", True) for name in CONTROL_FILES if name != "curves.png" or config.logger.plot]
+    found += [("model", "logger.log_dir", False), ("critic", "logger.log_dir", False)]
     if not config.checkpointing.checkpoint_dir:
         found.append(("checkpoints", "checkpointing.checkpoint_dir", False))
-    jsonl = config.section("logger.jsonl")
-    if jsonl is not None and jsonl.enabled:
-        found.append((jsonl.filename, "logger.jsonl.filename", True))
-    wandb = config.section("logger.wandb")
-    if wandb is not None and wandb.enabled:
-        found.append(("wandb", "logger.wandb.enabled", False))
+    metrics = metrics_file(config)
+    if metrics is not None:
+        found.append((config.section("logger.jsonl").filename, "logger.jsonl.filename", True))
+    for name in ("tensorboard", "wandb"):  # the directories these loggers write in logger.log_dir
+        section = config.section(f"logger.{name}")
+        if section is not None and section.enabled:
+            found.append((name, f"logger.{name}.enabled", False))
     return found
 
 
