@@ -77,9 +77,9 @@ def test_no_resume_flag_on_a_checkpointed_run_refuses(checkpointed_run):
     assert again.returncode == 2 and "checkpointing.resume is false" in again.stderr, again.stderr[-2000:]
 
 
-@pytest.mark.parametrize("loop", ["grpo", "dpo"])
+@pytest.mark.parametrize("loop", ["grpo", "dpo", "sft"])
 def test_a_users_directories_in_the_checkpoints_directory_are_refused_not_deleted(tiny_model_dir, tmp_path, loop):
-    from test_offline_loops import pair_recipe
+    from test_offline_loops import pair_recipe, sft_recipe
 
     ckpt = tmp_path / "ckpt"
     for step in (1, 2):  # a user's own directories, no checkpoint in them
@@ -88,7 +88,8 @@ def test_a_users_directories_in_the_checkpoints_directory_are_refused_not_delete
     if loop == "grpo":
         recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"checkpointing.checkpoint_dir": str(ckpt)})
     else:
-        recipe = pair_recipe("dpo_tiny_cpu.yaml", tiny_model_dir, tmp_path / "run")
+        recipe = (pair_recipe("dpo_tiny_cpu.yaml", tiny_model_dir, tmp_path / "run") if loop == "dpo"
+                  else sft_recipe(tiny_model_dir, tmp_path / "run"))
         recipe["checkpointing"].update(checkpoint_dir=str(ckpt), save_period=1)
     done = _cli(recipe, tmp_path)
     assert done.returncode == 2 and "checkpointing.checkpoint_dir" in done.stderr, done.stderr[-2000:]
