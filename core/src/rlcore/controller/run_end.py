@@ -4,6 +4,8 @@ last step, and one block saying where its outputs are.
 - ``<logger.log_dir>/model``: the policy in Hugging Face format (safetensors, ``config.json``,
   tokenizer), written by the backend's own ``export_hf`` on its ranks, as TRL's and verl's
   trainers save at the end of training. ``rlcore eval <log_dir>/model RECIPE`` reads it as it is.
+  It is written beside its place and renamed there when complete (:func:`write_model`): a full
+  disk leaves no empty or partial ``model/`` and is one error naming the space needed and free.
 - With ``checkpointing.enabled``, a checkpoint of the last step when ``save_period`` did not fall
   on it (a 12-step run with ``save_period: 5`` otherwise keeps step 10 only).
 
