@@ -104,6 +104,7 @@ def test_a_users_directories_in_the_checkpoints_directory_are_refused_not_delete
 ESCAPES = {
     "dir_link_out": ({"sub": "../other_run"}, {"logger.jsonl.filename": "sub/metrics.jsonl"}, "logger.jsonl.filename"),
     "file_link_out": ({"metrics.jsonl": "../other_run/metrics.jsonl"}, {}, "logger.jsonl.filename"),
+    "traces_link_out": ({"sub": "../other_run"}, {"logger.rollouts.filename": "sub/metrics.jsonl"}, "logger.rollouts.filename"),
     "control_file": ({}, {"logger.jsonl.filename": "run.json"}, "logger.jsonl.filename"),
     "the_dir_itself": ({}, {"logger.jsonl.filename": "."}, "logger.jsonl.filename"),
     "model_link_out": ({"model": "../other_run"}, {}, "logger.log_dir"),

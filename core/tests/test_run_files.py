@@ -184,11 +184,42 @@ def test_a_run_refuses_at_the_start_a_checkpoint_place_that_holds_a_users_direct
 @pytest.mark.parametrize("name", ["../other/metrics.jsonl", "/tmp/metrics.jsonl", "a/../../m.jsonl", "", ".", "sub/.",
                                   "run.json", "run.lock", "config.yaml", "summary.json", "model/metrics.jsonl",
                                   "checkpoints/m.jsonl"])
-def test_the_metrics_file_stays_in_the_log_dir(name):
+@pytest.mark.parametrize("section", ["jsonl", "rollouts"])  # the metrics file, the rollout traces' file
+def test_the_metrics_file_stays_in_the_log_dir(name, section):
     with pytest.raises(ConfigError, match="inside logger.log_dir") as failure:
-        build_config({"policy": {"model_name": "m"}, "logger": {"jsonl": {"filename": name}}})
-    assert failure.value.key == "logger.jsonl.filename"
+        build_config({"policy": {"model_name": "m"}, "logger": {section: {"filename": name}}})
+    assert failure.value.key == f"logger.{section}.filename"
     assert JsonlLoggerConfig(filename="sub/metrics.jsonl").filename == "sub/metrics.jsonl"
+
+
+def _logged(tmp_path: Path, **logger) -> RunConfig:
+    return build_config({"policy": {"model_name": "m"}, "logger": {"log_dir": str(tmp_path / "run"), **logger}})
+
+
+def test_the_rollout_traces_file_keeps_every_guard_of_the_metrics_file(tmp_path, outside_dir):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "sub").symlink_to(outside_dir)
+    with pytest.raises(ConfigError, match="leads out of the run directory") as failure:
+        RunDir(_logged(tmp_path, rollouts={"filename": "sub/traces.jsonl"})).open()
+    assert failure.value.key == "logger.rollouts.filename"
+    with pytest.raises(ConfigError, match="one file") as failure:
+        RunDir(_logged(tmp_path, rollouts={"filename": "m.log"}, jsonl={"filename": "m.log"})).open()
+    (tmp_path / "run" / "traces.log").write_text('{"step": 1}\n')  # a killed run's traces, under another name
+    with pytest.raises(ConfigError, match="already holds the records"):
+        RunDir(_logged(tmp_path, rollouts={"filename": "traces.log"})).open()
+    RunDir(_logged(tmp_path)).open().close()  # the defaults: nothing there of theirs
+    assert sorted(p.name for p in outside_dir.iterdir()) == ["keep.txt"]
+
+
+def test_the_rollout_traces_writer_refuses_a_link_out_when_it_opens_its_file(tmp_path, outside_dir):
+    from rlcore.config.traces import RolloutTracesConfig
+    from rlcore.traces import RolloutTraces
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "rollouts.jsonl").symlink_to(outside_dir / "keep.txt")
+    with pytest.raises(ConfigError, match="leads out of the run directory") as failure:
+        RolloutTraces(RolloutTracesConfig(), tmp_path / "run")._open()
+    assert failure.value.key == "logger.rollouts.filename" and (outside_dir / "keep.txt").read_text() == "keep me"
 
 
 def test_a_link_inside_the_run_directory_is_written_through(tmp_path):

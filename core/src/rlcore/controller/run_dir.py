@@ -11,8 +11,8 @@
   (:func:`output_paths`, :func:`rlcore.run_paths.inside`): a symbolic link that leads one out of
   the directory is refused, naming it, and so are the writers' own checks when they write.
 - A directory that already holds another run's records is refused unless this run resumes it:
-  records of two runs are never appended to one metrics file (``metrics.jsonl``, or
-  ``logger.jsonl.filename``, whatever its name). A missing or unreadable
+  records of two runs are never appended to one file (``metrics.jsonl``, ``rollouts.jsonl``, or
+  whatever ``logger.jsonl.filename`` and ``logger.rollouts.filename`` name). A missing or unreadable
   ``run.json`` does not lift that: the newest checkpoint's identity stands in for it, and with
   none the directory is refused.
 """
@@ -52,27 +52,35 @@ def checkpoint_root(config: RunConfig) -> Path:
     return Path(chosen) if chosen else Path(config.logger.log_dir) / "checkpoints"
 
 
+def record_files(config: RunConfig) -> list[tuple[str, str]]:
+    """The files the run appends its records to, by name inside ``logger.log_dir`` and the key that
+    names each: the metrics (``logger.jsonl.filename``) and the rollout traces (``logger.rollouts.filename``)."""
+    found = []
+    jsonl = config.section("logger.jsonl")
+    if jsonl is not None and jsonl.enabled:
+        found.append((jsonl.filename, "logger.jsonl.filename"))
+    if config.logger.rollouts.enabled:
+        found.append((config.logger.rollouts.filename, "logger.rollouts.filename"))
+    return found
+
+
 def output_paths(config: RunConfig) -> list[tuple[str, str, bool]]:
     """What the run writes under ``logger.log_dir``: (relative path, the config key that names or
-    enables it, whether it is a file)."""
+    enables it, whether it is a file). Two keys naming one file are refused (a ConfigError)."""
     found = [(name, "logger.log_dir", True) for name in CONTROL_FILES if name != "curves.png" or config.logger.plot]
     found += [("model", "logger.log_dir", False), ("critic", "logger.log_dir", False)]
     if not config.checkpointing.checkpoint_dir:
         found.append(("checkpoints", "checkpointing.checkpoint_dir", False))
-    metrics = metrics_file(config)
-    if metrics is not None:
-        found.append((config.section("logger.jsonl").filename, "logger.jsonl.filename", True))
+    found += [(name, key, True) for name, key in record_files(config)]
     for name in ("tensorboard", "wandb"):  # the directories these loggers write in logger.log_dir
         section = config.section(f"logger.{name}")
         if section is not None and section.enabled:
             found.append((name, f"logger.{name}.enabled", False))
+    names = [name for name, _ in record_files(config)]
+    if len(set(names)) < len(names):
+        raise ConfigError("logger.rollouts.filename", f"{names[-1]!r} is logger.jsonl.filename too: the metrics and the "
+                          "rollout traces would be appended to one file; give each its own name")
     return found
-
-
-def metrics_file(config: RunConfig) -> Path | None:
-    """The JSONL logger's file (``logger.jsonl.filename`` in ``logger.log_dir``), None when it is off."""
-    jsonl = config.section("logger.jsonl")
-    return Path(config.logger.log_dir) / jsonl.filename if jsonl is not None and jsonl.enabled else None
 
 
 def fingerprint(config: RunConfig) -> dict[str, str]:
@@ -181,9 +189,9 @@ class RunDir:
     def _has_records(self) -> bool:
         if (self.path / "summary.json").exists():
             return True
-        metrics = metrics_file(self.config)
-        if metrics is not None and metrics.is_file() and metrics.stat().st_size > 0:
-            return True
+        for name, _ in record_files(self.config):
+            if (self.path / name).is_file() and (self.path / name).stat().st_size > 0:
+                return True
         return any(p.stat().st_size > 0 for p in self.path.glob("*.jsonl"))
 
     def _choose_run_id(self, previous: dict | None) -> str:
