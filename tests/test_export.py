@@ -6,6 +6,9 @@ One launch of two processes (``_export_worker.py``) covers every layout: imports
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,3 +51,86 @@ def test_export_refuses_a_directory_without_checkpoints(tmp_path, capsys):
     (tmp_path / "checkpoints" / "step_000002.tmp").mkdir(parents=True)  # an unfinished save is not a checkpoint
     assert rlcore_main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "holds no complete rlcore checkpoint" in capsys.readouterr().err
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs): the run's small files fit, the tiny model (1.3 MB) does not.
+    Mounting needs root; core/tests/test_checkpoint_safety.py injects the error instead."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("a real full disk needs a tmpfs mount (root)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_export_to_a_full_disk_is_one_line_and_leaves_no_part(tiny_model_dir, tmp_path, small_disk):
+    run = _run_with_model(tiny_model_dir, tmp_path)
+    done = _export_cli(run, small_disk / "out")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("error: no space left on device: the export could not be written to "), done.stderr
+    assert str(small_disk / "out") in done.stderr and "needs at least 1.3 MiB" in done.stderr, done.stderr
+    assert list(small_disk.iterdir()) == []
+
+
+# ---- what export copies stays inside the run directory -------------------------------------------
+def _export_cli(source: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlcore.cli", "export", str(source), str(out)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _run_with_model(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """A run directory as a run without checkpoints leaves it: its final model in ``model/``."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, run / "model")
+    return run
+
+
+@pytest.mark.parametrize("link", ["file_outside", "dir_outside", "model_dir_outside", "loop"])
+def test_export_refuses_a_link_that_leaves_the_run_directory(tiny_model_dir, tmp_path, link):
+    run = _run_with_model(tiny_model_dir, tmp_path)
+    secret = tmp_path / "elsewhere"
+    secret.mkdir()
+    (secret / "secret.txt").write_text("SECRET-CONTENT")
+    if link == "file_outside":
+        (run / "model" / "notes.txt").symlink_to("/etc/passwd")
+    elif link == "dir_outside":
+        (run / "model" / "extra").symlink_to(secret)
+    elif link == "model_dir_outside":  # the whole model directory is another one's
+        shutil.copytree(run / "model", secret / "model")
+        (secret / "model" / "notes.txt").write_text("SECRET-CONTENT")
+        shutil.rmtree(run / "model")
+        (run / "model").symlink_to(secret / "model")
+    else:
+        (run / "model" / "again").symlink_to("..")  # inside, but a copy would follow it forever
+    done = _export_cli(run, tmp_path / "out")
+    assert done.returncode == 2, done.stderr[-2000:]
+    error = done.stderr.strip().splitlines()
+    assert len(error) <= 3 and "symbolic link" in done.stderr and "nothing was copied" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_export_copies_what_a_link_inside_the_run_directory_holds(tiny_model_dir, tmp_path):
+    run = _run_with_model(tiny_model_dir, tmp_path)
+    (run / "notes.txt").write_text("run notes")
+    (run / "model" / "notes.txt").symlink_to("../notes.txt")
+    done = _export_cli(run, tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-2000:]
+    copied = tmp_path / "out" / "notes.txt"
+    assert not copied.is_symlink() and copied.read_text() == "run notes"
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+
+
+def test_export_refuses_a_checkpoint_holding_a_link_out_before_reading_it(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    (step / "backend").mkdir(parents=True)
+    (step / "loop_state.pt").write_bytes(b"")
+    (step / "backend" / "__0_0.distcp").symlink_to("/etc/passwd")
+    done = _export_cli(tmp_path / "run", tmp_path / "out")
+    assert done.returncode == 2 and f"{step / 'backend' / '__0_0.distcp'} -> /etc/passwd" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "out").exists()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from test_export import small_disk  # noqa: F401 - a fixture
 from test_loop import preloaded_runs, run_recipe, run_rlcore, run_script, tiny_recipe  # noqa: F401 - preloaded_runs: autouse here too
 
 pytestmark = pytest.mark.slow
@@ -74,6 +75,92 @@ def test_no_resume_flag_on_a_checkpointed_run_refuses(checkpointed_run):
     assert first.returncode == 0, first.stderr[-3000:]
     again = _cli(recipe, tmp_path, "--no-resume")
     assert again.returncode == 2 and "checkpointing.resume is false" in again.stderr, again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("loop", ["grpo", "dpo", "sft"])
+def test_a_users_directories_in_the_checkpoints_directory_are_refused_not_deleted(tiny_model_dir, tmp_path, loop):
+    from test_offline_loops import pair_recipe, sft_recipe
+
+    ckpt = tmp_path / "ckpt"
+    for step in (1, 2):  # a user's own directories, no checkpoint in them
+        (ckpt / f"step_00000{step}").mkdir(parents=True)
+        (ckpt / f"step_00000{step}" / "notes.txt").write_text(f"notes {step}")
+    if loop == "grpo":
+        recipe = _recipe(tiny_model_dir, tmp_path / "run", **{"checkpointing.checkpoint_dir": str(ckpt)})
+    else:
+        recipe = (pair_recipe("dpo_tiny_cpu.yaml", tiny_model_dir, tmp_path / "run") if loop == "dpo"
+                  else sft_recipe(tiny_model_dir, tmp_path / "run"))
+        recipe["checkpointing"].update(checkpoint_dir=str(ckpt), save_period=1)
+    done = _cli(recipe, tmp_path)
+    assert done.returncode == 2 and "checkpointing.checkpoint_dir" in done.stderr, done.stderr[-2000:]
+    assert str(ckpt / "step_000001") in done.stderr and "not rlcore checkpoints" in done.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000001", "step_000002"]
+    assert [(p / "notes.txt").read_text() for p in sorted(ckpt.iterdir())] == ["notes 1", "notes 2"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# What each case plants in the run directory (or beside it), the override it runs with, the key its
+# one-line refusal names. Each is refused before the model loads, and nothing outside is touched.
+ESCAPES = {
+    "dir_link_out": ({"sub": "../other_run"}, {"logger.jsonl.filename": "sub/metrics.jsonl"}, "logger.jsonl.filename"),
+    "file_link_out": ({"metrics.jsonl": "../other_run/metrics.jsonl"}, {}, "logger.jsonl.filename"),
+    "traces_link_out": ({"sub": "../other_run"}, {"logger.rollouts.filename": "sub/metrics.jsonl"}, "logger.rollouts.filename"),
+    "control_file": ({}, {"logger.jsonl.filename": "run.json"}, "logger.jsonl.filename"),
+    "the_dir_itself": ({}, {"logger.jsonl.filename": "."}, "logger.jsonl.filename"),
+    "model_link_out": ({"model": "../other_run"}, {}, "logger.log_dir"),
+    "checkpoints_link_out": ({"checkpoints": "../other_run"}, {"checkpointing.enabled": True}, "checkpointing.checkpoint_dir"),
+    "lock_link_out": ({"run.lock": "../other_run/metrics.jsonl"}, {}, "logger.log_dir"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ESCAPES))
+def test_no_write_of_a_run_follows_a_link_out_of_its_directory(tiny_model_dir, tmp_path, case):
+    links, overrides, key = ESCAPES[case]
+    other = tmp_path / "other_run"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1, "run_id": "other"}\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, target in links.items():
+        (run / name).symlink_to(target)
+    done = _cli(_recipe(tiny_model_dir, run, **{"checkpointing.enabled": False, **overrides}), tmp_path)
+    assert done.returncode == 2 and key in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) <= 3, done.stderr  # one message, no traceback
+    assert sorted(p.name for p in other.iterdir()) == ["metrics.jsonl"]
+    assert (other / "metrics.jsonl").read_text() == '{"step": 1, "run_id": "other"}\n'
+
+
+def test_a_metrics_file_of_any_name_keeps_the_duplicate_records_guard(tiny_model_dir, tmp_path):
+    """A run killed after its second record (no summary.json yet) left metrics.log; running the
+    same command again must not append a second run's records to it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    left = "".join(json.dumps({"step": s, "run_id": "first"}) + "\n" for s in (1, 2))
+    (run / "metrics.log").write_text(left)
+    done = _cli(_recipe(tiny_model_dir, run, **{"checkpointing.enabled": False, "logger.jsonl.filename": "metrics.log"}),
+                tmp_path)
+    assert done.returncode == 2 and "already holds the records" in done.stderr, done.stderr[-2000:]
+    assert (run / "metrics.log").read_text() == left
+
+
+@pytest.mark.parametrize("loop", ["grpo", "dpo"])
+def test_a_full_disk_at_the_final_model_is_one_line_and_leaves_no_part(tiny_model_dir, tmp_path, small_disk, loop):
+    from test_offline_loops import pair_recipe
+
+    run = small_disk / "run"
+    if loop == "grpo":
+        recipe = _recipe(tiny_model_dir, run, **{"checkpointing.enabled": False, "train.max_num_steps": 1})
+    else:
+        recipe = pair_recipe("dpo_tiny_cpu.yaml", tiny_model_dir, run)
+        recipe["train"].update(max_num_steps=1, val_at_start=False, val_period=0)
+        recipe["checkpointing"]["enabled"] = False
+    done = _cli(recipe, tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "no space left on device" in error[0] and str(run / "model") in error[0] and "MiB free" in error[0]
+    assert not [p.name for p in run.iterdir() if "model" in p.name]  # no empty model/, no partial copy
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 @pytest.fixture(scope="module")

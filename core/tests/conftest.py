@@ -111,3 +111,13 @@ def multi_turn_generator(tiny_model_dir):
 
     config = build_config({"policy": {"model_name": str(tiny_model_dir), "generation": {"backend": "hf"}}})
     return HFGenerator(str(tiny_model_dir), config.section("policy.generation"), 256)
+
+
+@pytest.fixture
+def outside_dir(tmp_path):
+    """A directory beside the one under test, holding ``keep.txt``: what a symbolic link points at
+    that nothing under test may delete, write or read."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep me")
+    return outside

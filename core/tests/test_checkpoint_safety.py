@@ -119,3 +119,49 @@ def test_a_real_enospc_from_the_kernel_is_named_too(tmp_path):
     with pytest.raises(CheckpointWriteError, match="no space left on device"):
         manager.save(1, backend_then_full_disk, _state(1))
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- an output directory is replaced whole or not at all ---------------------------------------
+def _safetensors_disk_full(path: Path) -> None:
+    """Injected fault: the error safetensors raises when the disk fills during ``save_file``
+    (a real full disk: tests/test_run_safety.py, on a small tmpfs)."""
+    from safetensors import SafetensorError
+
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"\0" * 4096)
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+
+
+@pytest.mark.parametrize("earlier", [True, False])
+def test_a_full_disk_keeps_the_earlier_output_and_says_how_much_space(tmp_path, earlier):
+    from rlcore.run_paths import OutputWriteError, replace_dir
+
+    model = tmp_path / "model"
+    if earlier:
+        model.mkdir()
+        (model / "model.safetensors").write_bytes(b"earlier")
+    with pytest.raises(OutputWriteError) as failure:
+        replace_dir(model, _safetensors_disk_full, "the final model", needed_bytes=3 << 20)
+    message = str(failure.value)
+    assert "\n" not in message and str(model) in message and "needs at least 3.0 MiB" in message and "MiB free" in message
+    assert ("the earlier" in message) == earlier
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["model"] if earlier else [])
+    if earlier:
+        assert (model / "model.safetensors").read_bytes() == b"earlier"
+
+
+def test_a_complete_output_replaces_the_earlier_one_and_a_link_in_its_place_is_not_followed(tmp_path, outside_dir):
+    from rlcore.run_paths import replace_dir
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "model").symlink_to(outside_dir)
+
+    def write(path: Path) -> None:
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+
+    replace_dir(tmp_path / "run" / "model", write, "the final model")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model"]
+    assert not (tmp_path / "run" / "model").is_symlink() and (tmp_path / "run" / "model" / "config.json").exists()
+    assert sorted(p.name for p in outside_dir.iterdir()) == ["keep.txt"]

@@ -142,13 +142,113 @@ def test_a_run_resumes_from_its_own_newest_checkpoint_past_another_runs_newer_on
         behind.save(4, _backend, {**_state(4, runs[1e-6]["run_id"]), "run": runs[1e-6]})
 
 
+def _user_dirs(root: Path) -> dict[str, str]:
+    """A user's own ``step_N`` directories (no checkpoint in them), as the issue's report had them."""
+    for step in (1, 2):
+        (root / f"step_00000{step}").mkdir(parents=True)
+        (root / f"step_00000{step}" / "notes.txt").write_text(f"notes {step}")
+    return {p.name: (p / "notes.txt").read_text() for p in root.iterdir()}
+
+
+def _left(root: Path) -> dict[str, str]:
+    return {p.name: (p / "notes.txt").read_text() for p in root.iterdir() if (p / "notes.txt").exists()}
+
+
+def test_saving_never_replaces_a_directory_that_is_no_checkpoint_of_this_run(tmp_path):
+    before = _user_dirs(tmp_path)
+    with pytest.raises(CheckpointWriteError, match="no rlcore owner file") as failure:
+        CheckpointManager(tmp_path, 1).save(1, _backend, _state(1, "run-a"))
+    assert str(tmp_path / "step_000001") in str(failure.value) and "checkpointing.checkpoint_dir" in str(failure.value)
+    assert _left(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002"]
+
+
+@pytest.mark.parametrize("kind", ["dir", "file"])
+def test_saving_and_pruning_never_follow_a_link_out_of_the_checkpoints_directory(tmp_path, outside_dir, kind):
+    root, outside = tmp_path / "ckpt", outside_dir
+    root.mkdir()
+    target = outside / "keep.txt"
+    if kind == "dir":  # a whole checkpoint of this run, linked in from elsewhere
+        CheckpointManager(outside, 1).save(1, _backend, _state(1, "run-a"))
+        target = outside / "step_000001"
+    (root / "step_000001").symlink_to(target)
+    listing = sorted(str(p) for p in outside.rglob("*"))
+    ours = CheckpointManager(root, 1)
+    with pytest.raises(CheckpointWriteError, match="a symbolic link"):
+        ours.save(1, _backend, _state(1, "run-a"))
+    for step in (2, 3):  # pruning keeps one: step_000001 is a link, never ours to delete
+        ours.save(step, _backend, _state(step, "run-a"))
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000003"]
+    assert (root / "step_000001").is_symlink() and sorted(str(p) for p in outside.rglob("*")) == listing
+
+
+def test_a_leftover_partial_checkpoint_that_is_a_link_is_unlinked_not_followed(tmp_path, outside_dir):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "step_000001.tmp.run-a").symlink_to(outside_dir)
+    CheckpointManager(tmp_path / "ckpt", 1).save(1, _backend, _state(1, "run-a"))
+    assert sorted(p.name for p in outside_dir.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000001"]
+
+
+def test_a_run_refuses_at_the_start_a_checkpoint_place_that_holds_a_users_directory(tmp_path):
+    before = _user_dirs(tmp_path / "ckpt")
+    config = _config(tmp_path / "run", steps=4, enabled=True, save_period=2, checkpoint_dir=str(tmp_path / "ckpt"))
+    with pytest.raises(ConfigError, match="not rlcore checkpoints") as failure:
+        RunDir(config).open()
+    assert failure.value.key == "checkpointing.checkpoint_dir" and str(tmp_path / "ckpt" / "step_000002") in str(failure.value)
+    assert str(tmp_path / "ckpt" / "step_000001") not in str(failure.value)  # step 1 is never saved with save_period 2
+    assert _left(tmp_path / "ckpt") == before and not (tmp_path / "run" / RUN_FILE).exists()
+    RunDir(_config(tmp_path / "other", steps=1, enabled=True, save_period=1, checkpoint_dir=str(tmp_path / "elsewhere"))).open().close()
+
+
 # ---- files of one run stay in its directory -----------------------------------------------------
-@pytest.mark.parametrize("name", ["../other/metrics.jsonl", "/tmp/metrics.jsonl", "a/../../m.jsonl", ""])
-def test_the_metrics_file_stays_in_the_log_dir(name):
+@pytest.mark.parametrize("name", ["../other/metrics.jsonl", "/tmp/metrics.jsonl", "a/../../m.jsonl", "", ".", "sub/.",
+                                  "run.json", "run.lock", "config.yaml", "summary.json", "model/metrics.jsonl",
+                                  "checkpoints/m.jsonl"])
+@pytest.mark.parametrize("section", ["jsonl", "rollouts"])  # the metrics file, the rollout traces' file
+def test_the_metrics_file_stays_in_the_log_dir(name, section):
     with pytest.raises(ConfigError, match="inside logger.log_dir") as failure:
-        build_config({"policy": {"model_name": "m"}, "logger": {"jsonl": {"filename": name}}})
-    assert failure.value.key == "logger.jsonl.filename"
+        build_config({"policy": {"model_name": "m"}, "logger": {section: {"filename": name}}})
+    assert failure.value.key == f"logger.{section}.filename"
     assert JsonlLoggerConfig(filename="sub/metrics.jsonl").filename == "sub/metrics.jsonl"
+
+
+def _logged(tmp_path: Path, **logger) -> RunConfig:
+    return build_config({"policy": {"model_name": "m"}, "logger": {"log_dir": str(tmp_path / "run"), **logger}})
+
+
+def test_the_rollout_traces_file_keeps_every_guard_of_the_metrics_file(tmp_path, outside_dir):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "sub").symlink_to(outside_dir)
+    with pytest.raises(ConfigError, match="leads out of the run directory") as failure:
+        RunDir(_logged(tmp_path, rollouts={"filename": "sub/traces.jsonl"})).open()
+    assert failure.value.key == "logger.rollouts.filename"
+    with pytest.raises(ConfigError, match="one file") as failure:
+        RunDir(_logged(tmp_path, rollouts={"filename": "m.log"}, jsonl={"filename": "m.log"})).open()
+    (tmp_path / "run" / "traces.log").write_text('{"step": 1}\n')  # a killed run's traces, under another name
+    with pytest.raises(ConfigError, match="already holds the records"):
+        RunDir(_logged(tmp_path, rollouts={"filename": "traces.log"})).open()
+    RunDir(_logged(tmp_path)).open().close()  # the defaults: nothing there of theirs
+    assert sorted(p.name for p in outside_dir.iterdir()) == ["keep.txt"]
+
+
+def test_the_rollout_traces_writer_refuses_a_link_out_when_it_opens_its_file(tmp_path, outside_dir):
+    from rlcore.config.traces import RolloutTracesConfig
+    from rlcore.traces import RolloutTraces
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "rollouts.jsonl").symlink_to(outside_dir / "keep.txt")
+    with pytest.raises(ConfigError, match="leads out of the run directory") as failure:
+        RolloutTraces(RolloutTracesConfig(), tmp_path / "run")._open()
+    assert failure.value.key == "logger.rollouts.filename" and (outside_dir / "keep.txt").read_text() == "keep me"
+
+
+def test_a_link_inside_the_run_directory_is_written_through(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "metrics.jsonl").symlink_to("logs/metrics.jsonl")
+    logger = JsonlLogger(JsonlLoggerConfig(), tmp_path)
+    logger.log({"loss": 0.5}, 1)
+    logger.close()
+    assert _steps(tmp_path / "logs" / "metrics.jsonl") == [1]
 
 
 def test_export_reads_the_config_the_checkpoint_carries_never_a_path_it_names(tmp_path):
@@ -198,3 +298,38 @@ def test_an_older_checkpoint_with_grpo_step_keys_exports_and_resumes_as_the_same
     with pytest.raises(ConfigError, match="which had train.seed=42") as failure:
         check_owner(older, reseeded.identity(), tmp_path / "old")
     assert failure.value.key == "train.seed"
+
+
+@pytest.mark.parametrize("logger", ["jsonl", "tensorboard"])
+def test_each_logger_refuses_a_link_out_of_the_run_directory_when_it_writes(tmp_path, outside_dir, logger):
+    """The run's start checks every output (tests/test_run_safety.py); each writer checks again
+    where it writes (a link made after the start)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if logger == "jsonl":
+        (run / "sub").symlink_to(outside_dir)
+        with pytest.raises(ConfigError, match="leads out of the run directory") as failure:
+            JsonlLogger(JsonlLoggerConfig(filename="sub/metrics.jsonl"), run)
+        assert failure.value.key == "logger.jsonl.filename"
+    else:
+        pytest.importorskip("tensorboard")
+        from rlcore.loggers.config import TensorboardLoggerConfig
+        from rlcore.loggers.tensorboard import TensorboardLogger
+
+        (run / "tensorboard").symlink_to(outside_dir)
+        with pytest.raises(ConfigError, match="leads out of the run directory") as failure:
+            TensorboardLogger(TensorboardLoggerConfig(enabled=True), run)
+        assert failure.value.key == "logger.tensorboard.enabled"
+    assert sorted(p.name for p in outside_dir.iterdir()) == ["keep.txt"]
+
+
+def test_a_link_out_is_refused_only_where_the_run_would_write(tmp_path, outside_dir):
+    from rlcore.loggers.config import TensorboardLoggerConfig
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tensorboard").symlink_to(outside_dir)
+    RunDir(_config(tmp_path / "run")).open().close()  # tensorboard off: the link is none of the run's business
+    config = attrs.evolve(_config(tmp_path / "run"), sections={"logger.tensorboard": TensorboardLoggerConfig(enabled=True)})
+    with pytest.raises(ConfigError, match="leads out of the run directory") as failure:
+        RunDir(config).open()
+    assert failure.value.key == "logger.tensorboard.enabled"

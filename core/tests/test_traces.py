@@ -145,6 +145,16 @@ def test_rlcore_rollouts_prints_the_worst_first_and_names_what_is_missing(tmp_pa
     assert main(["rollouts", str(tmp_path / "nowhere")]) == 2
 
 
+def test_rlcore_rollouts_reads_no_link_out_of_the_run_directory(tmp_path, outside_dir, capsys):
+    from rlcore.cli import main
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "rollouts.jsonl").symlink_to(outside_dir / "keep.txt")
+    assert main(["rollouts", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "leads out of the run directory" in err and "keep me" not in err
+
+
 def test_per_token_advantages_are_traced_where_they_differ(tmp_path):
     """A critic's advantages (ppo) vary along the response: the trace keeps them token by token."""
     trajs, batch = _step(random.Random(5), 4, 3, 4, 32)

@@ -209,7 +209,7 @@ def saved_for_resume(config) -> str:
     latest = CheckpointManager(checkpoint_root(config), keep_last_k=1).latest() if config.checkpointing.enabled else None
     if latest is not None:
         return f"newest checkpoint {latest}; run the same command again to resume from it"
-    if not holds_records(log_dir):  # stopped before its first record: the directory takes a new run
+    if not holds_records(log_dir, config):  # stopped before its first record: the directory takes a new run
         return "nothing saved yet; run the same command again to start afresh"
     # records, nothing to resume them from: a new run in that directory is refused (run_dir)
     why = "no checkpoint was written yet" if config.checkpointing.enabled else "checkpointing.enabled is false"

@@ -5,7 +5,10 @@
 root). The run's resolved config says which backend wrote it and from which model: the copy
 the checkpoint's loop state carries, or (checkpoints of older versions) the ``config.yaml`` two
 levels up, in the run directory that holds it. A path named inside the checkpoint is never
-followed: a copied or crafted checkpoint cannot make export read another run's files.
+followed: a copied or crafted checkpoint cannot make export read another run's files, and a
+symbolic link in what is exported that points outside it (``model/notes.txt -> /etc/passwd``)
+stops the export before anything is copied (:mod:`rlcore.run_paths`). The output is written
+beside ``OUT`` and renamed into place when complete: a failed export (a full disk) leaves no part.
 The backend plugin that wrote the checkpoint reads its model part in this one process
 (:func:`rlcore.hookspecs.rlcore_export_checkpoint`), whatever TP/PP/EP layout it was saved
 with, and writes safetensors, ``config.json`` and the tokenizer.
@@ -24,6 +27,7 @@ from rlcore.config import ConfigError, RunConfig, build_config
 from rlcore.config.loader import read_recipe_yaml, upgrade_saved_config
 from rlcore.controller.checkpoint import CheckpointManager
 from rlcore.errors import CheckpointError
+from rlcore.run_paths import refuse_unsafe_links, replace_dir, tree_bytes
 
 RUN_CONFIG = "config.yaml"
 
@@ -115,6 +119,10 @@ def check_writable_target(out: Path) -> None:
             out.rmdir()
 
 
+def _write_out(out: Path, write, needed_bytes: int) -> None:
+    replace_dir(out, write, "the export", needed_bytes, fix="choose an OUT on a larger disk")
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[str] = ()) -> dict:
     """Write the checkpoint's policy to ``out`` (which must not hold files yet); returns what was done."""
     from rlcore.controller.preflight import check_model_name
@@ -123,20 +131,29 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[s
 
     out = Path(out).expanduser()
     check_writable_target(out)
+    checkpoint = Path(checkpoint).expanduser()
+    if checkpoint.exists():  # the path typed is followed; links found inside it are not
+        checkpoint = checkpoint.resolve()
     final = final_model(checkpoint)
     if final is not None:  # a run without checkpoints: its final model is already in Hugging Face format
-        shutil.copytree(final, out, dirs_exist_ok=True)
+        refuse_unsafe_links(final, checkpoint, f"export of {final}")
+        _write_out(out, lambda tmp: shutil.copytree(final, tmp), tree_bytes(final))
         return {"checkpoint": str(final), "backend": "final model", "out": str(out), "model_name": str(final),
                 "precision": "as saved"}
     step_dir = find_checkpoint(checkpoint)
+    refuse_unsafe_links(step_dir, checkpoint, f"export of {step_dir}")  # the run or step directory typed
     config = run_config_for(step_dir, overrides)
     check_model_name(config)  # its config.json and tokenizer are the export's; moved? override policy.model_name
     manager = get_plugin_manager()
     backend = select_backend(config, manager).name
-    written = manager.export_checkpoint(backend, step_dir / "backend", config, out)
-    if written is None:
-        raise CheckpointError(f"no installed plugin exports checkpoints of the '{backend}' backend ({step_dir})")
-    if not is_hf_model_dir(out):
-        raise CheckpointError(f"the {backend} backend's export of {step_dir} wrote no Hugging Face model to {out}")
+
+    def write(tmp: Path) -> None:
+        written = manager.export_checkpoint(backend, step_dir / "backend", config, tmp)
+        if written is None:
+            raise CheckpointError(f"no installed plugin exports checkpoints of the '{backend}' backend ({step_dir})")
+        if not is_hf_model_dir(tmp):
+            raise CheckpointError(f"the {backend} backend's export of {step_dir} wrote no Hugging Face model to {out}")
+
+    _write_out(out, write, 0)
     return {"checkpoint": str(step_dir), "backend": backend, "out": str(out), "model_name": config.policy.model_name,
             "precision": config.policy.precision}

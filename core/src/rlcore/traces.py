@@ -38,6 +38,7 @@ import numpy as np
 
 from rlcore.config.traces import RolloutTracesConfig
 from rlcore.controller.deadlines import bounded_call
+from rlcore.run_paths import inside
 
 TEXT_LIMIT = 4000  # characters of a text kept in a slimmed (over-budget) trace
 _NOTE_RESERVE = 400  # bytes kept back from max_run_bytes for the line that says the budget ran out
@@ -169,7 +170,7 @@ class RolloutTraces:
     def __init__(self, config: RolloutTracesConfig, log_dir: str | Path, tokenizer: Any = None,
                  table_loggers: Sequence[Any] = (), timeout_s: float | None = None):
         self.config, self.timeout_s = config, timeout_s  # timeout_s bounds each logger's table call (cluster.timeout_s)
-        self.path = trace_path(log_dir, config)
+        self.path, self.log_dir = trace_path(log_dir, config), log_dir
         self.builder = TraceBuilder(tokenizer)
         self.table_loggers = list(table_loggers)
         self._fd = -1
@@ -177,6 +178,7 @@ class RolloutTraces:
 
     def _open(self) -> int:
         if self._fd < 0:
+            inside(self.log_dir, self.config.filename, "logger.rollouts.filename", file=True)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self._full = _ends_full(self.path)  # a resumed run's file that ran out already

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlcore.config.structure import ConfigError
 from rlcore.errors import DataError
+from rlcore.run_paths import inside
 from rlcore.traces import read_traces, trace_path
 
 _PROMPT_TAIL = 400  # characters of the prompt shown: its end, next to the completion
@@ -36,6 +38,11 @@ def find_traces(run: str) -> Path:
         except (yaml.YAMLError, AttributeError, TypeError, ValueError):
             pass
     found = trace_path(path, config)
+    try:  # a link in a run directory someone handed over is never read through to a file outside it
+        inside(path, config.filename, "logger.rollouts.filename")
+    except ConfigError:
+        raise DataError(f"rlcore rollouts: {found} leads out of the run directory {path} (to {found.resolve()}, "
+                        "through a symbolic link); it was not read. Pass the traces file itself to read it") from None
     if not found.is_file():
         raise DataError(f"rlcore rollouts: {found} does not exist: the run wrote no traces "
                                 "(logger.rollouts.enabled false, or no step finished yet)")

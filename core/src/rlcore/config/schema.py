@@ -160,7 +160,7 @@ class CheckpointingConfig:
     enabled: bool = field(default=False, metadata=doc("write checkpoints"))
     checkpoint_dir: str | None = field(default=None, metadata=doc("where; None = <logger.log_dir>/checkpoints, so a run resumes only its own"))
     save_period: int = field(default=10, validator=_positive, metadata=doc("every N steps"))
-    keep_last_k: int = field(default=2, validator=_positive, metadata=doc("older ones are deleted"))
+    keep_last_k: int = field(default=2, validator=_positive, metadata=doc("this run's older checkpoints are deleted (never another run's, nor a step_N directory, file or link it did not write)"))
     resume: bool = field(default=True, metadata=doc("continue from the newest checkpoint that loads, if any (it must be this run's: the same config but run length, logging, checkpointing, validation and cluster keys)"))
 
 

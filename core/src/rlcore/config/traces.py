@@ -3,26 +3,23 @@
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
-
 import attrs
 from attrs import field, frozen
 
-from rlcore.config.structure import ConfigError, doc
+from rlcore.config.structure import doc
+from rlcore.run_paths import check_output_name
 
 _positive = attrs.validators.gt(0)
 _non_negative = attrs.validators.ge(0)
 
 
 def inside_log_dir(section: str):
-    """A validator: a plain relative file name with no ``..``, so the file stays inside
-    ``logger.log_dir`` (under the run's lock); ``section`` names the key in the error."""
+    """A validator: a plain relative file name inside ``logger.log_dir`` (under the run's lock) that
+    is none of the run's own files (:func:`rlcore.run_paths.check_output_name`); ``section`` names
+    the key in the error."""
 
     def check(instance, attribute, value: str) -> None:
-        path = PurePosixPath(value)
-        if not value or path.is_absolute() or ".." in path.parts or "\\" in value or value.endswith("/"):
-            raise ConfigError(f"{section}.{attribute.name}", f"{value!r} must be a file name inside logger.log_dir "
-                              "(relative, no '..'); to write elsewhere set logger.log_dir")
+        check_output_name(value, f"{section}.{attribute.name}")
 
     return check
 
@@ -43,4 +40,5 @@ class RolloutTracesConfig:
     table_rows: int = field(default=4, validator=_non_negative,
                             metadata=doc("traces per step shown as a table by the TensorBoard and W&B loggers (when enabled)"))
     filename: str = field(default="rollouts.jsonl", validator=inside_log_dir("logger.rollouts"),
-                          metadata=doc("file name inside logger.log_dir (relative, no '..')"))
+                          metadata=doc("file name inside logger.log_dir (relative, no '.' or '..' parts, not one "
+                                       "of the run's own files or directories)"))

@@ -10,7 +10,10 @@ it is read with ``weights_only=True`` (:mod:`rlcore.safe_load`).
 A checkpoints directory may be shared (``checkpointing.checkpoint_dir``): each run writes its
 partial checkpoint under a name of its own (``step_N.tmp.<run id>``), never overwrites a
 ``step_N`` another run wrote (an error naming both), and prunes only its own checkpoints; whose a
-checkpoint is, is read from the ``owner`` file beside its loop state.
+checkpoint is, is read from the ``owner`` file beside its loop state. Deleting and overwriting
+touch only this run's own checkpoints: a ``step_N`` the run did not write (a user's directory, a
+file, a symbolic link, an older rlcore's checkpoint) is left as it is, and saving over it is an
+error naming it.
 
 Resume takes the newest checkpoint that loads; a damaged one (truncated, garbled) is skipped
 with a message saying which and why. A file refusing to load because it would run code stops
@@ -19,7 +22,6 @@ the run: that is not damage to route around.
 
 from __future__ import annotations
 
-import errno
 import inspect
 import random
 import re
@@ -32,10 +34,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from rlcore.config.structure import ConfigError
 from rlcore.controller.deadlines import SIGTERM_DEADLINE
+from rlcore.run_paths import disk_full, remove_no_follow
 from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -158,48 +160,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-_UNEXPECTED_POS = re.compile(r"unexpected pos \d+ vs \d+")
-_NEARLY_FULL_BYTES = 16 << 20
-
-
-def _disk_full(exc: BaseException, root: Path | None = None) -> bool:
-    """Whether ``exc`` (or what caused it, or a rank's error inside DCP's CheckpointException)
-    is the disk filling up. Ray's errors carry the rank's message as text. torch's own file writer
-    (DCP writes through it) reports a short write only as "unexpected pos A vs B": that counts when
-    the checkpoint's file system is then (nearly) full."""
-    if root is not None and _UNEXPECTED_POS.search(_all_text(exc)):
-        try:
-            if shutil.disk_usage(root).free < _NEARLY_FULL_BYTES:
-                return True
-        except OSError:
-            pass
-    pending: list[BaseException] = [exc]
-    while pending:
-        seen = pending.pop()
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(seen) or "Errno 28" in str(seen):
-            return True
-        if isinstance(seen, CheckpointException):
-            pending += [pair[0] for pair in seen.failures.values()]
-        pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
-    return False
-
-
-def _all_text(exc: BaseException) -> str:
-    seen, pending, parts = set(), [exc], []
-    while pending:
-        e = pending.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        parts.append(str(e))
-        if isinstance(e, CheckpointException):
-            pending += [pair[0] for pair in e.failures.values()]
-        pending += [x for x in (e.__cause__, e.__context__) if x is not None]
-    return "\n".join(parts)
-
-
 class CheckpointManager:
     def __init__(self, root: str | Path, keep_last_k: int):
         self.root = Path(root)
@@ -226,8 +186,7 @@ class CheckpointManager:
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"step_{step:06d}.tmp.{re.sub(r'[^A-Za-z0-9_-]', '_', run_id) or 'run'}"
         self._refuse_others(final, run_id)
-        if tmp.exists():  # this run's own leftover (a killed save): the run directory's lock makes it ours
-            shutil.rmtree(tmp)
+        remove_no_follow(tmp)  # this run's own leftover (a killed save): the run directory's lock makes it ours
         try:
             tmp.mkdir(parents=True)
             (tmp / OWNER).write_text(run_id)
@@ -237,7 +196,7 @@ class CheckpointManager:
                 torch.save(loop_state, f)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc, self.root):
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and disk_full(exc, self.root):
                 free = shutil.disk_usage(self.root).free / 2**20 if self.root.exists() else float("nan")
                 raise CheckpointWriteError(
                     f"no space left on device: the checkpoint of step {step} could not be written to {self.root} "
@@ -250,7 +209,7 @@ class CheckpointManager:
         except CheckpointWriteError:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if final.exists():
+        if final.exists():  # this run's own (checked above): a step redone after a resume
             shutil.rmtree(final)
         tmp.rename(final)
         # Pruned once this step's checkpoint is complete; it holds the step's record too (the loop
@@ -260,7 +219,7 @@ class CheckpointManager:
 
     def prune(self, run_id: str) -> None:
         """Delete this run's checkpoints but its newest ``keep_last_k``; other runs' are left alone."""
-        ours = [path for _, path in self.complete() if self.owner(path) == run_id]
+        ours = [path for _, path in self.complete() if self.is_own(path, run_id)]
         for old in ours[: -self.keep_last_k]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -272,15 +231,41 @@ class CheckpointManager:
         except OSError:
             return None
 
+    @classmethod
+    def is_own(cls, path: Path, run_id: str) -> bool:
+        """Whether ``path`` is a checkpoint directory (not a link to one) that run ``run_id`` wrote."""
+        return path.is_dir() and not path.is_symlink() and cls.owner(path) == run_id
+
+    def not_checkpoints(self) -> list[tuple[int, Path]]:
+        """The ``step_N`` entries that are no rlcore checkpoint at all, by step: a symbolic link, a
+        file, or a directory with neither an owner file nor a loop state (a user's own)."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and (path.is_symlink() or not path.is_dir()
+                          or (self.owner(path) is None and not (path / LOOP_STATE).exists())):
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
     def _refuse_others(self, final: Path, run_id: str) -> None:
-        if final.exists() and self.owner(final) not in (run_id, None):
-            ours = [path.name for _, path in self.complete() if self.owner(path) == run_id]
-            keep = (f"; to keep this run's progress, move its own checkpoints ({', '.join(ours)}) into that directory "
-                    "first") if ours else ""
+        """Saving may replace ``final`` only when it is absent or this run's own checkpoint."""
+        if not (final.exists() or final.is_symlink()) or self.is_own(final, run_id):
+            return
+        owner = None if final.is_symlink() else self.owner(final)
+        if owner is None:
             raise CheckpointWriteError(
-                f"{final} belongs to run {self.owner(final)}, not this run ({run_id}): checkpointing.checkpoint_dir "
-                f"{self.root} is shared by two runs. Give each run its own checkpointing.checkpoint_dir (the default, "
-                f"<logger.log_dir>/checkpoints, is){keep}")
+                f"{final} is in the way of this run's checkpoint and is not one of its checkpoints "
+                f"({'a symbolic link' if final.is_symlink() else 'it has no rlcore owner file'}); it was left as it is. "
+                "Move it away, or set another checkpointing.checkpoint_dir")
+        ours = [path.name for _, path in self.complete() if self.owner(path) == run_id]
+        keep = (f"; to keep this run's progress, move its own checkpoints ({', '.join(ours)}) into that directory "
+                "first") if ours else ""
+        raise CheckpointWriteError(
+            f"{final} belongs to run {owner}, not this run ({run_id}): checkpointing.checkpoint_dir "
+            f"{self.root} is shared by two runs. Give each run its own checkpointing.checkpoint_dir (the default, "
+            f"<logger.log_dir>/checkpoints, is){keep}")
 
     @staticmethod
     def load_loop_state(path: Path) -> dict[str, Any]:

@@ -212,8 +212,9 @@ def export_at_end(critic: CriticHandle | None, run_dir: Path, offloaded: bool = 
     critic comes back for it (the caller frees the engine's memory first)."""
     if critic is None:
         return None
-    out = Path(run_dir) / CRITIC_DIR
+    from rlcore.run_paths import inside, replace_dir
+
+    out = inside(run_dir, CRITIC_DIR)
     if offloaded:
         critic.onload()
-    critic.export_hf(str(out))
-    return out
+    return replace_dir(out, lambda path: critic.export_hf(str(path)), "the critic")

@@ -32,6 +32,7 @@ from rlcore.controller.run_end import print_outputs, save_final_model
 from rlcore.controller.timing import summarize
 from rlcore.interfaces import RolloutTableLogger
 from rlcore.plugins import get_plugin_manager
+from rlcore.run_paths import inside
 from rlcore.traces import RolloutTraces
 from rlcore.utils import resolve
 
@@ -133,7 +134,7 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
     summary.update({"steps": loop.step, "run_id": owner.run_id,
                     "stopped_by_signal": None if loop.stop_signal is None else signal.Signals(loop.stop_signal).name})
     components.reporter.console.print(summary_table(summary, components.algorithm.name))
-    plot = plot_curves(records, run_dir / "curves.png") if config.logger.plot else None
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot = plot_curves(records, inside(run_dir, "curves.png")) if config.logger.plot else None
+    inside(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
     print_outputs(run_dir, config, components.reporter.console)
     return {"summary": summary, "records": records, "run_dir": str(run_dir), "plot": str(plot) if plot else None}

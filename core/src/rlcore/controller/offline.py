@@ -33,10 +33,11 @@ from rlcore.controller.checkpoint import (
 from rlcore.controller.heartbeat import doing, said
 from rlcore.controller.nonfinite import NonfiniteStreak
 from rlcore.controller.run_dir import check_owner, checkpoint_root
-from rlcore.controller.run_end import print_outputs, save_final_checkpoint
+from rlcore.controller.run_end import print_outputs, save_final_checkpoint, write_model
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import MetricLogger, TrainerHandle
 from rlcore.plugins import get_plugin_manager
+from rlcore.run_paths import inside
 
 
 def trains_on(config: Any) -> str | None:
@@ -220,7 +221,7 @@ def run_offline(config: Any, owner: Any, run_dir: Any, given: dict, trainer: Any
         loop.run()
         save_final_checkpoint(loop)  # the last step's, when save_period did not fall on it
         if loop.stop_signal is None or loop.ckpt is None:
-            trainer.save(str(run_dir / "model"))
+            write_model(run_dir, config, lambda path: trainer.save(str(path)))
     finally:
         for logger in loggers:
             logger.close()
@@ -228,6 +229,6 @@ def run_offline(config: Any, owner: Any, run_dir: Any, given: dict, trainer: Any
     summary = loop.summary(owner.run_id, time.perf_counter() - started)
     for key in summary_keys:
         summary.setdefault(key, None)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    inside(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
     print_outputs(run_dir, config)
     return {"summary": summary, "records": loop.records, "run_dir": str(run_dir), "model_dir": str(run_dir / "model")}

@@ -25,6 +25,7 @@ from rlcore.controller.pairs import run_pairs
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.sft import run_sft
 from rlcore.reward_fn import as_environment
+from rlcore.run_paths import inside
 from rlcore.verbosity import apply_verbosity
 
 # What the algorithm trains on (its registration's ``trains_on``) -> the loop that runs it.
@@ -51,7 +52,7 @@ def run(config: RunConfig, **given) -> dict:
         if kind not in LOOPS:
             raise ConfigError("algorithm.name", f"algorithm '{config.section('algorithm').name}' trains on {kind!r}; "
                               f"rlcore runs algorithms that train on {sorted(k for k in LOOPS if k)}")
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        inside(run_dir, "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         with heartbeat(enabled=config.logger.print_table):  # a line every 10 s while the run is silent
             return LOOPS[kind](config, owner, run_dir, given)
     except BaseException:

@@ -7,8 +7,12 @@
   how long it runs, where and how often it logs, checkpoints and validates, timeouts and cluster
   plumbing). Every checkpoint's loop state carries the same, and resuming from one whose
   fingerprint differs (another learning rate, another seed) is an error naming both runs and the key.
+- Every file and directory the run writes there is checked before anything is written
+  (:func:`output_paths`, :func:`rlcore.run_paths.inside`): a symbolic link that leads one out of
+  the directory is refused, naming it, and so are the writers' own checks when they write.
 - A directory that already holds another run's records is refused unless this run resumes it:
-  records of two runs are never appended to one ``metrics.jsonl``. A missing or unreadable
+  records of two runs are never appended to one file (``metrics.jsonl``, ``rollouts.jsonl``, or
+  whatever ``logger.jsonl.filename`` and ``logger.rollouts.filename`` name). A missing or unreadable
   ``run.json`` does not lift that: the newest checkpoint's identity stands in for it, and with
   none the directory is refused.
 """
@@ -30,6 +34,7 @@ import yaml
 from rlcore.config import ConfigError, RunConfig, to_dict
 from rlcore.config.structure import MOVED_KEYS
 from rlcore.controller.checkpoint import CheckpointManager
+from rlcore.run_paths import CONTROL_FILES, inside
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -45,6 +50,37 @@ def checkpoint_root(config: RunConfig) -> Path:
     """``checkpointing.checkpoint_dir``, or ``<logger.log_dir>/checkpoints`` when it is unset."""
     chosen = config.checkpointing.checkpoint_dir
     return Path(chosen) if chosen else Path(config.logger.log_dir) / "checkpoints"
+
+
+def record_files(config: RunConfig) -> list[tuple[str, str]]:
+    """The files the run appends its records to, by name inside ``logger.log_dir`` and the key that
+    names each: the metrics (``logger.jsonl.filename``) and the rollout traces (``logger.rollouts.filename``)."""
+    found = []
+    jsonl = config.section("logger.jsonl")
+    if jsonl is not None and jsonl.enabled:
+        found.append((jsonl.filename, "logger.jsonl.filename"))
+    if config.logger.rollouts.enabled:
+        found.append((config.logger.rollouts.filename, "logger.rollouts.filename"))
+    return found
+
+
+def output_paths(config: RunConfig) -> list[tuple[str, str, bool]]:
+    """What the run writes under ``logger.log_dir``: (relative path, the config key that names or
+    enables it, whether it is a file). Two keys naming one file are refused (a ConfigError)."""
+    found = [(name, "logger.log_dir", True) for name in CONTROL_FILES if name != "curves.png" or config.logger.plot]
+    found += [("model", "logger.log_dir", False), ("critic", "logger.log_dir", False)]
+    if not config.checkpointing.checkpoint_dir:
+        found.append(("checkpoints", "checkpointing.checkpoint_dir", False))
+    found += [(name, key, True) for name, key in record_files(config)]
+    for name in ("tensorboard", "wandb"):  # the directories these loggers write in logger.log_dir
+        section = config.section(f"logger.{name}")
+        if section is not None and section.enabled:
+            found.append((name, f"logger.{name}.enabled", False))
+    names = [name for name, _ in record_files(config)]
+    if len(set(names)) < len(names):
+        raise ConfigError("logger.rollouts.filename", f"{names[-1]!r} is logger.jsonl.filename too: the metrics and the "
+                          "rollout traces would be appended to one file; give each its own name")
+    return found
 
 
 def fingerprint(config: RunConfig) -> dict[str, str]:
@@ -118,11 +154,14 @@ class RunDir:
     def open(self) -> "RunDir":
         self._created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
+        for relative, key, is_file in output_paths(self.config):
+            inside(self.path, relative, key, file=is_file)
         self._acquire()
         try:
-            self._fresh = not holds_records(self.path)
+            self._fresh = not holds_records(self.path, self.config)
             previous = self._previous()
             self.run_id = self._choose_run_id(previous)
+            self._check_checkpoint_places()
             write_atomically(self.path / RUN_FILE, json.dumps({**self.identity(), "started": time.time()}, indent=1))
         except BaseException:
             self.close()
@@ -153,7 +192,7 @@ class RunDir:
 
     def _choose_run_id(self, previous: dict | None) -> str:
         fresh = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        if not holds_records(self.path):
+        if not holds_records(self.path, self.config):
             return fresh
         cfg = self.config.checkpointing
         resumable = cfg.enabled and cfg.resume and CheckpointManager(checkpoint_root(self.config), cfg.keep_last_k).complete()
@@ -170,17 +209,33 @@ class RunDir:
         check_owner(previous, self.identity(), self.path / RUN_FILE, fix=f"choose another logger.log_dir, or delete {self.path}")
         return str(previous.get("run_id") or fresh)
 
+<<<<<<< HEAD
     def discard_if_unused(self) -> None:
         """After a run that ended before its first record (a model that does not load, Ctrl-C while
         starting): remove what :meth:`open` and ``rlcore.run`` wrote (``config.yaml``, ``run.json``,
         ``run.lock``, and the directory if it made it and nothing else is there), so the directory
         is as it was. A directory that held records, or now holds a record or a checkpoint, is kept."""
-        if not self._fresh or holds_records(self.path) or CheckpointManager(checkpoint_root(self.config), 1).complete():
+        if not self._fresh or holds_records(self.path, self.config) or CheckpointManager(checkpoint_root(self.config), 1).complete():
             return
         for name in ("config.yaml", RUN_FILE, LOCK_FILE):
             (self.path / name).unlink(missing_ok=True)  # the lock file goes while held: no other run took it
         if self._created and not any(self.path.iterdir()):
             self.path.rmdir()
+=======
+    def _check_checkpoint_places(self) -> None:
+        """Refuse, before anything trains, a ``step_N`` in the checkpoints directory that this run
+        would save over and that is no rlcore checkpoint (a user's directory, a file, a link)."""
+        cfg, last = self.config.checkpointing, self.config.train.max_num_steps
+        if not cfg.enabled:
+            return
+        blocked = [str(path) for step, path in CheckpointManager(checkpoint_root(self.config), cfg.keep_last_k)
+                   .not_checkpoints() if step <= last and (step % cfg.save_period == 0 or step == last)]
+        if blocked:
+            raise ConfigError("checkpointing.checkpoint_dir", f"{', '.join(blocked[:3])}{' ...' if len(blocked) > 3 else ''}: "
+                              f"not rlcore checkpoints, where this run would save its own (every "
+                              f"checkpointing.save_period={cfg.save_period} steps and the last); nothing was changed. "
+                              "Move them away, or set another checkpointing.checkpoint_dir")
+>>>>>>> rel-fs
 
     def close(self) -> None:
         if self._lock is not None:
@@ -189,12 +244,16 @@ class RunDir:
             self._lock = None
 
 
-def holds_records(log_dir: Path) -> bool:
-    """Whether a run directory holds a run's records (a summary, a non-empty ``*.jsonl``): such a
-    directory is refused to a new run that would not resume it."""
+def holds_records(log_dir: Path, config: RunConfig | None = None) -> bool:
+    """Whether a run directory holds a run's records (a summary, a non-empty ``*.jsonl``, or a non-empty
+    record file ``config`` names, whatever its name): such a directory is refused to a new run that would
+    not resume it."""
     log_dir = Path(log_dir)
     if (log_dir / "summary.json").exists():
         return True
+    for name, _ in record_files(config) if config is not None else ():
+        if (log_dir / name).is_file() and (log_dir / name).stat().st_size > 0:
+            return True
     return any(p.stat().st_size > 0 for p in log_dir.glob("*.jsonl"))
 
 

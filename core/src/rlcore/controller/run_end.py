@@ -4,6 +4,8 @@ last step, and one block saying where its outputs are.
 - ``<logger.log_dir>/model``: the policy in Hugging Face format (safetensors, ``config.json``,
   tokenizer), written by the backend's own ``export_hf`` on its ranks, as TRL's and verl's
   trainers save at the end of training. ``rlcore eval <log_dir>/model RECIPE`` reads it as it is.
+  It is written beside its place and renamed there when complete (:func:`write_model`): a full
+  disk leaves no empty or partial ``model/`` and is one error naming the space needed and free.
 - With ``checkpointing.enabled``, a checkpoint of the last step when ``save_period`` did not fall
   on it (a 12-step run with ``save_period: 5`` otherwise keeps step 10 only).
 
@@ -16,6 +18,7 @@ line, so they carry over whatever shape the loops take.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +43,29 @@ def save_final_model(loop: Any, trainer: Any, config: Any, run_dir: str | Path, 
         save_final_checkpoint(loop)
     if stopped and loop.ckpt is not None:
         return None
-    out = Path(run_dir) / MODEL_DIR
-    trainer.run_on_ranks("rlcore.controller.offline:export_hf_on_rank", str(out), what="export_hf")
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(config.policy.tokenizer_name or config.policy.model_name)
-    tokenizer.save_pretrained(str(out))
-    return out
+
+    def write(path: Path) -> None:
+        trainer.run_on_ranks("rlcore.controller.offline:export_hf_on_rank", str(path), what="export_hf")
+        tokenizer.save_pretrained(str(path))
+
+    return write_model(run_dir, config, write)
+
+
+def write_model(run_dir: str | Path, config: Any, write: Callable[[Path], None]) -> Path:
+    """``write(path)`` writes the final model into a new directory, which then replaces
+    ``run_dir/model`` (:func:`rlcore.run_paths.replace_dir`: a failed write, a full disk, keeps what
+    was there). The exported model is in the loaded checkpoint's dtype: its weights' size on disk
+    is what the message of a full disk says it needs."""
+    from rlcore.run_paths import inside, replace_dir
+
+    out = inside(run_dir, MODEL_DIR)
+    model = Path(config.policy.model_name)
+    needed = sum(p.stat().st_size for p in model.glob("*.safetensors")) if model.is_dir() else 0
+    return replace_dir(out, write, "the final model", needed)
 
 
 def outputs(run_dir: str | Path, config: Any) -> list[tuple[str, Path]]:

@@ -12,7 +12,8 @@ from rlcore.config.traces import inside_log_dir
 class JsonlLoggerConfig:
     enabled: bool = field(default=True, metadata=doc("write metrics.jsonl, one record per step"))
     filename: str = field(default="metrics.jsonl", validator=inside_log_dir("logger.jsonl"),
-                          metadata=doc("file name inside logger.log_dir (relative, no '..')"))
+                          metadata=doc("file name inside logger.log_dir (relative, no '.' or '..' parts, not one "
+                                       "of the run's own files or directories)"))
 
 
 @frozen

@@ -15,6 +15,8 @@ import math
 import os
 from pathlib import Path
 
+from rlcore.run_paths import inside, remove_no_follow
+
 
 def _run_id(run_dir: Path) -> str:
     try:
@@ -25,7 +27,7 @@ def _run_id(run_dir: Path) -> str:
 
 class JsonlLogger:
     def __init__(self, config, run_dir: Path):
-        self.path = Path(run_dir) / config.filename
+        self.path = inside(run_dir, config.filename, "logger.jsonl.filename", file=True)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_id = _run_id(Path(run_dir))
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -71,6 +73,7 @@ class JsonlLogger:
                 present.add(at)
         kept.sort(key=lambda pair: pair[0])  # stable: lines of one step keep their order
         tmp = self.path.with_name(self.path.name + ".tmp")
+        remove_no_follow(tmp)  # a link there would have the rewrite land where it points
         tmp.write_text("".join(line for _, line in kept), encoding="utf-8")
         os.close(self._fd)
         os.replace(tmp, self.path)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlcore.run_paths import inside
+
 
 class TensorboardLogger:
     def __init__(self, config, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer_cls = SummaryWriter
-        self.log_dir = str(Path(run_dir) / "tensorboard")
+        self.log_dir = str(inside(run_dir, "tensorboard", "logger.tensorboard.enabled"))
         self.writer = SummaryWriter(log_dir=self.log_dir)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
