@@ -209,7 +209,6 @@ class RunDir:
         check_owner(previous, self.identity(), self.path / RUN_FILE, fix=f"choose another logger.log_dir, or delete {self.path}")
         return str(previous.get("run_id") or fresh)
 
-<<<<<<< HEAD
     def discard_if_unused(self) -> None:
         """After a run that ended before its first record (a model that does not load, Ctrl-C while
         starting): remove what :meth:`open` and ``rlcore.run`` wrote (``config.yaml``, ``run.json``,
@@ -221,7 +220,7 @@ class RunDir:
             (self.path / name).unlink(missing_ok=True)  # the lock file goes while held: no other run took it
         if self._created and not any(self.path.iterdir()):
             self.path.rmdir()
-=======
+
     def _check_checkpoint_places(self) -> None:
         """Refuse, before anything trains, a ``step_N`` in the checkpoints directory that this run
         would save over and that is no rlcore checkpoint (a user's directory, a file, a link)."""
@@ -235,7 +234,6 @@ class RunDir:
                               f"not rlcore checkpoints, where this run would save its own (every "
                               f"checkpointing.save_period={cfg.save_period} steps and the last); nothing was changed. "
                               "Move them away, or set another checkpointing.checkpoint_dir")
->>>>>>> rel-fs
 
     def close(self) -> None:
         if self._lock is not None:
