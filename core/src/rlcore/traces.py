@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 
 from rlcore.config.traces import RolloutTracesConfig
-from rlcore.controller.deadlines import bounded_call
 from rlcore.run_paths import inside
 
 TEXT_LIMIT = 4000  # characters of a text kept in a slimmed (over-budget) trace
@@ -187,6 +186,8 @@ class RolloutTraces:
     def write(self, step: int, trajectories: list, batch, failures: Sequence[dict] = ()) -> list[dict]:
         """Trace a sample of the step's ``trajectories`` as trained in ``batch`` (and its failed
         attempts); return the records written."""
+        from rlcore.controller.deadlines import bounded_call  # the run's; `rlcore rollouts` reads traces without it
+
         if batch is None or not trajectories or not (self.config.enabled or self.table_loggers):
             return []
         picks = spread([t.reward for t in trajectories], self.config.per_step)
