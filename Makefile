@@ -51,9 +51,10 @@ NEWEST_PYTHON ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/vers
 NEWEST := .venv-newest
 NEWEST_STAMP := $(NEWEST)/.installed
 # The tests whose outcome depends on these versions: the plugins' (conversion, Megatron, FSDP2,
-# environments), the configuration schema and its reference page, the packaging metadata, the CLI.
-NEWEST_TESTS := plugins core/tests/test_cli_core.py core/tests/test_config_core.py core/tests/test_config_defaults.py \
-	core/tests/test_packaging_wheels.py tests/test_docs_reference.py
+# environments; not the vLLM generator's, see above), the configuration schema and its reference page,
+# the packaging metadata, the CLI and doctor.
+NEWEST_TESTS := plugins/backend_megatron plugins/backend_fsdp2 plugins/env_math plugins/envs core/tests/test_cli_core.py core/tests/test_config_core.py core/tests/test_config_defaults.py \
+	core/tests/test_packaging_wheels.py core/tests/test_doctor.py tests/test_docs_reference.py
 
 install-newest: $(NEWEST_STAMP)
 
