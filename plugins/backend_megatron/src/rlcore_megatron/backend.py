@@ -33,6 +33,7 @@ from rlcore.algorithms.base import merge_metrics
 from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
 from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore.training import HostOffloader, check_world, sum_over_ranks, train_in_optimizer_steps
+from rlcore.utils import torch_dtype
 from rlcore.weights import chunked, gather_sequences_to_rank0
 from rlcore_megatron import checkpoint, context_parallel, cpu_shims, cuda_graph, kernels, lora, output, parallel
 from rlcore_megatron.config import SECTION, MegatronConfig, apply_auto_layout
@@ -361,6 +362,7 @@ class MegatronBackend:
         return cpu_shims.shimmed_iter(self._export_weights(dtype, chunk_bytes))
 
     def _export_weights(self, dtype, chunk_bytes: int) -> Iterator[NamedTensors]:
+        dtype = torch_dtype(dtype)  # a name ("float32", as generators may pass) or a torch.dtype
         named = iter_hf_weights(self.module, self.hf_config)
         if self.lora is not None:  # W + (alpha / r) B A in float32, cast once
             cfg = self.run.policy.lora

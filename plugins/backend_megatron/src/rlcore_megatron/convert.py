@@ -14,6 +14,12 @@ Megatron's fused layouts (local spec):
 - MoE experts come in three layouts: one module per expert (``local_experts.<i>``, the loop), one
   weight per expert (``weight<i>``, TE's grouped linear), or one stacked tensor per projection
   (``[local experts, rows, cols]``, torch's grouped GEMM); each expert's rows are its HF tensors.
+
+Why the conversion is ours rather than Megatron-Bridge's: Megatron-Bridge 0.6.2 needs Python 3.12
+and brings flashinfer, mlflow, comet-ml, diffusers, timm, a pinned wandb and ``transformers<=5.12.1``
+into every environment that installs this plugin, which would exclude the transformers releases
+users run beside it. The layouts above are the few that the supported architectures need, and
+they are the same in megatron-core 0.16.1 and 0.19.x.
 """
 
 from __future__ import annotations

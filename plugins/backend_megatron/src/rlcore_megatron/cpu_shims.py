@@ -1,4 +1,4 @@
-"""CPU shims that let megatron-core 0.16.1 run without a GPU (development and CI, over gloo).
+"""CPU shims that let megatron-core (0.16.1 and 0.19.x) run without a GPU (development and CI, over gloo).
 
 Active only when no CUDA device is in use: :func:`install` returns at once when
 ``torch.cuda.is_available()``. Everything megatron-core assumes about CUDA and that matters on

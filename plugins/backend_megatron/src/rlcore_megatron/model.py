@@ -10,6 +10,7 @@ sequence) pair.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -140,7 +141,7 @@ def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None, k
         if num_experts and kernels.moe_device_splits and kernels.moe_experts == "te_grouped":
             from rlcore_megatron.moe_splits import DeviceSplitsGroupedMLP
 
-            spec.submodules.mlp.submodules.experts.module = DeviceSplitsGroupedMLP
+            _replace_experts(spec, DeviceSplitsGroupedMLP)
         if num_experts and kernels.moe_experts == "grouped_mm":
             _use_grouped_mm_experts(spec)
         return spec
@@ -158,13 +159,33 @@ def layer_spec(hf_config, tconfig: TransformerConfig, num_experts: int | None, k
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig), layer_norm=RMSNorm)
 
 
+def _moe_submodules(spec):
+    """The MoE layer's ``MoESubmodules`` in a layer spec: megatron-core 0.16 describes the MoE layer
+    as a ``ModuleSpec``, 0.19 as ``functools.partial(MoELayer, submodules=...)``."""
+    mlp = spec.submodules.mlp
+    return mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+
+
+def _replace_experts(spec, module) -> None:
+    """Build the MoE layer's experts with ``module``, keeping the submodules Megatron chose for them
+    (0.16: a ``ModuleSpec``; 0.19: a ``functools.partial`` builder)."""
+    submodules = _moe_submodules(spec)
+    experts = submodules.experts
+    if isinstance(experts, functools.partial):
+        submodules.experts = functools.partial(module, *experts.args, **experts.keywords)
+    else:
+        experts.module = module
+
+
 def _use_grouped_mm_experts(spec) -> None:
     """Swap the MoE layer's experts for :class:`~rlcore_megatron.moe_grouped_mm.GroupedMMExperts`."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from rlcore_megatron.moe_grouped_mm import GroupedMMExperts
 
-    spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedMMExperts)
+    submodules = _moe_submodules(spec)
+    # 0.19 calls the experts builder itself; 0.16 builds it from a ModuleSpec.
+    submodules.experts = GroupedMMExperts if isinstance(spec.submodules.mlp, functools.partial) else ModuleSpec(module=GroupedMMExperts)
 
 
 def transformer_config(hf_config, cfg: MegatronConfig, kernels: Kernels, *, params_dtype: torch.dtype,

@@ -78,7 +78,8 @@ class _ExpertsWeight(torch.nn.Module):
 class GroupedMMExperts(MegatronModule):
     """This rank's experts of one MoE layer, each projection one ``F.grouped_mm`` call."""
 
-    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules: Any = None, pg_collection: Any = None):
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules: Any = None, pg_collection: Any = None,
+                 name: str | None = None):  # name: megatron-core 0.19 passes the module's path
         super().__init__(config=config)
         self.num_local_experts = num_local_experts
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp

@@ -143,6 +143,14 @@ class TrainingBackendConformance:
             assert err <= 1e-2 * max(1.0, float(tensor.float().abs().max())), f"{name} differs from the checkpoint by {err}"
         assert all(isinstance(t, torch.Tensor) for t in exported.values())
 
+    def test_export_weights_takes_a_dtype_name(self, training_backend):
+        """``dtype`` may be a name, as a generator that reads it from its config passes it."""
+        import torch
+
+        for dtype in ("float32", torch.float32):
+            exported = _chunks_to_dict([list(chunk) for chunk in training_backend.export_weights(dtype=dtype)])
+            assert exported and {t.dtype for t in exported.values()} == {torch.float32}, f"dtype={dtype!r}"
+
     def test_train_step_changes_weights_and_reports_metrics(self, training_backend, backend_model_dir, backend_algorithm):
         import torch
 
