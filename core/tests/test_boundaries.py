@@ -155,8 +155,28 @@ class _FakeBackendConfig:
 
 
 class _FakeBackend:
+    """Records the placement it is built with; the protocol's methods exist (the run checks them), none is called."""
+
     def __init__(self, config, section, world):
         _Recorded.placements.append(("backend", world.placement))
+
+    def logprobs(self, batch, *, reference=False):
+        raise NotImplementedError
+
+    def train(self, batch, algorithm):
+        raise NotImplementedError
+
+    def export_weights(self, dtype=None, chunk_bytes=1 << 30):
+        raise NotImplementedError
+
+    def save_checkpoint(self, path):
+        raise NotImplementedError
+
+    def load_checkpoint(self, path):
+        raise NotImplementedError
+
+    def export_hf(self, path):
+        raise NotImplementedError
 
     def shutdown(self) -> None:
         pass

@@ -51,6 +51,7 @@ PUBLIC_MODULES = (
     "rlcore.utils",  # resolve, torch_dtype, free_port, local_model_dir
     "rlcore.ops",  # token logprobs
     "rlcore.attention",  # packed causal attention
+    "rlcore.lora",  # LoRA adapters merged in fp32 and written in PEFT's format (both backends)
     "rlcore.packing",  # micro-batch planning and layout
     "rlcore.multimodal",  # images in prompts: ImageInputs, loading, processing, multimodal positions
     "rlcore.image_data",  # image-prompt datasets and the synthetic counting task
