@@ -92,20 +92,13 @@ def scenario_release(model_dir: str):
     """offload/onload round trips (weights kept for a refit, then released too) between two training steps, beside
     a backend that never releases: every state tensor bitwise equal after each trip, its storage empty while out,
     and the next step the same to the bit."""
+    from rlcore.testing.offload import release_round_trips
     from rlcore_fsdp2.weights import local, state_tensors
 
     released, plain = build(model_dir, gbs=4), build(model_dir, gbs=4)
     train_flow(released, 1), train_flow(plain, 1)
-    out = {}
-    for keep in (True, False):
-        tensors = list(state_tensors(released.model, released.optimizer))
-        weights = {local(p).untyped_storage().data_ptr() for p in released.model.parameters()}
-        is_weight = [t.untyped_storage().data_ptr() in weights for t in tensors]
-        before = [t.clone() for t in tensors]
-        released.offload(keep_weights=keep)
-        out[f"out_{keep}"] = all((t.untyped_storage().nbytes() > 0) == (keep and w) for t, w in zip(tensors, is_weight))
-        released.onload()
-        out[f"equal_{keep}"] = all(torch.equal(a, b) for a, b in zip(before, tensors))
+    out = release_round_trips(released, lambda: state_tensors(released.model, released.optimizer),
+                              lambda: [local(p) for p in released.model.parameters()])
     a, b = train_flow(released, 2), train_flow(plain, 2)
     out["loss_equal"] = a["metrics"]["loss"] == b["metrics"]["loss"]
     out["params_equal"] = all(torch.equal(a["params"][k], b["params"][k]) for k in b["params"])

@@ -384,20 +384,13 @@ def check_release(path: str) -> dict:
     """offload/onload round trips (weights kept for a refit, then released too) between two training steps of DP=2
     with the distributed optimizer, beside a backend that never releases: every state tensor bitwise equal after
     each trip, its storage empty while out, and the next step the same to the bit."""
+    from rlcore.testing.offload import release_round_trips
+
     batch1, batch2 = make_batch(2, n=8), make_batch(3, n=8)
     released, plain = backend_for(path), backend_for(path)
     assert released.cfg.optimizer.use_distributed_optimizer and dist.get_world_size() == 2
     released.train(batch1, SumNLL()), plain.train(batch1, SumNLL())
-    out = {}
-    for keep in (True, False):
-        tensors = released.state_tensors()
-        weights = {b.param_data.untyped_storage().data_ptr() for b in released.model.buffers}
-        is_weight = [t.untyped_storage().data_ptr() in weights for t in tensors]
-        before = [t.clone() for t in tensors]
-        released.offload(keep_weights=keep)
-        out[f"out_{keep}"] = all((t.untyped_storage().nbytes() > 0) == (keep and w) for t, w in zip(tensors, is_weight))
-        released.onload()
-        out[f"equal_{keep}"] = all(torch.equal(a, b) for a, b in zip(before, tensors))
+    out = release_round_trips(released, released.state_tensors, lambda: [b.param_data for b in released.model.buffers])
     m1, m2 = released.train(batch2, SumNLL()), plain.train(batch2, SumNLL())
     out["loss_equal"] = m1["loss"] == m2["loss"]
     a, b = exported(released), exported(plain)

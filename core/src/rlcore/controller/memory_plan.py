@@ -4,7 +4,8 @@ It refuses a run that cannot fit (the phase, its largest part, the key that woul
 hands the decisions of the keys a recipe leaves ``auto`` to both sides through the
 :class:`~rlcore.interfaces.Placement` they are built with. Runs given a backend or a generator object
 are not planned (their memory is theirs), nor are models whose shape the planner cannot read (a line
-says so; the engine then takes the generator's default share).
+says so; the engine then takes the generator's default share), nor GPU runs whose engine has GPUs of
+its own (it takes 0.9 of them, without this process starting CUDA first).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import attrs
 
 from rlcore.config import ConfigError, RunConfig
 from rlcore.interfaces import Placement
+from rlcore.planning.memory import ENGINE_CAP
 from rlcore.planning.run_memory import RunMemoryPlan, plan_run_memory
 from rlcore.planning.runtime import device_gpu
 from rlcore.planning.shapes import resolve_shape
@@ -30,6 +32,11 @@ def apply_memory_plan(config: RunConfig, placement: Placement, *, critic: bool, 
             print(f"memory plan: none ({exc.message})", flush=True)
         return placement, None
     cpu = placement.device == "cpu"
+    if not cpu and not placement.colocated:
+        # The engine has GPUs of its own, and this process must not start CUDA before it picks them
+        # (placement.driver_gpu_ids): it gets vLLM's own default share; the trainer's ranks size themselves.
+        print(f"memory plan: the engine has GPUs of its own; gpu_memory_utilization={ENGINE_CAP:.2f}", flush=True)
+        return attrs.evolve(placement, engine_memory_fraction=ENGINE_CAP), None
     gpu = device_gpu(placement.device)
     if cpu:  # the host's memory, shared by the trainer's local processes
         gpu = attrs.evolve(gpu, memory_gib=gpu.memory_gib / max(placement.trainer_ranks, 1))
