@@ -136,7 +136,9 @@ def _with_alarm(fn, timeout_s: float, expired: Callable[[], TimeoutError]):
     try:
         value = fn()
     except BaseException as exc:
-        if fired and exc is not fired[0]:  # the call caught its timeout and raised something else instead
+        # The call caught its timeout and raised something else instead: still timed out, unless what it raised
+        # names what stopped the run more closely (an inner part's own deadline, expiring with this one).
+        if fired and exc is not fired[0] and not isinstance(exc, RunStopped):
             raise fired[0] from None
         raise
     else:
