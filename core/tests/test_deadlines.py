@@ -67,14 +67,26 @@ def _sleeps(prompts, completions, **kwargs):
     return [1.0] * len(completions)
 
 
+_STOP_SPINNING = threading.Event()
+
+
 def _spins(prompts, completions, **kwargs):
-    while True:  # pure Python, never returning: interrupted between bytecodes
+    # Pure Python, never returning while the test runs: interrupted between bytecodes. The abandoned
+    # spinner is stopped after the test, or it would hold the GIL against every later test in this process.
+    while not _STOP_SPINNING.is_set():
         pass
+
+
+@pytest.fixture
+def stop_spinners():
+    _STOP_SPINNING.clear()
+    yield
+    _STOP_SPINNING.set()
 
 
 @pytest.mark.parametrize("fn", [_sleeps, _spins], ids=["sleeping", "spinning"])
 @pytest.mark.parametrize("thread", [False, True], ids=["main-thread", "other-thread"])
-def test_a_reward_function_that_never_returns_stops_the_run_naming_it(fn, thread):
+def test_a_reward_function_that_never_returns_stops_the_run_naming_it(fn, thread, stop_spinners):
     """A plain reward function catches every Exception of its own (they score 0): the deadline's
     timeout is not one of them, in the sync loop's main thread or the async scoring thread alike."""
     from rlcore.reward_fn import FunctionEnvironment
