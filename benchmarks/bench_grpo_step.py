@@ -73,6 +73,7 @@ TOOL_AGENT = {"env": {"name": "agent", "agent": {"function": f"{Path(__file__).w
               "train.val_period": 0, "policy.generation.async_engine": True}
 
 ONE_STEP_OFF = {"algorithm.rollout_correction": {"preset": "token_tis"}}
+LORA_8B = {"policy.lora": {"enabled": True, "rank": 16, "alpha": 32.0}}
 
 CONFIGS = {
     "tiny-fsdp2": ("tiny", "fsdp2", {}),
@@ -128,6 +129,11 @@ CONFIGS = {
                                                       "policy.megatron_cfg.empty_unused_memory_level": 1,
                                                       "policy.generation.gpu_memory_utilization": 0.3}),
     "llama8b-fsdp2": ("llama8b", "fsdp2", {"cluster.gpus_per_node": 2, "policy.generation.gpu_memory_utilization": 0.3}),
+    # LoRA on one 80 GB GPU: rank-16 adapters on every projection, 32 prompts x 8 samples x 1024 tokens, the engine
+    # colocated. Megatron keeps the frozen base in bf16 (no main copy, no optimizer state for it); fsdp2 in its
+    # float32 master dtype, gathered in bf16.
+    "llama8b-megatron-lora": ("llama8b", "megatron", LORA_8B),
+    "llama8b-fsdp2-lora": ("llama8b", "fsdp2", LORA_8B),
     # NeMo-RL's published Llama 3.1-8B row (issue 10): 2048 rollouts (64 prompts x 32), global
     # batch 512, max sequence 4096, ~795 generated tokens a sample, colocated, 8 GPUs.
     "llama8b-nemo-8gpu-megatron": ("llama8b", "megatron", {**NEMO_8B_ROW, "policy.megatron_cfg.tensor_model_parallel_size": 2}),

@@ -197,6 +197,20 @@ def test_override_types_follow_the_target_field(manager):
     assert config.policy.scheduler.decay_style == "cosine"
 
 
+@pytest.mark.parametrize("override, value", [
+    ("policy.generation.gpu_memory_utilization=auto", "auto"),  # float | "auto": each member tried in turn
+    ("policy.generation.gpu_memory_utilization=0.4", 0.4),
+    ("policy.generation.colocated.offload_trainer_state=auto", "auto"),  # bool | "auto"
+    ("policy.generation.colocated.offload_trainer_state=true", True),
+])
+def test_overrides_into_a_union_with_a_literal_take_either_member(manager, override, value):
+    key = override.split("=")[0]
+    node = to_dict(build(manager, ["policy.generation.backend=hf", override]))
+    for part in key.split("."):
+        node = node[part]
+    assert node == value and type(node) is type(value)
+
+
 @pytest.mark.parametrize("override, key, words", [
     ("train.max_num_steps=2.5", "train.max_num_steps", "expected an integer"),
     ("train.max_num_steps=many", "train.max_num_steps", "expected an integer"),
@@ -216,6 +230,11 @@ def test_override_type_mistakes_name_the_key(manager, override, key, words):
     err = error(manager, [override])
     assert err.key == key, str(err)
     assert words in str(err)
+
+
+def test_an_override_matching_no_member_of_a_union_names_the_key(manager):
+    err = error(manager, ["policy.generation.backend=hf", "policy.generation.gpu_memory_utilization=most"])
+    assert err.key == "policy.generation.gpu_memory_utilization" and "'most' does not match" in str(err)
 
 
 def test_override_syntax_errors(manager):

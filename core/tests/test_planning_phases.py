@@ -86,3 +86,41 @@ def test_one_step_off_overlaps_generation_with_the_trainers_phases(shipped):
     # the same layout synchronous: the sum
     sync = inputs(RECIPE_ASYNC, shipped, grpo__async_grpo={"enabled": False})
     assert not plan.evaluate_recipe(sync).overlapped
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                                     ("q_proj", "v_proj"), ("linear_qkv", "linear_fc2")])
+def test_the_adapter_count_is_the_one_peft_builds(targets):
+    """LoRA's trainable weights as the planner counts them equal those ``peft`` puts on the transformers model
+    (Megatron's fused names count as the Hugging Face projections they carry)."""
+    import peft
+    import torch
+    import transformers
+
+    from rlcore.planning.shapes import from_hf_config
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=2, vocab_size=1000)
+    hf_names = {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_fc2": ["down_proj"]}
+    modules = [n for t in targets for n in hf_names.get(t, [t])]
+    with torch.device("meta"):
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                                    peft.LoraConfig(r=8, lora_alpha=16, target_modules=modules))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert from_hf_config("llama", config.to_dict()).lora_params(8, targets) == trainable
+
+
+def test_lora_trains_adapters_only_the_frozen_base_kept_in_the_dtype_on_megatron(shipped):
+    single = {"tensor_model_parallel_size": 1, "sequence_parallel": False}  # 8 data-parallel ranks
+    full = inputs(RECIPE_8B, shipped, policy__megatron_cfg__tensor_model_parallel_size=1, policy__megatron_cfg__sequence_parallel=False)
+    lora = inputs(RECIPE_8B, shipped, policy__lora={"enabled": True, "rank": 16}, **{f"policy__megatron_cfg__{k}": v for k, v in single.items()})
+    assert 0 < lora.work.lora_params < full.shape.total_params / 100
+    full_est, lora_est = plan.evaluate_recipe(full), plan.evaluate_recipe(lora)
+    parts = lora_est.memory.train_parts
+    # the base in bf16 beside the adapters; gradients and Adam's state (with the fp32 main copy) for the adapters alone
+    assert parts["weights"] == pytest.approx((full.shape.total_params + lora.work.lora_params) * 2 / 2**30, rel=0.01)
+    dp = lora.recipe_layout.dp(lora.cluster.world)  # the distributed optimizer shards it over the data-parallel ranks
+    assert dp == 8 and parts["optimizer"] == pytest.approx(lora.work.lora_params * 12 / dp / 2**30, rel=1e-6)
+    assert full_est.memory.train_parts["optimizer"] > 100 * parts["optimizer"]
+    # no weight gradients for the base: training is two thirds of the matmul work (attention's core is unchanged)
+    assert 0.6 * full_est.phases["training"] < lora_est.phases["training"] < 0.75 * full_est.phases["training"]

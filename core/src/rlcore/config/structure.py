@@ -182,7 +182,14 @@ def convert(tp: Any, value: Any, path: str) -> Any:
             non_none = [a for a in args if a is not type(None)]
             if value.text.strip().lower() in ("null", "none", "~"):
                 return None
-            tp, origin, args = non_none[0], typing.get_origin(non_none[0]), typing.get_args(non_none[0])
+            if len(non_none) == 1:
+                return convert(non_none[0], value, path)
+            for arg in non_none:  # the command line's text read as each member in turn ("auto" for float | "auto")
+                try:
+                    return convert(arg, value, path)
+                except ConfigError:
+                    continue
+            raise ConfigError(path, f"value {value.text!r} does not match {_type_name(tp)}")
         value = _parse_raw(tp, value, path)
     if tp is Any:
         return value

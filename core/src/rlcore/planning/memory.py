@@ -88,12 +88,19 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
     b = work.dtype_bytes
     master = 4 if b < 4 else 0  # fp32 main weights beside bf16 ones
     opt_per_param = master + 4 * work.optimizer_states
-    if lay.backend == "fsdp2":
+    # LoRA: only the adapters (split as their base layers) have gradients and optimizer state
+    adapters = work.lora_params / (lay.tp * lay.pp)
+    if lay.backend == "fsdp2":  # the weights (a LoRA run's frozen base too) kept in float32, gathered in the dtype
         shard = dp
+        trained = adapters if work.lora_params else local
         gathered = 0.0 if lay.offload else (local * b if dp == 1 else 2 * local / shape.layers * b)
-        weights = gathered + (0 if lay.offload else local * 4 / shard)
-        grads = 0 if lay.offload else local * 4 / shard
-        optimizer = 0 if lay.offload else local * 4 * work.optimizer_states / shard
+        weights = gathered + (0 if lay.offload else (local + adapters) * 4 / shard)
+        grads = 0 if lay.offload else trained * 4 / shard
+        optimizer = 0 if lay.offload else trained * 4 * work.optimizer_states / shard
+    elif work.lora_params:  # a frozen base in the dtype, with no main copy
+        weights = (local + adapters) * b
+        grads = adapters * work.grad_bytes
+        optimizer = opt_per_param * adapters / dp
     else:
         expert_dp = max(1, world // (lay.ep * lay.etp * lay.pp))
         weights = local * b

@@ -73,6 +73,8 @@ def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = No
                     response_max=response_max, lengths_from=lengths_from)
     critic = critic_shape(tree, model)
     work = attrs.evolve(work, critic=critic is not None, critic_model=critic)
+    if config.policy.lora.enabled:
+        work = attrs.evolve(work, lora_params=model.lora_params(config.policy.lora.rank, config.policy.lora.target_modules))
     auto = section.get("layout") == "auto"
     explicit = config.section(MEGATRON if backend == "megatron" else DTENSOR).explicit_keys if auto else frozenset()
     layout, fixed = recipe_layout(tree, backend, section, gen), fixed_keys(backend, section, explicit, gen, config)

@@ -58,6 +58,11 @@ class LatentAttention:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+# Megatron's fused layers and the Hugging Face projections each carries (one adapter per projection)
+_MEGATRON_LORA_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                          "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+
+
 @frozen
 class ModelShape:
     """A decoder-only transformer: dense, or a mixture of experts (routed experts, optionally shared
@@ -153,6 +158,23 @@ class ModelShape:
         experts (or dense MLP), and the output layer (the input embedding is a lookup)."""
         chosen = self.moe_layers * self.topk * self.expert_params
         return self._nonrouted_params - self.layers * 2 * self.hidden + chosen + self.output_width * self.hidden
+
+    def lora_params(self, rank: int, targets) -> int:
+        """Adapter weights (``rank`` x (in + out) a projection) on the named projections of every layer, by their
+        Hugging Face or Megatron names (``linear_qkv`` = q, k and v; ``linear_fc1`` = gate and up). A MoE layer's
+        adapters sit on its shared experts' MLP, the routed experts take none."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        dense_mlp_layers, moe_mlp = self.layers - self.moe_layers, self.shared_ffn
+        widths = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        mlp = {"gate_proj": lambda f: (h, f), "up_proj": lambda f: (h, f), "down_proj": lambda f: (f, h)}
+        names = set()
+        for target in targets:
+            names.update(_MEGATRON_LORA_TARGETS.get(target, (target,)))
+        per_layer = sum(sum(widths[n]) for n in names if n in widths)
+        total = self.layers * rank * per_layer
+        for name in names & set(mlp):
+            total += rank * (dense_mlp_layers * sum(mlp[name](self.ffn)) + self.moe_layers * sum(mlp[name](moe_mlp)) * bool(moe_mlp))
+        return int(total)
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         if self.mla is not None:

@@ -31,8 +31,11 @@ def _ring(bytes_: float, group: int, gbps: float, cal: Calibration) -> float:
 
 
 def _flops(shape: ModelShape, work: Workload, forward_only: bool) -> float:
+    """Matmul FLOPs of a pass over the step's tokens: 2 a weight and token forward; training adds the input's
+    gradient (2) and the weight's (2), which a LoRA run's frozen base skips (its adapters' are negligible)."""
     mult = 2 if forward_only else 6
-    return mult * shape.active_matmul_params * work.tokens + mult * shape.layers * shape.q_dim * work.sum_sq
+    weights = 2 if forward_only else (4 if work.lora_params else 6)
+    return weights * shape.active_matmul_params * work.tokens + mult * shape.layers * shape.q_dim * work.sum_sq
 
 
 def _pass_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration, *, forward_only: bool) -> float:
