@@ -422,3 +422,20 @@ def test_config_defaults_describe_each_key(run_cli):
     yaml.safe_load(done.stdout)  # still YAML: the descriptions are comments
     plain = run_cli("config", "--defaults", "--no-descriptions")
     assert "  # " not in plain.stdout
+
+
+def test_a_shipped_recipes_data_file_is_found_outside_a_checkout(tmp_path, monkeypatch):
+    from rlcore.preference.config import PreferenceDataConfig
+    from rlcore.preference.data import _read_rows
+    from rlcore.shipped_recipes import shipped_data_file
+
+    monkeypatch.chdir(tmp_path)  # no recipes/ here: the DPO and RM recipes' recipes/data/... is the shipped file
+    config = PreferenceDataConfig(train_files=("recipes/data/preference_vowels.jsonl",))
+    assert _read_rows("recipes/data/preference_vowels.jsonl", config) == _read_rows(
+        str(REPO / "recipes" / "data" / "preference_vowels.jsonl"), config)
+    for name in ("data/preference_vowels.jsonl", "mine/data/preference_vowels.jsonl", "recipes/data/nothere.jsonl"):
+        assert shipped_data_file(name) is None, name  # only recipes/data/NAME of a shipped file
+    (tmp_path / "recipes" / "data").mkdir(parents=True)
+    (tmp_path / "recipes" / "data" / "preference_vowels.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    assert shipped_data_file("recipes/data/preference_vowels.jsonl") is None  # a local file wins
+    assert len(_read_rows("recipes/data/preference_vowels.jsonl", config)) == 1

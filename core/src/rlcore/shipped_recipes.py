@@ -4,7 +4,8 @@ The checkout's ``recipes/`` is their one source: ``src/rlcore/recipes`` is a sym
 editable install reads the checkout's files and a built wheel carries copies of them (package
 data). ``rlcore recipes`` lists them and copies one out; ``rlcore run NAME`` (and ``rlcore config``,
 ``rlcore.load_config``) takes a shipped recipe's name, or a ``recipes/NAME.yaml`` path that does
-not exist where it runs (the documentation's commands, typed outside a checkout).
+not exist where it runs (the documentation's commands, typed outside a checkout). The data files the
+shipped recipes name (``recipes/data/NAME``) are found the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ def shipped_recipe(path: str | Path) -> Path | None:
     if path.suffix not in ("", ".yaml"):
         return None
     return shipped_recipes().get(path.stem if path.suffix else path.name)
+
+
+def shipped_data_file(path: str | Path) -> Path | None:
+    """The shipped data file that ``recipes/data/NAME`` names, when no such file exists where the run is (a
+    shipped recipe run outside a checkout); None for any other path."""
+    path = Path(path)
+    if path.is_file() or len(path.parts) != 3 or path.parts[:2] != ("recipes", "data"):
+        return None
+    shipped = SHIPPED / "data" / path.name
+    return shipped if shipped.is_file() else None
 
 
 def summary(path: Path) -> str:

@@ -58,7 +58,9 @@ def build_preference_dataset(config: PreferenceDataConfig, tokenizer: Any) -> Pr
 def _read_rows(path: str, config: PreferenceDataConfig) -> list[dict]:
     import datasets
 
-    file = Path(path)
+    from rlcore.shipped_recipes import shipped_data_file
+
+    file = shipped_data_file(path) or Path(path)  # a shipped recipe's data, run outside a checkout
     if not file.is_file():
         raise PreferenceDataError(f"{path}: no such file (data.train_files / data.validation_files)")
     kind = config.format
