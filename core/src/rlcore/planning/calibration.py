@@ -3,7 +3,7 @@
 Three layers, later ones winning: the defaults below, the shipped ``data/calibration.json`` (fitted
 to the project's measured GPU rows by :mod:`rlcore.planning.fit`), and the user's file written by
 ``rlcore plan --calibrate`` (``$RLCORE_CALIBRATION``, else ``~/.cache/rlcore/calibration.json``).
-Each file maps a GPU name (``h200``) to some of :class:`Calibration`'s fields; a GPU with no entry
+Each file maps a GPU name (``h200``, ``h100``) to some of :class:`Calibration`'s fields; a GPU with no entry
 takes the shipped H200 values (efficiencies are fractions of the GPU's own peak).
 """
 
