@@ -10,9 +10,9 @@ model (docs/guides/planning.md); a logprob phase under 0.05 s is a step that ran
 
 Known misses (:data:`KNOWN_MISSES`, each asserted to be still outside its bound, so a fix shows here): the H200
 PPO rows' refit, whose weight transfer ran at 61 GB/s where the H200 rows the refit rate is fitted to (earlier
-commits) moved weights at 15-45 GB/s; the multi-turn row's offload, which the run's memory plan chose
-(``offload_trainer_state: auto``: its longest trajectories' KV cache did not fit beside the trainer's state)
-and ``rlcore plan`` evaluates only when the recipe sets it ``true``.
+commits) moved weights at 15-45 GB/s; the multi-turn row's offload, which the run's memory plan of that time
+chose for ``offload_trainer_state: auto`` (it gave the engine all the memory the trainer left free); the memory
+plan now, and ``rlcore plan`` with it, keeps the state for this run.
 """
 
 from __future__ import annotations

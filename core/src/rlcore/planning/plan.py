@@ -39,6 +39,7 @@ class Inputs:
     recipe_layout: Layout
     fixed: dict  # Layout field -> value the search must keep
     auto: bool  # the backend section asks for layout: auto
+    release_auto: bool = False  # offload_trainer_state: auto, colocated and synchronous (the run decides it; see evaluate_recipe)
 
 
 def _recompute(value) -> str:
@@ -82,7 +83,10 @@ def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = No
         # layout: auto searches the sizes the section leaves out: only those it sets must divide what they split
         bound = layout.with_(**{f: fixed.get(f, 1) for f in ("tp", "pp", "cp", "ep", "etp")}) if auto else layout
         checks.recipe_layout(model, bound, cluster.world, backend, section, generation=work.generation)
-    return Inputs(model, work, cluster, calibration or load_calibration(gpu_name), backend, layout, fixed, auto)
+    colocated = gen.get("colocated") or {}
+    release_auto = (colocated.get("offload_trainer_state", "auto") == "auto" and layout.colocated and not work.one_step_off
+                    and work.generation)
+    return Inputs(model, work, cluster, calibration or load_calibration(gpu_name), backend, layout, fixed, auto, release_auto)
 
 
 # settings the planner's model does not price: (config key, the value refused, the value to plan with, why)
@@ -198,4 +202,13 @@ def plan(inp: Inputs, *, fixed: dict | None = None, virtual_stages: bool = False
 
 
 def evaluate_recipe(inp: Inputs):
-    return _search.evaluate(inp.shape, inp.work, inp.recipe_layout, inp.cluster, inp.cal)
+    """The recipe's own layout; with ``offload_trainer_state: auto``, what the run's memory plan decides for it
+    (:mod:`rlcore.planning.run_memory`): the trainer's state leaves the GPU while the engine is awake when kept it
+    would leave the engine short of KV cache."""
+    kept = _search.evaluate(inp.shape, inp.work, inp.recipe_layout, inp.cluster, inp.cal)
+    if not inp.release_auto or inp.recipe_layout.releases_state:
+        return kept
+    lay = inp.recipe_layout
+    lay = lay.with_(offload=True) if lay.backend == "megatron" else lay.with_(release=True)
+    released = _search.evaluate(inp.shape, inp.work, lay, inp.cluster, inp.cal)
+    return released if kept.memory.better_released(released.memory) else kept
