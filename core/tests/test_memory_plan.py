@@ -110,6 +110,31 @@ def test_auto_releases_the_trainer_state_when_it_would_crowd_the_engine():
     assert not async_run.offload_trainer_state
 
 
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
+def test_rlcore_plan_prices_the_recipe_with_the_runs_own_auto_release(backend):
+    """``rlcore plan``'s row for the recipe takes the decision the run's memory plan takes for
+    ``offload_trainer_state: auto``: released, it prices the state's trips to host memory; a recipe that sets
+    ``false``, or the async loop, keeps it."""
+    from rlcore.planning import plan as planning
+    from rlcore.planning.calibration import load_calibration
+
+    shape = from_hf_config("m", LLAMA_3B)
+
+    def recipe_row(**overrides):
+        cfg = config(backend, **overrides)
+        inp = planning.inputs(cfg, world=1, gpu_name="h100", model=shape, calibration=load_calibration("h100", user_file=Path("/dev/null")))
+        return cfg, planning.evaluate_recipe(inp)
+
+    cfg, auto = recipe_row()
+    assert auto.layout.releases_state and auto.memory.gen_parts["optimizer"] == 0.0
+    assert plan(cfg, hf=LLAMA_3B).offload_trainer_state  # the run decides the same
+    if backend == "megatron":  # Megatron's release moves the state both ways each step (the offload phase)
+        assert auto.phases["offload"] > 0
+    for overrides in ({"policy.generation.colocated.offload_trainer_state": "false"}, {"grpo.async_grpo.enabled": "true"}):
+        _, kept = recipe_row(**overrides)
+        assert not kept.layout.releases_state and kept.memory.kv_short
+
+
 def test_a_run_that_cannot_fit_is_refused_naming_the_key():
     with pytest.raises(PlanRefused) as info:  # 8B full fine-tuning: 8B x 18 bytes of state on one 80 GB card
         plan(config(), hf=LLAMA_8B)

@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
+import numpy as np
+
 from rlcore.cli import main
+from rlcore.controller.batching import Trajectory, rollout_metrics
+from rlcore.interfaces import GenerationResult, Sample
 from rlcore.planning.command import seconds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,6 +104,51 @@ def test_lengths_from_a_runs_metrics(capsys, tmp_path):
                        ((str(metrics), "--response-tokens", "500"), "not both")):
         status, _, err = plan(capsys, DENSE, "--gpus", "8", "--lengths-from", *argv)
         assert status == 2 and "config key '--lengths-from'" in err and says in err, err
+
+
+def _metrics(path: Path, **percentiles) -> Path:
+    rows = [{"step": s, "rollout/mean_response_tokens": 703.0, "rollout/max_response_tokens": 3000.0,
+             "rollout/mean_prompt_tokens": 120.0, **{f"rollout/{k}_response_tokens": v for k, v in percentiles.items()}}
+            for s in range(1, 5)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_lengths_from_a_runs_percentiles_price_attention_by_their_spread(capsys, tmp_path):
+    """The run logs its responses' percentiles; the plan reads them: the sequences' mean square length (attention
+    FLOPs in training and logprob passes) is that of the distribution through them, above the mean's square."""
+    points = {"min": 40.0, "p50": 500.0, "p90": 1800.0, "p99": 2800.0}
+
+    def planned(path):
+        status, out, _ = plan(capsys, DENSE, "--gpus", "8", "--lengths-from", str(path), "--json", "--top", "1")
+        assert status == 0
+        return json.loads(out)
+
+    spread, flat = planned(_metrics(tmp_path / "spread.jsonl", **points)), planned(_metrics(tmp_path / "flat.jsonl"))
+    # the quantile function linear between min, p50, p90, p99 and the longest, integrated by sampling it
+    shares = np.linspace(0.0, 1.0, 1_000_001)
+    lengths = 120 + np.interp(shares, [0, 0.5, 0.9, 0.99, 1], [*points.values(), 3000.0])
+    assert spread["lengths"]["sequence_sq_mean"] == pytest.approx(np.mean(lengths ** 2), rel=1e-4)
+    assert "sequence_sq_mean" not in flat["lengths"]  # a run that logged no percentiles: every sequence at the mean
+    for phase in ("training", "logprobs"):
+        assert spread["recipe"]["phases_s"][phase] > flat["recipe"]["phases_s"][phase]
+    assert spread["recipe"]["phases_s"]["generation"] == flat["recipe"]["phases_s"]["generation"]
+    # percentiles that fall are not lengths
+    status, _, err = plan(capsys, DENSE, "--gpus", "8", "--lengths-from",
+                          str(_metrics(tmp_path / "bad.jsonl", **{**points, "p90": 300.0})))
+    assert status == 2 and "config key '--lengths-from'" in err and "do not rise" in err, err
+
+
+def test_a_run_logs_its_response_lengths_percentiles():
+    lengths = [5, 10, 20, 40, 80, 160, 320, 640, 900, 1000]
+    trajectories = [Trajectory(Sample(prompt="p"), 0, GenerationResult(prompt_ids=[1], response_ids=[2] * n,
+                                                                       response_logprobs=[-1.0] * n, finish_reason="stop"))
+                    for n in lengths]
+    metrics = rollout_metrics(trajectories)
+    assert metrics["rollout/min_response_tokens"] == 5 and metrics["rollout/max_response_tokens"] == 1000
+    assert metrics["rollout/p50_response_tokens"] == 120.0  # halfway between the 5th and 6th lengths
+    assert metrics["rollout/p90_response_tokens"] == pytest.approx(910.0)
+    assert metrics["rollout/p99_response_tokens"] == pytest.approx(991.0)
 
 
 def test_the_decode_tail_bounds_generation(capsys):

@@ -208,6 +208,9 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "rollout/mean_response_tokens": float(np.mean(lengths)),
         "rollout/mean_prompt_tokens": float(np.mean([len(t.result.prompt_ids) for t in trajectories])),
         "rollout/max_response_tokens": float(np.max(lengths)),
+        # the lengths' distribution, for sizing a run from this one (rlcore plan --lengths-from)
+        "rollout/min_response_tokens": float(np.min(lengths)),
+        **{f"rollout/p{q}_response_tokens": float(np.percentile(lengths, q)) for q in (50, 90, 99)},
         "rollout/truncated_fraction": float(np.mean([t.truncated for t in trajectories])),
         "rollout/num_trajectories": float(len(trajectories)),
         **accuracy_by_task(trajectories, "train"),

@@ -3,7 +3,7 @@
 Three layers, later ones winning: the defaults below, the shipped ``data/calibration.json`` (fitted
 to the project's measured GPU rows by :mod:`rlcore.planning.fit`), and the user's file written by
 ``rlcore plan --calibrate`` (``$RLCORE_CALIBRATION``, else ``~/.cache/rlcore/calibration.json``).
-Each file maps a GPU name (``h200``) to some of :class:`Calibration`'s fields; a GPU with no entry
+Each file maps a GPU name (``h200``, ``h100``) to some of :class:`Calibration`'s fields; a GPU with no entry
 takes the shipped H200 values (efficiencies are fractions of the GPU's own peak).
 """
 
@@ -42,6 +42,7 @@ class Calibration:
     engine_asleep_gib: float = field(default=0.5, metadata=doc("what a sleeping engine keeps on the GPU"))
     refit_fixed_s: float = field(default=0.15, metadata=doc("fixed cost of one refit"))
     refit_gbps: float = field(default=13.0, metadata=doc("GB/s of weights into a colocated engine"))
+    wake_gibps: float = field(default=300.0, metadata=doc("GiB/s at which a colocated engine maps its KV cache back as it wakes (the refit phase's start)"))
     offload_gbps: float = field(default=50.0, metadata=doc("GB/s of trainer state to and from host memory"))
     headroom: float = field(default=0.05, metadata=doc("share of each GPU's memory a fitting layout leaves free (the model's error, fragmentation)"))
     source: str = field(default="defaults", metadata=doc("where these values came from"))

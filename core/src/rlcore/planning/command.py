@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--response-max", type=int, default=None,
                    help="the longest response of a step, which bounds each engine's decoding (default: the limit)")
     p.add_argument("--lengths-from", default=None, metavar="METRICS_JSONL",
-                   help="mean prompt and response lengths and each step's longest response from a previous run's metrics.jsonl")
+                   help="mean prompt and response lengths, each step's longest response and the lengths' percentiles from a previous run's metrics.jsonl")
     p.add_argument("--virtual-stages", action="store_true", help="also consider interleaved pipeline stages")
     p.add_argument("--top", type=int, default=10, help="fitting layouts shown")
     p.add_argument("--calibrate", action="store_true", help="measure this machine (GEMMs, attention, decode, a collective) "
@@ -68,7 +68,8 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps({"model": inp.shape.name, "params": inp.shape.total_params, "gpus": world, "gpu": inp.cluster.gpu.name,
                           "calibration": inp.cal.source, "lengths": {"prompt_tokens": inp.work.prompt_tokens,
-                          "response_tokens": inp.work.response_tokens, "response_max": inp.work.longest_response},
+                          "response_tokens": inp.work.response_tokens, "response_max": inp.work.longest_response,
+                          **({"sequence_sq_mean": round(inp.work.seq_sq_mean)} if inp.work.seq_sq_mean else {})},
                           "recipe": as_dict(recipe, world),
                           "layouts": [as_dict(e, world) for e in ranked]}, indent=2))
         return 0

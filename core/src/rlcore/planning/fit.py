@@ -1,23 +1,34 @@
 """The measured rows the planner is held to, and the fit that derives the shipped calibration from them.
 
-The H200 rows of ``benchmarks/results.jsonl`` that carry what a prediction needs:
+Each GPU's calibration comes from its own rows of ``benchmarks/results.jsonl``; a row is named by
+:func:`row_key` (bench, variant, run id or date), and the keys each fit used are written beside its values in
+``data/calibration.json`` (``rows``). The rows of :data:`HELD_OUT` are never fitted: they check the
+planner on runs no calibration saw (``core/tests/test_planning_heldout.py``).
 
-- ``bench_train_megatron`` (training alone, one GPU): ``peak_mem_gib`` of every row; ``step_s`` as the
-  training phase for the kernels each backend uses now (Megatron's dense rows with Transformer Engine's
-  layers and no FP8; its MoE rows with torch's grouped GEMM; FSDP2's rows).
-- ``bench_grpo_step`` (whole synchronous GRPO steps, one GPU, colocated vLLM): ``train_s``, ``refit_s``,
-  ``offload_s``, ``logprobs_s`` where the step ran a logprob pass, and ``generation_s`` against the median
-  of the rows of its model (the same configuration's generation phase varies 2.6x from host to host).
-  One step off (``async``), MPS-shared, FP8 and non-colocated variants are left out: the fit uses
-  synchronous steps with bf16 weights (the planner refuses FP8, and prices one step off from the phases).
+H200 (one GPU):
+
+- ``bench_train_megatron`` (training alone): ``peak_mem_gib`` of every row; ``step_s`` as the training phase for
+  the kernels each backend uses now (Megatron's dense rows with Transformer Engine's layers and no FP8; its MoE
+  rows with torch's grouped GEMM; FSDP2's rows).
+- ``bench_grpo_step`` (whole synchronous GRPO steps, colocated vLLM): ``train_s``, ``refit_s``, ``offload_s``,
+  ``logprobs_s`` where the step ran a logprob pass, and ``generation_s`` against the median of the rows of its
+  model (the same configuration's generation phase varies 2.6x from host to host). One step off (``async``),
+  MPS-shared, FP8, PPO, multi-turn and non-colocated variants are left out: the fit uses synchronous GRPO steps
+  with bf16 weights (the planner refuses FP8, and prices one step off and the critic from the phases).
 - ``generation`` (vLLM alone, 256 sequences of 64 + 1024 tokens): ``decode_step_ms`` of the bf16 rows with
   one engine per GPU and no MPS cap.
+
+H100 (one GPU): the synchronous GRPO steps of ``llama1b-megatron`` and ``llama1b-fsdp2``. They set what they
+measure (:data:`H100_FITTED`: the dense training efficiency, decode's bandwidth efficiency, the engine's wake-up
+rate); the other compute efficiencies scale from the H200's by the same training ratio (the same kernels reach
+a share of each GPU's peak that moves together), and memory factors and host costs are the H200's.
 
 ``python -m rlcore.planning.fit benchmarks/results.jsonl`` refits and rewrites ``data/calibration.json``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import statistics
@@ -33,7 +44,27 @@ from rlcore.planning.hardware import Cluster, gpu
 from rlcore.planning.layout import Layout, Workload
 from rlcore.planning.shapes import ModelShape, resolve_shape
 
-H200 = Cluster(gpu("h200"), 1, 1)
+MACHINES = {"h200": "1x NVIDIA H200", "h100": "1x NVIDIA H100 80GB HBM3"}  # a row's ``machine`` for each GPU's fit
+
+
+def row_key(r: dict) -> tuple[str, str, str]:
+    """A row's name: (bench, variant, run id, or the date of a row written without one)."""
+    return (r.get("bench", ""), r.get("variant", ""), r.get("run_id") or r.get("date", ""))
+
+
+# Rows no fit may use: the planner is checked on them (core/tests/test_planning_heldout.py)
+HELD_OUT = frozenset({
+    # Qwen3-30B-A3B's layer at 10 layers, 4 x 8192 tokens: the edge of one H200's memory
+    ("bench_train_megatron", "megatron", "20261204T202223-ad26cf"),
+    # PPO: the critic's phases and state beside the policy's (H200, then H100)
+    ("bench_grpo_step", "llama1b-fsdp2-ppo [policy.generation.gpu_memory_utilization=0.25]", "20261205T171548-d0c101"),
+    ("bench_grpo_step", "llama1b-megatron-ppo [policy.generation.gpu_memory_utilization=0.25] "
+     "[policy.megatron_cfg.empty_unused_memory_level=1]", "2026-12-05T17:15:00+00:00"),
+    ("bench_grpo_step", "llama1b-megatron-ppo", "20261206T040515-83495c"),
+    ("bench_grpo_step", "llama1b-fsdp2-ppo", "20261206T040746-6a8cc5"),
+    # multi-turn, 3-5 turns of heavy-tailed lengths, the trainer's state in host memory while the engine is awake (H100)
+    ("bench_grpo_step", "llama1b-multiturn-async", "20261206T041013-6ee946"),
+})
 # the training benchmark's packed lengths: uniform in [256, 2048]
 TRAIN_MEAN, TRAIN_SQ_MEAN = 1152.0, (2048**3 - 256**3) / (3 * 1792)
 MOE_LAYERS = 8  # benchmarks/moe_shapes.py: the depth one H200 trains
@@ -47,6 +78,7 @@ class Case:
     work: Workload
     layout: Layout
     measured: dict  # quantity -> value
+    gpu_name: str = "h200"
 
 
 def _shape(name: str, layers: int | None = None) -> ModelShape:
@@ -109,41 +141,58 @@ def _generation_case(i: int, r: dict) -> Case | None:
     return Case(i, r["variant"], shape, work, lay, {"decode_step_ms": r["decode_step_ms"]})
 
 
-def cases(path: Path) -> list[Case]:
+H100_GRPO = ("llama1b-megatron", "llama1b-fsdp2")
+
+
+def _h100_case(i: int, r: dict) -> Case | None:
+    """A synchronous GRPO step on one H100, planned with its own engine share (the run's memory plan)."""
+    if r["bench"] != "bench_grpo_step" or r["variant"] not in H100_GRPO or "(summary after 0)" in r["config"]:
+        return None
+    response = round(r["tokens_per_sample"])
+    work = Workload(samples=r["samples"], prompt_tokens=16, response_tokens=response, max_seq=r["max_new_tokens"] + 64,
+                    logprob_passes=int((r.get("logprobs_s") or 0) > 0.05))
+    lay = Layout(backend="fsdp2" if "fsdp2" in r["variant"] else "megatron", train_mb_tokens=8192, logprob_mb_tokens=16384,
+                 gen_memory_fraction=r["memory_plan/engine_fraction"])
+    return Case(i, r["variant"], _shape(r["variant"]), work, lay, {k: r[k] for k in ("train_s", "refit_s")}, "h100")
+
+
+def cases(path: Path, gpu_name: str = "h200") -> list[Case]:
+    """The rows ``gpu_name``'s calibration is fitted to (never one of :data:`HELD_OUT`)."""
+    makers = ({"bench_train_megatron": _train_case, "bench_grpo_step": _grpo_case, "generation": _generation_case}
+              if gpu_name == "h200" else {"bench_grpo_step": _h100_case})
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        r = json.loads(line)
-        if "H200" not in r.get("machine", "") or r.get("gpus") != 1:
+    for i, r in enumerate(rows, 1):
+        if r.get("machine") != MACHINES[gpu_name] or r.get("gpus") != 1 or row_key(r) in HELD_OUT:
             continue
-        make = {"bench_train_megatron": _train_case, "bench_grpo_step": _grpo_case, "generation": _generation_case}.get(r["bench"])
+        make = makers.get(r["bench"])
         case = make(i, r) if make else None
         if case is not None and case.measured:
             out.append(case)
-    _generation_medians(path, out)
+    _generation_medians(rows, out)
     return out
 
 
-def _generation_medians(path: Path, out: list[Case]) -> None:
+def _generation_medians(rows: list[dict], out: list[Case]) -> None:
     """Attach to each GRPO case the median generation phase of the synchronous rows of its model."""
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    grpo = [k for k, c in enumerate(out) if rows[c.row - 1]["bench"] == "bench_grpo_step"]
     by_model: dict[bool, list[float]] = {}
-    for c in out:
-        if c.variant in SYNC_GRPO:
-            by_model.setdefault(c.shape.moe, []).append(rows[c.row - 1]["generation_s"])
-    for k, c in enumerate(out):
-        if c.variant in SYNC_GRPO:
-            out[k] = attrs.evolve(c, measured={**c.measured, "generation_s": statistics.median(by_model[c.shape.moe])})
+    for k in grpo:
+        by_model.setdefault(out[k].shape.moe, []).append(rows[out[k].row - 1]["generation_s"])
+    for k in grpo:
+        c = out[k]
+        out[k] = attrs.evolve(c, measured={**c.measured, "generation_s": statistics.median(by_model[c.shape.moe])})
 
 
 def predict(case: Case, cal: Calibration) -> dict:
     if "decode_step_ms" in case.measured:
         from rlcore.planning import memory, timing
 
-        pair = Cluster(H200.gpu, 1, 2)  # one GPU generates (the other would train)
+        pair = Cluster(gpu(case.gpu_name), 1, 2)  # one GPU generates (the other would train)
         mem = memory.estimate(case.shape, case.work, case.layout, pair, cal)
         seconds, _ = timing.generation_s(case.shape, case.work, case.layout, pair, cal, mem)
         return {"decode_step_ms": seconds / case.work.response_tokens * 1e3}
-    est = search.evaluate(case.shape, case.work, case.layout, H200, cal)
+    est = search.evaluate(case.shape, case.work, case.layout, Cluster(gpu(case.gpu_name), 1, 1), cal)
     names = {"training": "train_s", "logprobs": "logprobs_s", "generation": "generation_s", "refit": "refit_s", "offload": "offload_s"}
     return {"peak_mem_gib": est.memory.peak_gib, **{names[k]: v for k, v in est.phases.items()}}
 
@@ -171,32 +220,71 @@ GRID = {
     "decode_bandwidth_efficiency": (("decode_step_ms", "generation_s"), [x / 20 for x in range(8, 20)]),
     "refit_fixed_s": (("refit_s",), [x / 100 for x in range(0, 41, 2)]),
     "refit_gbps": (("refit_s",), [float(x) for x in range(4, 61, 2)]),
+    "wake_gibps": (("refit_s",), [float(x) for x in range(100, 1001, 25)]),
     "offload_gbps": (("offload_s",), [float(x) for x in range(10, 121, 5)]),
 }
 
 
-def fit(all_cases: list[Case], rounds: int = 4) -> Calibration:
-    """Coordinate descent on the grid: each value minimizes the worst relative error of the quantities it drives."""
-    cal = Calibration()
+# what the H100 rows measure; the other compute efficiencies follow the training ratio (see the module's text)
+H100_FITTED = ("train_efficiency", "decode_bandwidth_efficiency", "wake_gibps")
+H100_SCALED = ("moe_efficiency", "fsdp2_moe_efficiency", "forward_efficiency", "prefill_efficiency")
+
+
+REFIT = ("refit_fixed_s", "refit_gbps", "wake_gibps")  # searched together: each row's refit is their sum
+
+
+def _fit_refit(all_cases: list[Case], cal: Calibration, names: tuple) -> Calibration:
+    """The refit's parameters among ``names`` over their whole grid at once (the refit is priced from memory
+    that does not depend on them, so each case's memory is estimated once)."""
+    from rlcore.planning import memory, timing
+
+    subset = [c for c in all_cases if "refit_s" in c.measured]
+    clusters = [Cluster(gpu(c.gpu_name), 1, 1) for c in subset]
+    mems = [memory.estimate(c.shape, c.work, c.layout, k, cal) for c, k in zip(subset, clusters)]
+    grids = [GRID[n][1] if n in names else [getattr(cal, n)] for n in REFIT]
+
+    def worst(values):
+        trial = attrs.evolve(cal, **dict(zip(REFIT, values)))
+        return max(abs(timing.refit_s(c.shape, c.work, c.layout, k, trial, m) / c.measured["refit_s"] - 1)
+                   for c, k, m in zip(subset, clusters, mems))
+    return attrs.evolve(cal, **dict(zip(REFIT, min(itertools.product(*grids), key=worst)))) if subset else cal
+
+
+def fit(all_cases: list[Case], rounds: int = 4, start: Calibration | None = None, names: tuple = tuple(GRID),
+        source: str = "shipped (h200 rows)") -> Calibration:
+    """Coordinate descent on the grid over ``names``: each value minimizes the worst relative error of the
+    quantities it drives; the rest stay ``start``'s. The refit's parameters are searched jointly, last."""
+    cal = start or Calibration()
     for _ in range(rounds):
-        for name, (quantities, values) in GRID.items():
+        for name in (n for n in names if n not in REFIT):
+            quantities, values = GRID[name]
             subset = [c for c in all_cases if set(quantities) & set(c.measured)]
             def worst(v, subset=subset, quantities=quantities, name=name):
                 trial = attrs.evolve(cal, **{name: v})
                 return max((abs(p / m - 1) for _, q, p, m in errors(subset, trial) if q in quantities), default=0.0)
             cal = attrs.evolve(cal, **{name: min(values, key=worst)})
-    return attrs.evolve(cal, source="shipped (h200 rows)")
+    return attrs.evolve(_fit_refit(all_cases, cal, names), source=source)
+
+
+def fit_h100(h100_cases: list[Case], h200: Calibration) -> Calibration:
+    cal = fit(h100_cases, start=h200, names=H100_FITTED, source="shipped (h100 rows)")
+    ratio = cal.train_efficiency / h200.train_efficiency
+    return attrs.evolve(cal, **{n: round(getattr(h200, n) * ratio, 3) for n in H100_SCALED})
 
 
 def main(argv: list[str]) -> int:
     path = Path(argv[0] if argv else "benchmarks/results.jsonl")
-    all_cases = cases(path)
-    cal = fit(all_cases)
-    values = {f.name: getattr(cal, f.name) for f in attrs.fields(Calibration) if f.name != "source"}
-    out = Path(__file__).with_name("data") / "calibration.json"
-    out.write_text(json.dumps({"h200": {**values, "rows": sorted({c.row for c in all_cases})}}, indent=1) + "\n")
-    for c, q, p, m in errors(all_cases, cal):
-        print(f"row {c.row:4d} {c.variant:40s} {q:15s} predicted {p:8.3f} measured {m:8.3f} ({p / m - 1:+.0%})")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    fitted = {"h200": cases(path, "h200"), "h100": cases(path, "h100")}
+    cals = {"h200": fit(fitted["h200"])}
+    cals["h100"] = fit_h100(fitted["h100"], cals["h200"])
+    out = {}
+    for name, cal in cals.items():
+        values = {f.name: getattr(cal, f.name) for f in attrs.fields(Calibration) if f.name != "source"}
+        out[name] = {**values, "rows": sorted({row_key(rows[c.row - 1]) for c in fitted[name]})}
+        for c, q, p, m in errors(fitted[name], cal):
+            print(f"{name} row {c.row:4d} {c.variant:40s} {q:15s} predicted {p:8.3f} measured {m:8.3f} ({p / m - 1:+.0%})")
+    (Path(__file__).with_name("data") / "calibration.json").write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

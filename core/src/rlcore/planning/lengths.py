@@ -20,6 +20,9 @@ from rlcore.config.structure import ConfigError
 
 FLAG = "--lengths-from"
 MEAN, LONGEST, PROMPT = "rollout/mean_response_tokens", "rollout/max_response_tokens", "rollout/mean_prompt_tokens"
+# (share of the responses, the metric of the length below which that share lies)
+QUANTILES = ((0.0, "rollout/min_response_tokens"), (0.5, "rollout/p50_response_tokens"), (0.9, "rollout/p90_response_tokens"),
+             (0.99, "rollout/p99_response_tokens"))
 
 
 @frozen
@@ -28,6 +31,21 @@ class Lengths:
     response_mean: float
     response_max: float
     steps: int  # records they came from
+    quantiles: tuple = ()  # ((share, tokens), ...) of the responses, ending at (1, response_max); () when not logged
+
+    def seq_sq_mean(self, prompt: float) -> float | None:
+        return seq_sq_mean(prompt, self.quantiles) if self.quantiles else None
+
+
+def seq_sq_mean(prompt: float, quantiles: tuple) -> float:
+    """The mean of (prompt + response)^2 over responses whose quantile function is linear between the points
+    ``((share, tokens), ...)`` (from share 0 to 1): on each piece from ``a`` to ``b`` the mean of a square is
+    ``(A^2 + AB + B^2) / 3``."""
+    total = 0.0
+    for (u0, a), (u1, b) in zip(quantiles, quantiles[1:]):
+        low, high = prompt + a, prompt + b
+        total += (u1 - u0) * (low * low + low * high + high * high) / 3
+    return total
 
 
 def from_metrics(path: str | Path, skip_first: int = 1) -> Lengths:
@@ -55,4 +73,17 @@ def from_metrics(path: str | Path, skip_first: int = 1) -> Lengths:
     prompt = statistics.fmean(r[PROMPT] for r in records)
     if mean <= 0 or longest < mean:
         raise ConfigError(FLAG, f"{path}: mean response {mean:.1f} and longest {longest:.1f} tokens are not lengths to plan with")
-    return Lengths(prompt=prompt, response_mean=mean, response_max=longest, steps=len(records))
+    return Lengths(prompt=prompt, response_mean=mean, response_max=longest, steps=len(records),
+                   quantiles=_quantiles(path, records, longest))
+
+
+def _quantiles(path: Path, records: list[dict], longest: float) -> tuple:
+    """The percentiles' means over the records, when every record logged them (runs before they were logged did not)."""
+    if not all(isinstance(r.get(key), (int, float)) for r in records for _, key in QUANTILES):
+        return ()
+    points = tuple((share, statistics.fmean(r[key] for r in records)) for share, key in QUANTILES) + ((1.0, longest),)
+    tokens = [t for _, t in points]
+    if tokens[0] < 0 or any(b < a for a, b in zip(tokens, tokens[1:])):
+        raise ConfigError(FLAG, f"{path}: response percentiles {', '.join(f'{t:.1f}' for t in tokens)} (min, p50, p90, p99, "
+                          "longest) do not rise")
+    return points

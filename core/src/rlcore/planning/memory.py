@@ -49,6 +49,13 @@ class Memory:
     def fits(self) -> bool:
         return self.problem is None
 
+    def better_released(self, released: Memory) -> bool:
+        """Whether the trainer's state leaving the GPU while the engine is awake (``released``) is the better plan
+        than keeping it (this one): kept, the engine gets less KV cache than a step's sequences need at once (or
+        generation does not fit), and released fits with more (``offload_trainer_state: auto``)."""
+        short = self.kv_short or (self.problem or "").startswith("generation")
+        return short and released.fits and (not self.fits or released.engine_kv_gib > self.engine_kv_gib)
+
     @property
     def largest(self) -> str:
         return max(self.parts, key=self.parts.get)

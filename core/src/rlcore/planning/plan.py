@@ -39,6 +39,7 @@ class Inputs:
     recipe_layout: Layout
     fixed: dict  # Layout field -> value the search must keep
     auto: bool  # the backend section asks for layout: auto
+    release_auto: bool = False  # offload_trainer_state: auto, colocated and synchronous (the run decides it; see evaluate_recipe)
 
 
 def _recompute(value) -> str:
@@ -82,7 +83,10 @@ def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = No
         # layout: auto searches the sizes the section leaves out: only those it sets must divide what they split
         bound = layout.with_(**{f: fixed.get(f, 1) for f in ("tp", "pp", "cp", "ep", "etp")}) if auto else layout
         checks.recipe_layout(model, bound, cluster.world, backend, section, generation=work.generation)
-    return Inputs(model, work, cluster, calibration or load_calibration(gpu_name), backend, layout, fixed, auto)
+    colocated = gen.get("colocated") or {}
+    release_auto = (colocated.get("offload_trainer_state", "auto") == "auto" and layout.colocated and not work.one_step_off
+                    and work.generation)
+    return Inputs(model, work, cluster, calibration or load_calibration(gpu_name), backend, layout, fixed, auto, release_auto)
 
 
 # settings the planner's model does not price: (config key, the value refused, the value to plan with, why)
@@ -117,8 +121,9 @@ def critic_shape(tree: dict, policy: ModelShape) -> ModelShape | None:
 
 
 def _lengths(gen: dict, max_seq: int, prompt: int | None, response: int | None, response_max: int | None,
-             lengths_from: str | None) -> tuple[int, int, int]:
-    """(prompt, mean response, longest response) tokens. Default: every response at ``max_new_tokens`` (the worst
+             lengths_from: str | None) -> tuple[int, int, int, float | None]:
+    """(prompt, mean response, longest response) tokens, and the sequences' mean square length where a run's
+    metrics give the lengths' percentiles (else None). Default: every response at ``max_new_tokens`` (the worst
     case); a mean alone keeps the longest at that limit (a step's tail usually reaches it)."""
     checks.lengths(prompt, response, response_max, max_seq)
     if lengths_from is not None:
@@ -130,18 +135,18 @@ def _lengths(gen: dict, max_seq: int, prompt: int | None, response: int | None, 
         if prompt + response_max > max_seq:
             raise ConfigError(lengths.FLAG, f"{lengths_from}: {prompt} prompt + {response_max} response tokens exceed "
                               f"policy.max_total_sequence_length={max_seq}")
-        return prompt, response, response_max
+        return prompt, response, response_max, found.seq_sq_mean(prompt)
     limit = min(int(gen.get("max_new_tokens", 256)), max_seq - 1)
     prompt = prompt or max(1, min(256, max_seq - (response_max or response or limit)))
     longest = min(response_max or max(limit, response or 0), max_seq - prompt)
-    return prompt, min(response or longest, longest), longest
+    return prompt, min(response or longest, longest), longest, None
 
 
 def workload(config: RunConfig, tree: dict, prompt_tokens: int | None, response_tokens: int | None, *,
              has_generator: bool, response_max: int | None = None, lengths_from: str | None = None) -> Workload:
     policy, gen = config.policy, tree["policy"].get("generation") or {}
     max_seq = policy.max_total_sequence_length
-    prompt, response, longest = _lengths(gen, max_seq, prompt_tokens, response_tokens, response_max, lengths_from)
+    prompt, response, longest, sq_mean = _lengths(gen, max_seq, prompt_tokens, response_tokens, response_max, lengths_from)
     samples = config.train.num_prompts_per_step * config.grpo.num_generations_per_prompt
     algorithm = tree.get("algorithm") or {}
     minibatches = policy.train_global_batch_size is not None and policy.train_global_batch_size < samples
@@ -153,7 +158,7 @@ def workload(config: RunConfig, tree: dict, prompt_tokens: int | None, response_
         samples=samples, prompt_tokens=prompt, response_tokens=response, response_max=longest, max_seq=max_seq,
         packing=policy.sequence_packing.enabled, micro_batch_size=policy.train_micro_batch_size, logprob_passes=passes,
         generation=has_generator, max_num_seqs=int(gen.get("max_num_seqs", 256)),
-        uniform_lengths=longest == response, one_step_off=config.grpo.async_grpo.enabled,
+        uniform_lengths=longest == response, one_step_off=config.grpo.async_grpo.enabled, seq_sq_mean=sq_mean,
         dtype_bytes=4 if policy.precision in ("float32", "float64") else 2,
         grad_bytes=4 if (not megatron or ddp.get("grad_reduce_in_fp32", True)) else 2,
         overlap_grad_reduce=bool(ddp.get("overlap_grad_reduce")) if megatron else False,
@@ -197,4 +202,13 @@ def plan(inp: Inputs, *, fixed: dict | None = None, virtual_stages: bool = False
 
 
 def evaluate_recipe(inp: Inputs):
-    return _search.evaluate(inp.shape, inp.work, inp.recipe_layout, inp.cluster, inp.cal)
+    """The recipe's own layout; with ``offload_trainer_state: auto``, what the run's memory plan decides for it
+    (:mod:`rlcore.planning.run_memory`): the trainer's state leaves the GPU while the engine is awake when kept it
+    would leave the engine short of KV cache."""
+    kept = _search.evaluate(inp.shape, inp.work, inp.recipe_layout, inp.cluster, inp.cal)
+    if not inp.release_auto or inp.recipe_layout.releases_state:
+        return kept
+    lay = inp.recipe_layout
+    lay = lay.with_(offload=True) if lay.backend == "megatron" else lay.with_(release=True)
+    released = _search.evaluate(inp.shape, inp.work, lay, inp.cluster, inp.cal)
+    return released if kept.memory.better_released(released.memory) else kept

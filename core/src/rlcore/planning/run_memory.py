@@ -105,10 +105,10 @@ def plan_run_memory(config: RunConfig, shape: ModelShape, gpu: GPU, world: int, 
     lay, work = _layout_and_work(config, inp, critic=critic, release=release)
     mem = estimate(shape, work, lay, inp.cluster, inp.cal)
     decided = []
-    if offload_key == AUTO and not cpu and _releasable(config) and (mem.kv_short or (mem.problem or "").startswith("generation")):
+    if offload_key == AUTO and not cpu and _releasable(config):
         lay_r, work_r = _layout_and_work(config, inp, critic=critic, release=True)
         released = estimate(shape, work_r, lay_r, inp.cluster, inp.cal)
-        if released.fits and (not mem.fits or released.engine_kv_gib > mem.engine_kv_gib):
+        if mem.better_released(released):
             mem, release = released, True
     if offload_key == AUTO and not cpu:
         decided.append(f"offload_trainer_state={str(release).lower()}")

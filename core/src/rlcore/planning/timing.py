@@ -125,10 +125,12 @@ def generation_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluste
     return steps * step + prefill, concurrent
 
 
-def refit_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration) -> float:
+def refit_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration, mem: Memory) -> float:
+    """Colocated, the phase starts with the engine's wake-up, which maps its KV cache back (a larger engine
+    share wakes slower), then moves the weights into it; on GPUs of its own, the weights cross the link."""
     per_engine = shape.total_params * work.dtype_bytes / lay.gen_tp
     if lay.colocated:
-        return cal.refit_fixed_s + per_engine / (cal.refit_gbps * 1e9)
+        return cal.refit_fixed_s + per_engine / (cal.refit_gbps * 1e9) + mem.engine_kv_gib / cal.wake_gibps
     gbps = cluster.gpu.network_gbps if cluster.nodes > 1 else cluster.gpu.link_gbps
     return cal.refit_fixed_s + shape.total_params * work.dtype_bytes / (gbps * 1e9 * cal.comm_efficiency)
 
@@ -149,7 +151,7 @@ def phases(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal
         out["training"] += local * 16 / (cal.offload_gbps * 1e9)
     if work.generation:
         out["generation"], _ = generation_s(shape, work, lay, cluster, cal, mem)
-        out["refit"] = refit_s(shape, work, lay, cluster, cal)
+        out["refit"] = refit_s(shape, work, lay, cluster, cal, mem)
         out["offload"] = offload_s(mem, lay, work, cal)
     if work.critic:
         model = work.critic_model or shape.as_critic()

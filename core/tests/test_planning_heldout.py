@@ -1,0 +1,140 @@
+"""The planner on measured runs no calibration used (``rlcore.planning.fit.HELD_OUT``): each GRPO row is planned
+from its benchmark configuration (``benchmarks/bench_grpo_step.py``: the recipe and the configuration's
+overrides, with the row's own ``[key=value]`` settings) and the response lengths the row records, with the
+shipped calibration of the row's GPU, as ``rlcore plan`` would plan it. The step must come within 20% and each
+phase within 30%; the 10-layer MoE slice's peak memory within 5% (it is the edge of one H200).
+
+What is not compared, and why: the multi-turn row's generation (and so its step) is mostly the environment's
+simulated tool latency (its slowest trajectory spent 34 of the phase's 40 s in tools), which the planner does not
+model (docs/guides/planning.md); a logprob phase under 0.05 s is a step that ran no logprob pass.
+
+Known misses (:data:`KNOWN_MISSES`, each asserted to be still outside its bound, so a fix shows here): the H200
+PPO rows' refit, whose weight transfer ran at 61 GB/s where the H200 rows the refit rate is fitted to (earlier
+commits) moved weights at 15-45 GB/s; the multi-turn row's offload, which the run's memory plan of that time
+chose for ``offload_trainer_state: auto`` (it gave the engine all the memory the trainer left free); the memory
+plan now, and ``rlcore plan`` with it, keeps the state for this run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlcore.config import build_config
+from rlcore.planning import fit, plan
+from rlcore.planning.calibration import load_calibration
+from rlcore.planning.shapes import resolve_shape
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results.jsonl"
+PHASES = {"train_s": "training", "refit_s": "refit", "generation_s": "generation", "logprobs_s": "logprobs",
+          "offload_s": "offload", "values_s": "values", "critic_train_s": "critic"}
+MACHINE_GPU = {machine: name for name, machine in fit.MACHINES.items()}
+NOT_MODELLED = {"llama1b-multiturn-async": ("generation_s", "step_s")}  # the environment's time (see above)
+KNOWN_MISSES = {("llama1b-fsdp2-ppo", "h200"): ("refit_s",), ("llama1b-megatron-ppo", "h200"): ("refit_s",),
+                ("llama1b-multiturn-async", "h100"): ("offload_s",)}
+
+pytestmark = pytest.mark.skipif(not RESULTS.is_file(), reason="benchmarks/results.jsonl is not in this checkout")
+
+
+def _rows() -> dict[tuple, tuple[int, dict]]:
+    out = {}
+    for number, line in enumerate(RESULTS.read_text().splitlines(), 1):
+        r = json.loads(line)
+        out[fit.row_key(r)] = (number, r)
+    return out
+
+
+def _set(tree: dict, key: str, value) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = {**tree[last], **value} if isinstance(value, dict) and isinstance(tree.get(last), dict) else value
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_grpo_step
+    finally:
+        sys.path.pop(0)
+    return bench_grpo_step
+
+
+def plan_row(r: dict):
+    """The row's run as ``rlcore plan`` sees it: the benchmark's recipe for its configuration on one GPU."""
+    bench = _bench()
+    name, settings = r["variant"].split(" [")[0], re.findall(r"\[([\w.]+)=([^\]]+)\]", r["variant"])
+    shape, backend, overrides = bench.CONFIGS[name]
+    args = type("Args", (), {"max_new_tokens": r["max_new_tokens"], "mb_tokens": 8192, "prompts": 32, "kl_coef": 0.0,
+                             "samples": r["samples"] // 32, "generator": "vllm", "steps": 2, "warmup": 1})
+    tree = bench.recipe(Path("model"), backend, Path("run"), args, True)
+    for key, value in overrides.items():
+        if not key.startswith("env"):  # the planner reads no environment (a benchmark's own is not registered here)
+            _set(tree, key, value)
+    for key, value in settings:
+        _set(tree, key, json.loads(value))
+    mean = round(r["tokens_per_sample"])
+    longest = round(r.get("rollout/longest_trajectory_model_tokens") or mean)
+    tree["policy"]["max_total_sequence_length"] = max(tree["policy"]["max_total_sequence_length"], longest + 64)
+    model = resolve_shape("", "qwen3moe", fit.MOE_LAYERS) if "moe" in shape else resolve_shape("", "llama-3.2-1b")
+    gpu_name = MACHINE_GPU[r["machine"]]
+    inp = plan.inputs(build_config(tree), world=1, gpu_name=gpu_name, model=model, prompt_tokens=16, response_tokens=mean,
+                      response_max=longest, calibration=load_calibration(gpu_name, user_file=Path(os.devnull)))
+    return plan.evaluate_recipe(inp)
+
+
+GRPO = sorted(k for k in fit.HELD_OUT if k[0] == "bench_grpo_step")
+
+
+def test_held_out_rows_exist_and_no_calibration_used_them():
+    rows = _rows()
+    assert set(fit.HELD_OUT) <= set(rows), sorted(set(fit.HELD_OUT) - set(rows))
+    shipped = json.loads((ROOT / "core/src/rlcore/planning/data/calibration.json").read_text())
+    for gpu_name, entry in shipped.items():
+        fitted = {tuple(key) for key in entry["rows"]}
+        assert fitted and not fitted & fit.HELD_OUT, gpu_name
+        # the shipped rows are the ones the fit reads now: the calibration is reproducible from them
+        assert fitted == {fit.row_key(rows_r) for _, rows_r in (rows[k] for k in fitted)}
+        assert fitted == {fit.row_key(json.loads(RESULTS.read_text().splitlines()[c.row - 1])) for c in fit.cases(RESULTS, gpu_name)}
+    # held out on both GPUs, and PPO on each
+    assert {MACHINE_GPU[rows[k][1]["machine"]] for k in GRPO} == {"h100", "h200"}
+
+
+@pytest.mark.parametrize("key", GRPO, ids=lambda k: f"{k[1].split(' [')[0]}-{k[2][:15]}")
+def test_a_held_out_grpo_step_is_predicted_within_bounds(key):
+    number, r = _rows()[key]
+    est = plan_row(r)
+    name = r["variant"].split(" [")[0]
+    skip, known = NOT_MODELLED.get(name, ()), KNOWN_MISSES.get((name, MACHINE_GPU[r["machine"]]), ())
+    compared, misses = [], []
+    for field, phase in PHASES.items():
+        measured = r.get(field)
+        if field in skip or measured is None or (field == "logprobs_s" and measured < 0.05):
+            continue
+        compared.append(field)
+        predicted = est.phases.get(phase, 0.0)
+        if (abs(predicted / measured - 1) > 0.30) != (field in known):
+            misses.append(f"{field}: predicted {predicted:.3f} measured {measured:.3f}"
+                          + (" (a known miss now within bounds: take it off KNOWN_MISSES)" if field in known else ""))
+    if "step_s" not in skip:
+        compared.append("step_s")
+        if abs(est.step_s / r["step_s"] - 1) > 0.20:
+            misses.append(f"step_s: predicted {est.step_s:.3f} measured {r['step_s']:.3f}")
+    assert not misses, f"row {number} {r['variant']} on {r['machine']}: " + "; ".join(misses)
+    assert {"train_s", "refit_s"} <= set(compared)  # the test compares something on every row
+
+
+def test_the_moe_slice_at_the_edge_of_memory():
+    key = next(k for k in fit.HELD_OUT if k[0] == "bench_train_megatron")
+    number, r = _rows()[key]
+    case = fit._train_case(number, r)
+    predicted = fit.predict(case, load_calibration("h200", user_file=Path(os.devnull)))
+    assert case.shape.layers == 10
+    assert predicted["peak_mem_gib"] == pytest.approx(r["peak_mem_gib"], rel=0.05)
+    assert predicted["train_s"] == pytest.approx(r["step_s"], rel=0.30)
