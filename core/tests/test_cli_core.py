@@ -268,3 +268,19 @@ def test_core_readme_examples_run(run_python):
     counts = outputs[1].strip()
     one, many = re.findall(r"\((\d+), (-?[\d.e-]+)\)", counts)
     assert one[0] == "1" and int(many[0]) > 1 and one[1] == many[1], counts
+
+
+def test_overrides_after_an_option_join_the_others_in_order(recipe, capsys):
+    """``rlcore config RECIPE --json a=1 b=2``: argparse would end the overrides at ``--json`` and refuse the rest."""
+    from rlcore.cli import parse
+
+    args = parse(["config", str(recipe), "train.max_num_steps=7", "--json", "train.max_num_steps=9", "algorithm.kl_coef=0.05"])
+    assert args.json and args.overrides == ["train.max_num_steps=7", "train.max_num_steps=9", "algorithm.kl_coef=0.05"]
+    args = parse(["plan", str(recipe), "--gpus", "1", "train.seed=2", "--gpu", "h100"])
+    assert (args.gpus, args.gpu, args.overrides) == (1, "h100", ["train.seed=2"])
+    with pytest.raises(SystemExit):  # anything else left over is still an error
+        parse(["config", str(recipe), "--json", "stray"])
+    assert "unrecognized arguments: stray" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a command without overrides takes none
+        parse(["doctor", "--json", "train.seed=2"])
+    assert "unrecognized arguments: train.seed=2" in capsys.readouterr().err

@@ -348,9 +348,24 @@ def install_stack_dump() -> None:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, overrides anywhere after the recipe: argparse ends a command's ``overrides`` list at
+    its first option, so ``rlcore run RECIPE --resume a.b=1`` would refuse ``a.b=1``; such late ``key=value``
+    items join the overrides in order (a later one wins). Anything else left over is an error as before."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    late = [item for item in rest if "=" in item and not item.startswith("-")]
+    if late and isinstance(getattr(args, "overrides", None), list):
+        args.overrides = [*args.overrides, *late]
+        rest = [item for item in rest if item not in late]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     install_stack_dump()
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     status = 1  # an exception this does not catch
     try:
         status = args.func(args)
