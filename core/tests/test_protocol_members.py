@@ -18,7 +18,7 @@ from rlcore.testing.conformance.members import protocol_members
 
 ROOT = Path(rlcore.__file__).parent
 # The modules that run a training loop and call plugin objects.
-RUN_CODE = ("controller/*.py", "agents/*.py", "rollout.py", "reward_fn.py", "training.py")
+RUN_CODE = ("controller/*.py", "agents/*.py", "rollout.py", "reward_fn.py", "training.py", "evaluation.py")
 
 # (module, first argument, second argument) of each getattr/hasattr the run code may make: none
 # on a plugin object (an environment, generator, algorithm, backend, logger, transport, dataset).
