@@ -58,9 +58,9 @@ def lookups_by_name() -> dict[tuple[str, str, str], list[int]]:
 def test_run_code_looks_up_no_plugin_member_by_name():
     found = lookups_by_name()
     unexpected = {key: lines for key, lines in found.items() if key not in ALLOWED}
+    listed = "\n".join(f"{module}:{lines[0]}: ({first}, {second})" for (module, first, second), lines in unexpected.items())
     assert not unexpected, ("getattr/hasattr in the run code; declare the member in its protocol (rlcore.interfaces) "
-                            "and call it, or test an optional one with isinstance:\n" + "\n".join(
-                                f"{module}:{lines[0]}: ({first}, {second})" for (module, first, second), lines in unexpected.items()))
+                            f"and call it, or test an optional one with isinstance:\n{listed}")
     stale = sorted(set(ALLOWED) - set(found))
     assert not stale, f"allowed lookups no longer made (remove them from ALLOWED): {stale}"
 

@@ -40,7 +40,16 @@ from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.rollouts import image_generator
-from rlcore.interfaces import ClosableEnvironment, Environment, Generator, Sample, SamplingParams, SequenceBatch, TrainerHandle, WeightTransport
+from rlcore.interfaces import (
+    ClosableEnvironment,
+    Environment,
+    Generator,
+    Sample,
+    SamplingParams,
+    SequenceBatch,
+    TrainerHandle,
+    WeightTransport,
+)
 from rlcore.plugins import get_plugin_manager
 
 
