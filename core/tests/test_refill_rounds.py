@@ -66,3 +66,27 @@ def test_a_full_first_round_needs_no_refill():
     kept, metrics, _ = rollouts.collect(1, StepTimer())
     assert rollouts.generator.calls == 1
     assert [t.group for t in kept] == [0, 0, 1, 1] and metrics["rollout/refill_rounds"] == 0.0
+
+
+class PlainDropper:
+    """DAPO's group filter in an algorithm that does not subclass AlgorithmBase: it has no
+    ``max_refill_rounds`` (rlcore.interfaces.RefillRounds), so the run does no refill rounds."""
+
+    def __init__(self):
+        self.dapo = DAPO(C.DAPOConfig())
+
+    def keep_trajectories(self, rewards_N, group_ids_N, truncated_N):
+        return self.dapo.keep_trajectories(rewards_N, group_ids_N, truncated_N)
+
+
+class QuietGenerator(Generator):
+    metrics = None  # no metrics() (rlcore.interfaces.GeneratorMetrics): the run logs none of its own
+
+
+def test_an_algorithm_without_refill_rounds_and_a_generator_without_metrics():
+    rollouts = refill_rollouts([[["1", "2"], ["2", "4"]], [["3", "6"], ["8", "5"]]])
+    rollouts.algorithm, rollouts.generator = PlainDropper(), QuietGenerator(rollouts.generator.texts)
+    assert rollouts.refill_rounds() == 0
+    kept, metrics, _ = rollouts.collect(1, StepTimer())
+    assert rollouts.generator.calls == 1 and [t.group for t in kept] == [0, 0]  # the all-correct group dropped, not refilled
+    assert not any(key.startswith("generation/") for key in metrics)

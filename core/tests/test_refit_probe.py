@@ -44,7 +44,7 @@ def probe_refitter(generator_shift: float, threshold: float = 0.15) -> tuple[Ref
              for prompt, response, lps in [([1, 2], [3, 4, 5], RESPONSE_LOGPROBS[0]), ([1], [6, 7], RESPONSE_LOGPROBS[1])]]
     batch = to_sequence_batch(trajs, torch.zeros(2), max_len=16)
     refitter = Refitter(trainer=Scorer([2, 1], 0.0), generator=Scorer([2, 1], generator_shift),
-                        transport=SimpleNamespace(transfer=lambda trainer, generator: {}),
+                        transport=SimpleNamespace(name="none", transfer=lambda trainer, generator: {}),
                         config=RefitConfig(probe_threshold=threshold, probe_num_sequences=4),
                         generator_lock=threading.Lock())
     return refitter, batch
@@ -99,6 +99,8 @@ def test_the_probe_scores_before_a_waiting_rollout_thread_generates():
     producer = threading.Thread(target=rollout_thread)
 
     class Transport:
+        name = "ordered"
+
         def transfer(self, trainer, generator):
             producer.start()
             waiting.wait(5)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from rlcore.config import ConfigError, load_config
+from rlcore.interfaces import ClosableEnvironment
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -52,7 +53,7 @@ def _components(config):
     data_cfg = config.require_section("data")
     dataset = manager.get("dataset", data_cfg.name).build(data_cfg, tokenizer)
     check_prompt_lengths(dataset, config)
-    if not getattr(dataset, "validation", None):
+    if not dataset.validation:
         raise ConfigError("data", f"the dataset '{data_cfg.name}' of this recipe has no validation split to evaluate on")
     samples = list(dataset.validation[: config.train.max_val_samples])
     environment, multi_turn_env = build_environment(config, manager, {})  # env.reward_fn or the env.name plugin
@@ -131,7 +132,7 @@ def evaluate_model(model_dir: str, recipe: str, overrides: list[str] = (), *, k:
                 bar.advance(sampled_task, len(chunk))
     finally:
         generator.shutdown()
-        if hasattr(environment, "close"):
+        if isinstance(environment, ClosableEnvironment):
             environment.close()
     count = len(samples)
     return {

@@ -118,8 +118,9 @@ def rlcore_weight_transport(trainer, generator):
     process (one rank, no Ray, or a backend object passed to ``rlcore.run``).
 
     The returned transport's ``transfer(trainer, generator)`` later gets that same handle.
-    Return a :class:`rlcore.interfaces.WeightTransport` if this plugin knows how to connect the
-    two, or ``None`` to let another plugin decide. The first non-``None`` answer wins; plugins
+    Return a :class:`rlcore.interfaces.WeightTransport` (its ``name`` and ``transfer``; anything
+    else fails as the run starts) if this plugin knows how to connect the two, or ``None`` to let
+    another plugin decide. The first non-``None`` answer wins; plugins
     registered later are asked first (pluggy's LIFO order), so a third party can override the
     built-in choice. rlcore's own fallback streams ``export_chunks()`` into
     ``generator.update_weights()``.

@@ -13,6 +13,15 @@ Conventions every plugin follows:
   tokens or sequences (:class:`StepTotals`), so summing over micro-batches and data-parallel
   ranks gives the step value. Backends therefore **sum** gradients over data-parallel ranks.
 
+Optional members: a protocol lists what the run calls on every plugin of its kind. A member the
+run calls only when a plugin has it is declared by a small protocol of its own beside it
+(:class:`RefillRounds`, :class:`GeneratorMetrics`, :class:`ResumableLogger`, ...), which the run
+tests with ``isinstance`` (never ``getattr``/``hasattr`` by name); the kind's docstring says what
+the run does without it, and a built-in base class a plugin may subclass
+(:class:`rlcore.algorithms.base.AlgorithmBase`) gives the default. The conformance suites
+(:mod:`rlcore.testing.conformance`) check the required members by name and the optional ones a
+plugin has.
+
 What a plugin may import (the public API; ``examples/ddp_backend_plugin`` and
 ``examples/hf_static_generator_plugin`` are built on it alone): this module; the package's
 ``__all__`` (``hookimpl`` for the hooks of :mod:`rlcore.hookspecs`, ``get_plugin_manager``,
@@ -39,7 +48,6 @@ if TYPE_CHECKING:
     import torch
 
     from rlcore.multimodal import ImageInputs
-    from rlcore.packing import MicroBatch
 
 NamedTensors = list[tuple[str, "torch.Tensor"]]
 
@@ -191,10 +199,54 @@ class WorldInfo:
     placement: Placement = attrs.field(factory=Placement)
 
 
+class PackedMicroBatch(Protocol):
+    """What a loss reads of one micro-batch in the flat packed layout (``T`` tokens, ``n`` real
+    sequences); :class:`rlcore.packing.MicroBatch` is the one backends build and documents each field.
+    Declared here so that this module needs nothing of :mod:`rlcore.packing`, which imports it."""
+
+    input_ids_T: torch.Tensor  # int64 [T]
+    position_ids_T: torch.Tensor  # int64 [T]
+    cu_seqlens: torch.Tensor  # int32 [n+1], host side
+    max_seqlen: int
+    seq_ids: list[int]  # indices of the n sequences in the SequenceBatch
+    seq_index_T: torch.Tensor  # int64 [T], -1 on padding
+    loss_mask_T: torch.Tensor  # float [T]
+    token_fields: dict[str, torch.Tensor]  # each float [T]
+    seq_fields: dict[str, torch.Tensor]  # each [n]
+    num_padding: int
+
+    @property
+    def num_seqs(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
 # ---- protocols -------------------------------------------------------------------------------
 @runtime_checkable
+class Named(Protocol):
+    """A plugin object with a name of its own for messages: :class:`Algorithm` and
+    :class:`WeightTransport` declare one; an :class:`Environment` may (see :func:`plugin_name`)."""
+
+    name: str
+
+
+def plugin_name(obj: Any) -> str:
+    """The name ``obj`` goes by in the run's messages: its ``name`` (:class:`Named`) when that is a
+    non-empty string, else its class's name."""
+    name = obj.name if isinstance(obj, Named) else None
+    return name if isinstance(name, str) and name else type(obj).__name__
+
+
+@runtime_checkable
 class Algorithm(Protocol):
-    """Advantage estimation and loss of one RL (or SFT) algorithm."""
+    """Advantage estimation and loss of one RL (or SFT) algorithm.
+
+    Optional members, each declared by its own protocol, with defaults in
+    :class:`rlcore.algorithms.base.AlgorithmBase` (which the built-in algorithms subclass):
+    ``max_refill_rounds`` (:class:`RefillRounds`; an algorithm without it gets no refill rounds),
+    ``capturable_loss`` (:class:`CapturableLoss`; without it no backend captures the loss),
+    ``choose_old_logprobs`` (:class:`OldLogprobsChoice`; without it ``uses_old_logprobs`` stands)."""
 
     name: str
     uses_reference: bool  # the step must compute ref_logprobs
@@ -210,11 +262,21 @@ class Algorithm(Protocol):
     def advantages(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
         """Per-sequence advantages [N] from rewards and group ids."""
 
-    def loss(self, logprobs_T: torch.Tensor, mb: MicroBatch,
+    def loss(self, logprobs_T: torch.Tensor, mb: PackedMicroBatch,
              totals: StepTotals) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         """This micro-batch's share of the step loss (see module docstring) and its metrics:
         floats or detached 0-d tensors. Tensors let a backend read all metrics of a step with
         one device sync instead of one per micro-batch (the built-in algorithms return them)."""
+
+
+@runtime_checkable
+class RefillRounds(Protocol):
+    """An :class:`Algorithm` that may ask for more rounds of rollouts when it drops whole groups
+    (DAPO's dynamic sampling): after a step's first round keeps fewer than P*G trajectories, the
+    run generates up to ``max_refill_rounds`` more rounds of P prompts (0: none, the default of
+    :class:`rlcore.algorithms.base.AlgorithmBase`; an algorithm without the attribute gets none)."""
+
+    max_refill_rounds: int
 
 
 @runtime_checkable
@@ -256,11 +318,9 @@ class CapturableLoss(Protocol):
 class TrainingBackend(Protocol):
     """Trains the policy. Built once per trainer rank; every rank gets the same calls.
 
-    Optional, for ``policy.generation.colocated.offload_trainer_state`` (a run with the key on and a
-    backend without them fails naming the key): ``offload(*, keep_weights: bool = False)`` moves the
-    optimizer state and gradients, and the weights unless ``keep_weights``, to host memory, freeing
-    their GPU memory (may be a no-op on CPU; a no-op when already offloaded; gradients need not
-    survive, the next step zeroes them); ``onload()`` undoes it before the next ``logprobs`` or ``train``.
+    Optional: ``offload`` and ``onload`` (:class:`OffloadingBackend`), for
+    ``policy.generation.colocated.offload_trainer_state`` (a run with the key on and a backend
+    without them fails naming the key).
     """
 
     def logprobs(self, batch: SequenceBatch, *, reference: bool = False) -> list[torch.Tensor] | None:
@@ -292,6 +352,20 @@ class TrainingBackend(Protocol):
 
 
 @runtime_checkable
+class OffloadingBackend(Protocol):
+    """A :class:`TrainingBackend` that can free its GPU memory while a colocated generator works
+    (``policy.generation.colocated.offload_trainer_state``)."""
+
+    def offload(self, *, keep_weights: bool = False) -> None:
+        """Move the optimizer state and gradients, and the weights unless ``keep_weights``, to host
+        memory, freeing their GPU memory (may be a no-op on CPU; a no-op when already offloaded;
+        gradients need not survive, the next step zeroes them)."""
+
+    def onload(self) -> None:
+        """Undo :meth:`offload`, before the next ``logprobs`` or ``train``."""
+
+
+@runtime_checkable
 class TrainerHandle(Protocol):
     """The trainer ranks as the run loop and weight transports see them, wherever they run.
 
@@ -320,7 +394,7 @@ class TrainerHandle(Protocol):
     def load_checkpoint(self, path: str) -> None: ...
 
     def offload(self, *, keep_weights: bool = False) -> None:
-        """The backend's optional ``offload`` (see :class:`TrainingBackend`) on every rank; a backend
+        """The backend's optional ``offload`` (:class:`OffloadingBackend`) on every rank; a backend
         without it: an error naming the key."""
 
     def onload(self) -> None:
@@ -394,7 +468,9 @@ class CriticAlgorithm(Protocol):
 
 @runtime_checkable
 class Generator(Protocol):
-    """Samples responses. ``weights_version`` counts refits."""
+    """Samples responses. ``weights_version`` counts refits.
+
+    Optional: ``metrics()`` (:class:`GeneratorMetrics`); without it the run logs no generator metrics."""
 
     weights_version: int
 
@@ -415,6 +491,15 @@ class Generator(Protocol):
     def wake_up(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class GeneratorMetrics(Protocol):
+    """A :class:`Generator` that reports its own figures (cache use, preemptions): the run adds them
+    to each step's metrics."""
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers by metric name, read once a step after the rollouts."""
 
 
 @runtime_checkable
@@ -443,10 +528,21 @@ class AsyncTokenGenerator(Protocol):
 
 @runtime_checkable
 class Environment(Protocol):
-    """Scores trajectories. Pure: never raises on model output; errors become reward 0."""
+    """Scores trajectories. Pure: never raises on model output; errors become reward 0.
+
+    Optional: ``name`` (:class:`Named`; without it messages name the class), ``close()``
+    (:class:`ClosableEnvironment`; without it nothing is released as the run ends)."""
 
     def step(self, samples: list[Sample], histories: list[list[str]]) -> list[EnvStep]:
         """``histories[i]`` is every model turn of trajectory i so far (newest last)."""
+
+
+@runtime_checkable
+class ClosableEnvironment(Protocol):
+    """An :class:`Environment` holding something to release (a sandbox pool, a server's connection)."""
+
+    def close(self) -> None:
+        """Release it; called once as the run ends (bounded by ``cluster.timeout_s``)."""
 
 
 @runtime_checkable
@@ -494,9 +590,21 @@ class PromptDataset(Protocol):
 
 @runtime_checkable
 class MetricLogger(Protocol):
+    """Records each step's metrics. Optional: ``resume_at`` (:class:`ResumableLogger`); without it a
+    resumed run's logger keeps whatever it recorded after the checkpoint."""
+
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ResumableLogger(Protocol):
+    """A :class:`MetricLogger` that takes back what it recorded after the checkpoint a run resumes from."""
+
+    def resume_at(self, step: int, records: list[dict] | None = None) -> None:
+        """Drop the records of steps after ``step`` (they are redone). ``records``, the checkpoint's
+        own (one dict a step), let it put back those it lacks; a logger may take ``step`` alone."""
 
 
 @runtime_checkable
@@ -509,7 +617,9 @@ class RolloutTableLogger(Protocol):
 
 @runtime_checkable
 class WeightTransport(Protocol):
-    name: str
+    """Moves weights from the trainer to the generator (a plugin's ``rlcore_weight_transport`` hook)."""
+
+    name: str  # named in the refit's messages
 
     def transfer(self, trainer: TrainerHandle, generator: Generator) -> dict[str, float]:
         """Move the trainer's current weights into the generator; return ``{"bytes": .., "seconds": ..}``."""

@@ -31,7 +31,7 @@ from typing import Any
 
 from rlcore.config import ConfigError
 from rlcore.errors import RunStopped
-from rlcore.interfaces import EnvStep, Sample
+from rlcore.interfaces import Environment, EnvStep, Sample
 
 
 class FunctionEnvironment:
@@ -108,7 +108,7 @@ def as_environment(given: dict[str, Any]) -> dict[str, Any]:
     env = given.get("environment")
     if fn is not None and env is not None:
         raise TypeError("rlcore.run got both environment= and reward_fn=; pass one")
-    if fn is None and env is not None and callable(env) and not callable(getattr(env, "step", None)):
+    if fn is None and env is not None and callable(env) and not isinstance(env, Environment):
         fn = env  # a function passed as the environment
     if fn is not None:
         given["environment"] = FunctionEnvironment(fn)

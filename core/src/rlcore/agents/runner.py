@@ -123,7 +123,7 @@ class AgentRunner:
         self.endpoint = Endpoint(generator, tokenizer, suffixes, max_total_tokens=max_total_tokens, max_turns=config.max_turns,
                                  max_request_bytes=config.max_request_bytes, max_concurrent_requests=config.max_concurrent_requests,
                                  served_models=served_models)
-        self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))
+        self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(agent.__call__)
         # Daemon threads: a hung plain-function agent, abandoned at its timeout, is not joined at exit.
         self._threads = None if self.is_async else DaemonThreads("rlcore-agent")
         self.last_trajectories: list[list[AgentTrajectory]] = []

@@ -148,11 +148,13 @@ def merge_metrics(into: dict, new) -> dict:
 # ---- algorithm bases -------------------------------------------------------------------------
 class AlgorithmBase:
     """Defaults of the :class:`~rlcore.interfaces.Algorithm` hooks: rewards pass through
-    (checked), every trajectory is kept."""
+    (checked), every trajectory is kept; and of its optional members: no refill rounds
+    (:class:`~rlcore.interfaces.RefillRounds`), a loss no backend captures
+    (:class:`~rlcore.interfaces.CapturableLoss`)."""
 
     name: ClassVar[str]
     config_cls: ClassVar[type]
-    max_refill_rounds: int = 0  # dynamic-sampling refill rounds the run loop may do
+    max_refill_rounds: int = 0  # dynamic-sampling refill rounds the run loop may do (rlcore.interfaces.RefillRounds)
     uses_reference: bool = False
     uses_old_logprobs: bool = False
     loss_level: str = "token"

@@ -12,7 +12,7 @@ import torch
 from rlcore.config.generation import GenerationConfig
 from rlcore.controller.deadlines import EnvironmentExit, EnvironmentTimeout
 from rlcore.errors import RunStopped
-from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, SequenceBatch
+from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams, SequenceBatch, plugin_name
 
 
 class DataCursor:
@@ -77,7 +77,7 @@ def score(environment, trajectories: list[Trajectory]) -> dict[str, float]:
         metrics["env/errors"] = float(len(trajectories))
         print(f"warning: environment failed on a batch of {len(trajectories)}: {exc!r}; rewards set to 0")
     if not isinstance(steps, (list, tuple)) or len(steps) != len(trajectories):
-        name = getattr(environment, "name", type(environment).__name__)
+        name = plugin_name(environment)
         got = f"{len(steps)} results" if isinstance(steps, (list, tuple)) else f"{type(steps).__name__} {_shown(steps)}"
         raise EnvironmentContractError(f"environment '{name}' returned {got} from step() for {len(trajectories)} "
                                        "trajectories; it must return a list of one EnvStep per trajectory")

@@ -104,6 +104,9 @@ def pick_transport(manager, trainer: TrainerHandle, generator: Generator, config
     The hook gets the trainer handle: a plugin that can send from inside the ranks uses its
     ``run_on_ranks``; one that cannot returns None and weights stream through this process."""
     found = manager.weight_transport(trainer=trainer, generator=generator)
+    if found is not None and not isinstance(found, WeightTransport):
+        raise TypeError(f"the rlcore_weight_transport hook returned a {type(found).__name__}, which lacks a name or "
+                        "transfer() (rlcore.interfaces.WeightTransport)")
     if found is not None:
         return found
     return StreamTransport(chunk_bytes=config.generation.refit.chunk_bytes)

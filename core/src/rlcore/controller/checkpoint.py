@@ -37,6 +37,7 @@ import torch
 
 from rlcore.config.structure import ConfigError
 from rlcore.controller.deadlines import SIGTERM_DEADLINE
+from rlcore.interfaces import ResumableLogger
 from rlcore.run_paths import disk_full, remove_no_follow
 from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensors
 
@@ -112,9 +113,9 @@ def resume_loggers(loggers: Any, step: int, records: list[dict]) -> None:
     """Each logger with ``resume_at`` drops the records of steps after ``step`` (they are redone);
     one that takes them also gets the checkpoint's ``records``, to put back those it lacks."""
     for logger in loggers:
-        resume_at = getattr(logger, "resume_at", None)
-        if resume_at is None:
+        if not isinstance(logger, ResumableLogger):
             continue
+        resume_at = logger.resume_at
         try:
             takes_records = len(inspect.signature(resume_at).parameters) >= 2
         except (TypeError, ValueError):

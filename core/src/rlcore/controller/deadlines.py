@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable
 
 from rlcore.errors import RunStopped
-from rlcore.interfaces import EnvStep, SessionEnvironment, TrajectoryTurns
+from rlcore.interfaces import ClosableEnvironment, EnvStep, SessionEnvironment, TrajectoryTurns
 
 
 class EnvironmentTimeout(TimeoutError, RunStopped):
@@ -270,9 +270,8 @@ class TimedEnvironment(_Wrapper):
 
     def close(self) -> None:
         """The environment's own ``close`` (if it has one) as the run ends, bounded (:func:`bounded_teardown`)."""
-        close = getattr(self.inner, "close", None)
-        if callable(close):
-            bounded_teardown(close, f"environment '{self.name}' (close)", self.timeout_s)
+        if isinstance(self.inner, ClosableEnvironment):
+            bounded_teardown(self.inner.close, f"environment '{self.name}' (close)", self.timeout_s)
 
     def step(self, samples, responses):
         try:

@@ -10,6 +10,7 @@ from typing import Any
 
 from rlcore.checks import check_packing
 from rlcore.config import ConfigError, RunConfig
+from rlcore.interfaces import plugin_name
 
 log = logging.getLogger("rlcore")
 _NAMED_ROWS = 3  # over-long prompts named in the message; the rest are counted
@@ -103,8 +104,7 @@ def check_prompt_lengths(dataset: Any, config: RunConfig) -> dict[str, int]:
     Returns counts by split."""
     limit = config.policy.max_total_sequence_length
     counts = {}
-    for split in ("train", "validation"):
-        samples = getattr(dataset, split, None)
+    for split, samples in _splits(dataset).items():
         if not samples:
             continue
         long = [s for s in samples if s.prompt_ids is not None and len(s.prompt_ids) >= limit]
@@ -131,8 +131,14 @@ def check_prompt_lengths(dataset: Any, config: RunConfig) -> dict[str, int]:
     return counts
 
 
+def _splits(dataset: Any) -> dict[str, Any]:
+    """The splits of a dataset (:class:`rlcore.interfaces.PromptDataset` or ``PreferenceDataset``: both
+    declare ``train`` and ``validation``), by name."""
+    return {"train": dataset.train, "validation": dataset.validation}
+
+
 def _where(sample: Any) -> str:
-    meta = getattr(sample, "metadata", None) or {}
+    meta = sample.metadata or {}
     place = ", ".join(str(meta[k]) for k in ("source", "location") if k in meta)
     return f"{place or f'row {sample.index}'}: {len(sample.prompt_ids)} tokens"
 
@@ -143,7 +149,7 @@ def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
     the algorithm accepts a group of ``grpo.num_generations_per_prompt`` (asked of the algorithm
     itself: a group of one has no spread to normalize by)."""
     per_step = config.train.num_prompts_per_step
-    train = getattr(dataset, "train", None) or ()
+    train = dataset.train or ()
     if train and per_step > len(train):  # (an empty one is refused as the loop starts)
         raise ConfigError("train.num_prompts_per_step", f"{per_step} prompts per step, but the training "
                           f"data has {len(train)}; at most {len(train)}")
@@ -162,7 +168,7 @@ def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
         probe.advantages(torch.linspace(0.0, 1.0, G), torch.zeros(G, dtype=torch.long))
     except ValueError as exc:
         raise ConfigError("grpo.num_generations_per_prompt", f"{G} generations per prompt: algorithm "
-                          f"'{getattr(algorithm, 'name', type(algorithm).__name__)}' refuses such groups ({exc})") from None
+                          f"'{plugin_name(algorithm)}' refuses such groups ({exc})") from None
 
 
 # What one trajectory of a step holds in host memory at the least, whatever the backend: its
@@ -192,8 +198,8 @@ def check_pairs(dataset: Any, config: RunConfig) -> dict[str, int]:
     an empty response (an error), and a pair over ``policy.max_total_sequence_length`` (dropped and
     counted, the first named, or an error: ``policy.overlong_prompts``). Returns the counts dropped."""
     limit, counts = config.policy.max_total_sequence_length, {}
-    for split in ("train", "validation"):
-        pairs = list(getattr(dataset, split, None) or ())
+    for split, pairs in _splits(dataset).items():
+        pairs = list(pairs or ())
         if not pairs:
             continue
         for i, pair in enumerate(pairs):

@@ -42,7 +42,7 @@ class Refitter:
 
     def transfer(self) -> dict[str, float]:
         """The weights alone, no probe (a resumed run's first refit)."""
-        name = getattr(self.transport, "name", type(self.transport).__name__)
+        name = self.transport.name
         return self._bounded(lambda: self.transport.transfer(self.trainer, self.generator), f"weight transfer ('{name}')")
 
     def refit(self, probe_batch: SequenceBatch | None, timer: StepTimer, step: int,

@@ -16,9 +16,26 @@ import attrs
 import torch
 
 from rlcore.controller.batching import DataCursor, Trajectory, apply_env_steps, rollout_metrics, sampling_params, score
-from rlcore.controller.deadlines import EnvironmentTimeout, GenerationTimeout, batch_deadline, batch_margin_s, call_with_timeout
+from rlcore.controller.deadlines import (
+    EnvironmentTimeout,
+    GenerationTimeout,
+    TimedEnvironment,
+    batch_deadline,
+    batch_margin_s,
+    call_with_timeout,
+)
 from rlcore.controller.timing import StepTimer
-from rlcore.interfaces import Algorithm, Environment, EnvStep, Generator, ImageGenerator, PromptDataset, Sample
+from rlcore.interfaces import (
+    Algorithm,
+    Environment,
+    EnvStep,
+    Generator,
+    GeneratorMetrics,
+    ImageGenerator,
+    PromptDataset,
+    RefillRounds,
+    Sample,
+)
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
@@ -164,7 +181,7 @@ class Rollouts:
         """The step whose batch the environment is called for, named if a call hangs
         (:class:`rlcore.controller.deadlines.TimedEnvironment`). Set here, where the calls are made: the
         async rollout thread works one or two steps ahead of the trainer's."""
-        if hasattr(self.environment, "current_step"):
+        if isinstance(self.environment, TimedEnvironment):
             self.environment.current_step = step
 
     def _rollout_group(self, step: int, round_: int, observer: GenerationObserver | None = None) -> GeneratedRound:
@@ -196,8 +213,8 @@ class Rollouts:
         return self.cursor.position
 
     def generator_metrics(self) -> dict[str, float]:
-        generator_metrics = getattr(self.generator, "metrics", None)
-        metrics = {k: float(v) for k, v in generator_metrics().items()} if callable(generator_metrics) else {}
+        metrics = ({k: float(v) for k, v in self.generator.metrics().items()}
+                   if isinstance(self.generator, GeneratorMetrics) else {})
         if self.multi_turn is not None:  # the agent runner's failures, by cause
             metrics.update(self.multi_turn.metrics())
         return metrics
@@ -205,7 +222,7 @@ class Rollouts:
     # ---- keeping whole groups ---------------------------------------------------------------
     def refill_rounds(self) -> int:
         """DAPO-style refill rounds the algorithm may ask for after dropping groups (0: none)."""
-        return int(getattr(self.algorithm, "max_refill_rounds", 0) or 0)
+        return int(self.algorithm.max_refill_rounds or 0) if isinstance(self.algorithm, RefillRounds) else 0
 
     def collect(self, step: int, timer: StepTimer,
                 observer: GenerationObserver | None = None) -> tuple[list[Trajectory], dict, int]:

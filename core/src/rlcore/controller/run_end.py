@@ -38,7 +38,7 @@ def save_final_model(loop: Any, trainer: Any, config: Any, run_dir: str | Path, 
     in ``run_dir/model`` with ``tokenizer`` (else the run's, loaded from ``policy.tokenizer_name``
     or the model directory). Returns the model directory, or None when a signal stopped the run
     and its checkpoint holds the model."""
-    stopped = getattr(loop, "stop_signal", None) is not None
+    stopped = loop.stop_signal is not None
     if not stopped:
         save_final_checkpoint(loop)
     if stopped and loop.ckpt is not None:

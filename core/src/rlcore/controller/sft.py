@@ -40,7 +40,16 @@ from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.rollouts import image_generator
-from rlcore.interfaces import Environment, Generator, Sample, SamplingParams, SequenceBatch, TrainerHandle, WeightTransport
+from rlcore.interfaces import (
+    ClosableEnvironment,
+    Environment,
+    Generator,
+    Sample,
+    SamplingParams,
+    SequenceBatch,
+    TrainerHandle,
+    WeightTransport,
+)
 from rlcore.plugins import get_plugin_manager
 
 
@@ -116,7 +125,7 @@ class SFTTrainer(BackendPolicy):
         super().shutdown()
         if self.generator is not None:
             self.generator.shutdown()
-        if hasattr(self.environment, "close"):
+        if isinstance(self.environment, ClosableEnvironment):
             self.environment.close()
 
 

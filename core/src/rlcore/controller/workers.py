@@ -19,7 +19,7 @@ import os
 import socket
 import time
 
-from rlcore.interfaces import Placement, WorldInfo
+from rlcore.interfaces import OffloadingBackend, Placement, WorldInfo
 from rlcore.utils import free_port, resolve
 
 _PEER_GRACE_S = 5.0  # how long a rank's error waits for news of a dead peer (see _gather)
@@ -60,9 +60,9 @@ def init_distributed(rank: int, world_size: int, master_port: int, device: str, 
 
 def move_training_state(backend, rank: int, world_size: int, out: bool, keep_weights: bool = False) -> None:
     """One rank's ``offload`` (``out``) or ``onload``, for ``policy.generation.colocated.offload_trainer_state``."""
-    if not callable(getattr(backend, "offload", None)) or not callable(getattr(backend, "onload", None)):
+    if not isinstance(backend, OffloadingBackend):
         raise TypeError(f"policy.generation.colocated.offload_trainer_state: the training backend "
-                        f"{type(backend).__name__} has no offload()/onload() (rlcore.interfaces.TrainingBackend); "
+                        f"{type(backend).__name__} has no offload()/onload() (rlcore.interfaces.OffloadingBackend); "
                         "set the key to false")
     if out:
         backend.offload(keep_weights=keep_weights)

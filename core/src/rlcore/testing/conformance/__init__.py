@@ -21,6 +21,10 @@ Suites and their fixtures (required ones first; the others have defaults you may
   Face checkpoint the backend was built from, fp32 recommended); ``backend_algorithm``.
 - :class:`GeneratorConformance`: ``generator``, ``generator_model_dir`` (the checkpoint it serves).
 
+Each suite's ``test_implements_protocol`` names any member of the kind's protocol in
+:mod:`rlcore.interfaces` that the object lacks (:func:`assert_follows`), and the optional members
+it has are checked too (see the protocol docstrings).
+
 Expensive objects may use ``scope="class"``: tests that change weights run after those that
 compare against the checkpoint (pytest keeps definition order). Tolerances are class attributes
 (``logprob_atol``, ``max_step_seconds``). To opt out of one test, override it in the subclass
@@ -30,6 +34,7 @@ tests, so importing this module is cheap.
 
 from rlcore.testing.conformance.algorithms import AlgorithmConformance, make_algorithm_batch
 from rlcore.testing.conformance.environments import JUNK_RESPONSES, EnvironmentConformance, default_samples
+from rlcore.testing.conformance.members import assert_follows
 from rlcore.testing.conformance.models import (
     GeneratorConformance,
     TrainingBackendConformance,
@@ -43,6 +48,7 @@ __all__ = [
     "GeneratorConformance",
     "TrainingBackendConformance",
     "JUNK_RESPONSES",
+    "assert_follows",
     "checkpoint_tensors",
     "default_samples",
     "hf_reference_logprobs",

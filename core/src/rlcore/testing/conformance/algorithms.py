@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from rlcore.interfaces import Algorithm
+from rlcore.interfaces import Algorithm, CapturableLoss, RefillRounds
+from rlcore.testing.conformance.members import assert_follows
 
 
 def make_algorithm_batch(algorithm, *, num_groups: int = 3, group_size: int = 4, prompt_len: int = 3,
@@ -113,10 +114,19 @@ class AlgorithmConformance:
         return None
 
     def test_implements_protocol(self, algorithm):
-        assert isinstance(algorithm, Algorithm)
+        assert_follows(algorithm, Algorithm)
         assert isinstance(algorithm.name, str) and algorithm.name
         assert isinstance(algorithm.uses_reference, bool) and isinstance(algorithm.uses_old_logprobs, bool)
         assert algorithm.loss_level in ("token", "sequence")
+
+    def test_optional_members(self, algorithm):
+        """The optional members an algorithm has (rlcore.algorithms.base.AlgorithmBase gives them all)."""
+        if isinstance(algorithm, RefillRounds):
+            rounds = algorithm.max_refill_rounds
+            assert isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 0, \
+                f"max_refill_rounds is {rounds!r}; it must be a whole number of rounds, 0 for none"
+        if isinstance(algorithm, CapturableLoss):
+            assert isinstance(algorithm.capturable_loss, bool), f"capturable_loss is {algorithm.capturable_loss!r}"
 
     def test_advantages_shape_and_finite(self, algorithm):
         import torch

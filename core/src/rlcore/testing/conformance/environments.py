@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from rlcore.interfaces import Environment, EnvStep, Sample
+from rlcore.interfaces import ClosableEnvironment, Environment, EnvStep, Named, Sample
+from rlcore.testing.conformance.members import assert_follows
 
 # Model output an environment must survive: empty, control characters, unpaired surrogates,
 # mixed scripts, huge text, nesting bombs, numbers that explode when evaluated, code that loops.
@@ -77,7 +78,11 @@ class EnvironmentConformance:
         return None
 
     def test_implements_protocol(self, environment):
-        assert isinstance(environment, Environment), f"{type(environment).__name__} has no step(samples, histories)"
+        assert_follows(environment, Environment)
+        if isinstance(environment, Named):  # optional: what messages call it
+            assert isinstance(environment.name, str) and environment.name, f"name is {environment.name!r}"
+        if isinstance(environment, ClosableEnvironment):  # optional: called once as the run ends
+            assert callable(environment.close), f"close is {environment.close!r}, not a method"
 
     def test_one_step_per_trajectory(self, environment, env_samples):
         histories = [[f"The answer is \\boxed{{{s.answer}}}."] for s in env_samples]

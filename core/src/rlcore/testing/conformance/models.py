@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from rlcore.interfaces import GenerationResult, Generator, SamplingParams, TrainingBackend
+from rlcore.interfaces import GenerationResult, Generator, GeneratorMetrics, OffloadingBackend, SamplingParams, TrainingBackend
+from rlcore.testing.conformance.members import assert_all_or_none, assert_follows
 
 
 # ---- training backends and generators: shared helpers ----------------------------------------
@@ -104,7 +105,8 @@ class TrainingBackendConformance:
         return SequenceBatch(input_ids=[torch.tensor(s) for s in seqs], loss_mask=masks)
 
     def test_implements_protocol(self, training_backend):
-        assert isinstance(training_backend, TrainingBackend)
+        assert_follows(training_backend, TrainingBackend)
+        assert_all_or_none(training_backend, ("offload()", "onload()"), OffloadingBackend)
 
     def test_logprobs_token_aligned_and_match_checkpoint(self, training_backend, backend_model_dir):
         import torch
@@ -222,7 +224,16 @@ class GeneratorConformance:
                 assert r.policy_version == version
 
     def test_implements_protocol(self, generator):
-        assert isinstance(generator, Generator) and isinstance(generator.weights_version, int)
+        assert_follows(generator, Generator)
+        assert isinstance(generator.weights_version, int), f"weights_version is {generator.weights_version!r}"
+
+    def test_optional_metrics_are_numbers(self, generator):
+        if not isinstance(generator, GeneratorMetrics):
+            pytest.skip("no metrics() (rlcore.interfaces.GeneratorMetrics)")
+        metrics = generator.metrics()
+        assert isinstance(metrics, dict), f"metrics() returned {type(metrics).__name__}, not a dict"
+        for key, value in metrics.items():
+            assert isinstance(key, str) and math.isfinite(float(value)), f"metrics() entry {key!r}: {value!r}"
 
     def test_generate_n_results_per_prompt(self, generator, generator_model_dir):
         prompts = self._prompts(generator_model_dir)
