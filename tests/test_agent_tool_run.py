@@ -48,7 +48,7 @@ def test_the_calculator_agent_calls_its_tool_in_every_step_and_the_traces_show_c
                             intermediate_size=128, max_positions=128)
     warm = tmp_path / "warm"
     # every conversation calls the tool: the format is learnt in a few dozen steps by a model this small
-    tool_warm_start(base, warm, _config(base, tmp_path / "unused"), steps=60, batch_size=32, lr=3e-3, tool_every=1)
+    tool_warm_start(base, warm, _config(base, tmp_path / "unused"), steps=60, batch_size=16, lr=5e-3, tool_every=1)
     run_dir = tmp_path / "run"
     rlcore.run(_config(warm, run_dir))
 
