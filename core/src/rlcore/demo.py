@@ -12,7 +12,7 @@
 
 Any recipe override can follow: ``python -m rlcore.demo policy.megatron_cfg.enabled=true``.
 
-``--tools``: the policy, as an agent written with the ``openai`` client, learns to call a calculator
+``--tools``: the policy, as an agent written with the ``openai`` client, is trained to call a calculator
 tool through the OpenAI ``tools`` API (:mod:`rlcore.demo_tools`): a short SFT on tool-call
 conversations after the warm start (cached in ``<out>/sft-tools``), then GRPO through the agents'
 endpoint (``recipes/grpo_agent_tool_arith_tiny_cpu.yaml``), in ``<out>/agent-tools``.
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ppo", action="store_true",
                         help=f"PPO with a learned critic instead of GRPO (recipe {PPO_RECIPE.name} unless --recipe is given), in <out>/ppo")
     parser.add_argument("--tools", action="store_true",
-                        help="the agent learns to call a calculator tool (recipe grpo_agent_tool_arith_tiny_cpu.yaml unless "
+                        help="train an agent that calls a calculator tool (recipe grpo_agent_tool_arith_tiny_cpu.yaml unless "
                              "--recipe is given), after a tool-call SFT in <out>/sft-tools; its run in <out>/agent-tools")
     parser.add_argument("--tool-sft-steps", type=int, default=60, help="--tools: SFT steps on tool-call conversations")
     parser.add_argument("--tool-every", type=int, default=3, help="--tools: one SFT conversation in this many calls the tool")

@@ -1,4 +1,4 @@
-"""``python -m rlcore.demo --tools``: the CPU demo's policy learns, as an agent, to call a calculator tool.
+"""``python -m rlcore.demo --tools``: the CPU demo's policy trained, as an agent, to call a calculator tool.
 
 The agent is ``examples/agents/math_tool_agent.py:agent`` (the ``openai`` client alone): it sends
 the problem with ``tools=[calc]``, runs every returned tool call, sends the result back as a
@@ -9,8 +9,9 @@ The model is the demo's SFT warm start (2-digit addition, answered directly) giv
 tokenizer's tools-aware chat template (:data:`rlcore.testing.tiny.TOOL_CHAT_TEMPLATE`: OpenAI
 ``tools`` rendered, Qwen-style ``<tool_call>`` blocks parsed by the endpoint), then a short SFT on
 conversations from the training split: one in ``tool_every`` calls the tool and answers with its
-result, the others answer directly. The warm start so knows the format but seldom uses it, and
-GRPO is what teaches it that calling the calculator pays.
+result, the others answer directly; only the model's turns are trained. GRPO rewards the right
+final answer alone, so calling the tool pays only where the warm start copies the expression into
+its call correctly (the agents guide gives the measured run).
 """
 
 from __future__ import annotations
