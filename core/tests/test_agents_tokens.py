@@ -28,12 +28,16 @@ pytest.importorskip("openai")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
 EOS = {"llama3": "<|eot_id|>", "llama31": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>"}
-TOOL_FAMILIES = ("llama31", "qwen2", "qwen3")  # templates with tool support
+# templates with tool support; "tiny": rlcore.testing.tiny's character-level tokenizer with its tools template
+TOOL_FAMILIES = ("llama31", "qwen2", "qwen3", "tiny")
+TINY_EOS = "</s>"
 SYSTEM = "You are a helpful assistant."
 QUESTION = "What is 12*7+16? Put your final answer within \\boxed{}."
 TOOL_TURNS = ['<tool_call>\n{"name": "calc", "arguments": {"expression": "12*7"}}\n</tool_call>',
               '<tool_call>\n{"name": "calc", "arguments": {"expression": "84+16"}}\n</tool_call>',
               "So the answer is \\boxed{100}."]
+TINY_TOOL_TURNS = ['<tool_call>{"name":"calc","arguments":{"expression":"12*7"}}</tool_call>',
+                   '<tool_call>{"name":"calc","arguments":{"expression":"84+16"}}</tool_call>', "So the answer is \\boxed{100}."]
 LLAMA_TOOL_TURNS = ['{"name": "calc", "parameters": {"expression": "12*7"}}', '{"name": "calc", "parameters": {"expression": "84+16"}}',
                     "So the answer is \\boxed{100}."]
 CALC_TURNS = ["Let me compute 12*7 first. <calc>12*7</calc>", "Then add 16: <calc>84+16</calc>", "So the answer is \\boxed{100}."]
@@ -42,7 +46,13 @@ CALC_TURNS = ["Let me compute 12*7 first. <calc>12*7</calc>", "Then add 16: <cal
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("agent_tokenizers")
-    return {family: build_chat_tokenizer(family, root / family) for family in EOS}
+    from transformers import AutoTokenizer
+
+    from rlcore.testing.tiny import build_tokenizer
+
+    build_tokenizer(tools=True).save_pretrained(root / "tiny")
+    return {**{family: build_chat_tokenizer(family, root / family) for family in EOS},
+            "tiny": AutoTokenizer.from_pretrained(root / "tiny")}
 
 
 class ScriptedEngine:
@@ -50,7 +60,7 @@ class ScriptedEngine:
     kept, its text cut) or else after the EOS token (kept in the ids, not in the text)."""
 
     def __init__(self, tokenizer, family: str, turns: list[str]):
-        self.tok, self.eos, self.turns = tokenizer, tokenizer.convert_tokens_to_ids(EOS[family]), list(turns)
+        self.tok, self.eos, self.turns = tokenizer, tokenizer.convert_tokens_to_ids(EOS.get(family, TINY_EOS)), list(turns)
         self.prompts: list[list[int]] = []
         self.outputs: list[list[int]] = []
         self.logprobs: list[list[float]] = []
@@ -255,7 +265,7 @@ def test_tool_calls_are_parsed_and_rendered_back_token_exact(tokenizers, family)
     from rlcore.agents.recorder import template_message
 
     tok = tokenizers[family]
-    engine = ScriptedEngine(tok, family, LLAMA_TOOL_TURNS if family == "llama31" else TOOL_TURNS)
+    engine = ScriptedEngine(tok, family, {"llama31": LLAMA_TOOL_TURNS, "tiny": TINY_TOOL_TURNS}.get(family, TOOL_TURNS))
     tools = [{"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.", "parameters": {
         "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
     seen: dict = {}

@@ -12,6 +12,11 @@
 
 Any recipe override can follow: ``python -m rlcore.demo policy.megatron_cfg.enabled=true``.
 
+``--tools``: the policy, as an agent written with the ``openai`` client, is trained to call a calculator
+tool through the OpenAI ``tools`` API (:mod:`rlcore.demo_tools`): a short SFT on tool-call
+conversations after the warm start (cached in ``<out>/sft-tools``), then GRPO through the agents'
+endpoint (``recipes/grpo_agent_tool_arith_tiny_cpu.yaml``), in ``<out>/agent-tools``.
+
 ``--ppo``: the RL stage is PPO with a learned critic (``recipes/ppo_arith_tiny_cpu.yaml``), in ``<out>/ppo``.
 
 ``--lora``: the GRPO stage trains LoRA adapters (``policy.lora``, :data:`LORA_OVERRIDES`) on top of
@@ -55,6 +60,8 @@ LORA_OVERRIDES = ("policy.lora.enabled=true", "policy.lora.rank=16", "policy.lor
 # --ppo: the recipe of PPO with a learned critic (rlcore.algorithms.ppo), the GRPO recipe's other keys the same;
 # the same SFT warm start. Its run goes to <out>/ppo.
 PPO_RECIPE = RECIPE.with_name("ppo_arith_tiny_cpu.yaml")
+# --tools: the agent that calls a calculator (rlcore.demo_tools), from the same warm start.
+TOOL_RECIPE = RECIPE.with_name("grpo_agent_tool_arith_tiny_cpu.yaml")
 
 
 # The demo's own SFT warm start (``make demo``): its data draws the 200 held-out problems it stops
@@ -194,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"GRPO trains LoRA adapters on the SFT warm start ({' '.join(LORA_OVERRIDES)}), in <out>/grpo-lora")
     parser.add_argument("--ppo", action="store_true",
                         help=f"PPO with a learned critic instead of GRPO (recipe {PPO_RECIPE.name} unless --recipe is given), in <out>/ppo")
+    parser.add_argument("--tools", action="store_true",
+                        help="train an agent that calls a calculator tool (recipe grpo_agent_tool_arith_tiny_cpu.yaml unless "
+                             "--recipe is given), after a tool-call SFT in <out>/sft-tools; its run in <out>/agent-tools")
+    parser.add_argument("--tool-sft-steps", type=int, default=60, help="--tools: SFT steps on tool-call conversations")
+    parser.add_argument("--tool-every", type=int, default=3, help="--tools: one SFT conversation in this many calls the tool")
     parser.add_argument("--require-gain", type=float, default=None, metavar="G",
                         help="exit with an error unless held-out accuracy rose by at least G (CI)")
     parser.add_argument("--record", default=None, metavar="FILE",
@@ -215,18 +227,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     out = Path(args.out)
     base, sft = out / "base", out / "sft"
-    grpo_dir = out / (("ppo" if args.ppo else "grpo") + ("-lora" if args.lora else ""))
+    grpo_dir = out / ("agent-tools" if args.tools else ("ppo" if args.ppo else "grpo") + ("-lora" if args.lora else ""))
     overrides = [*LORA_OVERRIDES, *args.overrides] if args.lora else list(args.overrides)
     if args.ppo and Path(args.recipe).resolve() == RECIPE:
         args.recipe = str(PPO_RECIPE)
+    if args.tools and Path(args.recipe).resolve() == RECIPE:
+        args.recipe = str(TOOL_RECIPE)
     if not (base / "config.json").is_file():
         build_tiny_model(base, "llama", seed=0, **MODEL_SHAPES[args.shape])
     recipe = rlcore.load_config(args.recipe, [f"policy.model_name={sft}", *overrides])
     if not (sft / "config.json").is_file():
         print(f"SFT warm start of {base} (target held-out accuracy {args.sft_target:.0%})", flush=True)
-        own = Path(args.recipe).resolve() in (RECIPE, PPO_RECIPE)  # the demo's recipes: the demo's own warm start
+        own = Path(args.recipe).resolve() in (RECIPE, PPO_RECIPE, TOOL_RECIPE)  # the demo's recipes: the demo's own warm start
         sft_warm_start(base, sft, args.sft_target, args.sft_max_steps, args.sft_batch_size, args.sft_lr,
                        recipe=None if own else recipe, warmup=args.sft_warmup, eval_every=args.sft_eval_every)
+    if args.tools:
+        sft = _tool_warm_start(sft, out / "sft-tools", recipe, args)
     if args.sft_only:
         return {"sft": str(sft)}
     # Each demo is a new GRPO run in <out>/grpo (or grpo-lora; a run directory holds one run); the
@@ -247,10 +263,21 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"held-out accuracy rose by {last - first:.3f} >= {args.require_gain} (--require-gain)")
     if args.record:
         with open(args.record, "a", encoding="utf-8") as f:
-            f.write(json.dumps(demo_row(summary, seconds, sft, args.recipe, overrides)) + "\n")
+            shown = ["--tools", *overrides] if args.tools else overrides  # never taken for make demo's row
+            f.write(json.dumps(demo_row(summary, seconds, sft, args.recipe, shown)) + "\n")
         print(f"figures appended to {args.record}", flush=True)
     print(next_commands(grpo_dir, sft, args.recipe), flush=True)
     return result
+
+
+def _tool_warm_start(sft: Path, tools_dir: Path, recipe, args) -> Path:
+    from rlcore.demo_tools import tool_warm_start
+
+    if not (tools_dir / "config.json").is_file():
+        print(f"tool-call SFT of {sft} ({args.tool_sft_steps} steps, one conversation in {args.tool_every} calls the tool)",
+              flush=True)
+        tool_warm_start(sft, tools_dir, recipe, args.tool_sft_steps, args.sft_batch_size, args.sft_lr, args.tool_every)
+    return tools_dir
 
 
 # The summary's figures -> their names in a results row (benchmarks/results.jsonl's stable names).

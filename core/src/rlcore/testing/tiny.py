@@ -24,19 +24,39 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+# Qwen-style tool calls, compact enough for a character-level model to write: the tools' names in
+# front ("[calc]"), each call a `<tool_call>` block of JSON without spaces, results in a `<|tool|>` turn.
+# `<tool_call>` and `</tool_call>` are one token each (added, not special, so decoded text keeps them,
+# as in Qwen's tokenizers).
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}{% for t in tools %}[{{ (t['function'] if t['function'] is defined else t)['name'] }}]{% endfor %}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+    "{% elif m['role'] == 'tool' %}<|tool|>{{ m['content'] }}"
+    "{% elif m['role'] == 'system' %}{{ m['content'] }}"
+    "{% else %}<|assistant|>{{ m['content'] or '' }}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson(separators=(',', ':')) }}"
+    "</tool_call>{% endfor %}{% endif %}</s>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
-def build_tokenizer(vocab_size: int | None = None):
+def build_tokenizer(vocab_size: int | None = None, tools: bool = False):
     """A character-level ``PreTrainedTokenizerFast`` with a chat template.
 
     ``vocab_size`` pads the vocabulary with ``<|extra_i|>`` tokens, so that a benchmark model
-    with a real-size vocabulary (128256) can decode any id it samples.
+    with a real-size vocabulary (128256) can decode any id it samples. ``tools``: the template
+    takes OpenAI ``tools`` and renders tool calls (:data:`TOOL_CHAT_TEMPLATE`), with the two
+    :data:`TOOL_CALL_TOKENS` after the characters; every other id is the same as without.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tokens = SPECIAL_TOKENS + CHARS
+    tokens = SPECIAL_TOKENS + CHARS + (list(TOOL_CALL_TOKENS) if tools else [])
     tokens += [f"<|extra_{i}|>" for i in range(max(0, (vocab_size or 0) - len(tokens)))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -48,7 +68,9 @@ def build_tokenizer(vocab_size: int | None = None):
         tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
         additional_special_tokens=["<|user|>", "<|assistant|>", "<|tool|>"],
     )
-    tok.chat_template = CHAT_TEMPLATE
+    if tools:
+        tok.add_tokens(list(TOOL_CALL_TOKENS))  # matched whole before the split into characters
+    tok.chat_template = TOOL_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
     return tok
 
 
