@@ -120,7 +120,7 @@ def test_a_recorded_demo_renders_as_the_demo_printed_it(tmp_path):
     the warm start, the summary table and the accuracies of that row."""
     import json
 
-    from rlcore.demo import demo_row
+    from rlcore.demo import build_parser, demo_row, recorded_variant
 
     (tmp_path / "sft_history.json").write_text(json.dumps([{"step": 200, "loss": 0.9, "val_accuracy": 0.36, "seconds": 44.2}]))
     summary = {"window_first": 2, "window_last": 240, "timing/total": 1.2, "timing/training": 0.6, "timing/refit": 0.1,
@@ -128,6 +128,9 @@ def test_a_recorded_demo_renders_as_the_demo_printed_it(tmp_path):
                "val/accuracy_first": 0.421875, "val/accuracy_last": 0.8125, "steps": 240, "run_id": "r"}
     row = json.loads(json.dumps(demo_row(summary, 288.4, tmp_path, "recipes/grpo_arith_tiny_cpu.yaml", [])))
     assert row["bench"] == "demo" and row["variant"] == "make demo" and row["config"] == "grpo_arith_tiny_cpu"
+    assert recorded_variant(build_parser().parse_args([]), []) == []  # make demo's own run
+    for flag in ("--ppo", "--tools", "--lora"):  # another mode's row is never taken for make demo's
+        assert recorded_variant(build_parser().parse_args([flag]), []) == [flag]
     tables = _performance_tables()
     block = tables.demo_readme(row)
     assert "SFT warm start: 200 steps, 44s, held-out greedy accuracy 0.360" in block

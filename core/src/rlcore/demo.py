@@ -263,8 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"held-out accuracy rose by {last - first:.3f} >= {args.require_gain} (--require-gain)")
     if args.record:
         with open(args.record, "a", encoding="utf-8") as f:
-            shown = ["--tools", *overrides] if args.tools else overrides  # never taken for make demo's row
-            f.write(json.dumps(demo_row(summary, seconds, sft, args.recipe, shown)) + "\n")
+            f.write(json.dumps(demo_row(summary, seconds, sft, args.recipe, recorded_variant(args, overrides))) + "\n")
         print(f"figures appended to {args.record}", flush=True)
     print(next_commands(grpo_dir, sft, args.recipe), flush=True)
     return result
@@ -285,6 +284,13 @@ ROW_FIGURES = {"timing/total": "step_s", "timing/training": "train_s", "timing/r
                "timing/generation": "generation_s", "timing/logprobs": "logprobs_s", "timing/reward": "reward_s",
                "rollout/mean_response_tokens": "tokens_per_sample", "val/accuracy_first": "val_accuracy_first",
                "val/accuracy_last": "val_accuracy_last", "window_first": "window_first", "window_last": "window_last"}
+
+
+def recorded_variant(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """What a recorded row names its run by: the mode flags and overrides, so that a run of another mode
+    (``--ppo``, ``--tools``, ``--lora``) or with overrides is never taken for ``make demo``'s row."""
+    modes = [flag for flag, on in (("--tools", args.tools), ("--ppo", args.ppo), ("--lora", args.lora)) if on]
+    return [*modes, *overrides]
 
 
 def demo_row(summary: dict, grpo_s: float, sft: Path, recipe: str, overrides: list[str]) -> dict:
