@@ -8,6 +8,7 @@ its run directory. Ctrl-C has its own run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -205,7 +206,7 @@ def pids_of_group(pgid: int, psutil) -> list[tuple[int, str]]:
 
 
 @pytest.mark.wall_clock
-@pytest.mark.timeout(1200)  # two engine starts (the run's, the resume's) of up to 4 minutes each on a loaded machine
+@pytest.mark.timeout(1800)  # two engine starts (the run's, the resume's) of up to 8 minutes each on a loaded machine
 @pytest.mark.parametrize("phase, kept", [("generation", 1), ("training", 2), ("refit", 2), ("checkpoint", 2)])
 def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model_dir, tmp_path, phase, kept):
     """SIGTERM to the whole process group (``timeout``, Slurm, Kubernetes) of a vLLM run while it is in
@@ -221,9 +222,13 @@ def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model
     launcher = [sys.executable, str(PHASE_LAUNCHER), phase, "2", str(marker), "--"]
     proc = start_in_own_group(tiny_model_dir, run_dir, launcher, **settings)
     try:
-        deadline = time.monotonic() + 480
+        deadline = time.monotonic() + 600  # an engine start on a loaded 2-core machine: up to 8 minutes seen
         while not marker.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            if proc.poll() is not None or time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                pytest.fail(f"the run did not reach {phase} of step 2 (status {proc.returncode}): {out[-1500:]} {err[-3000:]}")
             time.sleep(0.05)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any(p.name().startswith("VLLM::") for p in children), [p.name() for p in children]
@@ -247,7 +252,7 @@ def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model
     assert steps[-1] == f"step_{kept:06d}" and (run_dir / "checkpoints" / steps[-1] / "loop_state.pt").is_file(), steps
     recorded = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert recorded == list(range(1, kept + 1)), recorded
-    resumed = rlcore("run", RECIPE, *group_run_args(tiny_model_dir, run_dir, **settings), "--resume", timeout=480)
+    resumed = rlcore("run", RECIPE, *group_run_args(tiny_model_dir, run_dir, **settings), "--resume", timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert f"at step {kept}" in resumed.stdout, resumed.stdout[-2000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
