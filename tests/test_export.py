@@ -6,7 +6,6 @@ One launch of two processes (``_export_worker.py``) covers every layout: imports
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -51,21 +50,6 @@ def test_export_refuses_a_directory_without_checkpoints(tmp_path, capsys):
     (tmp_path / "checkpoints" / "step_000002.tmp").mkdir(parents=True)  # an unfinished save is not a checkpoint
     assert rlcore_main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "holds no complete rlcore checkpoint" in capsys.readouterr().err
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 1 MiB file system (tmpfs): the run's small files fit, the tiny model (1.3 MB) does not.
-    Mounting needs root; core/tests/test_checkpoint_safety.py injects the error instead."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("a real full disk needs a tmpfs mount (root)")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_export_to_a_full_disk_is_one_line_and_leaves_no_part(tiny_model_dir, tmp_path, small_disk):

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_export import small_disk  # noqa: F401 - a fixture
 from test_loop import preloaded_runs, run_recipe, run_rlcore, run_script, tiny_recipe  # noqa: F401 - preloaded_runs: autouse here too
 
 pytestmark = pytest.mark.slow

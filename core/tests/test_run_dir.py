@@ -20,6 +20,7 @@ from rlcore.controller.checkpoint import CheckpointManager, rng_state
 from rlcore.controller.run_dir import RunDir, check_owner, checkpoint_root
 from rlcore.loggers.config import JsonlLoggerConfig
 from rlcore.loggers.jsonl import JsonlLogger
+from rlcore.run_paths import OutputWriteError
 
 
 def _config(log_dir: Path, seed: int = 1, **checkpointing) -> RunConfig:
@@ -128,10 +129,10 @@ def test_a_metrics_write_cut_short_by_a_full_disk_leaves_whole_records(tmp_path,
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", full_disk)
-    with pytest.raises(OSError, match="no space left on device") as failure:
+    with pytest.raises(OutputWriteError, match="no space left on device") as failure:
         logger.log({"loss": 2.0}, 2)
     monkeypatch.undo()
-    assert "metrics.jsonl" in str(failure.value) and "step 2" in str(failure.value)
+    assert "metrics.jsonl" in str(failure.value) and "step 2" in str(failure.value) and "MiB free in" in str(failure.value)
     logger.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 

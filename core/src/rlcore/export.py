@@ -26,8 +26,9 @@ import yaml
 from rlcore.config import ConfigError, RunConfig, build_config
 from rlcore.config.loader import read_recipe_yaml, upgrade_saved_config
 from rlcore.controller.checkpoint import CheckpointManager
+from rlcore.controller.run_end import MODEL_DIR
 from rlcore.errors import CheckpointError
-from rlcore.run_paths import refuse_unsafe_links, replace_dir, tree_bytes
+from rlcore.run_paths import refuse_unsafe_links, replace_dir, settle_leftovers, tree_bytes
 
 RUN_CONFIG = "config.yaml"
 
@@ -41,9 +42,9 @@ def final_model(path: str | Path) -> Path | None:
     """``<run dir>/model``, the final model a run writes, when ``path`` is a run directory that
     holds no checkpoint (a run with checkpoints exports from its newest, as before)."""
     path = Path(path).expanduser()
-    if is_hf_model_dir(path / "model") and CheckpointManager(path / "checkpoints", keep_last_k=1).latest() is None \
+    if is_hf_model_dir(path / MODEL_DIR) and CheckpointManager(path / "checkpoints", keep_last_k=1).latest() is None \
             and not (path / "loop_state.pt").is_file():
-        return path / "model"
+        return path / MODEL_DIR
     return None
 
 
@@ -134,6 +135,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[s
     checkpoint = Path(checkpoint).expanduser()
     if checkpoint.exists():  # the path typed is followed; links found inside it are not
         checkpoint = checkpoint.resolve()
+    if checkpoint.is_dir():  # a run directory: its final model's swap that a kill cut short is completed first
+        settle_leftovers(checkpoint, [MODEL_DIR])
     final = final_model(checkpoint)
     if final is not None:  # a run without checkpoints: its final model is already in Hugging Face format
         refuse_unsafe_links(final, checkpoint, f"export of {final}")

@@ -6,8 +6,11 @@ which refuses a path that a symbolic link on the way (``sub -> ../other_run``, `
 another run's (or the system's) files would be written. What ``rlcore export`` copies is checked
 with :func:`unsafe_links` first, so that a link in a run directory (``notes.txt -> /etc/passwd``)
 never exports what it points at. :func:`replace_dir` writes a directory output (the final model,
-the critic, an export) beside its place and renames it there when complete: a full disk leaves
-what was there before, and says how much space there was. No heavy imports here.
+the critic, an export) beside its place and renames it there when complete, and :func:`write_file`
+does the same for a small file (``run.json``, ``config.yaml``, ``summary.json``): a full disk
+leaves what was there before, and is one error naming the file, its directory and the space free.
+What either leaves when its process is killed mid-write (``.NAME.tmp.PID``, ``.NAME.old.PID``) is
+settled by the next start (:func:`settle_leftovers`). No heavy imports here.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from rlcore.config.structure import ConfigError
@@ -146,6 +149,119 @@ def disk_full(exc: BaseException, root: Path | None = None) -> bool:
                or "No space left on device" in str(e) or "Errno 28" in str(e) for e in chain)
 
 
+def _beside(final: Path, kind: str, pid: int | None = None) -> Path:
+    """Where :func:`replace_dir` and :func:`write_file` put ``final``'s new copy (``tmp``) or its replaced one (``old``)."""
+    return final.with_name(f".{final.name}.{kind}.{os.getpid() if pid is None else pid}")
+
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)\.(?P<pid>\d+)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def settle_leftovers(directory: str | Path, names: Iterable[str]) -> list[str]:
+    """What :func:`replace_dir` or :func:`write_file` of ``directory/NAME`` (each of ``names``) left
+    when its process was killed (kill -9, a lost machine): only their own names (``.NAME.tmp.PID``,
+    ``.NAME.old.PID``), of a process that no longer runs; anything else is never touched. A swap cut
+    between its two renames is completed (the new copy is renamed into place only once whole);
+    otherwise the partial copy, and a replaced one, are removed. Returns (and prints) a line for each."""
+    directory, wanted = Path(directory), set(names) - {"", ".", ".."}
+    if not wanted or not directory.is_dir() or directory.is_symlink():
+        return []
+    pids: dict[str, set[int]] = {}
+    for entry in directory.iterdir():
+        found = _LEFTOVER.match(entry.name)
+        if found and found["name"] in wanted and int(found["pid"]) != os.getpid() and not _alive(int(found["pid"])):
+            pids.setdefault(found["name"], set()).add(int(found["pid"]))
+    done = []
+    for name, dead in sorted(pids.items()):
+        final = directory / name
+        for pid in sorted(dead):
+            tmp, old = _beside(final, "tmp", pid), _beside(final, "old", pid)
+            if os.path.lexists(old) and not os.path.lexists(final):  # killed between the two renames
+                (tmp if os.path.lexists(tmp) else old).rename(final)
+                done.append(f"{final}: put back from what process {pid} left (it was killed while replacing it)")
+            for left in (tmp, old):
+                if os.path.lexists(left):
+                    remove_no_follow(left)
+                    done.append(f"{left}: removed (left by process {pid}, which no longer runs)")
+    for line in done:
+        print(f"note: {line}", flush=True)
+    return done
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 // 10 else f"{n / 2**10:.1f} KiB"
+
+
+def _kept(final: Path, existed: bool) -> str:
+    return "its partial copy was removed and " + (f"the earlier {final.name} is kept" if existed else
+                                                  f"nothing was left at {final}")
+
+
+def _no_space(final: Path, what: str, needed_bytes: int, fix: str, kept: str) -> OutputWriteError:
+    """The one-line error of a full disk: ``what`` was not written to ``final``, what it needs, what is
+    free there, and what was ``kept``."""
+    try:
+        free = f"{shutil.disk_usage(final.parent).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return OutputWriteError(f"no space left on device: {what} could not be written to {final} (it needs at least "
+                            f"{_size(needed_bytes)}; {free} in {final.parent}); {kept}. Free some space, or {fix}")
+
+
+def write_file(path: str | Path, data: str | bytes, what: str, fix: str = "set logger.log_dir on a larger disk") -> Path:
+    """``path`` holds what it held before or ``data``, never a part: written to ``.NAME.tmp.PID`` beside it
+    (never through a link there), flushed to disk, renamed over it. A full disk is an
+    :class:`OutputWriteError` naming ``what``, the file, its directory and the space free (:func:`replace_dir`'s)."""
+    path = Path(path)
+    payload = data.encode() if isinstance(data, str) else data
+    tmp = _beside(path, "tmp")
+    existed = os.path.lexists(path)
+    remove_no_follow(tmp)  # a killed earlier attempt's, under this process id's name
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        if os.path.lexists(tmp):
+            remove_no_follow(tmp)
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and disk_full(exc, path.parent):
+            raise _no_space(path, what, len(payload), fix, _kept(path, existed)) from exc
+        raise
+    return path
+
+
+def append_whole(fd: int, data: bytes, path: Path, what: str, fix: str = "set logger.log_dir on a larger disk") -> None:
+    """``data`` appended to ``path`` (open as ``fd``, ``O_APPEND``) whole or not at all: a write that fails
+    or is cut short is cut back to the file's earlier end, so the file only ever holds whole records. A
+    full disk is an :class:`OutputWriteError` naming ``what``, the file, its directory and the space free."""
+    start = os.fstat(fd).st_size
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.ENOSPC, "No space left on device (a short write)")
+    except OSError as exc:
+        os.ftruncate(fd, start)
+        kept = "the part written was cut off: the file keeps every earlier record whole"
+        if disk_full(exc, path.parent):
+            raise _no_space(path, what, len(data), fix, kept) from exc
+        raise OSError(exc.errno, f"{path}: {what} could not be written ({exc.strerror}); {kept}") from exc
+
+
 def replace_dir(final: str | Path, write: Callable[[Path], None], what: str, needed_bytes: int = 0,
                 fix: str = "set logger.log_dir on a larger disk") -> Path:
     """``write(tmp)`` fills a new directory beside ``final``; once it returns, the directory takes
@@ -154,7 +270,8 @@ def replace_dir(final: str | Path, write: Callable[[Path], None], what: str, nee
     naming ``final``, the space it needed (at least ``needed_bytes``) and the space there was, and
     ``fix``: what else to do."""
     final = Path(final)
-    tmp = final.with_name(f".{final.name}.tmp.{os.getpid()}")
+    tmp = _beside(final, "tmp")
+    settle_leftovers(final.parent, [final.name])  # a killed earlier attempt's, by another process
     remove_no_follow(tmp)  # a killed earlier attempt's, under this process id's name
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
@@ -163,14 +280,9 @@ def replace_dir(final: str | Path, write: Callable[[Path], None], what: str, nee
         written = tree_bytes(tmp) if tmp.exists() else 0
         remove_no_follow(tmp)
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and disk_full(exc, final.parent):
-            free = shutil.disk_usage(final.parent).free
-            kept = f"the earlier {final} is kept" if final.exists() else f"nothing was left at {final}"
-            raise OutputWriteError(
-                f"no space left on device: {what} could not be written to {final} (it needs at least "
-                f"{max(needed_bytes, written) / 2**20:.1f} MiB; {free / 2**20:.1f} MiB free); its partial copy was "
-                f"removed and {kept}. Free some space, or {fix}") from exc
+            raise _no_space(final, what, max(needed_bytes, written), fix, _kept(final, final.exists())) from exc
         raise
-    old = final.with_name(f".{final.name}.old.{os.getpid()}")
+    old = _beside(final, "old")
     if final.exists() or final.is_symlink():
         final.rename(old)  # a link is moved as a link: what it points at is never touched
     tmp.rename(final)

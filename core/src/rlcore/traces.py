@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from rlcore.config.traces import RolloutTracesConfig
-from rlcore.run_paths import inside
+from rlcore.run_paths import append_whole, inside, write_file
 
 TEXT_LIMIT = 4000  # characters of a text kept in a slimmed (over-budget) trace
 _NOTE_RESERVE = 400  # bytes kept back from max_run_bytes for the line that says the budget ran out
@@ -220,7 +220,7 @@ class RolloutTraces:
             lines.append((json.dumps({"step": step, "kind": "note", "note": f"{left_out} traces over "
                                       "logger.rollouts.max_step_bytes left out"}) + "\n").encode())
         if lines:
-            os.write(fd, b"".join(lines))
+            append_whole(fd, b"".join(lines), self.path, f"the rollout traces of step {step}")
 
     def resume_at(self, step: int) -> None:
         """Keep the traces of steps up to ``step`` (the checkpoint resumed from): later ones are redone."""
@@ -228,10 +228,8 @@ class RolloutTraces:
             return
         kept = [line + "\n" for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines()
                 if _step_of(line) is not None and _step_of(line) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        self.close()
-        os.replace(tmp, self.path)
+        write_file(self.path, "".join(kept), "the rollout traces kept on resume")
+        self.close()  # the file it was open on is replaced
         self._full = False
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ The rollout thread reaches the rollouts only through :class:`~rlcore.controller.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from rlcore.controller.checkpoint import StopSignalled, ended_by_stop
 from rlcore.controller.deadlines import batch_margin_s
 from rlcore.controller.timing import StepTimer
 from rlcore.errors import RolloutError, RunStopped
@@ -272,14 +274,16 @@ def run_async(run: GRPOLoop) -> None:
             metrics, batch = run.train(produced.trajectories, timer)
             run.checkpoints.trained_position = produced.data_position
             record.update(metrics)
-            if step < run.train_cfg.max_num_steps:
-                with timer.phase("refit"):
-                    producer.await_generation_after(produced.generations_before, step)
             # A validation step's held-out pass takes the generator before the next batch does.
             validates = run.validates()
-            record.update(run.refitter.refit(batch, timer, step, generator_free=None if validates else producer.batch_done,
-                                             on_hold=producer.refit_metrics))
-            policy_of[run.c.generator.weights_version] = run.learner.policy_version  # refits happen on this thread only
+            # A stop signal ends the refit and the wait for the generation it follows: only a later step needs them.
+            with contextlib.suppress(StopSignalled), ended_by_stop(run.progress):
+                if step < run.train_cfg.max_num_steps:
+                    with timer.phase("refit"):
+                        producer.await_generation_after(produced.generations_before, step)
+                record.update(run.refitter.refit(batch, timer, step, generator_free=None if validates else producer.batch_done,
+                                                 on_hold=producer.refit_metrics))
+                policy_of[run.c.generator.weights_version] = run.learner.policy_version  # refits happen on this thread only
             run.finish_step(record, timer)
             if validates:
                 producer.batch_done()

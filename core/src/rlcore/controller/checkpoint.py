@@ -22,6 +22,7 @@ the run: that is not damage to route around.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import random
 import re
@@ -37,6 +38,7 @@ import torch
 
 from rlcore.config.structure import ConfigError
 from rlcore.controller.deadlines import SIGTERM_DEADLINE
+from rlcore.errors import RunStopped
 from rlcore.interfaces import ResumableLogger
 from rlcore.run_paths import disk_full, remove_no_follow
 from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensors
@@ -52,6 +54,36 @@ INTERRUPTED = threading.Event()
 # Set by SIGTERM: an error that follows it (vLLM's engine, in the same process group, died of it
 # too) is reported by ``rlcore run`` as the stop the signal asked for, in one line, exit 143.
 TERMINATED = threading.Event()
+# The thread inside ended_by_stop (its ident), else None: the stop signals' handlers end its wait.
+_WAIT_ENDED_BY_STOP: list[int | None] = [None]
+
+
+class StopSignalled(RuntimeError, RunStopped):
+    """A stop signal (SIGTERM, Ctrl-C) ended a wait whose result only a later step needs (:func:`ended_by_stop`)."""
+
+
+@contextlib.contextmanager
+def ended_by_stop(loop: Any):
+    """Within, in the main thread: a stop signal ends what it waits for with :class:`StopSignalled`, at
+    once if one arrived already (``loop.stop_signal``). For the step's refit, whose weights only the
+    next step would use: a part the signal ended too (vLLM's engine, in the process group) would keep
+    it waiting until cluster.timeout_s, and the step's training, done already, would not be checkpointed."""
+    if loop.stop_signal is not None:
+        raise StopSignalled(f"{signal.Signals(loop.stop_signal).name} received before the step's refit")
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+    _WAIT_ENDED_BY_STOP[0] = threading.get_ident()
+    try:
+        yield
+    finally:
+        _WAIT_ENDED_BY_STOP[0] = None
+
+
+def _end_the_wait(signum: int) -> None:
+    if _WAIT_ENDED_BY_STOP[0] == threading.get_ident():
+        _WAIT_ENDED_BY_STOP[0] = None  # once: what the wait's cleanup runs is not cut short again
+        raise StopSignalled(f"{signal.Signals(signum).name} received during the step's refit")
 
 
 def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool = False,
@@ -70,6 +102,7 @@ def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool 
         loop.stop_signal = signum
         if timeout_s is not None:
             SIGTERM_DEADLINE.arm(timeout_s, signum)
+        _end_the_wait(signum)
 
     def on_interrupt(signum, frame):
         if loop.stop_signal == signal.SIGINT:
@@ -78,6 +111,7 @@ def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool 
         loop.stop_signal = signum
         print(f"\nCtrl-C: stopping after step {max(loop.step, 1)} ends"
               f"{' and is checkpointed' if checkpointed else ''} (Ctrl-C again stops at once)", flush=True)
+        _end_the_wait(signum)
 
     TERMINATED.clear()
     try:

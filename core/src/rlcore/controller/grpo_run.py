@@ -6,7 +6,6 @@ runs the loop with the sync or the async driver and writes the summary.
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_run_sizes
 from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
-from rlcore.controller.run_end import print_outputs, save_final_model
+from rlcore.controller.run_end import print_outputs, save_final_model, write_summary
 from rlcore.controller.timing import summarize
 from rlcore.interfaces import RolloutTableLogger
 from rlcore.plugins import get_plugin_manager
@@ -135,6 +134,6 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
                     "stopped_by_signal": None if loop.stop_signal is None else signal.Signals(loop.stop_signal).name})
     components.reporter.console.print(summary_table(summary, components.algorithm.name))
     plot = plot_curves(records, inside(run_dir, "curves.png")) if config.logger.plot else None
-    inside(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
+    write_summary(run_dir, summary)
     print_outputs(run_dir, config, components.reporter.console)
     return {"summary": summary, "records": records, "run_dir": str(run_dir), "plot": str(plot) if plot else None}

@@ -12,12 +12,13 @@ A driver runs the steps: :func:`run_sync` here (on-policy), or
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
 
-from rlcore.controller.checkpoint import CheckpointManager, run_catching_sigterm
+from rlcore.controller.checkpoint import CheckpointManager, StopSignalled, ended_by_stop, run_catching_sigterm
 from rlcore.controller.deadlines import TimedTeacher, bounded_call
 from rlcore.controller.heartbeat import doing
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
@@ -200,11 +201,12 @@ def run_sync(run: GRPOLoop) -> None:
         # Advantages, logprobs, one update.
         with run.learner.state_on_device(timer):
             metrics, batch = run.train(trajectories, timer)
-        with timer.phase("refit"):
-            run.learner.wake(generator, timer)
         record.update(metrics)
-        # The new weights to the generator, checked by the probe.
-        record.update(run.refitter.refit(batch, timer, step))
+        # The new weights to the generator, checked by the probe; a stop signal ends the step here.
+        with contextlib.suppress(StopSignalled), ended_by_stop(run.progress):
+            with timer.phase("refit"):
+                run.learner.wake(generator, timer)
+            record.update(run.refitter.refit(batch, timer, step))
         run.finish_step(record, timer)
         if run.checkpoints.stop_requested():
             break

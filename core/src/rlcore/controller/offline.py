@@ -17,7 +17,6 @@ a checkpoint of that step (``rlcore run`` then exits 143).
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -33,11 +32,10 @@ from rlcore.controller.checkpoint import (
 from rlcore.controller.heartbeat import doing, said
 from rlcore.controller.nonfinite import NonfiniteStreak
 from rlcore.controller.run_dir import check_owner, checkpoint_root
-from rlcore.controller.run_end import print_outputs, save_final_checkpoint, write_model
+from rlcore.controller.run_end import print_outputs, save_final_checkpoint, write_model, write_summary
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import MetricLogger, TrainerHandle
 from rlcore.plugins import get_plugin_manager
-from rlcore.run_paths import inside
 
 
 def trains_on(config: Any) -> str | None:
@@ -229,6 +227,6 @@ def run_offline(config: Any, owner: Any, run_dir: Any, given: dict, trainer: Any
     summary = loop.summary(owner.run_id, time.perf_counter() - started)
     for key in summary_keys:
         summary.setdefault(key, None)
-    inside(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
+    write_summary(run_dir, summary)
     print_outputs(run_dir, config)
     return {"summary": summary, "records": loop.records, "run_dir": str(run_dir), "model_dir": str(run_dir / "model")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from rich.console import Console, Group
@@ -10,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlcore.controller.heartbeat import doing, said
+from rlcore.run_paths import write_file
 
 STEP_COLUMNS = [
     ("step", "step", "{:.0f}"),
@@ -156,6 +158,7 @@ def plot_curves(records: list[dict], path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    return path
+    return write_file(path, png.getvalue(), "the run's curves")

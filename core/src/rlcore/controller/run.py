@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from rlcore.checks import check_before_start
-from rlcore.config import ConfigError, RunConfig, to_dict
+from rlcore.config import ConfigError, RunConfig
 from rlcore.controller.builders import seed_everything
 from rlcore.controller.deadlines import SIGTERM_DEADLINE
 from rlcore.controller.given import check_given
@@ -22,10 +20,9 @@ from rlcore.controller.grpo_run import run_grpo
 from rlcore.controller.heartbeat import heartbeat
 from rlcore.controller.offline import trains_on
 from rlcore.controller.pairs import run_pairs
-from rlcore.controller.run_dir import RunDir
+from rlcore.controller.run_dir import RunDir, write_run_config
 from rlcore.controller.sft import run_sft
 from rlcore.reward_fn import as_environment
-from rlcore.run_paths import inside
 from rlcore.verbosity import apply_verbosity
 
 # What the algorithm trains on (its registration's ``trains_on``) -> the loop that runs it.
@@ -52,7 +49,7 @@ def run(config: RunConfig, **given) -> dict:
         if kind not in LOOPS:
             raise ConfigError("algorithm.name", f"algorithm '{config.section('algorithm').name}' trains on {kind!r}; "
                               f"rlcore runs algorithms that train on {sorted(k for k in LOOPS if k)}")
-        inside(run_dir, "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        write_run_config(config)
         with heartbeat(enabled=config.logger.print_table):  # a line every 10 s while the run is silent
             return LOOPS[kind](config, owner, run_dir, given)
     except BaseException:

@@ -34,7 +34,7 @@ import yaml
 from rlcore.config import ConfigError, RunConfig, to_dict
 from rlcore.config.structure import MOVED_KEYS
 from rlcore.controller.checkpoint import CheckpointManager
-from rlcore.run_paths import CONTROL_FILES, inside
+from rlcore.run_paths import CONTROL_FILES, disk_full, inside, settle_leftovers, write_file
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -162,7 +162,9 @@ class RunDir:
             previous = self._previous()
             self.run_id = self._choose_run_id(previous)
             self._check_checkpoint_places()
-            write_atomically(self.path / RUN_FILE, json.dumps({**self.identity(), "started": time.time()}, indent=1))
+            settle_run_leftovers(self.config)
+            write_file(self.path / RUN_FILE, json.dumps({**self.identity(), "started": time.time()}, indent=1),
+                       "the run's identity")
         except BaseException:
             self.close()
             raise
@@ -178,11 +180,14 @@ class RunDir:
             lock.close()
             raise ConfigError("logger.log_dir", f"{self.path} is in use by another run ({holder}); wait for it to "
                               "finish or choose another logger.log_dir") from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(_holder() + "\n")
-        lock.flush()
         self._lock = lock
+        try:  # who holds it, for the message of a run refused above
+            os.truncate(lock.fileno(), 0)
+            os.pwrite(lock.fileno(), (_holder() + "\n").encode(), 0)
+        except OSError as exc:
+            if not disk_full(exc):
+                raise
+            # the lock holds without its text; run.json, written next, says the disk is full in one line
 
     def _previous(self) -> dict | None:
         try:
@@ -263,11 +268,17 @@ def _checkpoint_identity(step_dir: Path) -> dict | None:
     return run if isinstance(run, dict) else None
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """``path`` holds either its old text or ``text``, never a part: a temporary file beside it, renamed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_run_config(config: RunConfig) -> Path:
+    """``<logger.log_dir>/config.yaml``: the resolved config, whole or not at all (:func:`rlcore.run_paths.write_file`)."""
+    path = inside(config.logger.log_dir, "config.yaml", file=True)
+    return write_file(path, yaml.safe_dump(to_dict(config), sort_keys=False), "the run's config")
+
+
+def settle_run_leftovers(config: RunConfig) -> list[str]:
+    """What a killed earlier process of this run left half-written beside the run's outputs (its final
+    model, ``run.json``, its records' rewrite on resume): :func:`rlcore.run_paths.settle_leftovers`
+    of each, under the run directory's lock (no other process writes them)."""
+    log_dir, done = Path(config.logger.log_dir), []
+    for relative, _, _ in output_paths(config):
+        done += settle_leftovers((log_dir / relative).parent, [Path(relative).name])
+    return done

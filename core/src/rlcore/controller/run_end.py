@@ -68,6 +68,15 @@ def write_model(run_dir: str | Path, config: Any, write: Callable[[Path], None])
     return replace_dir(out, write, "the final model", needed)
 
 
+def write_summary(run_dir: str | Path, summary: dict) -> Path:
+    """``run_dir/summary.json``, whole or not at all (a full disk: one error naming it, the earlier one kept)."""
+    import json
+
+    from rlcore.run_paths import inside, write_file
+
+    return write_file(inside(run_dir, "summary.json"), json.dumps(summary, indent=2), "the run's summary")
+
+
 def outputs(run_dir: str | Path, config: Any) -> list[tuple[str, Path]]:
     """What the run in ``run_dir`` left, as (what, where), for the files that exist."""
     from rlcore.controller.checkpoint import CheckpointManager

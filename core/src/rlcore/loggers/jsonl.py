@@ -9,13 +9,12 @@ are put back: each step has exactly one record.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 from pathlib import Path
 
-from rlcore.run_paths import inside, remove_no_follow
+from rlcore.run_paths import append_whole, inside, write_file
 
 
 def _run_id(run_dir: Path) -> str:
@@ -43,16 +42,7 @@ class JsonlLogger:
         return json.dumps(record, sort_keys=True) + "\n"
 
     def _append(self, data: bytes, step: int) -> None:
-        start = os.fstat(self._fd).st_size
-        try:
-            written = os.write(self._fd, data)
-            if written != len(data):
-                raise OSError(errno.ENOSPC, "short write")
-        except OSError as exc:
-            os.ftruncate(self._fd, start)
-            reason = "no space left on device" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror
-            raise OSError(exc.errno, f"{self.path}: the record of step {step} could not be written ({reason}); "
-                                     "the file keeps every earlier record whole") from exc
+        append_whole(self._fd, data, self.path, f"the metrics record of step {step}")
 
     def resume_at(self, step: int, records: list[dict] | None = None) -> None:
         """Keep the records of steps up to ``step`` (the checkpoint resumed from), and add those of
@@ -72,11 +62,8 @@ class JsonlLogger:
                 kept.append((at, self._line({k: v for k, v in record.items() if k != "step"}, at)))
                 present.add(at)
         kept.sort(key=lambda pair: pair[0])  # stable: lines of one step keep their order
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        remove_no_follow(tmp)  # a link there would have the rewrite land where it points
-        tmp.write_text("".join(line for _, line in kept), encoding="utf-8")
-        os.close(self._fd)
-        os.replace(tmp, self.path)
+        write_file(self.path, "".join(line for _, line in kept), "the metrics kept on resume")
+        os.close(self._fd)  # the file it was open on is replaced
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def close(self) -> None:

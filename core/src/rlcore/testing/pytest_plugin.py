@@ -78,3 +78,22 @@ def single_cuda_process_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs): a run's small files fit, the tiny model (1.3 MB) does not.
+    Mounting needs root (else the test is skipped); core/tests/test_checkpoint_safety.py injects the
+    error instead."""
+    import os
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("a real full disk needs a tmpfs mount (root)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
