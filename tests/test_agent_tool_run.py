@@ -41,6 +41,7 @@ def _config(model: Path, run_dir: Path):
 
 
 def test_the_calculator_agent_calls_its_tool_in_every_step_and_the_traces_show_call_and_result(tmp_path):
+    from rlcore.demo import sft_config
     from rlcore.demo_tools import tool_warm_start
     from rlcore.testing.tiny import build_tiny_model
 
@@ -48,7 +49,8 @@ def test_the_calculator_agent_calls_its_tool_in_every_step_and_the_traces_show_c
                             intermediate_size=128, max_positions=128)
     warm = tmp_path / "warm"
     # every conversation calls the tool: the format is learnt in a few dozen steps by a model this small
-    tool_warm_start(base, warm, _config(base, tmp_path / "unused"), steps=60, batch_size=16, lr=5e-3, tool_every=1)
+    recipe = _config(base, tmp_path / "unused")
+    tool_warm_start(base, warm, recipe, sft_config(recipe, base, lr=5e-3, warmup=0), steps=60, batch_size=16, tool_every=1)
     run_dir = tmp_path / "run"
     rlcore.run(_config(warm, run_dir))
 

@@ -275,7 +275,8 @@ def _tool_warm_start(sft: Path, tools_dir: Path, recipe, args) -> Path:
     if not (tools_dir / "config.json").is_file():
         print(f"tool-call SFT of {sft} ({args.tool_sft_steps} steps, one conversation in {args.tool_every} calls the tool)",
               flush=True)
-        tool_warm_start(sft, tools_dir, recipe, args.tool_sft_steps, args.sft_batch_size, args.sft_lr, args.tool_every)
+        tool_warm_start(sft, tools_dir, recipe, sft_config(recipe, sft, args.sft_lr, warmup=0), args.tool_sft_steps,
+                        args.sft_batch_size, args.tool_every)
     return tools_dir
 
 

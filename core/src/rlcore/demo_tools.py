@@ -84,18 +84,17 @@ def agent_tools(recipe) -> list[dict]:
     return tools
 
 
-def tool_warm_start(sft_dir: Path, out_dir: Path, recipe, steps: int, batch_size: int, lr: float, tool_every: int) -> dict:
+def tool_warm_start(sft_dir: Path, out_dir: Path, recipe, config, steps: int, batch_size: int, tool_every: int) -> dict:
     """The demo's SFT warm start (``sft_dir``) with the tools-aware tiny tokenizer, trained for
     ``steps`` on conversations of the recipe's training split (one in ``tool_every`` with a tool
-    call), exported to ``out_dir``."""
+    call), exported to ``out_dir``; ``config`` is the SFT run's (``rlcore.demo.sft_config`` of the
+    recipe, from ``sft_dir``)."""
     from rlcore.controller.heartbeat import heartbeat
     from rlcore.controller.workers import LocalTrainer
-    from rlcore.demo import sft_config
     from rlcore.interfaces import Placement
     from rlcore.plugins import get_plugin_manager
     from rlcore.testing.tiny import build_tokenizer
 
-    config = sft_config(recipe, sft_dir, lr, warmup=0)
     tokenizer = build_tokenizer(tools=True)
     tools = agent_tools(recipe)
     manager = get_plugin_manager()
