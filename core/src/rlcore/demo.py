@@ -21,7 +21,8 @@ endpoint (``recipes/grpo_agent_tool_arith_tiny_cpu.yaml``), in ``<out>/agent-too
 
 ``--lora``: the GRPO stage trains LoRA adapters (``policy.lora``, :data:`LORA_OVERRIDES`) on top of
 the same full-parameter SFT warm start, as a user adapts a pretrained model; refits send the merged
-weights and the probe checks each one. Its run goes to ``<out>/grpo-lora``.
+weights and the probe checks each one. Its run goes to ``<out>/grpo-lora``. The keys are the same on both
+backends: ``--lora policy.megatron_cfg.enabled=true`` trains the adapters with the Megatron backend.
 
 The same two stages serve the GPU learning recipe: ``--recipe recipes/grpo_arith3_gpu.yaml
 --shape llama150m`` builds the 141M-parameter shape, and the SFT warm start takes the recipe's
