@@ -1,9 +1,9 @@
-"""Every command in README.md's fenced blocks that runs on a CPU runs, as a reader would type it
-after ``make demo``.
+"""Every command in the fenced blocks of README.md and the getting-started page that runs on a CPU
+runs, in the order they are written, as a reader would type it after ``make demo``.
 
 Which blocks run: ``bash`` blocks line by line (a line ending in ``\\`` continues) and ``python``
 blocks as a script; ``text`` blocks are output and never run. A block preceded by a
-``<!-- readme-test: skip, REASON -->`` line (installs, demo-length runs, GPU-only recipes) is
+``<!-- readme-test: skip, REASON -->`` line (installs, demo-length runs, GPU-only recipes, the hub) is
 reported as skipped with that reason. Each command runs in a scratch directory holding the
 repository's ``recipes/`` and ``examples/`` and a ``runs/demo/sft`` model of the demo's shape
 (random weights, not the warm start: these commands must run, not learn). To stay cheap, every
@@ -26,6 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = (README, ROOT / "docs" / "getting-started.md")
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip,\s*(.*?)\s*-->")
 SMALL = ["train.max_num_steps=1", "train.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
          "train.val_period=0", "train.val_at_start=false", "logger.plot=false"]
@@ -33,9 +34,9 @@ SHIM = (f"import rlcore\n_load = rlcore.load_config\n"
         f"rlcore.load_config = lambda path, overrides=(), **kw: _load(path, [*overrides, *{SMALL!r}], **kw)\n")
 
 
-def blocks() -> list[tuple[str, str, str | None]]:
-    """``(language, body, skip reason)`` of each fenced block, in order."""
-    found, lines, i = [], README.read_text().splitlines(), 0
+def blocks(page: Path = README) -> list[tuple[str, str, str | None]]:
+    """``(language, body, skip reason)`` of each fenced block of ``page``, in order."""
+    found, lines, i = [], page.read_text().splitlines(), 0
     while i < len(lines):
         m = re.match(r"^```(\w*)", lines[i])
         if not m:
@@ -59,6 +60,7 @@ def commands(body: str) -> list[str]:
 
 
 RUNNABLE = [b for b in blocks() if b[0] in ("bash", "python")]
+PAGE_BLOCKS = [(page, *b) for page in PAGES for b in blocks(page) if b[0] in ("bash", "python")]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,8 @@ def workdir(tmp_path_factory):
     work = tmp_path_factory.mktemp("readme")
     for name in ("recipes", "examples"):
         (work / name).symlink_to(ROOT / name)
-    build_tiny_model(work / "runs" / "demo" / "sft", "llama", seed=0, **MODEL_SHAPES["tiny"])
+    for name, seed in (("sft", 0), ("base", 1)):  # the demo's warm start and the model it starts from
+        build_tiny_model(work / "runs" / "demo" / name, "llama", seed=seed, **MODEL_SHAPES["tiny"])
     return work
 
 
@@ -77,6 +80,11 @@ def _run(argv: list[str], cwd: Path) -> None:
     bin_dir = str(Path(sys.executable).parent)
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), PYTHONWARNINGS="ignore",
                RLCORE_DISABLE_PLUGINS=os.environ.get("RLCORE_DISABLE_PLUGINS", ""))
+    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):  # a shell's leading VAR=value
+        name, _, value = argv.pop(0).partition("=")
+        env[name] = value
+    if argv and argv[0] == "python":  # the reader's python is the environment's
+        argv = [sys.executable, *argv[1:]]
     result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{shlex.join(argv)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
@@ -86,10 +94,11 @@ def test_readme_is_short_and_has_runnable_blocks():
     assert any(reason is None for _, _, reason in RUNNABLE)
 
 
-@pytest.mark.parametrize("language, body, reason", RUNNABLE, ids=[f"block{i}-{b[0]}" for i, b in enumerate(RUNNABLE)])
-def test_readme_block_runs(language, body, reason, workdir):
+@pytest.mark.parametrize("page, language, body, reason", PAGE_BLOCKS,
+                         ids=[f"{p.stem}-block{i}-{lang}" for i, (p, lang, _, _) in enumerate(PAGE_BLOCKS)])
+def test_readme_block_runs(page, language, body, reason, workdir):
     if reason is not None:
-        pytest.skip(f"README marks it: {reason}")
+        pytest.skip(f"{page.name} marks it: {reason}")
     if language == "python":
         script = workdir / "readme_block.py"
         script.write_text(SHIM + body)
