@@ -54,8 +54,10 @@ INTERRUPTED = threading.Event()
 # Set by SIGTERM: an error that follows it (vLLM's engine, in the same process group, died of it
 # too) is reported by ``rlcore run`` as the stop the signal asked for, in one line, exit 143.
 TERMINATED = threading.Event()
-# The thread inside ended_by_stop (its ident), else None: the stop signals' handlers end its wait.
-_WAIT_ENDED_BY_STOP: list[int | None] = [None]
+# Whether a wait inside ended_by_stop is open: the stop signals' handlers end it. Those handlers are
+# installed by run_catching_sigterm in the main thread only, and they run there: the loop that opened
+# the wait is the one they interrupt.
+_WAIT_ENDED_BY_STOP: list[bool] = [False]
 
 
 class StopSignalled(RuntimeError, RunStopped):
@@ -64,25 +66,22 @@ class StopSignalled(RuntimeError, RunStopped):
 
 @contextlib.contextmanager
 def ended_by_stop(loop: Any):
-    """Within, in the main thread: a stop signal ends what it waits for with :class:`StopSignalled`, at
-    once if one arrived already (``loop.stop_signal``). For the step's refit, whose weights only the
+    """Within (a loop under :func:`run_catching_sigterm`): a stop signal ends what it waits for with
+    :class:`StopSignalled`, at once if one arrived already (``loop.stop_signal``). For the step's refit, whose weights only the
     next step would use: a part the signal ended too (vLLM's engine, in the process group) would keep
     it waiting until cluster.timeout_s, and the step's training, done already, would not be checkpointed."""
     if loop.stop_signal is not None:
         raise StopSignalled(f"{signal.Signals(loop.stop_signal).name} received before the step's refit")
-    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
-        yield
-        return
-    _WAIT_ENDED_BY_STOP[0] = threading.get_ident()
+    _WAIT_ENDED_BY_STOP[0] = True
     try:
         yield
     finally:
-        _WAIT_ENDED_BY_STOP[0] = None
+        _WAIT_ENDED_BY_STOP[0] = False
 
 
 def _end_the_wait(signum: int) -> None:
-    if _WAIT_ENDED_BY_STOP[0] == threading.get_ident():
-        _WAIT_ENDED_BY_STOP[0] = None  # once: what the wait's cleanup runs is not cut short again
+    if _WAIT_ENDED_BY_STOP[0]:
+        _WAIT_ENDED_BY_STOP[0] = False  # once: what the wait's cleanup runs is not cut short again
         raise StopSignalled(f"{signal.Signals(signum).name} received during the step's refit")
 
 

@@ -42,6 +42,7 @@ class StaticCacheGenerator:
         tok = self.tokenizer
         self.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
         self.weights_version = 0
+        self._calls = 0  # model.generate() calls so far: what metrics() reports (the optional GeneratorMetrics)
         self._lock = threading.Lock()  # one generate/score/refit at a time: they share the model and its cache
 
     # ---- generation ------------------------------------------------------------------------
@@ -65,6 +66,7 @@ class StaticCacheGenerator:
 
     def _generate_rows(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> list[GenerationResult]:
         """One ``generate()`` over ``prompts`` (left-padded); each row cut at its stop or budget."""
+        self._calls += 1
         budgets = [min(params.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
         live = [i for i, b in enumerate(budgets) if b > 0]
         results = [GenerationResult(list(p), [], [], "truncated_prompt", policy_version=self.weights_version) for p in prompts]
@@ -115,6 +117,10 @@ class StaticCacheGenerator:
             seed = None if params.seed is None else params.seed + 1_000_003 * call
             flat += self._generate_rows(rows[start : start + step], params, seed)
         return [flat[p * params.n : (p + 1) * params.n] for p in range(len(prompts))]
+
+    def metrics(self) -> dict[str, float]:
+        """Totals since the start, logged with each step's record (``rlcore.interfaces.GeneratorMetrics``)."""
+        return {"generation/static_cache_calls": float(self._calls)}
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         (result,) = await asyncio.to_thread(self._generate_rows, [prompt_ids], params, params.seed)
