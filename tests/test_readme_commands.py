@@ -9,7 +9,8 @@ repository's ``recipes/`` and ``examples/`` and a ``runs/demo/sft`` model of the
 (random weights, not the warm start: these commands must run, not learn). To stay cheap, every
 ``rlcore run`` gets the overrides in ``SMALL`` appended (later overrides win), and a ``python``
 block's ``rlcore.load_config`` calls get them too (a two-line shim put before the block), so a run
-takes one small step without validation; the README's own commands pick the ``hf`` generator.
+takes one small step without validation; the README's own commands pick the ``hf`` generator, the
+getting-started page's get it appended (``PAGE_SMALL``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,18 @@ PAGES = (README, ROOT / "docs" / "getting-started.md")
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip,\s*(.*?)\s*-->")
 SMALL = ["train.max_num_steps=1", "train.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
          "train.val_period=0", "train.val_at_start=false", "logger.plot=false"]
-SHIM = (f"import rlcore\n_load = rlcore.load_config\n"
-        f"rlcore.load_config = lambda path, overrides=(), **kw: _load(path, [*overrides, *{SMALL!r}], **kw)\n")
+# The getting-started page's runs use the recipe's vLLM generator: here the hf one (the same loop; a vLLM
+# engine's start per command would cost minutes, and tests/test_first_hour.py runs the recipe on vLLM).
+PAGE_SMALL = {"README": SMALL, "getting-started": [*SMALL, "policy.generation.backend=hf"]}
+
+
+def shim(small: list[str] = SMALL) -> str:
+    """Two lines put before a python block: its ``rlcore.load_config`` calls get ``small`` appended."""
+    return (f"import rlcore\n_load = rlcore.load_config\n"
+            f"rlcore.load_config = lambda path, overrides=(), **kw: _load(path, [*overrides, *{small!r}], **kw)\n")
+
+
+SHIM = shim()
 
 
 def blocks(page: Path = README) -> list[tuple[str, str, str | None]]:
@@ -99,13 +110,14 @@ def test_readme_is_short_and_has_runnable_blocks():
 def test_readme_block_runs(page, language, body, reason, workdir):
     if reason is not None:
         pytest.skip(f"{page.name} marks it: {reason}")
+    small = PAGE_SMALL[page.stem]
     if language == "python":
         script = workdir / "readme_block.py"
-        script.write_text(SHIM + body)
+        script.write_text(shim(small) + body)
         _run([sys.executable, str(script)], workdir)
         return
     for command in commands(body):
         argv = shlex.split(command)
         if argv[:2] == ["rlcore", "run"]:
-            argv += SMALL
+            argv += small
         _run(argv, workdir)
