@@ -67,9 +67,10 @@ class StopSignalled(RuntimeError, RunStopped):
 @contextlib.contextmanager
 def ended_by_stop(loop: Any):
     """Within (a loop under :func:`run_catching_sigterm`): a stop signal ends what it waits for with
-    :class:`StopSignalled`, at once if one arrived already (``loop.stop_signal``). For the step's refit, whose weights only the
-    next step would use: a part the signal ended too (vLLM's engine, in the process group) would keep
-    it waiting until cluster.timeout_s, and the step's training, done already, would not be checkpointed."""
+    :class:`StopSignalled`, at once if one arrived already (``loop.stop_signal``). For the step's refit,
+    whose weights only the next step would use: a part the signal ended too (vLLM's engine, in the
+    process group) would keep it waiting until cluster.timeout_s, and the step's training, done
+    already, would not be checkpointed."""
     if loop.stop_signal is not None:
         raise StopSignalled(f"{signal.Signals(loop.stop_signal).name} received before the step's refit")
     _WAIT_ENDED_BY_STOP[0] = True

@@ -113,6 +113,11 @@ class Layout:
     def with_(self, **changes) -> Layout:
         return attrs.evolve(self, **changes)
 
+    def with_release(self, release: bool) -> Layout:
+        """This layout with the trainer's state released while a colocated engine is awake (or kept): the
+        key that says so is ``offload`` on megatron, ``release`` on fsdp2 (whose ``offload`` is cpu_offload)."""
+        return self.with_(offload=release) if self.backend == "megatron" else self.with_(release=release)
+
 
 def micro_batches(work: Workload, budget: int, total_tokens: float) -> tuple[int, int]:
     """(micro-batches, tokens of the fullest) for ``total_tokens`` of ``work``'s sequences: packed, whole sequences

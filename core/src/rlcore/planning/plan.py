@@ -208,7 +208,5 @@ def evaluate_recipe(inp: Inputs):
     kept = _search.evaluate(inp.shape, inp.work, inp.recipe_layout, inp.cluster, inp.cal)
     if not inp.release_auto or inp.recipe_layout.releases_state:
         return kept
-    lay = inp.recipe_layout
-    lay = lay.with_(offload=True) if lay.backend == "megatron" else lay.with_(release=True)
-    released = _search.evaluate(inp.shape, inp.work, lay, inp.cluster, inp.cal)
+    released = _search.evaluate(inp.shape, inp.work, inp.recipe_layout.with_release(True), inp.cluster, inp.cal)
     return released if kept.memory.better_released(released.memory) else kept

@@ -87,9 +87,7 @@ def _layout_and_work(config: RunConfig, inp: planning.Inputs, *, critic: bool, r
     refit = config.generation.refit
     work = attrs.evolve(inp.work, critic=critic, refit_chunk_bytes=refit.chunk_bytes,
                         probe_tokens=refit.probe_num_sequences * config.policy.max_total_sequence_length)
-    lay = inp.recipe_layout
-    lay = lay.with_(offload=release) if lay.backend == "megatron" else lay.with_(release=release)
-    return lay, work
+    return inp.recipe_layout.with_release(release), work
 
 
 def plan_run_memory(config: RunConfig, shape: ModelShape, gpu: GPU, world: int, *, critic: bool, cpu: bool = False) -> RunMemoryPlan:
