@@ -82,17 +82,10 @@ def build_components(config: RunConfig, **given) -> Components:
 
 def export_critic(components: Components, run_dir: Path) -> None:
     """ppo: the critic as a Hugging Face checkpoint in ``<run_dir>/critic``; with
-    ``offload_trainer_state`` its state comes back for it while the engines sleep."""
+    ``offload_trainer_state`` its state comes back for it (the engines sleep by then: ``run_grpo``)."""
     if components.critic is None:
         return
-    offloaded = components.placement.offload_trainer_state
-    if offloaded:
-        components.generator.sleep()
-    try:
-        critic_step.export_at_end(components.critic, run_dir, offloaded)
-    finally:
-        if offloaded:
-            components.generator.wake_up()
+    critic_step.export_at_end(components.critic, run_dir, components.placement.offload_trainer_state)
 
 
 def held_out_summary(records: list[dict]) -> dict:
@@ -113,6 +106,9 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
     try:
         with components.reporter:
             records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
+        # The engines are done: their memory goes to the final exports (a LoRA merge's buffers, a critic's
+        # state back from the host), which ran out of memory beside an awake 8B engine on an 80 GB GPU.
+        components.generator.sleep()
         save_final_model(loop.checkpoints, components.trainer, config, run_dir, given.get("tokenizer"))
         export_critic(components, run_dir)
     finally:  # each bounded: a component that hangs as the run ends is named and left behind

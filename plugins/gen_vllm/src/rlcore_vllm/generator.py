@@ -17,6 +17,7 @@ Their language and vision weights refit by checkpoint name, as text models' do.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -63,6 +64,9 @@ class VllmGenerator:
         self.sleeping = False
         self.memory_fraction = memory_fraction_of(self.config, memory_fraction)
         self._wake_bytes = 0  # what the engine gave back at its last sleep, and maps back at wake-up
+        self._cache_asleep = False  # weights awake, KV cache not yet (see wake_up)
+        self._cache_bytes = 0  # of what the wake-up maps back, the KV cache's part
+        self._cache_lock = threading.Lock()
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
         self.image_token, self.model_impl, vocab_size = self._vision_family()
         kwargs = self._engine_kwargs(dtype, seed, tokenizer_path)
@@ -294,6 +298,8 @@ class VllmGenerator:
         finally:
             for encoded in sent:
                 encoded.release()
+            sent.clear()
+        self._wake_cache()  # the chunks are gone: the KV cache takes their memory
 
     def load_payloads(self, payloads: Iterable[dict[str, Any]]) -> None:
         """One layer-wise reload from encoded chunks (:mod:`rlcore_vllm.codecs`), whoever encoded them.
@@ -330,6 +336,7 @@ class VllmGenerator:
         """Receive one refit from the broadcast group (blocks until the sender ends it)."""
         received = self.engine.rpc("rlcore_receive_broadcast")
         self._after_update()
+        self._wake_cache()
         return int(received[0])
 
     def world_size(self) -> int:
@@ -348,25 +355,50 @@ class VllmGenerator:
         """Release weights and KV cache (see ``_sleeps``); otherwise only marks the engine asleep, so that
         generating before ``wake_up`` fails the same way on every placement."""
         if self._sleeps and not self.sleeping:
+            self._wake_cache()  # a wake-up no generation followed: vLLM sleeps only a whole engine
             free_before = _free_gpu_bytes()
             self.engine.sleep(level=self.config.colocated.sleep_level)
             self._wake_bytes = max(0, _free_gpu_bytes() - free_before)  # what the wake-up maps back
         self.sleeping = True
 
     def wake_up(self) -> None:
-        """Map the engine's weights and KV cache back. Refused, naming what each side holds, when the GPU has
-        less free memory than the engine gave back at sleep (vLLM's allocator would fail midway)."""
+        """Map the engine's weights back; its KV cache follows once the refit that comes next has loaded
+        the new weights and released its buffers (``update_weights``), or at the first generation or
+        scoring call. So a colocated refit's chunks and merge buffers never compete with the KV cache:
+        the refit's peak is the trainer's state, the engine's weights and the chunks, and generation's
+        the trainer's state and the whole engine (vLLM's tagged wake-up; verl and NeMo-RL refit the
+        same way). Refused, naming what each side holds, when the GPU has less free memory than the
+        engine gave back at sleep (vLLM's allocator would fail midway)."""
         if self._sleeps and self.sleeping:
             need = self._wake_bytes
             free = _free_gpu_bytes()
             if need and free < need:
                 raise MemoryError(wake_up_refusal(need, free, self.memory_fraction))
-            self.engine.wake_up()
+            self.engine.wake_up(["weights"])
+            self._cache_bytes = max(0, need - max(0, free - _free_gpu_bytes()))
+            self._cache_asleep = True
         self.sleeping = False
+
+    def _wake_cache(self) -> None:
+        """The KV cache's half of :meth:`wake_up`. What the trainer's allocator caches (the refit's freed
+        buffers, the last phase's activations) goes back to the device first: the engine maps its
+        cache outside torch's allocator."""
+        with self._cache_lock:
+            if not self._cache_asleep:
+                return
+            import torch
+
+            torch.cuda.empty_cache()
+            need, free = self._cache_bytes, _free_gpu_bytes()
+            if free < need:
+                raise MemoryError(wake_up_refusal(need, free, self.memory_fraction, part="KV cache"))
+            self.engine.wake_up(["kv_cache"])
+            self._cache_asleep = False
 
     def _check_awake(self) -> None:
         if self.sleeping:
             raise RuntimeError("the vLLM generator is asleep; call wake_up() before generating")
+        self._wake_cache()
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
@@ -384,13 +416,13 @@ def _free_gpu_bytes() -> int:
     return int(torch.cuda.mem_get_info()[0])
 
 
-def wake_up_refusal(need: int, free: int, fraction: float) -> str:
+def wake_up_refusal(need: int, free: int, fraction: float, part: str = "weights and KV cache") -> str:
     """The wake-up's refusal: what the engine needs, what is free, what this process's allocator holds."""
     import torch
 
     gib = float(1 << 30)
     total = torch.cuda.mem_get_info()[1]
-    return (f"vLLM cannot wake up: its weights and KV cache need {need / gib:.1f} GiB and the GPU has {free / gib:.1f} of "
+    return (f"vLLM cannot wake up: its {part} need{'s' if part == 'KV cache' else ''} {need / gib:.1f} GiB and the GPU has {free / gib:.1f} of "
             f"{total / gib:.1f} GiB free (the engine's share, policy.generation.gpu_memory_utilization, is {fraction:.2f}); "
             f"this process's tensors hold {torch.cuda.memory_allocated() / gib:.1f} GiB and its allocator caches "
             f"{(torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / gib:.1f} GiB more (the trainer's state and "
