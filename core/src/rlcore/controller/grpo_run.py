@@ -107,10 +107,13 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
         with components.reporter:
             records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
         # The engines are done: their memory goes to the final exports (a LoRA merge's buffers, a critic's
-        # state back from the host), which ran out of memory beside an awake 8B engine on an 80 GB GPU.
-        components.generator.sleep()
-        save_final_model(loop.checkpoints, components.trainer, config, run_dir, given.get("tokenizer"))
-        export_critic(components, run_dir)
+        # state back from the host), which ran out of memory beside an awake 8B engine on an 80 GB GPU. Not
+        # after a stop signal (the engine may have had it too; the checkpoint holds the model), and bounded.
+        if loop.stop_signal is None:
+            bounded_teardown(components.generator.sleep, "the generator (sleep before the final export)",
+                             config.cluster.timeout_s)
+        if save_final_model(loop.checkpoints, components.trainer, config, run_dir, given.get("tokenizer")) is not None:
+            export_critic(components, run_dir)  # after a stop signal the checkpoint holds the critic too
     finally:  # each bounded: a component that hangs as the run ends is named and left behind
         limit = config.cluster.timeout_s
         for logger in components.loggers:
