@@ -15,7 +15,7 @@ import types
 import pytest
 
 from rlcore.config import structure
-from rlcore_vllm import generator as generator_module
+from rlcore_vllm import sleep_mode
 from rlcore_vllm.config import VllmConfig
 from rlcore_vllm.generator import VllmGenerator, memory_fraction_of
 
@@ -73,7 +73,7 @@ class Engine:
 @pytest.fixture
 def colocated(monkeypatch):
     device = Device(free=80 * GIB)
-    monkeypatch.setattr(generator_module, "_free_gpu_bytes", lambda: device.free)
+    monkeypatch.setattr(sleep_mode, "_free_gpu_bytes", lambda: device.free)
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
         empty_cache=device.empty_cache, mem_get_info=lambda: (device.free, 80 * GIB),
         memory_allocated=lambda: 0, memory_reserved=lambda: device.cached))
@@ -82,9 +82,8 @@ def colocated(monkeypatch):
     gen.config = structure(VllmConfig, {}, "policy.generation")
     gen.device, gen.model_path, gen.max_model_len, gen.image_token = "cuda", "/model", 64, None
     gen.memory_fraction = memory_fraction_of(gen.config, None)
-    gen.sleeping, gen.weights_version, gen._wake_bytes = False, 0, 0
-    gen._cache_asleep, gen._cache_bytes = False, 0
-    gen._cache_lock = __import__("threading").Lock()
+    gen.sleeping, gen.weights_version = False, 0
+    gen._start_sleep_mode()
     device.free -= 50 * GIB  # the engine: 16 GiB of weights, 34 of KV cache
     gen.engine = Engine(device, weights=16 * GIB, cache=34 * GIB)
     return gen, device

@@ -17,7 +17,6 @@ Their language and vision weights refit by checkpoint name, as text models' do.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +24,7 @@ from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
 from rlcore_vllm.config import VllmConfig
 from rlcore_vllm.images import check_engine_ids, image_request, never_sampled
+from rlcore_vllm.sleep_mode import SleepMode
 
 EXTENSION = "rlcore_vllm.worker_ext.RlcoreWorkerExtension"
 
@@ -44,7 +44,7 @@ def reap_engines_with_this_process() -> None:
         _REAPER = start_reaper(os.getpid())
 
 
-class VllmGenerator:
+class VllmGenerator(SleepMode):
     """A :class:`rlcore.interfaces.Generator` backed by one vLLM engine (``num_replicas`` via vLLM DP)."""
 
     # a text model's: set from the checkpoint for the vision-language families this generator takes images for
@@ -63,10 +63,7 @@ class VllmGenerator:
         self.weights_version = 0
         self.sleeping = False
         self.memory_fraction = memory_fraction_of(self.config, memory_fraction)
-        self._wake_bytes = 0  # what the engine gave back at its last sleep, and maps back at wake-up
-        self._cache_asleep = False  # weights awake, KV cache not yet (see wake_up)
-        self._cache_bytes = 0  # of what the wake-up maps back, the KV cache's part
-        self._cache_lock = threading.Lock()
+        self._start_sleep_mode()
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
         self.image_token, self.model_impl, vocab_size = self._vision_family()
         kwargs = self._engine_kwargs(dtype, seed, tokenizer_path)
@@ -343,63 +340,6 @@ class VllmGenerator:
         """Engine workers that join a broadcast group."""
         return self.config.tensor_parallel_size * self.config.num_replicas
 
-    # ---- lifecycle -----------------------------------------------------------------------------
-    @property
-    def _sleeps(self) -> bool:
-        """Whether the engine gives its GPU memory back while the trainer works: colocated on a GPU,
-        unless ``colocated.sleep_level`` is 0 (resident). vLLM has no sleep mode on CPU."""
-        colocated = self.config.colocated
-        return self.device != "cpu" and colocated.enabled and colocated.sleep_level > 0
-
-    def sleep(self) -> None:
-        """Release weights and KV cache (see ``_sleeps``); otherwise only marks the engine asleep, so that
-        generating before ``wake_up`` fails the same way on every placement."""
-        if self._sleeps and not self.sleeping:
-            self._wake_cache()  # a wake-up no generation followed: vLLM sleeps only a whole engine
-            free_before = _free_gpu_bytes()
-            self.engine.sleep(level=self.config.colocated.sleep_level)
-            self._wake_bytes = max(0, _free_gpu_bytes() - free_before)  # what the wake-up maps back
-        self.sleeping = True
-
-    def wake_up(self) -> None:
-        """Map the engine's weights back; its KV cache follows once the refit that comes next has loaded
-        the new weights and released its buffers (``update_weights``), or at the first generation or
-        scoring call. So a colocated refit's chunks and merge buffers never compete with the KV cache:
-        the refit's peak is the trainer's state, the engine's weights and the chunks, and generation's
-        the trainer's state and the whole engine (vLLM's tagged wake-up; verl and NeMo-RL refit the
-        same way). Refused, naming what each side holds, when the GPU has less free memory than the
-        engine gave back at sleep (vLLM's allocator would fail midway)."""
-        if self._sleeps and self.sleeping:
-            need = self._wake_bytes
-            free = _free_gpu_bytes()
-            if need and free < need:
-                raise MemoryError(wake_up_refusal(need, free, self.memory_fraction))
-            self.engine.wake_up(["weights"])
-            self._cache_bytes = max(0, need - max(0, free - _free_gpu_bytes()))
-            self._cache_asleep = True
-        self.sleeping = False
-
-    def _wake_cache(self) -> None:
-        """The KV cache's half of :meth:`wake_up`. What the trainer's allocator caches (the refit's freed
-        buffers, the last phase's activations) goes back to the device first: the engine maps its
-        cache outside torch's allocator."""
-        with self._cache_lock:
-            if not self._cache_asleep:
-                return
-            import torch
-
-            torch.cuda.empty_cache()
-            need, free = self._cache_bytes, _free_gpu_bytes()
-            if free < need:
-                raise MemoryError(wake_up_refusal(need, free, self.memory_fraction, part="KV cache"))
-            self.engine.wake_up(["kv_cache"])
-            self._cache_asleep = False
-
-    def _check_awake(self) -> None:
-        if self.sleeping:
-            raise RuntimeError("the vLLM generator is asleep; call wake_up() before generating")
-        self._wake_cache()
-
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
 
@@ -407,27 +347,6 @@ class VllmGenerator:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
-
-
-def _free_gpu_bytes() -> int:
-    """Free memory of this process's GPU, every process's use counted (the engine's may be another's)."""
-    import torch
-
-    return int(torch.cuda.mem_get_info()[0])
-
-
-def wake_up_refusal(need: int, free: int, fraction: float, part: str = "weights and KV cache") -> str:
-    """The wake-up's refusal: what the engine needs, what is free, what this process's allocator holds."""
-    import torch
-
-    gib = float(1 << 30)
-    total = torch.cuda.mem_get_info()[1]
-    return (f"vLLM cannot wake up: its {part} need{'s' if part == 'KV cache' else ''} {need / gib:.1f} GiB and the GPU has {free / gib:.1f} of "
-            f"{total / gib:.1f} GiB free (the engine's share, policy.generation.gpu_memory_utilization, is {fraction:.2f}); "
-            f"this process's tensors hold {torch.cuda.memory_allocated() / gib:.1f} GiB and its allocator caches "
-            f"{(torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / gib:.1f} GiB more (the trainer's state and "
-            "what its last phase left). To fit: policy.generation.colocated.offload_trainer_state: true (or auto), or a "
-            "smaller policy.generation.gpu_memory_utilization (auto sizes it from the run's memory plan)")
 
 
 def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
