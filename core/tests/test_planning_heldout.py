@@ -12,13 +12,13 @@ Known misses (:data:`KNOWN_MISSES`, each asserted to be still outside its bound,
 PPO rows' refit, whose weight transfer ran at 61 GB/s where the H200 rows the refit rate is fitted to (earlier
 commits) moved weights at 15-45 GB/s; the multi-turn row's offload, which the run's memory plan of that time
 chose for ``offload_trainer_state: auto`` (it gave the engine all the memory the trainer left free); the memory
-plan now, and ``rlcore plan`` with it, keeps the state for this run. The 8B LoRA rows' refit (+50-65%): the refit's
+plan now, and ``rlcore plan`` with it, keeps the state for this run. The 8B LoRA rows' refit (+48%, +67%): the refit's
 fixed cost and rate are fitted to the 1.2B model's H100 rows alone, where per-tensor host work weighs as much as the
-bytes, so one size cannot separate the two; the FSDP2 LoRA row's offload (0.11 s measured, 0.02 priced): moving 0.5 GiB
+bytes, so one size cannot separate the two; the FSDP2 LoRA row's offload (0.11 s measured, 0.01 priced): moving 0.5 GiB
 of adapter state, the release's fixed work (synchronizing, emptying the allocator's cache) dominates, unpriced.
 
 Memory (``memory/<phase>_device_gib``, NVML's peak over every process, against the plan of the run as it ran, within
-10%): the 1.2B full fine-tuning rows (PPO, multi-turn) miss low in both phases by 8-23 GiB that is already on the
+10%): the 1.2B full fine-tuning rows (PPO, multi-turn) miss low in both phases by 7-23 GiB that is already on the
 device before the training phase starts, with the engine asleep, and stays while it is awake; the 8B LoRA rows of the
 same code, whose optimizer state is a few hundred MiB, carry none of it. The planner does not count it: the optimizer
 state and gradients the first step creates land in segments the caching allocator reserved for activations, which

@@ -7,7 +7,8 @@ planner on runs no calibration saw (``core/tests/test_planning_heldout.py``).
 
 H200 (one GPU):
 
-- ``bench_train_megatron`` (training alone): ``peak_mem_gib`` of every row; ``step_s`` as the training phase for
+- ``bench_train_megatron`` (training alone): ``peak_mem_gib`` of every row (it fits ``fixed_gib`` alone: activations
+  and logits are counted from the tensors the layers keep, :mod:`rlcore.planning.memory`); ``step_s`` as the training phase for
   the kernels each backend uses now (Megatron's dense rows with Transformer Engine's layers and no FP8; its MoE
   rows with torch's grouped GEMM; FSDP2's rows).
 - ``bench_grpo_step`` (whole synchronous GRPO steps, colocated vLLM): ``train_s``, ``refit_s``, ``offload_s``,

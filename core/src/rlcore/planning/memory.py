@@ -9,7 +9,9 @@ staged chunk, the probe's logprob pass), beside the engine's weights, KV cache a
 sized automatically gets twice the KV cache the step needs, within what is left. Logprob passes hold a forward's
 activations only and never exceed training. Activation bytes per token and layer follow the tensors
 Megatron-Core keeps for backward (its paper's count, with flash attention's linear memory):
-``8h`` replicated over tensor-parallel ranks without sequence parallelism, ``2(q+2kv) + 2q + 6f`` split.
+``8h`` replicated over tensor-parallel ranks without sequence parallelism, ``2(q+2kv) + 2q + 6f`` split; an
+uncompiled FSDP2 model keeps a Hugging Face layer's eager tensors (:func:`activation_bytes_per_token_layer`). The
+logits: the bf16 rows the chunked logprob keeps and their bf16 gradient.
 """
 
 from __future__ import annotations
