@@ -230,3 +230,18 @@ def test_a_refused_wake_up_releases_the_trainer_state_when_auto(capsys):
                     Learner(_Recorder(calls), None, 8, 3, offload_trainer_state=True, may_offload=True)):
         with pytest.raises(MemoryError, match="cannot wake up"):
             learner.wake(_EngineShortOfMemory([]))
+
+
+def test_the_run_plans_with_the_calibration_of_the_gpu_it_is_on(monkeypatch):
+    """The run's memory plan reads the calibration of its own GPU (it read the H200's on every GPU)."""
+    from rlcore.planning import run_memory
+    from rlcore.planning.calibration import load_calibration as real
+    from rlcore.planning.hardware import gpu
+    from rlcore.planning.shapes import resolve_shape
+
+    asked = []
+    monkeypatch.setattr(run_memory, "load_calibration", lambda name: asked.append(name) or real(name))
+    config = rlcore.build_config({"policy": {"model_name": "m", "generation": {"backend": "vllm"}},
+                                  "cluster": {"gpus_per_node": 1}})
+    run_memory.plan_run_memory(config, resolve_shape("", "llama-3.2-1b"), gpu("h100"), 1, critic=False)
+    assert asked == ["h100"]
