@@ -147,17 +147,18 @@ class SglangGenerator:
 
         A failure part-way re-raises without bumping ``weights_version`` (the layers loaded before it keep
         the new weights: the run loop's refit probe would flag the mix if the error were swallowed)."""
-        from rlcore_sglang.weights import bucket_payload, send_bucket
+        from rlcore_sglang.weights import bucket_payload, by_dtype, send_bucket
 
         if self.sleeping:
             self.wake_up()
         manager = self.engine.manager
         keep = []  # see rlcore_sglang.weights: alive until the engine has flushed after the last chunk
         try:
-            for i, chunk in enumerate(c for c in chunks if c):
-                payloads, buffer = bucket_payload(chunk, self.config.tp_size)
-                keep.append(buffer)
-                self.engine.call(send_bucket(manager, payloads, f"chunk {i} ({chunk[0][0]}, ...)"))
+            for i, chunk in enumerate(chunks):
+                for named in by_dtype(chunk):
+                    payloads, buffer = bucket_payload(named, self.config.tp_size)
+                    keep.append(buffer)
+                    self.engine.call(send_bucket(manager, payloads, f"chunk {i} ({named[0][0]}, ...)"))
             self.engine.call(manager.flush_cache())
         finally:
             keep.clear()

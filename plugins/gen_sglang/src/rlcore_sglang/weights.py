@@ -1,8 +1,9 @@
 """A refit into SGLang: Hugging Face-named chunks through ``update_weights_from_tensor``.
 
 Each chunk (already bounded by ``policy.generation.refit.chunk_bytes``) becomes one
-``FlattenedTensorBucket`` (its tensors back to back in one uint8 buffer; dtypes may differ) sent with
-``load_format="flattened_bucket"``: one CUDA IPC handle a chunk instead of one a tensor. The engine's
+``FlattenedTensorBucket`` per dtype in it (its tensors back to back in one uint8 buffer), sent with
+``load_format="flattened_bucket"``: one CUDA IPC handle a chunk instead of one a tensor (a refit in the
+engine's dtype has one dtype). The engine's
 scheduler rebuilds the tensors from the buffer and calls the model's ``load_weights`` with them, which
 maps Hugging Face names to its own layout (``sglang/srt/model_executor/model_runner_components/
 weight_updater.py``: ``_update_weights_from_flattened_bucket``). This is how slime sends its colocated
@@ -26,8 +27,23 @@ from typing import Any
 from rlcore.interfaces import NamedTensors
 
 
-def bucket_payload(chunk: NamedTensors, tp_size: int) -> tuple[list[bytes], Any]:
-    """(one serialized ``{"flattened_tensor", "metadata"}`` per tensor-parallel rank, the buffer to keep alive).
+def by_dtype(chunk: NamedTensors) -> list[NamedTensors]:
+    """The chunk's tensors grouped by dtype, in order of first appearance.
+
+    ``FlattenedTensorBucket`` lays tensors back to back in bytes with no padding and rebuilds each
+    with ``.view(dtype)``, which needs its offset to be a multiple of the dtype's size: a float64 after
+    seven bfloat16 values fails there ("storage_offset() must be divisible by 8"). In one dtype every
+    offset is a whole number of elements (slime also sends one bucket per dtype where SGLang's bucket
+    is not known to take several)."""
+    groups: dict = {}
+    for name, tensor in chunk:
+        groups.setdefault(tensor.dtype, []).append((name, tensor))
+    return list(groups.values())
+
+
+def bucket_payload(named: NamedTensors, tp_size: int) -> tuple[list[bytes], Any]:
+    """(one serialized ``{"flattened_tensor", "metadata"}`` per tensor-parallel rank, the buffer to keep
+    alive) for tensors of one dtype (:func:`by_dtype`).
 
     Runs in the caller's thread (the trainer's CUDA device and stream); the copy into the buffer is
     finished before its handle leaves, since the engine reads it on a stream of its own."""
@@ -37,7 +53,7 @@ def bucket_payload(chunk: NamedTensors, tp_size: int) -> tuple[list[bytes], Any]
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     monkey_patch_torch_reductions()
-    bucket = FlattenedTensorBucket(named_tensors=[(name, tensor.detach()) for name, tensor in chunk])
+    bucket = FlattenedTensorBucket(named_tensors=[(name, tensor.detach()) for name, tensor in named])
     buffer = bucket.get_flattened_tensor()
     if buffer.is_cuda:
         torch.cuda.current_stream(buffer.device).synchronize()
