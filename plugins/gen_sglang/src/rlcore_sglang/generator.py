@@ -175,8 +175,10 @@ class SglangGenerator:
         """Release the weights and the KV cache (see ``_sleeps``); otherwise only marks the engine asleep, so
         that generating before ``wake_up`` fails the same way on every placement."""
         if self._sleeps and not self.sleeping:
-            self._wake_cache()  # a wake-up no generation followed: release both halves together
-            self._memory("release", ["weights", "kv_cache"])
+            # After a wake-up that no refit or generation followed, the KV cache is still released (SGLang's
+            # tags are independent; resuming one that is not released fails: offload_tags.remove).
+            self._memory("release", ["weights"] if self._cache_asleep else ["weights", "kv_cache"])
+            self._cache_asleep = True
         self.sleeping = True
 
     def wake_up(self) -> None:
