@@ -102,6 +102,7 @@ def test_on_cpu_the_factory_fails_naming_the_fix(sglang_plugin_manager):
 
 @pytest.mark.skipif(HAS_SGLANG, reason="sglang is installed here")
 def test_without_sglang_the_factory_fails_naming_the_package_and_version(sglang_plugin_manager):
-    with pytest.raises(ConfigError, match=r"needs the sglang package.*pip install 'rlcore-sglang\[cuda\]' \(sglang==0\.5\.17") as err:
+    needs = r"needs the sglang package.*pip install 'rlcore-sglang\[cuda\]' \(sglang==0\.5\.17"
+    with pytest.raises(ConfigError, match=needs) as err:
         build_generator(sglang_plugin_manager, "/nonexistent-model", device="cuda")
     assert err.value.key == "policy.generation.backend"

@@ -43,7 +43,8 @@ def test_sglangs_bucket_rebuilds_each_dtype_group_after_serialization():
         payloads, _ = bucket_payload(group, tp_size=2)
         assert len(payloads) == 2
         data = MultiprocessingSerializer.deserialize(payloads[1])
-        rebuilt = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]).reconstruct_tensors()
+        bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+        rebuilt = bucket.reconstruct_tensors()
         assert [n for n, _ in rebuilt] == [n for n, _ in group]
         assert all(torch.equal(got, want) for (_, got), (_, want) in zip(rebuilt, group))
     mixed = FlattenedTensorBucket(named_tensors=mixed_chunk())

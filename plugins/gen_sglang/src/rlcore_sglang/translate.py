@@ -85,7 +85,8 @@ def prompt_logprobs(output: dict[str, Any], sequence: list[int]) -> list[float]:
         raise RuntimeError(f"SGLang returned {got} prompt logprobs for a sequence of {len(sequence)} tokens")
     ids = [int(e[1]) for e in entries]
     if ids != list(sequence):
-        raise RuntimeError(f"SGLang scored other tokens than the sequence's (first difference at {_first_difference(ids, list(sequence))})")
+        raise RuntimeError("SGLang scored other tokens than the sequence's "
+                           f"(first difference at {_first_difference(ids, list(sequence))})")
     return [0.0] + [float(e[0]) for e in entries[1:]]
 
 
