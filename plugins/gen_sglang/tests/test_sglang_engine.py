@@ -1,7 +1,7 @@
 """On a CUDA GPU with SGLang 0.5.17: rlcore's generator conformance suite for ``sglang`` (built through
 its registration, as a run builds it), then what the suite does not reach: logprobs against a Hugging
 Face forward at temperature 1 and below, a refit through the plugin's transport, sleep and wake-up with
-the memory given back, and ``agenerate`` from several event loops. One engine for the module.
+the memory given back (and a wake-up refused without room), and ``agenerate`` from several event loops. One engine for the module.
 
 Skipped without SGLang or a GPU, with the reason: SGLang has no CPU build on the package index.
 """
@@ -157,6 +157,25 @@ def test_sleep_gives_the_memory_back_and_a_wake_up_with_a_refit_generates_as_bef
     sglang_generator.wake_up()
     sglang_generator.update_weights(iter([list(hf_state.items())]))  # the GRPO loop's refit after each wake-up
     assert [r[0].response_ids for r in sglang_generator.generate(prompts, greedy)] == before
+
+
+def test_a_wake_up_without_room_is_refused_naming_what_makes_room(sglang_generator, hf_state):
+    """A trainer that took the GPU while the engine slept (here: one tensor leaving 1 GiB free): the
+    wake-up is refused before SGLang maps anything, and succeeds once the memory is back."""
+    import torch
+
+    sglang_generator.sleep()
+    hog = torch.empty(torch.cuda.mem_get_info()[0] - (1 << 30), dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(MemoryError, match=r"SGLang cannot wake up.*offload_trainer_state.*gpu_memory_utilization"):
+            sglang_generator.wake_up()
+        assert sglang_generator.sleeping
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    sglang_generator.wake_up()
+    sglang_generator.update_weights(iter([list(hf_state.items())]))
+    assert len(sglang_generator.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))[0]) == 1
 
 
 def test_agenerate_from_several_event_loops_and_threads(sglang_generator):

@@ -22,6 +22,7 @@ from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
 from rlcore_sglang import translate
 from rlcore_sglang.config import SglangConfig
+from rlcore_sglang.memory import free_gpu_bytes, wake_up_refusal
 
 # The engine's share of a GPU when the recipe says auto and the run made no memory plan.
 UNPLANNED_FRACTION = 0.5
@@ -67,10 +68,12 @@ class SglangGenerator:
         self.weights_version = 0
         self.sleeping = False
         self._cache_asleep = False  # weights awake, KV cache not yet (see wake_up)
+        self._wake_bytes = self._cache_bytes = 0  # what the last sleep gave back; of it, the KV cache's part
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0,
                          "generation/retractions": 0.0}
+        self.memory_fraction = memory_fraction_of(self.config, memory_fraction)
         args = server_args(self.config, self.model_path, tokenizer_path=tokenizer_path, max_model_len=self.max_model_len,
-                           dtype=dtype, seed=seed, memory_fraction=memory_fraction_of(self.config, memory_fraction))
+                           dtype=dtype, seed=seed, memory_fraction=self.memory_fraction)
         args.update(engine_kwargs or {})
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # read by the engine's processes as they start
         self.engine = EngineThread(args)
@@ -172,12 +175,18 @@ class SglangGenerator:
         return self.config.colocated.enabled and self.config.colocated.sleep_level > 0
 
     def sleep(self) -> None:
-        """Release the weights and the KV cache (see ``_sleeps``); otherwise only marks the engine asleep, so
-        that generating before ``wake_up`` fails the same way on every placement."""
+        """Release the weights and the KV cache (see ``_sleeps``), measuring what the GPU got back; otherwise
+        only marks the engine asleep, so that generating before ``wake_up`` fails the same way on every placement."""
         if self._sleeps and not self.sleeping:
-            # After a wake-up that no refit or generation followed, the KV cache is still released (SGLang's
-            # tags are independent; resuming one that is not released fails: offload_tags.remove).
-            self._memory("release", ["weights"] if self._cache_asleep else ["weights", "kv_cache"])
+            free = free_gpu_bytes()
+            if self._cache_asleep:
+                # A wake-up that no refit or generation followed left the KV cache released (SGLang's tags are
+                # independent, and resuming one that is not released fails: offload_tags.remove).
+                self._memory("release", ["weights"])
+                self._wake_bytes = self._cache_bytes + max(0, free_gpu_bytes() - free)
+            else:
+                self._memory("release", ["weights", "kv_cache"])
+                self._wake_bytes = max(0, free_gpu_bytes() - free)
             self._cache_asleep = True
         self.sleeping = True
 
@@ -185,10 +194,14 @@ class SglangGenerator:
         """Map the engine's weights back; its KV cache follows once the refit that comes next has loaded the
         new weights and released its chunks (``update_weights``), or at the first generation or scoring
         call: a colocated refit's chunks never compete with the KV cache (verl's SGLang rollout resumes
-        ``weights``, refits, then resumes ``kv_cache`` the same way)."""
+        ``weights``, refits, then resumes ``kv_cache`` the same way). Refused, naming what holds the GPU,
+        when it has less free than the engine gave back at sleep (:mod:`rlcore_sglang.memory`)."""
         if self._sleeps and self.sleeping:
+            need, free = self._wake_bytes, free_gpu_bytes()
+            if need and free < need:
+                raise MemoryError(wake_up_refusal(need, free, self.memory_fraction))
             self._memory("resume", ["weights"])
-            self._cache_asleep = True
+            self._cache_bytes = max(0, need - max(0, free - free_gpu_bytes()))
         self.sleeping = False
 
     def _wake_cache(self) -> None:
@@ -198,8 +211,10 @@ class SglangGenerator:
 
         # The engine maps its cache outside this process's allocator: what the allocator caches
         # (the refit's freed chunks, the trainer's last activations) goes back to the device first.
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
+        need, free = self._cache_bytes, free_gpu_bytes()
+        if free < need:
+            raise MemoryError(wake_up_refusal(need, free, self.memory_fraction, part="KV cache"))
         self._memory("resume", ["kv_cache"])
         self._cache_asleep = False
 
