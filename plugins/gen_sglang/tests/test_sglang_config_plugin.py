@@ -106,3 +106,17 @@ def test_without_sglang_the_factory_fails_naming_the_package_and_version(sglang_
     with pytest.raises(ConfigError, match=needs) as err:
         build_generator(sglang_plugin_manager, "/nonexistent-model", device="cuda")
     assert err.value.key == "policy.generation.backend"
+
+
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not installed (no CPU build on the package index; the GPU check "
+                    "installs sglang 0.5.17: benchmarks/gpu/README.md)")
+def test_server_args_are_fields_of_sglangs_server_args():
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    from rlcore_sglang.generator import server_args
+
+    args = server_args(SglangConfig(max_running_requests=8), "/model", tokenizer_path=None, max_model_len=512,
+                       dtype="bfloat16", seed=0, memory_fraction=0.3)
+    assert set(args) <= {f.name for f in dataclasses.fields(ServerArgs)}
