@@ -15,6 +15,7 @@ tokens, ``drop`` returns empty responses with ``finish_reason="truncated_prompt"
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -69,6 +70,7 @@ class SglangGenerator:
         self.sleeping = False
         self._cache_asleep = False  # weights awake, KV cache not yet (see wake_up)
         self._wake_bytes = self._cache_bytes = 0  # what the last sleep gave back; of it, the KV cache's part
+        self._cache_lock = threading.Lock()
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0,
                          "generation/retractions": 0.0}
         self.memory_fraction = memory_fraction_of(self.config, memory_fraction)
@@ -205,18 +207,21 @@ class SglangGenerator:
         self.sleeping = False
 
     def _wake_cache(self) -> None:
-        if not self._cache_asleep:
-            return
-        import torch
+        """The KV cache's half of :meth:`wake_up`, once: callers in several threads (rollouts) may race here,
+        and SGLang fails a resume of a tag that is not released."""
+        with self._cache_lock:
+            if not self._cache_asleep:
+                return
+            import torch
 
-        # The engine maps its cache outside this process's allocator: what the allocator caches
-        # (the refit's freed chunks, the trainer's last activations) goes back to the device first.
-        torch.cuda.empty_cache()
-        need, free = self._cache_bytes, free_gpu_bytes()
-        if free < need:
-            raise MemoryError(wake_up_refusal(need, free, self.memory_fraction, part="KV cache"))
-        self._memory("resume", ["kv_cache"])
-        self._cache_asleep = False
+            # The engine maps its cache outside this process's allocator: what the allocator caches
+            # (the refit's freed chunks, the trainer's last activations) goes back to the device first.
+            torch.cuda.empty_cache()
+            need, free = self._cache_bytes, free_gpu_bytes()
+            if free < need:
+                raise MemoryError(wake_up_refusal(need, free, self.memory_fraction, part="KV cache"))
+            self._memory("resume", ["kv_cache"])
+            self._cache_asleep = False
 
     def _memory(self, action: str, tags: list[str]) -> None:
         from sglang.srt.managers import io_struct
