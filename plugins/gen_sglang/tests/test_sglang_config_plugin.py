@@ -74,12 +74,12 @@ def test_bad_keys_and_values_name_the_key(data, key):
     ({"enabled": False}, False, False),
 ])
 def test_server_args_follow_the_section(colocated, saver, backup):
-    from rlcore_sglang.generator import memory_fraction_of, server_args
+    from rlcore_sglang.generator import server_args
 
     cfg = structure(SglangConfig, {"colocated": colocated, "enforce_eager": True, "tp_size": 2, "enable_prefix_caching": False},
                     "policy.generation")
     args = server_args(cfg, "/model", tokenizer_path=None, max_model_len=512, dtype="bfloat16", seed=7,
-                       memory_fraction=memory_fraction_of(cfg, 0.35))
+                       memory_fraction=cfg.engine_memory_fraction(0.35))
     assert args["enable_memory_saver"] is saver and args["enable_weights_cpu_backup"] is backup
     assert args["disable_cuda_graph"] is True and args["disable_radix_cache"] is True and args["tp_size"] == 2
     assert args["context_length"] == 512 and args["random_seed"] == 7 and args["tokenizer_path"] == "/model"
@@ -87,11 +87,11 @@ def test_server_args_follow_the_section(colocated, saver, backup):
 
 
 def test_memory_share_is_the_recipes_else_the_plan_else_half():
-    from rlcore_sglang.generator import UNPLANNED_FRACTION, memory_fraction_of
+    from rlcore.config.generation import UNPLANNED_ENGINE_FRACTION
 
-    assert memory_fraction_of(SglangConfig(gpu_memory_utilization=0.6), 0.2) == 0.6
-    assert memory_fraction_of(SglangConfig(), 0.2) == 0.2
-    assert memory_fraction_of(SglangConfig(), None) == UNPLANNED_FRACTION == 0.5
+    assert SglangConfig(gpu_memory_utilization=0.6).engine_memory_fraction(0.2) == 0.6
+    assert SglangConfig().engine_memory_fraction(0.2) == 0.2
+    assert SglangConfig().engine_memory_fraction(None) == UNPLANNED_ENGINE_FRACTION == 0.5
 
 
 def test_on_cpu_the_factory_fails_naming_the_fix(sglang_plugin_manager):

@@ -17,7 +17,7 @@ import pytest
 from rlcore.config import structure
 from rlcore_vllm import sleep_mode
 from rlcore_vllm.config import VllmConfig
-from rlcore_vllm.generator import VllmGenerator, memory_fraction_of
+from rlcore_vllm.generator import VllmGenerator
 
 GIB = 1 << 30
 
@@ -81,7 +81,7 @@ def colocated(monkeypatch):
     gen = VllmGenerator.__new__(VllmGenerator)
     gen.config = structure(VllmConfig, {}, "policy.generation")
     gen.device, gen.model_path, gen.max_model_len, gen.image_token = "cuda", "/model", 64, None
-    gen.memory_fraction = memory_fraction_of(gen.config, None)
+    gen.memory_fraction = gen.config.engine_memory_fraction(None)
     gen.sleeping, gen.weights_version = False, 0
     gen._start_sleep_mode()
     device.free -= 50 * GIB  # the engine: 16 GiB of weights, 34 of KV cache

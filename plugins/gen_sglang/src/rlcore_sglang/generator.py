@@ -21,13 +21,10 @@ from typing import Any
 
 from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
+from rlcore.prompts import answers_in_order, fit_to_context
 from rlcore_sglang import translate
 from rlcore_sglang.config import SglangConfig
 from rlcore_sglang.memory import free_gpu_bytes, wake_up_refusal
-
-# The engine's share of a GPU when the recipe says auto and the run made no memory plan.
-UNPLANNED_FRACTION = 0.5
-
 
 def server_args(config: SglangConfig, model_path: str, *, tokenizer_path: str | None, max_model_len: int, dtype: str,
                 seed: int, memory_fraction: float) -> dict[str, Any]:
@@ -44,14 +41,6 @@ def server_args(config: SglangConfig, model_path: str, *, tokenizer_path: str | 
     if config.max_running_requests is not None:
         args["max_running_requests"] = config.max_running_requests
     return args
-
-
-def memory_fraction_of(config: SglangConfig, planned: float | None) -> float:
-    """``policy.generation.gpu_memory_utilization``: the recipe's number, else the run's plan, else
-    :data:`UNPLANNED_FRACTION`."""
-    if config.gpu_memory_utilization != "auto":
-        return float(config.gpu_memory_utilization)
-    return planned if planned is not None else UNPLANNED_FRACTION
 
 
 class SglangGenerator:
@@ -73,7 +62,7 @@ class SglangGenerator:
         self._cache_lock = threading.Lock()
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0,
                          "generation/retractions": 0.0}
-        self.memory_fraction = memory_fraction_of(self.config, memory_fraction)
+        self.memory_fraction = self.config.engine_memory_fraction(memory_fraction)
         args = server_args(self.config, self.model_path, tokenizer_path=tokenizer_path, max_model_len=self.max_model_len,
                            dtype=dtype, seed=seed, memory_fraction=self.memory_fraction)
         args.update(engine_kwargs or {})
@@ -82,19 +71,11 @@ class SglangGenerator:
 
     # ---- sampling ------------------------------------------------------------------------------
     def _fit_prompt(self, prompt_ids: list[int]) -> list[int] | None:
-        """The prompt as it will be sent, or None when the overflow policy drops it."""
-        limit = self.max_model_len - 1
-        if len(prompt_ids) <= limit:
-            return list(prompt_ids)
-        if self.config.prompt_overflow == "drop":
-            self._metrics["generation/dropped_prompts"] += 1
-            return None
-        self._metrics["generation/truncated_prompts"] += 1
-        return list(prompt_ids[-limit:])
-
-    def _dropped(self, prompt_ids: list[int]) -> GenerationResult:
-        return GenerationResult(prompt_ids=list(prompt_ids), response_ids=[], response_logprobs=[],
-                                finish_reason="truncated_prompt", policy_version=self.weights_version)
+        """The prompt as it will be sent, or None when the overflow policy drops it (counted in :meth:`metrics`)."""
+        fitted, outcome = fit_to_context(prompt_ids, self.max_model_len, self.config.prompt_overflow)
+        if outcome is not None:
+            self._metrics[f"generation/{outcome}_prompts"] += 1
+        return fitted
 
     async def _request(self, prompts: list[list[int]], sampling: list[dict[str, Any]], **logprob_args) -> list[dict]:
         """One batch through the tokenizer manager, on the engine's loop; answers in request order."""
@@ -116,20 +97,15 @@ class SglangGenerator:
         sent = [p for p in fitted if p is not None for _ in range(params.n)]
         sampling = [translate.sampling_dict(params, room=self.max_model_len - len(p)) for p in sent]
         outputs = iter(self.engine.call(self._request(sent, sampling)))
-        results = []
-        for orig, p in zip(prompts, fitted):
-            if p is None:
-                results.append([self._dropped(orig) for _ in range(params.n)])
-            else:
-                results.append([translate.to_result(next(outputs), p, version) for _ in range(params.n)])
-        return results
+        return answers_in_order(prompts, fitted, params.n, version,
+                                lambda p: [translate.to_result(next(outputs), p, version) for _ in range(params.n)])
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         self._check_awake()
         version = self.weights_version
         fitted = self._fit_prompt(prompt_ids)
         if fitted is None:
-            return self._dropped(prompt_ids)
+            return GenerationResult.dropped(prompt_ids, self.weights_version)
         sampling = translate.sampling_dict(params, room=self.max_model_len - len(fitted))
         outputs = await self.engine.acall(self._request([fitted], [sampling]))
         return translate.to_result(outputs[0], fitted, version)

@@ -22,6 +22,7 @@ from typing import Any
 
 from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
+from rlcore.prompts import answers_in_order, fit_to_context
 from rlcore_vllm.config import VllmConfig
 from rlcore_vllm.images import check_engine_ids, image_request, never_sampled
 from rlcore_vllm.sleep_mode import SleepMode
@@ -62,7 +63,7 @@ class VllmGenerator(SleepMode):
         self.dtype = dtype
         self.weights_version = 0
         self.sleeping = False
-        self.memory_fraction = memory_fraction_of(self.config, memory_fraction)
+        self.memory_fraction = self.config.engine_memory_fraction(memory_fraction)
         self._start_sleep_mode()
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
         self.image_token, self.model_impl, vocab_size = self._vision_family()
@@ -153,19 +154,11 @@ class VllmGenerator(SleepMode):
         )
 
     def _fit_prompt(self, prompt_ids: list[int]) -> list[int] | None:
-        """The prompt as it will be sent, or None when the overflow policy drops it."""
-        limit = self.max_model_len - 1
-        if len(prompt_ids) <= limit:
-            return list(prompt_ids)
-        if self.config.prompt_overflow == "drop":
-            self._metrics["generation/dropped_prompts"] += 1
-            return None
-        self._metrics["generation/truncated_prompts"] += 1
-        return list(prompt_ids[-limit:])
-
-    def _dropped(self, prompt_ids: list[int]) -> GenerationResult:
-        return GenerationResult(prompt_ids=list(prompt_ids), response_ids=[], response_logprobs=[],
-                                finish_reason="truncated_prompt", policy_version=self.weights_version)
+        """The prompt as it will be sent, or None when the overflow policy drops it (counted in :meth:`metrics`)."""
+        fitted, outcome = fit_to_context(prompt_ids, self.max_model_len, self.config.prompt_overflow)
+        if outcome is not None:
+            self._metrics[f"generation/{outcome}_prompts"] += 1
+        return fitted
 
     def _results(self, request_output, version: int) -> list[GenerationResult]:
         prompt_ids = list(request_output.prompt_token_ids)
@@ -191,20 +184,15 @@ class VllmGenerator(SleepMode):
         copies, n = (params.n, 1) if params.temperature == 0 and params.n > 1 else (1, params.n)
         requests = [(p, self._vllm_params(params, len(p), n)) for p in fitted if p is not None for _ in range(copies)]
         outputs = iter(self.engine.run(requests))
-        results = []
-        for orig, p in zip(prompts, fitted):
-            if p is None:
-                results.append([self._dropped(orig) for _ in range(params.n)])
-            else:
-                results.append([r for _ in range(copies) for r in self._results(next(outputs), version)])
-        return results
+        return answers_in_order(prompts, fitted, params.n, version,
+                                lambda p: [r for _ in range(copies) for r in self._results(next(outputs), version)])
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         self._check_awake()
         version = self.weights_version
         fitted = self._fit_prompt(prompt_ids)
         if fitted is None:
-            return self._dropped(prompt_ids)
+            return GenerationResult.dropped(prompt_ids, self.weights_version)
         output = await self.engine.arun(fitted, self._vllm_params(params, len(fitted), 1))
         return self._results(output, version)[0]
 
@@ -423,19 +411,6 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
         engine_kwargs={"use_tqdm_on_load": config.logger.verbosity == "verbose"},
         memory_fraction=placement.engine_memory_fraction,
     )
-
-
-# The engine's share when the recipe says auto and the run made no memory plan (a model shape the planner
-# cannot read, or a generator built outside a run): vLLM's own default less the room a colocated trainer needs.
-UNPLANNED_FRACTION = 0.5
-
-
-def memory_fraction_of(config: VllmConfig, planned: float | None) -> float:
-    """``policy.generation.gpu_memory_utilization``: the recipe's number, else the run's plan, else
-    :data:`UNPLANNED_FRACTION`."""
-    if config.gpu_memory_utilization != "auto":
-        return float(config.gpu_memory_utilization)
-    return planned if planned is not None else UNPLANNED_FRACTION
 
 
 def engine_in_own_process(choice: bool | None, *, device: str, colocated: bool, async_grpo: bool) -> bool | None:
