@@ -21,13 +21,13 @@ from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
 from rlcore.controller.memory_plan import apply_memory_plan
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
-from rlcore.controller.offline import build_loggers
 from rlcore.controller.heartbeat import doing
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_run_sizes
 from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.run_end import print_outputs, save_final_model, write_summary
+from rlcore.controller.run_skeleton import build_loggers
 from rlcore.controller.timing import summarize
 from rlcore.interfaces import RolloutTableLogger
 from rlcore.plugins import get_plugin_manager
@@ -113,7 +113,7 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
     try:
         with components.reporter:
             records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
-        save_final_model(loop.checkpoints, components.trainer, config, run_dir, given.get("tokenizer"))
+        save_final_model(loop.skeleton, components.trainer, config, run_dir, given.get("tokenizer"))
         export_critic(components, run_dir)
     finally:  # each bounded: a component that hangs as the run ends is named and left behind
         limit = config.cluster.timeout_s
