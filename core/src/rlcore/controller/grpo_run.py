@@ -117,8 +117,7 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
         export_critic(components, run_dir)
     finally:  # each bounded: a component that hangs as the run ends is named and left behind
         limit = config.cluster.timeout_s
-        for logger in components.loggers:
-            bounded_teardown(logger.close, f"logger {type(logger).__name__} (close)", limit)
+        loop.skeleton.close_loggers()
         if components.traces is not None:
             components.traces.close()
         if components.critic is not None:

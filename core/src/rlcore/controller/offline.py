@@ -28,6 +28,7 @@ import attrs
 
 from rlcore.controller.batching import DataCursor
 from rlcore.controller.checkpoint import CheckpointManager
+from rlcore.controller.deadlines import bounded_teardown
 from rlcore.controller.heartbeat import doing, said
 from rlcore.controller.run_end import print_outputs, save_final_checkpoint, write_model, write_summary
 from rlcore.controller.run_skeleton import LoopParts, RunSkeleton, build_loggers
@@ -163,10 +164,9 @@ def run_offline(config: Any, owner: Any, run_dir: Any, given: dict, trainer: Any
         save_final_checkpoint(loop.skeleton)  # the last step's, when save_period did not fall on it
         if loop.stop_signal is None or loop.ckpt is None:
             write_model(run_dir, config, lambda path: trainer.save(str(path)))
-    finally:
-        for logger in loggers:
-            logger.close()
-        trainer.shutdown()
+    finally:  # each bounded, as the GRPO run's: a part that hangs as the run ends is named and left behind
+        loop.skeleton.close_loggers()
+        bounded_teardown(trainer.shutdown, "the trainer (shutdown)", config.cluster.timeout_s)
     summary = loop.summary(owner.run_id, time.perf_counter() - started)
     for key in summary_keys:
         summary.setdefault(key, None)

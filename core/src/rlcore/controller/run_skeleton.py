@@ -14,7 +14,8 @@ SFT, DPO, reward models) alike:
   (:func:`~rlcore.controller.checkpoint.run_catching_sigterm`); a streak of
   ``train.max_consecutive_nonfinite`` skipped updates stops it
   (:class:`~rlcore.controller.nonfinite.NonfiniteStreak`, its count saved in every checkpoint);
-- the end: a checkpoint of the last step (:func:`~rlcore.controller.run_end.save_final_checkpoint`).
+- the end: a checkpoint of the last step (:func:`~rlcore.controller.run_end.save_final_checkpoint`),
+  the loggers closed, each close bounded by ``cluster.timeout_s``.
 
 A loop plugs in what differs (:class:`LoopParts`): how the trainer's state is saved and loaded, what
 its held-out evaluation is, where its data stands, what it adds to the loop state and to each record,
@@ -37,7 +38,7 @@ import attrs
 from rlcore.controller.checkpoint import (
     CheckpointManager, resume_loggers, rng_state, run_catching_sigterm, set_rng_state, stop_after_step,
 )
-from rlcore.controller.deadlines import bounded_call
+from rlcore.controller.deadlines import bounded_call, bounded_teardown
 from rlcore.controller.heartbeat import doing
 from rlcore.controller.nonfinite import NonfiniteStreak
 from rlcore.controller.run_dir import check_owner, checkpoint_root
@@ -203,6 +204,12 @@ class RunSkeleton:
         for logger in self.loggers:  # a logger's network call that hangs stops the run, naming it
             bounded_call(lambda lg=logger: lg.log(metrics, step), f"logger {type(logger).__name__} (log)",
                          self.config.cluster.timeout_s, step)
+
+    def close_loggers(self) -> None:
+        """Each logger's ``close`` as the run ends, bounded by ``cluster.timeout_s``: one that hangs is
+        named and left behind, and the run ends as it would have."""
+        for logger in self.loggers:
+            bounded_teardown(logger.close, f"logger {type(logger).__name__} (close)", self.config.cluster.timeout_s)
 
     def save(self) -> None:
         """A checkpoint of this step: the trainer's state, then the loop's."""
