@@ -30,7 +30,7 @@ from rlcore.controller.refitter import Refitter
 from rlcore.controller.resume import LoopCheckpoints
 from rlcore.controller.rollouts import Rollouts
 from rlcore.controller.run_dir import fingerprint
-from rlcore.controller.run_skeleton import LoopParts, RunSkeleton
+from rlcore.controller.run_skeleton import LoopParts, RunPosition, RunSkeleton
 from rlcore.controller.timing import StepTimer
 from rlcore.controller.validation import Validator
 from rlcore.interfaces import (
@@ -70,7 +70,7 @@ class Components:
     traces: RolloutTraces | None = None  # rollout traces of each step (logger.rollouts); None: none written
 
 
-class GRPOLoop:
+class GRPOLoop(RunPosition):
     """The collaborators of one GRPO run, plugged into the run skeleton (:class:`RunSkeleton`: start,
     records, checkpoints, loggers, stop) that every driver steps through."""
 
@@ -104,18 +104,6 @@ class GRPOLoop:
         self.phase_memory: PhaseMemory | None = None  # peak GPU memory per phase (the sync loop on CUDA)
         # the plan's prediction, with this process's first step record (beside the measured peaks)
         self._plan_metrics = c.memory_plan.metrics() if c.memory_plan is not None else {}
-
-    @property
-    def step(self) -> int:
-        return self.skeleton.step
-
-    @property
-    def records(self) -> list[dict]:
-        return self.skeleton.records
-
-    @property
-    def stop_signal(self) -> int | None:
-        return self.skeleton.stop_signal
 
     def run(self, driver: Callable[[GRPOLoop], None]) -> list[dict]:
         """Resume or validate at the start, then ``driver(self)`` until the last step or a stop signal."""

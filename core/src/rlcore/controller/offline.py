@@ -31,7 +31,7 @@ from rlcore.controller.checkpoint import CheckpointManager
 from rlcore.controller.deadlines import bounded_teardown
 from rlcore.controller.heartbeat import doing, said
 from rlcore.controller.run_end import print_outputs, save_final_checkpoint, write_model, write_summary
-from rlcore.controller.run_skeleton import LoopParts, RunSkeleton, build_loggers
+from rlcore.controller.run_skeleton import LoopParts, RunPosition, RunSkeleton, build_loggers
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import MetricLogger, TrainerHandle
 
@@ -71,7 +71,7 @@ class OfflineSteps:
     shown: tuple[str, ...] = ("train/loss", "val/loss", "val/accuracy")  # the per-step line's (logger.print_table)
 
 
-class OfflineLoop:
+class OfflineLoop(RunPosition):
     """Draws each step's examples and trains on them, plugged into the run skeleton every algorithm
     shares (:class:`~rlcore.controller.run_skeleton.RunSkeleton`: start, resume, records, checkpoints,
     bounded loggers, stop on signals and non-finite streaks)."""
@@ -89,18 +89,7 @@ class OfflineLoop:
                           data_position=lambda: self.cursor.position, set_data_position=self._set_data_position,
                           validate=self._validate if can_validate else None, show=self._show)
         self.skeleton = RunSkeleton(config, identity, parts, loggers)
-
-    @property
-    def step(self) -> int:
-        return self.skeleton.step
-
-    @property
-    def records(self) -> list[dict]:
-        return self.skeleton.records
-
-    @property
-    def stop_signal(self) -> int | None:
-        return self.skeleton.stop_signal
+        self.progress = self.skeleton.progress
 
     @property
     def ckpt(self) -> CheckpointManager | None:

@@ -46,7 +46,7 @@ from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import MetricLogger
 from rlcore.plugins import get_plugin_manager
 
-__all__ = ["LoopParts", "Progress", "RunSkeleton", "build_loggers", "trains_on"]
+__all__ = ["LoopParts", "Progress", "RunPosition", "RunSkeleton", "build_loggers", "trains_on"]
 
 
 def trains_on(config: Any) -> str | None:
@@ -86,6 +86,24 @@ class Progress:
         return self.elapsed_before + time.perf_counter() - self.started
 
 
+class RunPosition:
+    """Where a run stands (its :class:`Progress`, ``self.progress``), as the skeleton and each loop answer it."""
+
+    progress: Progress
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def records(self) -> list[dict]:
+        return self.progress.records
+
+    @property
+    def stop_signal(self) -> int | None:
+        return self.progress.stop_signal
+
+
 def _nothing(*args: Any) -> dict:
     return {}
 
@@ -106,7 +124,7 @@ class LoopParts:
     saving: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # around a checkpoint's save
 
 
-class RunSkeleton:
+class RunSkeleton(RunPosition):
     """Start, per-step record, checkpoints, logging, stop and end of one run, whatever its loop.
 
     ``loggers`` get every record; they and ``resumed_too`` (the rollout traces) drop the records of
@@ -123,18 +141,6 @@ class RunSkeleton:
         cfg = config.checkpointing
         self.ckpt = CheckpointManager(self.root, cfg.keep_last_k) if cfg.enabled else None
         self.saved_step = -1
-
-    @property
-    def step(self) -> int:
-        return self.progress.step
-
-    @property
-    def records(self) -> list[dict]:
-        return self.progress.records
-
-    @property
-    def stop_signal(self) -> int | None:
-        return self.progress.stop_signal
 
     def run(self, steps: Callable[[], None]) -> list[dict]:
         """Resume or evaluate at the start, then ``steps()`` (the loop's driver) until the last step or a stop
