@@ -150,7 +150,7 @@ def check_step_sizes(config: RunConfig, dataset: Any) -> None:
     per_step = config.train.num_prompts_per_step
     train = dataset.train or ()
     if train and per_step > len(train):  # (an empty one is refused as the loop starts)
-        raise ConfigError("train.num_prompts_per_step", f"{per_step} examples per step, but the training "
+        raise ConfigError("train.num_prompts_per_step", f"{per_step} prompts per step, but the training "
                           f"data has {len(train)}; at most {len(train)}")
     check_packing(config)
 
