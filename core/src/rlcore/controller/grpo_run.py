@@ -21,13 +21,13 @@ from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
 from rlcore.controller.memory_plan import apply_memory_plan
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
-from rlcore.controller.offline import build_loggers
 from rlcore.controller.heartbeat import doing
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_run_sizes
 from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.run_end import print_outputs, save_final_model, write_summary
+from rlcore.controller.run_skeleton import build_loggers
 from rlcore.controller.timing import summarize
 from rlcore.interfaces import RolloutTableLogger
 from rlcore.plugins import get_plugin_manager
@@ -109,15 +109,14 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
         # The engines are done: their memory goes to the final exports (a LoRA merge's buffers, a critic's
         # state back from the host), which ran out of memory beside an awake 8B engine on an 80 GB GPU. Not
         # after a stop signal (the engine may have had it too; the checkpoint holds the model), and bounded.
-        if loop.stop_signal is None:
+        if loop.skeleton.stop_signal is None:
             bounded_teardown(components.generator.sleep, "the generator (sleep before the final export)",
                              config.cluster.timeout_s)
-        if save_final_model(loop.checkpoints, components.trainer, config, run_dir, given.get("tokenizer")) is not None:
+        if save_final_model(loop.skeleton, components.trainer, config, run_dir, given.get("tokenizer")) is not None:
             export_critic(components, run_dir)  # after a stop signal the checkpoint holds the critic too
     finally:  # each bounded: a component that hangs as the run ends is named and left behind
         limit = config.cluster.timeout_s
-        for logger in components.loggers:
-            bounded_teardown(logger.close, f"logger {type(logger).__name__} (close)", limit)
+        loop.skeleton.close_loggers()
         if components.traces is not None:
             components.traces.close()
         if components.critic is not None:
