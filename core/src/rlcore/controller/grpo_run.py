@@ -108,8 +108,9 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
             records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
         # The engines are done: their memory goes to the final exports (a LoRA merge's buffers, a critic's
         # state back from the host), which ran out of memory beside an awake 8B engine on an 80 GB GPU. Not
-        # after a stop signal (the engine may have had it too; the checkpoint holds the model), and bounded.
-        if loop.skeleton.stop_signal is None:
+        # after a stop signal (the engine may have had it too; the checkpoint holds the model), nor for a
+        # generator the caller gave (it stays as the run left it, for the caller's use), and bounded.
+        if loop.skeleton.stop_signal is None and "generator" not in given:
             bounded_teardown(components.generator.sleep, "the generator (sleep before the final export)",
                              config.cluster.timeout_s)
         if save_final_model(loop.skeleton, components.trainer, config, run_dir, given.get("tokenizer")) is not None:
