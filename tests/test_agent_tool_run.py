@@ -112,3 +112,18 @@ def test_every_warm_start_conversation_calls_the_tool_and_trains_the_call_and_th
         assert untrained.endswith(f"{expression}=<|assistant|><|tool|>{sample.answer}<|assistant|>"), untrained
         assert int(ids.tolist().count(call_id)) == 1
         assert agent.calculate(expression) == str(sample.answer)  # the tool's result is the answer trained on
+
+
+def test_a_recorded_tools_demo_row_carries_the_tool_call_warm_start(tmp_path):
+    """``python -m rlcore.demo --tools --record``: the row names the mode and carries the tool-call SFT's
+    last held-out check (steps, seconds, the shares of calls, right arguments and answers)."""
+    from rlcore.demo import build_parser, demo_row, recorded_variant
+
+    check = {"step": 60, "loss": 0.04, "calls": 1.0, "arguments": 0.62, "answers": 0.88, "seconds": 70.0}
+    (tmp_path / "tool_warm_start.json").write_text(json.dumps({"target": 0.6, "tool_every": 1, "history": [check]}))
+    summary = {"val/accuracy_first": 0.6, "val/accuracy_last": 0.8, "steps": 30, "run_id": "r"}
+    variant = recorded_variant(build_parser().parse_args(["--tools"]), [])
+    row = demo_row(summary, 400.0, tmp_path, "recipes/grpo_agent_tool_arith_tiny_cpu.yaml", variant)
+    assert row["variant"] == "--tools" and row["config"] == "grpo_agent_tool_arith_tiny_cpu"
+    assert {k: row[k] for k in row if k.startswith("tool_sft_")} == {f"tool_sft_{k}": v for k, v in check.items()}
+    assert row["sft_steps"] is None  # no demo SFT history in the tool warm start's directory

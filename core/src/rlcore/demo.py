@@ -309,11 +309,14 @@ def demo_row(summary: dict, grpo_s: float, sft: Path, recipe: str, overrides: li
 
     history = json.loads((sft / "sft_history.json").read_text()) if (sft / "sft_history.json").is_file() else []
     warm = history[-1] if history else {}
+    tools = sft / "tool_warm_start.json"  # --tools: the tool-call SFT's last held-out check
+    tool_history = json.loads(tools.read_text())["history"] if tools.is_file() else []
+    tool_warm = {f"tool_sft_{k}": v for k, v in (tool_history[-1] if tool_history else {}).items()}
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "bench": "demo",
             "machine": f"cpu ({os.cpu_count()} cores)", "commit": commit(Path(__file__).resolve().parent),
             "config": Path(recipe).stem, "variant": " ".join(overrides) or "make demo", "run_id": summary.get("run_id"),
             "load_average": round(os.getloadavg()[0], 1), "sft_steps": warm.get("step"), "sft_s": warm.get("seconds"),
-            "sft_accuracy": warm.get("val_accuracy"), "grpo_s": grpo_s, "steps": summary.get("steps"),
+            "sft_accuracy": warm.get("val_accuracy"), **tool_warm, "grpo_s": grpo_s, "steps": summary.get("steps"),
             **{name: summary.get(key) for key, name in ROW_FIGURES.items()}}
 
 
