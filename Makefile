@@ -25,6 +25,7 @@ $(STAMP): $(PYPROJECTS)
 		-e 'plugins/backend_fsdp2[lora]' \
 		-e plugins/backend_megatron \
 		-e 'plugins/gen_vllm[cpu]' \
+		-e plugins/gen_sglang \
 		-e 'plugins/env_math[ray]' \
 		-e 'plugins/envs[verifiers,openenv,reasoning-gym,code]' \
 		$(OLDEST) build
@@ -112,12 +113,12 @@ demo-examples: install
 		examples/ddp_backend_plugin examples/hf_static_generator_plugin
 	PYTHONPATH=$(EXAMPLES_SITE) $(BIN)/python -m rlcore.demo --require-gain 0.25 $(EXAMPLES_DEMO) $(ARGS)
 
-# The pip route: the six distributions as wheels in $(DIST) (`pip install dist/*.whl`, torch pinned first
+# The pip route: the seven distributions as wheels in $(DIST) (`pip install dist/*.whl`, torch pinned first
 # as in the README). The recipes ship inside rlcore's wheel (core/src/rlcore/recipes links to recipes/).
 # Built with the setuptools of $(WHEEL_PYTHON) (.venv's once it exists), no build isolation: no index needed.
 DIST ?= dist
 WHEEL_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
-DISTRIBUTIONS := ./core ./plugins/backend_fsdp2 ./plugins/backend_megatron ./plugins/gen_vllm ./plugins/env_math ./plugins/envs
+DISTRIBUTIONS := ./core ./plugins/backend_fsdp2 ./plugins/backend_megatron ./plugins/gen_vllm ./plugins/gen_sglang ./plugins/env_math ./plugins/envs
 wheels:
 	rm -rf $(addsuffix /build,$(DISTRIBUTIONS))  # a previous build's copies would ship modules deleted since
 	mkdir -p $(DIST)

@@ -131,9 +131,10 @@ CONFIGS = {
     "llama8b-fsdp2": ("llama8b", "fsdp2", {"cluster.gpus_per_node": 2, "policy.generation.gpu_memory_utilization": 0.3}),
     # LoRA on one 80 GB GPU: rank-16 adapters on every projection, 32 prompts x 8 samples x 1024 tokens, the engine
     # colocated. Megatron keeps the frozen base in bf16 (no main copy, no optimizer state for it); fsdp2 in its
-    # float32 master dtype, gathered in bf16.
+    # float32 master dtype, gathered in bf16, and recomputes each layer's activations (an 8192-token micro-batch's
+    # activations of all 32 layers, about 36 GiB, do not fit beside the 30 GiB base).
     "llama8b-megatron-lora": ("llama8b", "megatron", LORA_8B),
-    "llama8b-fsdp2-lora": ("llama8b", "fsdp2", LORA_8B),
+    "llama8b-fsdp2-lora": ("llama8b", "fsdp2", {**LORA_8B, "policy.dtensor_cfg.activation_checkpointing": True}),
     # NeMo-RL's published Llama 3.1-8B row (issue 10): 2048 rollouts (64 prompts x 32), global
     # batch 512, max sequence 4096, ~795 generated tokens a sample, colocated, 8 GPUs.
     "llama8b-nemo-8gpu-megatron": ("llama8b", "megatron", {**NEMO_8B_ROW, "policy.megatron_cfg.tensor_model_parallel_size": 2}),
@@ -295,7 +296,7 @@ def recipe(model: Path, backend: str, run_dir: Path, args, gpu: bool) -> dict:
     }
 
 
-def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | None = None) -> dict:
+def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | None = None, lora: bool = False) -> dict:
     s = result["summary"]
     samples = args.prompts * args.samples
     tokens_per_sample = s.get("rollout/mean_response_tokens", 0.0)
@@ -305,7 +306,10 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
         train_flops = moe_shapes.step_flops(moe_shapes.qwen3moe_config(tiny=MOE_SHAPES[shape]), [int(seq_len)] * samples)
     else:
         cfg = SHAPES[shape]
-        train_flops = samples * seq_len * (6 * llama_params(cfg) + 6 * cfg["num_layers"] * cfg["hidden_size"] * seq_len)
+        # 6N a token (forward 2N, backward 4N); with LoRA the frozen weights get no gradient, so the backward is
+        # the activations' 2N alone: 4N (the adapters' own FLOPs are under 1% at rank 16)
+        weight_flops = 4 if lora else 6
+        train_flops = samples * seq_len * (weight_flops * llama_params(cfg) + 6 * cfg["num_layers"] * cfg["hidden_size"] * seq_len)
     records = [r for r in result["records"] if s["window_first"] <= r.get("step", -1) <= s["window_last"]]
     # Wall seconds from the end of the step before to the end of this one: the rate a run makes steps at,
     # whatever a step's timer covers (one step off's batches come from another thread).
@@ -462,9 +466,11 @@ def main(argv: list[str] | None = None) -> int:
             label += f" [trainer GEMMs leave {args.trainer_sm_margin} SMs]"
         started = time.perf_counter()
 
-        def emit(result, label=label, shape=shape, gpus=gpus, train_gpus=train_gpus, started=started):
+        lora = bool(tree["policy"].get("lora", {}).get("enabled"))
+
+        def emit(result, label=label, shape=shape, gpus=gpus, train_gpus=train_gpus, started=started, lora=lora):
             """The row, printed and kept (results.jsonl, --json-out) before the run's shutdown begins."""
-            rows.append(row(label, shape, result, gpus, args, train_gpus))
+            rows.append(row(label, shape, result, gpus, args, train_gpus, lora))
             print(json.dumps(rows[-1]), f"(wall {time.perf_counter() - started:.0f}s, before shutdown)", flush=True)
             keep_rows(rows[-1:], args)
 

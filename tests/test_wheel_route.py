@@ -1,4 +1,4 @@
-"""The pip route, as a user outside a checkout meets it: ``make wheels`` builds the six
+"""The pip route, as a user outside a checkout meets it: ``make wheels`` builds the seven
 distributions, they install into a fresh virtual environment, and there, in a directory with no
 ``recipes/``: the shipped recipes are listed, copied out and found by name; the demo's first steps
 run (``python -m rlcore.demo``); and the README's CPU commands run as in
@@ -26,7 +26,7 @@ from test_readme_commands import RUNNABLE, SHIM, SMALL, commands
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEELS = ("rlcore", "rlcore_fsdp2", "rlcore_megatron", "rlcore_vllm", "rlcore_math", "rlcore_envs")
+WHEELS = ("rlcore", "rlcore_fsdp2", "rlcore_megatron", "rlcore_vllm", "rlcore_sglang", "rlcore_math", "rlcore_envs")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here (a machine that reaches PyPI), in the repository root: stage everything the H200 machines
 # lack as cp312 wheels in .gpu/chunk-N (<= 60 MiB each, shared/gpu/stage.py) and build rlcore's
-# own five wheels into .gpu/own; the chunks go to the device as the pieces in .gpu/t/NN. Then follow
+# own six wheels into .gpu/own; the chunks go to the device as the pieces in .gpu/t/NN. Then follow
 # benchmarks/gpu/README.md.
 #   bash benchmarks/gpu/prepare.sh          # everything: Transformer Engine, megatron-core, vLLM, Ray, math-verify
 #   bash benchmarks/gpu/prepare.sh train    # training benchmarks and CUDA tests only: Transformer Engine, megatron-core
@@ -21,7 +21,7 @@ case "${1:-all}" in
 esac
 rm -rf .gpu/own && mkdir -p .gpu/own
 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/own \
-    ./core ./plugins/backend_fsdp2 ./plugins/backend_megatron ./plugins/gen_vllm ./plugins/env_math
+    ./core ./plugins/backend_fsdp2 ./plugins/backend_megatron ./plugins/gen_vllm ./plugins/gen_sglang ./plugins/env_math
 # A call carries at most 64 MiB with the checkout's tracked files (7.7 MB on 2026-12-03; 57 MiB pieces
 # stopped fitting then): one tar of the chunks, cut into 50 MiB pieces, one per .gpu/t/NN, which the
 # device calls carry one at a time.

@@ -30,3 +30,22 @@ def test_config_defaults_prints_core_keys_and_each_plugin_section(capsys):
     assert main(["config", "--defaults"]) == 0
     text = capsys.readouterr().out
     assert "# policy.generation: generator 'hf' (rlcore)" in text and "model_name: <required>" in text
+
+
+def test_an_engines_memory_share_is_the_recipes_else_the_plans_else_the_unplanned_default():
+    from rlcore.config.generation import UNPLANNED_ENGINE_FRACTION, GenerationConfig
+
+    assert GenerationConfig(gpu_memory_utilization=0.6).engine_memory_fraction(0.2) == 0.6
+    assert GenerationConfig().engine_memory_fraction(0.2) == 0.2
+    assert GenerationConfig().engine_memory_fraction(None) == UNPLANNED_ENGINE_FRACTION
+
+
+def test_a_prompt_fits_the_engines_context_by_the_overflow_policy():
+    from rlcore.interfaces import GenerationResult
+    from rlcore.prompts import fit_to_context
+
+    assert fit_to_context([1, 2, 3], 4, "drop") == ([1, 2, 3], None)
+    assert fit_to_context([1, 2, 3, 4], 4, "truncate") == ([2, 3, 4], "truncated")
+    assert fit_to_context([1, 2, 3, 4], 4, "drop") == (None, "dropped")
+    dropped = GenerationResult.dropped([1, 2, 3, 4], 7)
+    assert (dropped.response_ids, dropped.finish_reason, dropped.policy_version) == ([], "truncated_prompt", 7)

@@ -66,3 +66,16 @@ def test_declared_ranges_hold_every_tested_release_and_no_untested_one(name):
         inside = any(in_tested_range(stack, name, version) for stack in TESTED if name in TESTED[stack])
         for requirement in declared:
             assert requirement.specifier.contains(version) == inside, f"'{requirement}' vs the tested ranges at {version}"
+
+
+def test_a_mixed_cudnn_load_failure_says_which_variables_fix_it():
+    """Transformer Engine's load failure on a machine with the system's and torch's cuDNN (the GPU image's
+    message) gets the two variables that make TE load torch's; other failures pass through as they are."""
+    from rlcore.doctor import _mixed_cudnn_hint
+
+    seen = ("OSError: /lib/x86_64-linux-gnu/libcudnn_heuristic.so.9: undefined symbol: "
+            "_ZTVN5cudnn7backend12OperationSetE, version libcudnn_graph.so.9")
+    hint = _mixed_cudnn_hint(seen)
+    assert "two cuDNN installations mixed" in hint and "CUDNN_PATH=" in hint and "LD_LIBRARY_PATH=" in hint
+    assert _mixed_cudnn_hint("ImportError: libcuda.so.1: cannot open shared object file") == ""
+    assert _mixed_cudnn_hint("not installed") == ""

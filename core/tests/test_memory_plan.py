@@ -25,6 +25,9 @@ LLAMA_3B = {**LLAMA_1B, "hidden_size": 3072, "num_hidden_layers": 28, "num_atten
 LLAMA_8B = {**LLAMA_1B, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "head_dim": 128,
             "intermediate_size": 14336, "tie_word_embeddings": False}
 H100 = GPUS["h100"]
+# two sequences a micro-batch: a 3.2B full fine-tune's 8192-token micro-batch (19 GiB of activations) does not fit
+# beside its 54 GiB of weights, gradients and Adam state on an 80 GB card
+MB_3B = {"policy.sequence_packing.train_mb_tokens": "2176"}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -99,14 +102,14 @@ def test_a_critic_keeps_its_state_beside_the_policys():
 def test_auto_releases_the_trainer_state_when_it_would_crowd_the_engine():
     # 3.2B: weights, fp32 gradients and Adam state are about 55 GiB; kept, the engine's KV cache holds
     # fewer sequences than the step's 256 decode at once
-    p = plan(config(), hf=LLAMA_3B)
+    p = plan(config(**MB_3B), hf=LLAMA_3B)
     assert p.offload_trainer_state and p.memory.gen_parts["optimizer"] == 0.0
     assert not p.memory.kv_short
     # set by the recipe: kept as it is (and still fits, with less KV cache)
-    kept = plan(config(**{"policy.generation.colocated.offload_trainer_state": "false"}), hf=LLAMA_3B)
+    kept = plan(config(**MB_3B, **{"policy.generation.colocated.offload_trainer_state": "false"}), hf=LLAMA_3B)
     assert not kept.offload_trainer_state and kept.memory.kv_short
     # the async loop trains while the engine generates: its state cannot leave
-    async_run = plan(config(**{"grpo.async_grpo.enabled": "true"}), hf=LLAMA_3B)
+    async_run = plan(config(**MB_3B, **{"grpo.async_grpo.enabled": "true"}), hf=LLAMA_3B)
     assert not async_run.offload_trainer_state
 
 
@@ -121,7 +124,7 @@ def test_rlcore_plan_prices_the_recipe_with_the_runs_own_auto_release(backend):
     shape = from_hf_config("m", LLAMA_3B)
 
     def recipe_row(**overrides):
-        cfg = config(backend, **overrides)
+        cfg = config(backend, **MB_3B, **overrides)
         inp = planning.inputs(cfg, world=1, gpu_name="h100", model=shape, calibration=load_calibration("h100", user_file=Path("/dev/null")))
         return cfg, planning.evaluate_recipe(inp)
 
@@ -227,3 +230,18 @@ def test_a_refused_wake_up_releases_the_trainer_state_when_auto(capsys):
                     Learner(_Recorder(calls), None, 8, 3, offload_trainer_state=True, may_offload=True)):
         with pytest.raises(MemoryError, match="cannot wake up"):
             learner.wake(_EngineShortOfMemory([]))
+
+
+def test_the_run_plans_with_the_calibration_of_the_gpu_it_is_on(monkeypatch):
+    """The run's memory plan reads the calibration of its own GPU (it read the H200's on every GPU)."""
+    from rlcore.planning import run_memory
+    from rlcore.planning.calibration import load_calibration as real
+    from rlcore.planning.hardware import gpu
+    from rlcore.planning.shapes import resolve_shape
+
+    asked = []
+    monkeypatch.setattr(run_memory, "load_calibration", lambda name: asked.append(name) or real(name))
+    config = rlcore.build_config({"policy": {"model_name": "m", "generation": {"backend": "vllm"}},
+                                  "cluster": {"gpus_per_node": 1}})
+    run_memory.plan_run_memory(config, resolve_shape("", "llama-3.2-1b"), gpu("h100"), 1, critic=False)
+    assert asked == ["h100"]

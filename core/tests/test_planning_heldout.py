@@ -12,7 +12,19 @@ Known misses (:data:`KNOWN_MISSES`, each asserted to be still outside its bound,
 PPO rows' refit, whose weight transfer ran at 61 GB/s where the H200 rows the refit rate is fitted to (earlier
 commits) moved weights at 15-45 GB/s; the multi-turn row's offload, which the run's memory plan of that time
 chose for ``offload_trainer_state: auto`` (it gave the engine all the memory the trainer left free); the memory
-plan now, and ``rlcore plan`` with it, keeps the state for this run.
+plan now, and ``rlcore plan`` with it, keeps the state for this run. The 8B LoRA rows' refit (+48%, +67%): the refit's
+fixed cost and rate are fitted to the 1.2B model's H100 rows alone, where per-tensor host work weighs as much as the
+bytes, so one size cannot separate the two; the FSDP2 LoRA row's offload (0.11 s measured, 0.01 priced): moving 0.5 GiB
+of adapter state, the release's fixed work (synchronizing, emptying the allocator's cache) dominates, unpriced.
+
+Memory (``memory/<phase>_device_gib``, NVML's peak over every process, against the run's own memory plan with the
+engine share and release it ran with, within 10%): the 1.2B full fine-tuning rows' training phase misses low by 7-25
+GiB (7-13 GiB beyond the planned state are already on the device with the engine asleep, before the phase starts), and the FSDP2 PPO row's
+generation by 8 GiB; the 8B LoRA rows of the same code, whose optimizer state and gradients are a few hundred MiB,
+carry none of it. The planner counts tensors, not the segments the caching allocator keeps: a full fine-tune's
+optimizer state and gradients, allocated after the first micro-batches, likely share segments with cached activation
+blocks that ``empty_cache`` then cannot return (not measured apart). The multi-turn row also packs sequences of many
+lengths, so one micro-batch's blocks do not fit the next one's tensors.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ import pytest
 from rlcore.config import build_config
 from rlcore.planning import fit, plan
 from rlcore.planning.calibration import load_calibration
+from rlcore.planning.hardware import GPUS
+from rlcore.planning.run_memory import plan_run_memory
 from rlcore.planning.shapes import resolve_shape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +51,12 @@ PHASES = {"train_s": "training", "refit_s": "refit", "generation_s": "generation
 MACHINE_GPU = {machine: name for name, machine in fit.MACHINES.items()}
 NOT_MODELLED = {"llama1b-multiturn-async": ("generation_s", "step_s")}  # the environment's time (see above)
 KNOWN_MISSES = {("llama1b-fsdp2-ppo", "h200"): ("refit_s",), ("llama1b-megatron-ppo", "h200"): ("refit_s",),
-                ("llama1b-multiturn-async", "h100"): ("offload_s",)}
+                ("llama1b-multiturn-async", "h100"): ("offload_s",), ("llama8b-megatron-lora", "h100"): ("refit_s",),
+                ("llama8b-fsdp2-lora", "h100"): ("refit_s", "offload_s")}
+# Per-phase device memory (``memory/<phase>_device_gib``) held to 10%, and the known misses (see the module's text)
+MEMORY_PHASES = ("training", "generation")
+MEMORY_KNOWN_MISSES = {"llama1b-megatron-ppo": ("training",), "llama1b-fsdp2-ppo": ("training", "generation"),
+                       "llama1b-multiturn-async": ("training",)}
 
 pytestmark = pytest.mark.skipif(not RESULTS.is_file(), reason="benchmarks/results.jsonl is not in this checkout")
 
@@ -66,8 +85,14 @@ def _bench():
     return bench_grpo_step
 
 
-def plan_row(r: dict):
-    """The row's run as ``rlcore plan`` sees it: the benchmark's recipe for its configuration on one GPU."""
+# the benchmark's shape names (benchmarks/bench_grpo_step.py CONFIGS) -> the planner's shapes
+SHAPES = {"llama1b": "llama-3.2-1b", "llama8b": "llama-3.1-8b"}
+
+
+def _row_run(r: dict, *, as_ran: bool = False):
+    """(config, model shape, GPU name, mean and longest response) of the row's run: the benchmark's recipe for its
+    configuration (and shape) on one GPU. ``as_ran``: with the engine's share and the trainer's release the run's
+    memory plan of that time chose (the row's ``memory_plan/engine_fraction`` and ``memory_plan/offload_trainer_state``)."""
     bench = _bench()
     name, settings = r["variant"].split(" [")[0], re.findall(r"\[([\w.]+)=([^\]]+)\]", r["variant"])
     shape, backend, overrides = bench.CONFIGS[name]
@@ -79,14 +104,29 @@ def plan_row(r: dict):
             _set(tree, key, value)
     for key, value in settings:
         _set(tree, key, json.loads(value))
+    if as_ran:
+        _set(tree, "policy.generation.gpu_memory_utilization", r["memory_plan/engine_fraction"])
+        _set(tree, "policy.generation.colocated.offload_trainer_state", bool(r["memory_plan/offload_trainer_state"]))
     mean = round(r["tokens_per_sample"])
     longest = round(r.get("rollout/longest_trajectory_model_tokens") or mean)
     tree["policy"]["max_total_sequence_length"] = max(tree["policy"]["max_total_sequence_length"], longest + 64)
-    model = resolve_shape("", "qwen3moe", fit.MOE_LAYERS) if "moe" in shape else resolve_shape("", "llama-3.2-1b")
-    gpu_name = MACHINE_GPU[r["machine"]]
-    inp = plan.inputs(build_config(tree), world=1, gpu_name=gpu_name, model=model, prompt_tokens=16, response_tokens=mean,
+    model = resolve_shape("", "qwen3moe", fit.MOE_LAYERS) if "moe" in shape else resolve_shape("", SHAPES[shape])
+    return build_config(tree), model, MACHINE_GPU[r["machine"]], mean, longest
+
+
+def plan_row(r: dict):
+    """The row's run as ``rlcore plan`` sees it, with the response lengths the row records."""
+    config, model, gpu_name, mean, longest = _row_run(r)
+    inp = plan.inputs(config, world=1, gpu_name=gpu_name, model=model, prompt_tokens=16, response_tokens=mean,
                       response_max=longest, calibration=load_calibration(gpu_name, user_file=Path(os.devnull)))
     return plan.evaluate_recipe(inp)
+
+
+def run_memory_plan(r: dict):
+    """The memory plan the row's run makes before it loads (:func:`rlcore.planning.run_memory.plan_run_memory`: its
+    lengths at the recipe's limits, the refit's staged chunk and probe pass), with the engine's share and release it ran with."""
+    config, model, gpu_name, _, _ = _row_run(r, as_ran=True)
+    return plan_run_memory(config, model, GPUS[gpu_name], 1, critic="-ppo" in r["variant"])
 
 
 GRPO = sorted(k for k in fit.HELD_OUT if k[0] == "bench_grpo_step")
@@ -138,3 +178,28 @@ def test_the_moe_slice_at_the_edge_of_memory():
     assert case.shape.layers == 10
     assert predicted["peak_mem_gib"] == pytest.approx(r["peak_mem_gib"], rel=0.05)
     assert predicted["train_s"] == pytest.approx(r["step_s"], rel=0.30)
+
+
+MEMORY_ROWS = sorted(k for k in GRPO if "memory/training_device_gib" in _rows()[k][1]) if RESULTS.is_file() else []
+
+
+@pytest.mark.parametrize("key", MEMORY_ROWS, ids=lambda k: f"{k[1].split(' [')[0]}-{k[2][:15]}")
+def test_a_held_out_rows_memory_per_phase_is_predicted_within_10_percent(key):
+    """The run's own memory plan, with the engine share and release it ran with, against the device's peak in each phase."""
+    number, r = _rows()[key]
+    mem = run_memory_plan(r).memory
+    predicted = {"training": sum(mem.train_parts.values()), "generation": sum(mem.gen_parts.values())}
+    known = MEMORY_KNOWN_MISSES.get(r["variant"].split(" [")[0], ())
+    misses = []
+    for phase in MEMORY_PHASES:
+        measured = r[f"memory/{phase}_device_gib"]
+        if (abs(predicted[phase] / measured - 1) > 0.10) != (phase in known):
+            misses.append(f"{phase}: predicted {predicted[phase]:.1f} GiB measured {measured:.1f} GiB"
+                          + (" (a known miss now within bounds: take it off MEMORY_KNOWN_MISSES)" if phase in known else ""))
+    assert not misses, f"row {number} {r['variant']} on {r['machine']}: " + "; ".join(misses)
+
+
+def test_memory_rows_cover_both_backends_and_a_fit():
+    names = {_rows()[k][1]["variant"].split(" [")[0] for k in MEMORY_ROWS}
+    assert {"llama8b-megatron-lora", "llama8b-fsdp2-lora"} <= names
+    assert any(n not in MEMORY_KNOWN_MISSES for n in names)

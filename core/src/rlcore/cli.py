@@ -170,13 +170,15 @@ def cmd_run(args) -> int:
 
     config = load_config(args.recipe, run_overrides(args))
     args.exit_timeout_s = config.cluster.exit_timeout_s  # from here on the run may leave threads behind (main)
+    from rlcore.controller.checkpoint import INTERRUPTED, TERMINATED
+
+    INTERRUPTED.clear()  # this run's signals only: an earlier run in this process (a sweep, a notebook) may have had one
+    TERMINATED.clear()
     try:
         result = rlcore.run(config)
     except KeyboardInterrupt:
         return interrupted(config)
     except Exception as exc:
-        from rlcore.controller.checkpoint import INTERRUPTED, TERMINATED
-
         if INTERRUPTED.is_set():  # a child process the terminal's Ctrl-C ended too: the interruption, not a failure
             return interrupted(config)
         if TERMINATED.is_set():  # a part in the process group the SIGTERM ended too: the stop it asked for

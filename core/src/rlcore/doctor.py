@@ -90,8 +90,25 @@ def transformer_engine() -> dict:
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any failure means "not usable"; doctor reports it
-        return {"version": ver, "loads": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300], "cublaslt": None}
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return {"version": ver, "loads": False, "error": error + _mixed_cudnn_hint(error), "cublaslt": None}
     return {"version": ver, "loads": True, "error": None, "cublaslt": _cublaslt_version()}
+
+
+def _mixed_cudnn_hint(error: str) -> str:
+    """What to do when TE's library bound one cuDNN's sub-libraries to another's: TE loads the system's cuDNN
+    before the one torch came with, and on a machine with both (a CUDA image with pip's torch) a process that
+    used cuDNN first has torch's sub-libraries loaded already."""
+    if "libcudnn" not in error or "undefined symbol" not in error:
+        return ""
+    try:
+        import nvidia.cudnn
+
+        where = list(nvidia.cudnn.__path__)[0]
+    except Exception:  # noqa: BLE001 - no pip cuDNN: the hint without its path
+        where = "<torch's nvidia/cudnn>"
+    return (f" (two cuDNN installations mixed: start the process with CUDNN_PATH={where} and "
+            f"LD_LIBRARY_PATH={where}/lib first)")
 
 
 def _cublaslt_version() -> int | None:

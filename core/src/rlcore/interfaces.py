@@ -107,6 +107,12 @@ class GenerationResult:
     # :mod:`rlcore.traces`). None: not recorded.
     turns: list[dict] | None = None
 
+    @classmethod
+    def dropped(cls, prompt_ids: list[int], policy_version: int) -> GenerationResult:
+        """The empty answer to a prompt the engine's context cannot hold (``prompt_overflow: drop``)."""
+        return cls(prompt_ids=list(prompt_ids), response_ids=[], response_logprobs=[], finish_reason="truncated_prompt",
+                   policy_version=policy_version)
+
 
 @attrs.define
 class EnvStep:

@@ -9,13 +9,13 @@ tokenizer's chat template with the generation prompt (or the plain text), prompt
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
 from rlcore.errors import DataError
-from rlcore.interfaces import Sample
+from rlcore.interfaces import GenerationResult, Sample
 
 log = logging.getLogger("rlcore.prompts")
 _BATCH = 1024  # conversations per apply_chat_template call
@@ -89,3 +89,25 @@ def tokenize_split(samples: Sequence[Sample], tokenizer: Any, split: str, max_pr
         raise error(f"{split}: every one of {len(samples)} prompts is longer than data.max_prompt_tokens={max_prompt_tokens} "
                     f"(longest {longest} tokens)")
     return kept
+
+
+def fit_to_context(prompt_ids: Sequence[int], max_model_len: int, overflow: str) -> tuple[list[int] | None, str | None]:
+    """A prompt as an engine of ``max_model_len`` tokens takes it (room for one new token at least), and what was
+    done: ``(ids, None)`` as it is, ``(last ids, "truncated")`` (the chat template's generation prompt is at the
+    end), or ``(None, "dropped")``, by ``policy.generation.prompt_overflow`` (``truncate`` or ``drop``). A
+    generator counts the outcome as ``generation/<outcome>_prompts`` and answers a dropped prompt with
+    :meth:`rlcore.interfaces.GenerationResult.dropped`."""
+    limit = max_model_len - 1
+    if len(prompt_ids) <= limit:
+        return list(prompt_ids), None
+    if overflow == "drop":
+        return None, "dropped"
+    return list(prompt_ids[-limit:]), "truncated"
+
+
+def answers_in_order(prompts: Sequence[Sequence[int]], fitted: Sequence[list[int] | None], n: int, version: int,
+                     answer: Callable[[list[int]], list[GenerationResult]]) -> list[list[GenerationResult]]:
+    """A generator's ``n`` results for each prompt, in order: ``answer(fitted prompt)`` for one the engine took (called
+    in prompt order, so it may read the engine's outputs in sequence), ``n`` empty ones for a dropped one."""
+    return [[GenerationResult.dropped(list(orig), version) for _ in range(n)] if ids is None else answer(ids)
+            for orig, ids in zip(prompts, fitted)]

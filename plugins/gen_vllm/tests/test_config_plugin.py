@@ -88,12 +88,12 @@ def test_experimental_switches_live_in_their_own_section():
 def test_sleep_level_0_keeps_a_colocated_engine_resident(colocated, device, sleeps):
     """Level 0 starts the engine without vLLM's sleep mode and never sleeps it; the generator still
     refuses to generate between sleep() and wake_up() (checked on the real engine in test_sync_engine)."""
-    from rlcore_vllm.generator import VllmGenerator, memory_fraction_of
+    from rlcore_vllm.generator import VllmGenerator
 
     generator = VllmGenerator.__new__(VllmGenerator)  # engine kwargs only: no engine is started
     generator.config = structure(VllmConfig, {"colocated": colocated}, "policy.generation")
     generator.device, generator.model_path, generator.max_model_len = device, "/model", 64
-    generator.memory_fraction = memory_fraction_of(generator.config, None)
+    generator.memory_fraction = generator.config.engine_memory_fraction(None)
     assert generator._sleeps is sleeps
     assert generator._engine_kwargs("bfloat16", 0, None).get("enable_sleep_mode", False) is sleeps
 

@@ -20,6 +20,9 @@ from rlcore.config.structure import doc
 _positive = attrs.validators.gt(0)
 # Every generator's default response length (its schema extends GenerationConfig and keeps this).
 DEFAULT_MAX_NEW_TOKENS = 256
+# An engine's share of a GPU when the recipe says auto and the run made no memory plan (a model shape the planner
+# cannot read, or a generator built outside a run): vLLM's own default less the room a colocated trainer needs.
+UNPLANNED_ENGINE_FRACTION = 0.5
 _non_negative = attrs.validators.ge(0)
 
 
@@ -98,3 +101,10 @@ class GenerationConfig:
         "(GenerationResult.routed_experts), for the trainer's routing replay R3; a generator that cannot refuses it"))
     colocated: ColocatedConfig = field(factory=ColocatedConfig, metadata=doc("placement"))
     refit: RefitConfig = field(factory=RefitConfig, metadata=doc("weight updates and their verification"))
+
+    def engine_memory_fraction(self, planned: float | None) -> float:
+        """The engine's share of a GPU: the recipe's ``gpu_memory_utilization``, else the run's plan (``planned``),
+        else :data:`UNPLANNED_ENGINE_FRACTION`; every generator that sizes an engine reads it so."""
+        if self.gpu_memory_utilization != "auto":
+            return float(self.gpu_memory_utilization)
+        return planned if planned is not None else UNPLANNED_ENGINE_FRACTION

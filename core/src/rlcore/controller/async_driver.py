@@ -287,7 +287,7 @@ def run_async(run: GRPOLoop) -> None:
             run.finish_step(record, timer)
             if validates:
                 producer.batch_done()
-            if run.checkpoints.stop_requested():
+            if run.stop_requested():
                 break
     finally:
         producer.close()

@@ -114,6 +114,7 @@ def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool 
         _end_the_wait(signum)
 
     TERMINATED.clear()
+    INTERRUPTED.clear()
     try:
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     except ValueError:  # "signal only works in main thread of the main interpreter"

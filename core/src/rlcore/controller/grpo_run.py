@@ -21,13 +21,13 @@ from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
 from rlcore.controller.memory_plan import apply_memory_plan
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
-from rlcore.controller.offline import build_loggers
 from rlcore.controller.heartbeat import doing
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_run_sizes
 from rlcore.controller.report import Reporter, plot_curves, summary_table
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.run_end import print_outputs, save_final_model, write_summary
+from rlcore.controller.run_skeleton import build_loggers
 from rlcore.controller.timing import summarize
 from rlcore.interfaces import RolloutTableLogger
 from rlcore.plugins import get_plugin_manager
@@ -82,17 +82,10 @@ def build_components(config: RunConfig, **given) -> Components:
 
 def export_critic(components: Components, run_dir: Path) -> None:
     """ppo: the critic as a Hugging Face checkpoint in ``<run_dir>/critic``; with
-    ``offload_trainer_state`` its state comes back for it while the engines sleep."""
+    ``offload_trainer_state`` its state comes back for it (the engines sleep by then: ``run_grpo``)."""
     if components.critic is None:
         return
-    offloaded = components.placement.offload_trainer_state
-    if offloaded:
-        components.generator.sleep()
-    try:
-        critic_step.export_at_end(components.critic, run_dir, offloaded)
-    finally:
-        if offloaded:
-            components.generator.wake_up()
+    critic_step.export_at_end(components.critic, run_dir, components.placement.offload_trainer_state)
 
 
 def held_out_summary(records: list[dict]) -> dict:
@@ -113,12 +106,17 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
     try:
         with components.reporter:
             records = loop.run(run_async if config.grpo.async_grpo.enabled else run_sync)
-        save_final_model(loop.checkpoints, components.trainer, config, run_dir, given.get("tokenizer"))
-        export_critic(components, run_dir)
+        # The engines are done: their memory goes to the final exports (a LoRA merge's buffers, a critic's
+        # state back from the host), which ran out of memory beside an awake 8B engine on an 80 GB GPU. Not
+        # after a stop signal (the engine may have had it too; the checkpoint holds the model), and bounded.
+        if loop.skeleton.stop_signal is None:
+            bounded_teardown(components.generator.sleep, "the generator (sleep before the final export)",
+                             config.cluster.timeout_s)
+        if save_final_model(loop.skeleton, components.trainer, config, run_dir, given.get("tokenizer")) is not None:
+            export_critic(components, run_dir)  # after a stop signal the checkpoint holds the critic too
     finally:  # each bounded: a component that hangs as the run ends is named and left behind
         limit = config.cluster.timeout_s
-        for logger in components.loggers:
-            bounded_teardown(logger.close, f"logger {type(logger).__name__} (close)", limit)
+        loop.skeleton.close_loggers()
         if components.traces is not None:
             components.traces.close()
         if components.critic is not None:

@@ -5,7 +5,9 @@
 :class:`~rlcore.controller.learner.Learner` (advantages, batch, logprobs, train),
 :class:`~rlcore.controller.refitter.Refitter` (transfer and probe),
 :class:`~rlcore.controller.validation.Validator` and
-:class:`~rlcore.controller.resume.LoopCheckpoints` (save, resume, stop on SIGTERM).
+:class:`~rlcore.controller.resume.LoopCheckpoints` (the trainer's and the loop's own state), and plugs
+them into the run skeleton every algorithm shares (:class:`~rlcore.controller.run_skeleton.RunSkeleton`:
+start, resume, records, checkpoints, bounded loggers, stop on signals and non-finite streaks).
 A driver runs the steps: :func:`run_sync` here (on-policy), or
 :func:`rlcore.controller.async_driver.run_async` (one step off and beyond), which owns its threads.
 """
@@ -18,17 +20,17 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from rlcore.controller.checkpoint import CheckpointManager, StopSignalled, ended_by_stop, run_catching_sigterm
-from rlcore.controller.deadlines import TimedTeacher, bounded_call
-from rlcore.controller.heartbeat import doing
+from rlcore.controller.checkpoint import StopSignalled, ended_by_stop
+from rlcore.controller.deadlines import TimedTeacher
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.learner import Learner
 from rlcore.controller.nonfinite import NonFiniteLossError
 from rlcore.controller.phase_memory import PhaseMemory
 from rlcore.controller.refitter import Refitter
-from rlcore.controller.resume import LoopCheckpoints, Progress
+from rlcore.controller.resume import LoopCheckpoints
 from rlcore.controller.rollouts import Rollouts
-from rlcore.controller.run_dir import checkpoint_root, fingerprint
+from rlcore.controller.run_dir import fingerprint
+from rlcore.controller.run_skeleton import LoopParts, RunPosition, RunSkeleton
 from rlcore.controller.timing import StepTimer
 from rlcore.controller.validation import Validator
 from rlcore.interfaces import (
@@ -68,13 +70,13 @@ class Components:
     traces: RolloutTraces | None = None  # rollout traces of each step (logger.rollouts); None: none written
 
 
-class GRPOLoop:
-    """The collaborators of one GRPO run and what every driver does around a step."""
+class GRPOLoop(RunPosition):
+    """The collaborators of one GRPO run, plugged into the run skeleton (:class:`RunSkeleton`: start,
+    records, checkpoints, loggers, stop) that every driver steps through."""
 
     def __init__(self, c: Components):
         self.c, cfg = c, c.config
         self.train_cfg, self.grpo = cfg.train, cfg.grpo
-        self.progress = Progress()
         self.rollouts = Rollouts(cfg, c.generator, c.environment, c.algorithm, c.dataset, c.multi_turn)
         teacher = None if c.teacher is None else TimedTeacher(c.teacher, cfg.cluster.timeout_s)
         may_offload = (cfg.generation.colocated.offload_trainer_state == "auto" and c.placement.device == "cuda"
@@ -87,9 +89,15 @@ class GRPOLoop:
         self.validator = Validator(self.rollouts, c.trainer, cfg.train.max_val_samples, cfg.train.seed,
                                    cfg.policy.max_total_sequence_length, teacher)
         identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
-        ckpt = CheckpointManager(checkpoint_root(cfg), cfg.checkpointing.keep_last_k) if cfg.checkpointing.enabled else None
-        self.checkpoints = LoopCheckpoints(ckpt, checkpoint_root(cfg), self.progress, self.learner, self.rollouts.cursor,
-                                           self.refitter, c.generator, [*c.loggers, *([c.traces] if c.traces else [])], identity)
+        self.checkpoints = LoopCheckpoints(self.learner, self.rollouts.cursor, self.refitter, c.generator)
+        parts = LoopParts(save_backend=self.checkpoints.save_backend, load_backend=self.checkpoints.load_backend,
+                          data_position=self.checkpoints.data_position, set_data_position=self.checkpoints.set_data_position,
+                          validate=self.validator.validate, show=self._show, loop_state=self.checkpoints.loop_state,
+                          restore=self.checkpoints.restore, step_metrics=self._step_metrics,
+                          saving=self.checkpoints.training_state_on_device)
+        self.skeleton = RunSkeleton(cfg, identity, parts, c.loggers, nonfinite=self.learner.nonfinite,
+                                    resumed_too=[c.traces] if c.traces else [])
+        self.progress = self.skeleton.progress
         # the garbage collector's pauses and the interpreter lock's waits, recorded with each step (interpreter.py)
         self.collector = CollectorPolicy(cfg.cluster.gc_period)
         self.gc_clock, self.lock_lag = GCClock(), LockLagProbe(cfg.experimental.gil_lag_probe)
@@ -97,50 +105,21 @@ class GRPOLoop:
         # the plan's prediction, with this process's first step record (beside the measured peaks)
         self._plan_metrics = c.memory_plan.metrics() if c.memory_plan is not None else {}
 
-    @property
-    def step(self) -> int:
-        return self.progress.step
-
-    @property
-    def records(self) -> list[dict]:
-        return self.progress.records
-
-    @property
-    def stop_signal(self) -> int | None:
-        return self.progress.stop_signal
-
     def run(self, driver: Callable[[GRPOLoop], None]) -> list[dict]:
         """Resume or validate at the start, then ``driver(self)`` until the last step or a stop signal."""
-        def body() -> list[dict]:
-            self._start()
-            driver(self)
-            return self.progress.records
-
         self.phase_memory = PhaseMemory.on_cuda() if driver is run_sync else None
         try:
             with self.collector, self.gc_clock, self.lock_lag:
-                return run_catching_sigterm(self.progress, body, checkpointed=self.checkpoints.ckpt is not None,
-                                            timeout_s=self.c.config.cluster.timeout_s)
+                return self.skeleton.run(lambda: driver(self))
         finally:
             if self.phase_memory is not None:
                 self.phase_memory.close()
 
-    def _start(self) -> None:
-        self.checkpoints.resume(self.c.config.checkpointing.resume)
-        if self.train_cfg.val_at_start and self.progress.step == 0:
-            doing("held-out evaluation before the first step")
-            start = self.validator.validate(0)
-            if start:
-                start["time/elapsed_s"] = self.progress.elapsed()
-                self.progress.records.append({"step": 0, **start})
-                self._log(start, 0)
-                self.c.reporter.start({"step": 0, **start})
-
     def next_step(self) -> int:
         """Advances to the next step and tells the trainer its number."""
-        self.progress.step += 1
-        self.c.trainer.loop_step = self.progress.step
-        return self.progress.step
+        step = self.skeleton.next_step()
+        self.c.trainer.loop_step = step
+        return step
 
     def train(self, trajectories, timer: StepTimer):
         """The learner's step, then the garbage collector's collection when due (``cluster.gc_period``)."""
@@ -151,40 +130,25 @@ class GRPOLoop:
         return out
 
     def validates(self) -> bool:
-        return bool(self.train_cfg.val_period) and self.progress.step % self.train_cfg.val_period == 0
+        return self.skeleton.validates()
 
     def finish_step(self, record: dict, timer: StepTimer) -> None:
-        """Validation when due, the step's timings, its record, a checkpoint when due, the loggers."""
-        p = self.progress
-        if self.validates():
-            with timer.phase("validation"):
-                record.update(self.validator.validate(p.step))
-        record.update(timer.finish())
-        record.update(self.gc_clock.take())
-        record.update(self.lock_lag.take())
-        record["step"] = p.step
-        record["policy_version"] = self.learner.policy_version
-        record.update(self._plan_metrics)
-        self._plan_metrics = {}
-        # The prompts drawn up to this step's batch (a count over epochs): each step's batch is the
-        # range from the step before's, so a run's records show every prompt drawn once, in order.
-        record["data_position"] = self.checkpoints.data_position()
-        p.records.append(record)
-        record["time/elapsed_s"] = p.elapsed()  # before saving, so that a resumed run counts on from it
-        if self.checkpoints.ckpt is not None and p.step % self.c.config.checkpointing.save_period == 0:
-            # Saved after the record joins the list, so a resumed run's summary has this step too
-            # (its saved timing lacks only the checkpoint's own time).
-            with timer.phase("checkpoint"):
-                self.checkpoints.save()
-            record.update(timer.finish())
-        record["time/elapsed_s"] = p.elapsed()
-        self._log({k: v for k, v in record.items() if k != "step"}, p.step)
-        self.c.reporter.step(record, p.step)
+        """The skeleton's end of a step: validation when due, timings, record, checkpoint when due, loggers."""
+        self.skeleton.finish_step(record, timer)
 
-    def _log(self, metrics: dict, step: int) -> None:
-        for logger in self.c.loggers:  # a logger's network call that hangs stops the run, naming it
-            bounded_call(lambda lg=logger: lg.log(metrics, step), f"logger {type(logger).__name__} (log)",
-                         self.c.config.cluster.timeout_s, step)
+    def stop_requested(self) -> bool:
+        """After a step: whether a stop signal arrived; if so, this step is checkpointed."""
+        return self.skeleton.stop_requested()
+
+    def _step_metrics(self) -> dict:
+        plan, self._plan_metrics = self._plan_metrics, {}
+        return {**self.gc_clock.take(), **self.lock_lag.take(), "policy_version": self.learner.policy_version, **plan}
+
+    def _show(self, record: dict) -> None:
+        if record["step"] == 0:
+            self.c.reporter.start(record)
+        else:
+            self.c.reporter.step(record, record["step"])
 
 
 def run_sync(run: GRPOLoop) -> None:
@@ -208,5 +172,5 @@ def run_sync(run: GRPOLoop) -> None:
                 run.learner.wake(generator, timer)
             record.update(run.refitter.refit(batch, timer, step))
         run.finish_step(record, timer)
-        if run.checkpoints.stop_requested():
+        if run.stop_requested():
             break

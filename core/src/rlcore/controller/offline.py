@@ -7,12 +7,13 @@ on them; every ``train.val_period`` steps (and before the first with ``train.val
 first ``train.max_val_samples`` held-out examples are evaluated. Records go to the loggers and
 carry ``timing/*`` and ``time/elapsed_s`` as the GRPO loop's do.
 
-Checkpoints have the GRPO loop's semantics (:mod:`rlcore.controller.checkpoint`): every
-``checkpointing.save_period`` steps the trainer's state (model, optimizer, scheduler, its RNG)
+Start, records, checkpoints, loggers and stops are the run skeleton's, the GRPO loop's too
+(:mod:`rlcore.controller.run_skeleton`): every ``checkpointing.save_period`` steps the trainer's state (model, optimizer, scheduler, its RNG)
 and the loop's (step, data position, driver RNG, records, the run's fingerprint) are written to
 ``step_N.tmp`` and renamed when complete; a run started again with the same ``logger.log_dir``
 resumes from the newest one that is its own. SIGTERM ends the run after the current step with
-a checkpoint of that step (``rlcore run`` then exits 143).
+a checkpoint of that step (``rlcore run`` then exits 143); each logger call is bounded by
+``cluster.timeout_s``; ``train.max_consecutive_nonfinite`` skipped updates in a row stop the run.
 """
 
 from __future__ import annotations
@@ -26,35 +27,13 @@ from typing import Any
 import attrs
 
 from rlcore.controller.batching import DataCursor
-from rlcore.controller.checkpoint import (
-    CheckpointManager, resume_loggers, rng_state, run_catching_sigterm, set_rng_state, stop_after_step,
-)
+from rlcore.controller.checkpoint import CheckpointManager
+from rlcore.controller.deadlines import bounded_teardown
 from rlcore.controller.heartbeat import doing, said
-from rlcore.controller.nonfinite import NonfiniteStreak
-from rlcore.controller.run_dir import check_owner, checkpoint_root
 from rlcore.controller.run_end import print_outputs, save_final_checkpoint, write_model, write_summary
+from rlcore.controller.run_skeleton import LoopParts, RunPosition, RunSkeleton, build_loggers
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import MetricLogger, TrainerHandle
-from rlcore.plugins import get_plugin_manager
-
-
-def trains_on(config: Any) -> str | None:
-    """The ``trains_on`` capability of the recipe's algorithm: ``"pairs"`` (dpo, reward_model),
-    ``"answers"`` (sft) or None (the GRPO loop: the policy's own rollouts)."""
-    section = config.section("algorithm")
-    if section is None:
-        return None
-    return get_plugin_manager().get("algorithm", section.name).capabilities.get("trains_on")
-
-
-def build_loggers(config: Any, run_dir: Any) -> list[MetricLogger]:
-    """The enabled logger plugins (``logger.<name>.enabled``), writing under ``run_dir``."""
-    manager, loggers = get_plugin_manager(), []
-    for reg in manager.registry["logger"].values():
-        section = config.section(reg.section)
-        if section is not None and section.enabled:
-            loggers.append(reg.build(section, run_dir))
-    return loggers
 
 
 class BackendPolicy:
@@ -92,104 +71,58 @@ class OfflineSteps:
     shown: tuple[str, ...] = ("train/loss", "val/loss", "val/accuracy")  # the per-step line's (logger.print_table)
 
 
-class OfflineLoop:
+class OfflineLoop(RunPosition):
+    """Draws each step's examples and trains on them, plugged into the run skeleton every algorithm
+    shares (:class:`~rlcore.controller.run_skeleton.RunSkeleton`: start, resume, records, checkpoints,
+    bounded loggers, stop on signals and non-finite streaks)."""
+
     def __init__(self, config: Any, identity: dict, steps: OfflineSteps, train: Sequence[Any],
                  validation: Sequence[Any] | None, loggers: list[MetricLogger], label: str, print_lines: bool = True):
-        self.config, self.identity, self.steps, self.loggers, self.label = config, identity, steps, loggers, label
+        self.config, self.steps, self.label = config, steps, label
         self.loop = config.train
         self.train_examples = train
         self.validation = list(validation or [])[: self.loop.max_val_samples]
         self.cursor = DataCursor(len(train), self.loop.seed)
-        self.step = 0
-        self.records: list[dict] = []
-        cfg = config.checkpointing
-        self.ckpt = CheckpointManager(checkpoint_root(config), cfg.keep_last_k) if cfg.enabled else None
-        self.saved_step = -1
-        self.started, self.elapsed_before = time.perf_counter(), 0.0
-        self.stop_signal: int | None = None
         self.print_lines = print_lines
-        self.nonfinite = NonfiniteStreak(self.loop.max_consecutive_nonfinite)
+        can_validate = steps.evaluate is not None and bool(self.validation)
+        parts = LoopParts(save_backend=steps.save_checkpoint, load_backend=steps.load_checkpoint,
+                          data_position=lambda: self.cursor.position, set_data_position=self._set_data_position,
+                          validate=self._validate if can_validate else None, show=self._show)
+        self.skeleton = RunSkeleton(config, identity, parts, loggers)
+        self.progress = self.skeleton.progress
+
+    @property
+    def ckpt(self) -> CheckpointManager | None:
+        return self.skeleton.ckpt
 
     def run(self) -> list[dict]:
-        return run_catching_sigterm(self, self._run, checkpointed=self.ckpt is not None,
-                                    timeout_s=self.config.cluster.timeout_s)
+        return self.skeleton.run(self._steps)
 
-    def _run(self) -> list[dict]:
-        self.maybe_resume()
-        if self.loop.val_at_start and self.step == 0 and self._can_validate():
-            record = {"step": 0, **self.steps.evaluate(self.validation)}
-            record["time/elapsed_s"] = self.elapsed()
-            self.records.append(record)
-            self._emit(record)
-        while self.step < self.loop.max_num_steps:
-            self.step += 1
+    def _steps(self) -> None:
+        run = self.skeleton
+        while run.more_steps():
+            run.next_step()
             timer = StepTimer()
             examples = [self.train_examples[i] for i in self.cursor.take(self.loop.num_prompts_per_step)]
             with timer.phase("training"):
                 record = dict(self.steps.train(examples))
-            self.nonfinite.after_step(bool(record.get("train/skipped_nonfinite")), self.step)
-            if self.loop.val_period and self.step % self.loop.val_period == 0 and self._can_validate():
-                with timer.phase("validation"):
-                    record.update(self.steps.evaluate(self.validation))
-            self.finish_step(record, timer)
-            if self.stop_requested():
+            run.trained(bool(record.get("train/skipped_nonfinite")))
+            run.finish_step(record, timer)
+            if run.stop_requested():
                 break
-        return self.records
 
-    def _can_validate(self) -> bool:
-        return self.steps.evaluate is not None and bool(self.validation)
+    def _validate(self, step: int) -> dict[str, float]:
+        return self.steps.evaluate(self.validation)
 
-    def finish_step(self, record: dict, timer: StepTimer) -> None:
-        record.update(timer.finish())
-        record["step"] = self.step
-        record["data_position"] = self.cursor.position  # the examples (pairs) drawn up to this step's batch, as GRPO's
-        self.records.append(record)
-        record["time/elapsed_s"] = self.elapsed()  # before saving, so that a resumed run counts on from it
-        if self.ckpt is not None and self.step % self.config.checkpointing.save_period == 0:
-            with timer.phase("checkpoint"):
-                self.save()
-            record.update(timer.finish())
-        record["time/elapsed_s"] = self.elapsed()
-        self._emit(record)
+    def _set_data_position(self, position: int) -> None:
+        self.cursor.position = position
 
-    def _emit(self, record: dict) -> None:
-        for logger in self.loggers:
-            logger.log({k: v for k, v in record.items() if k != "step"}, record["step"])
+    def _show(self, record: dict) -> None:
         if self.print_lines:
             shown = {k: record[k] for k in self.steps.shown if k in record}
             print(f"{self.label} step {record['step']:4d}  " + "  ".join(f"{k} {v:.4f}" for k, v in shown.items()), flush=True)
             said()
         doing(f"{self.label} step {record['step'] + 1}")
-
-    def elapsed(self) -> float:
-        return self.elapsed_before + time.perf_counter() - self.started
-
-    # ---- checkpoints ------------------------------------------------------------------------
-    def save(self) -> None:
-        state = {"step": self.step, "data_position": self.cursor.position, "records": self.records,
-                 "rng": rng_state(), "run": self.identity, "nonfinite_in_a_row": self.nonfinite.in_a_row}
-        self.ckpt.save(self.step, self.steps.save_checkpoint, state)
-        self.saved_step = self.step
-
-    def maybe_resume(self) -> None:
-        if self.ckpt is None or not self.config.checkpointing.resume:
-            return
-        found = self.ckpt.resume(lambda path, state: check_owner(state.get("run"), self.identity, path),
-                                 lambda path: self.steps.load_checkpoint(str(path)))
-        if found is None:
-            return
-        latest, state = found
-        self.step, self.cursor.position, self.records = state["step"], state["data_position"], state["records"]
-        self.nonfinite.in_a_row = state.get("nonfinite_in_a_row", 0)  # absent from older checkpoints
-        self.started = time.perf_counter()
-        self.elapsed_before = self.records[-1].get("time/elapsed_s", 0.0) if self.records else 0.0
-        set_rng_state(state["rng"])
-        resume_loggers(self.loggers, self.step, self.records)  # steps after the checkpoint are redone; missing ones restored
-        print(f"resumed from {latest} at step {self.step}", flush=True)
-
-    def stop_requested(self) -> bool:
-        """After a step: whether SIGTERM arrived; if so, checkpoint this step (unless just done)."""
-        return stop_after_step(self, checkpoint_root(self.config))
 
     def summary(self, run_id: str, seconds: float) -> dict:
         """The run's summary: steps, first and last held-out metrics, the signal that stopped it."""
@@ -217,13 +150,12 @@ def run_offline(config: Any, owner: Any, run_dir: Any, given: dict, trainer: Any
     started = time.perf_counter()
     try:
         loop.run()
-        save_final_checkpoint(loop)  # the last step's, when save_period did not fall on it
+        save_final_checkpoint(loop.skeleton)  # the last step's, when save_period did not fall on it
         if loop.stop_signal is None or loop.ckpt is None:
             write_model(run_dir, config, lambda path: trainer.save(str(path)))
-    finally:
-        for logger in loggers:
-            logger.close()
-        trainer.shutdown()
+    finally:  # each bounded, as the GRPO run's: a part that hangs as the run ends is named and left behind
+        loop.skeleton.close_loggers()
+        bounded_teardown(trainer.shutdown, "the trainer (shutdown)", config.cluster.timeout_s)
     summary = loop.summary(owner.run_id, time.perf_counter() - started)
     for key in summary_keys:
         summary.setdefault(key, None)

@@ -26,10 +26,11 @@ import torch
 from rlcore.config import ConfigError, RunConfig
 from rlcore.controller.builders import build_trainer, given_or_built_dataset, given_or_loaded_tokenizer
 from rlcore.controller.heartbeat import doing
-from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline, trains_on
+from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline
 from rlcore.controller.placement import plan_placement
-from rlcore.controller.preflight import check_model_name, check_pairs
+from rlcore.controller.preflight import check_model_name, check_pairs, check_step_sizes
 from rlcore.controller.run_dir import RunDir
+from rlcore.controller.run_skeleton import trains_on
 from rlcore.interfaces import PairTrainer, PreferenceDataset, PreferencePair, TrainerHandle
 from rlcore.plugins import get_plugin_manager
 from rlcore.utils import resolve
@@ -89,6 +90,7 @@ def build_pair_run(config: RunConfig, given: dict) -> tuple[PairTrainer, Prefere
         raise ConfigError("data.name", f"algorithm '{algorithm.name}' trains on preference pairs; dataset "
                           f"'{config.section('data').name}' does not provide them (use data.name: preference)")
     check_pairs(dataset, config)
+    check_step_sizes(config, dataset)
     return resolve(algorithm_reg.capabilities["pair_trainer"])(config, algorithm, tokenizer), dataset
 
 

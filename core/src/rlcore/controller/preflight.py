@@ -143,17 +143,24 @@ def _where(sample: Any) -> str:
     return f"{place or f'row {sample.index}'}: {len(sample.prompt_ids)} tokens"
 
 
-def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
-    """Sizes the data and the algorithm must allow, checked before the first step: a step's prompts
-    are distinct rows of the dataset, a micro-batch's token budget holds the longest sequence, and
-    the algorithm accepts a group of ``grpo.num_generations_per_prompt`` (asked of the algorithm
-    itself: a group of one has no spread to normalize by)."""
+def check_step_sizes(config: RunConfig, dataset: Any) -> None:
+    """What every loop checks once its data is read and before its model loads (GRPO's, SFT's, the
+    preference pairs'): a step's examples are distinct rows of the dataset, and a micro-batch's token
+    budget holds the longest sequence."""
     per_step = config.train.num_prompts_per_step
     train = dataset.train or ()
     if train and per_step > len(train):  # (an empty one is refused as the loop starts)
         raise ConfigError("train.num_prompts_per_step", f"{per_step} prompts per step, but the training "
                           f"data has {len(train)}; at most {len(train)}")
     check_packing(config)
+
+
+def check_run_sizes(config: RunConfig, dataset: Any, algorithm: Any) -> None:
+    """Sizes the data and the algorithm of a rollout loop must allow, checked before the first step:
+    :func:`check_step_sizes`, a step's trajectories fit in host memory, and the algorithm accepts a
+    group of ``grpo.num_generations_per_prompt`` (asked of the algorithm itself: a group of one has
+    no spread to normalize by)."""
+    check_step_sizes(config, dataset)
     check_step_memory(config)
     G = config.grpo.num_generations_per_prompt
     import copy

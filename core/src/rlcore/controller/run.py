@@ -18,9 +18,9 @@ from rlcore.controller.deadlines import SIGTERM_DEADLINE
 from rlcore.controller.given import check_given
 from rlcore.controller.grpo_run import run_grpo
 from rlcore.controller.heartbeat import heartbeat
-from rlcore.controller.offline import trains_on
 from rlcore.controller.pairs import run_pairs
 from rlcore.controller.run_dir import RunDir, write_run_config
+from rlcore.controller.run_skeleton import trains_on
 from rlcore.controller.sft import run_sft
 from rlcore.reward_fn import as_environment
 from rlcore.verbosity import apply_verbosity

@@ -35,10 +35,11 @@ from rlcore.controller.builders import (
     pick_transport,
 )
 from rlcore.controller.heartbeat import doing
-from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline, trains_on
+from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline
 from rlcore.controller.placement import plan_placement
-from rlcore.controller.preflight import check_model_name, check_prompt_lengths
+from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_step_sizes
 from rlcore.controller.run_dir import RunDir
+from rlcore.controller.run_skeleton import trains_on
 from rlcore.controller.rollouts import image_generator
 from rlcore.interfaces import (
     ClosableEnvironment,
@@ -143,6 +144,7 @@ def build_sft_run(config: RunConfig, given: dict) -> tuple[SFTTrainer, Any]:
         raise ConfigError("data.name", f"algorithm '{algorithm.name}' trains on prompts with reference answers "
                           "(rlcore.interfaces.Sample); this dataset does not provide them")
     check_prompt_lengths(dataset, config)
+    check_step_sizes(config, dataset)
     placement = plan_placement(config)
     doing("loading the model into the training backend")
     trainer = build_trainer(config, manager, placement, given.get("backend"))

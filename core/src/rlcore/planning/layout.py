@@ -40,6 +40,7 @@ class Workload:
     probe_tokens: int = 0  # tokens the refit probe's logprob pass scores while the engine is awake
     graph_pool: bool = False  # training micro-batches replayed as CUDA graphs: their memory pool stays between steps
     one_step_off: bool = False  # asynchronous GRPO: step k+1 generates while step k trains
+    compiled: bool = False  # FSDP2's torch.compile: fused layers keep Megatron's activation count, not eager modules'
     lora_params: int = 0  # LoRA: the adapters' weights, the only ones trained (the base frozen); 0: every weight trains
 
     @property

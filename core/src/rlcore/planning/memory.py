@@ -9,7 +9,9 @@ staged chunk, the probe's logprob pass), beside the engine's weights, KV cache a
 sized automatically gets twice the KV cache the step needs, within what is left. Logprob passes hold a forward's
 activations only and never exceed training. Activation bytes per token and layer follow the tensors
 Megatron-Core keeps for backward (its paper's count, with flash attention's linear memory):
-``8h`` replicated over tensor-parallel ranks without sequence parallelism, ``2(q+2kv) + 2q + 6f`` split.
+``8h`` replicated over tensor-parallel ranks without sequence parallelism, ``2(q+2kv) + 2q + 6f`` split; an
+uncompiled FSDP2 model keeps a Hugging Face layer's eager tensors (:func:`activation_bytes_per_token_layer`). The
+logits: the bf16 rows the chunked logprob keeps and their bf16 gradient.
 """
 
 from __future__ import annotations
@@ -74,8 +76,15 @@ def _local_params(shape: ModelShape, lay: Layout, stage: str) -> tuple[float, fl
     return dense / lay.tp, expert
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, lay: Layout) -> float:
+def activation_bytes_per_token_layer(shape: ModelShape, lay: Layout, eager: bool = False) -> float:
+    """Bytes autograd keeps for backward per token and layer. Megatron's layers (and compiled or mixture-of-experts
+    FSDP2 models): its paper's count with flash attention. ``eager``: a Hugging Face dense decoder layer run module by
+    module (FSDP2 uncompiled), which keeps more: each RMSNorm's float32 upcast beside its bf16 input and output
+    (``12h`` for the two), the projections' outputs and rotary embedding's copies of q and k (``8q + 4kv``), and the
+    gated MLP's gate, up, activation and product (``8f``); counted on the layer transformers builds."""
     h, tp = shape.hidden, lay.tp
+    if eager and not shape.moe:
+        return 12 * h / (tp if lay.sp else 1) + (8 * shape.q_dim + 4 * shape.kv_dim + 8 * shape.ffn) / tp
     replicated = 8 * h / (tp if lay.sp else 1)
     attention = 2 * (shape.q_dim + 2 * shape.kv_dim) + 2 * shape.q_dim
     if lay.recompute == "selective":  # core attention recomputed: its inputs are not kept
@@ -119,7 +128,8 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
     in_flight = lay.pp if (stage == "first" and lay.pp > 1) else 1
     if lay.pp > 1 and lay.vpp > 1 and stage == "first":
         in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
-    per_layer = activation_bytes_per_token_layer(shape, lay) * cal.activation_factor
+    eager = lay.backend == "fsdp2" and not work.compiled
+    per_layer = activation_bytes_per_token_layer(shape, lay, eager) * cal.activation_factor
     if lay.recompute == "full":
         acts = tokens * (layers * in_flight * 2 * shape.hidden / (lay.tp if lay.sp else 1) + per_layer)
     else:

@@ -163,6 +163,7 @@ def workload(config: RunConfig, tree: dict, prompt_tokens: int | None, response_
         grad_bytes=4 if (not megatron or ddp.get("grad_reduce_in_fp32", True)) else 2,
         overlap_grad_reduce=bool(ddp.get("overlap_grad_reduce")) if megatron else False,
         graph_pool=megatron and mcfg.get("cuda_graph", "none") != "none",
+        compiled=not megatron and bool((tree["policy"].get("dtensor_cfg") or {}).get("compile")),
     )
 
 

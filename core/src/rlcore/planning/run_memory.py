@@ -25,6 +25,7 @@ from attrs import frozen
 
 from rlcore.config import ConfigError, RunConfig
 from rlcore.planning import plan as planning
+from rlcore.planning.calibration import load_calibration
 from rlcore.planning.hardware import GPU, Cluster
 from rlcore.planning.memory import ENGINE_CAP, Memory, estimate
 from rlcore.planning.shapes import ModelShape
@@ -95,7 +96,8 @@ def plan_run_memory(config: RunConfig, shape: ModelShape, gpu: GPU, world: int, 
     gen = config.generation
     fraction_key = gen.gpu_memory_utilization
     offload_key = gen.colocated.offload_trainer_state
-    inp = planning.inputs(config, world=world, model=shape)
+    # the calibration of the GPU the run is on (the shipped H200 one for a GPU without its own)
+    inp = planning.inputs(config, world=world, model=shape, calibration=load_calibration(gpu.name))
     inp = attrs.evolve(inp, cluster=Cluster(gpu, 1, world + inp.recipe_layout.gen_gpus))
     if cpu:
         inp = attrs.evolve(inp, work=attrs.evolve(inp.work, generation=False))

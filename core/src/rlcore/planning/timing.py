@@ -106,7 +106,11 @@ def generation_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluste
     replicas = lay.gen_replicas(cluster.world)
     per_replica = math.ceil(work.samples / replicas)
     kv_token = kv_bytes_per_gpu(shape, work, lay.gen_tp)
-    fits = int(mem.engine_kv_gib * 2**30 / max(kv_token * work.seq_tokens, 1))
+    # vLLM's cache is paged: a sequence holds blocks for the tokens it has so far, so a full cache of C tokens holds
+    # C / (p + r/2) sequences over their lives (each occupies p*r + r^2/2 token-steps of it): a short cache means
+    # more decode steps, each reading the weights once and a full cache's KV, not slower ones
+    held = work.prompt_tokens + work.response_tokens / 2
+    fits = int(mem.engine_kv_gib * 2**30 / max(kv_token * held, 1))
     concurrent = max(1, min(work.max_num_seqs, per_replica, fits))
     steps = decode_steps(work, per_replica, concurrent)
     in_flight = per_replica * work.response_tokens / steps  # sequences a decode step advances, on average
@@ -136,8 +140,9 @@ def refit_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, ca
 
 
 def offload_s(mem: Memory, lay: Layout, work: Workload, cal: Calibration) -> float:
-    """Colocated Megatron with ``offload``: gradients and optimizer state to host and back each step."""
-    if not (lay.offload and lay.colocated and lay.backend == "megatron" and work.generation):
+    """Colocated, with the trainer's state released while the engine is awake (Megatron's ``offload``, FSDP2's
+    ``release``): gradients and optimizer state to host and back each step."""
+    if not (lay.releases_state and lay.colocated and work.generation):
         return 0.0
     moved = (mem.train_parts["optimizer"] + mem.train_parts["gradients"]) * 2**30
     return 2 * moved / (cal.offload_gbps * 1e9)

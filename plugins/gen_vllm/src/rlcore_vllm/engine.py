@@ -144,9 +144,9 @@ class SyncEngine:
         with self._lock:
             self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         with self._lock:
-            self.llm.wake_up()
+            self.llm.wake_up(tags)
 
     def shutdown(self) -> None:
         self._closed = True
@@ -238,8 +238,8 @@ class AsyncEngine:
     def sleep(self, level: int) -> None:
         self._call(self.engine.sleep(level))
 
-    def wake_up(self) -> None:
-        self._call(self.engine.wake_up())
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call(self.engine.wake_up(tags))
 
     def shutdown(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None

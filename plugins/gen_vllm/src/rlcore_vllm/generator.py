@@ -22,8 +22,10 @@ from typing import Any
 
 from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
+from rlcore.prompts import answers_in_order, fit_to_context
 from rlcore_vllm.config import VllmConfig
 from rlcore_vllm.images import check_engine_ids, image_request, never_sampled
+from rlcore_vllm.sleep_mode import SleepMode
 
 EXTENSION = "rlcore_vllm.worker_ext.RlcoreWorkerExtension"
 
@@ -43,7 +45,7 @@ def reap_engines_with_this_process() -> None:
         _REAPER = start_reaper(os.getpid())
 
 
-class VllmGenerator:
+class VllmGenerator(SleepMode):
     """A :class:`rlcore.interfaces.Generator` backed by one vLLM engine (``num_replicas`` via vLLM DP)."""
 
     # a text model's: set from the checkpoint for the vision-language families this generator takes images for
@@ -61,8 +63,8 @@ class VllmGenerator:
         self.dtype = dtype
         self.weights_version = 0
         self.sleeping = False
-        self.memory_fraction = memory_fraction_of(self.config, memory_fraction)
-        self._wake_bytes = 0  # what the engine gave back at its last sleep, and maps back at wake-up
+        self.memory_fraction = self.config.engine_memory_fraction(memory_fraction)
+        self._start_sleep_mode()
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
         self.image_token, self.model_impl, vocab_size = self._vision_family()
         kwargs = self._engine_kwargs(dtype, seed, tokenizer_path)
@@ -152,19 +154,11 @@ class VllmGenerator:
         )
 
     def _fit_prompt(self, prompt_ids: list[int]) -> list[int] | None:
-        """The prompt as it will be sent, or None when the overflow policy drops it."""
-        limit = self.max_model_len - 1
-        if len(prompt_ids) <= limit:
-            return list(prompt_ids)
-        if self.config.prompt_overflow == "drop":
-            self._metrics["generation/dropped_prompts"] += 1
-            return None
-        self._metrics["generation/truncated_prompts"] += 1
-        return list(prompt_ids[-limit:])
-
-    def _dropped(self, prompt_ids: list[int]) -> GenerationResult:
-        return GenerationResult(prompt_ids=list(prompt_ids), response_ids=[], response_logprobs=[],
-                                finish_reason="truncated_prompt", policy_version=self.weights_version)
+        """The prompt as it will be sent, or None when the overflow policy drops it (counted in :meth:`metrics`)."""
+        fitted, outcome = fit_to_context(prompt_ids, self.max_model_len, self.config.prompt_overflow)
+        if outcome is not None:
+            self._metrics[f"generation/{outcome}_prompts"] += 1
+        return fitted
 
     def _results(self, request_output, version: int) -> list[GenerationResult]:
         prompt_ids = list(request_output.prompt_token_ids)
@@ -190,20 +184,15 @@ class VllmGenerator:
         copies, n = (params.n, 1) if params.temperature == 0 and params.n > 1 else (1, params.n)
         requests = [(p, self._vllm_params(params, len(p), n)) for p in fitted if p is not None for _ in range(copies)]
         outputs = iter(self.engine.run(requests))
-        results = []
-        for orig, p in zip(prompts, fitted):
-            if p is None:
-                results.append([self._dropped(orig) for _ in range(params.n)])
-            else:
-                results.append([r for _ in range(copies) for r in self._results(next(outputs), version)])
-        return results
+        return answers_in_order(prompts, fitted, params.n, version,
+                                lambda p: [r for _ in range(copies) for r in self._results(next(outputs), version)])
 
     async def agenerate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         self._check_awake()
         version = self.weights_version
         fitted = self._fit_prompt(prompt_ids)
         if fitted is None:
-            return self._dropped(prompt_ids)
+            return GenerationResult.dropped(prompt_ids, self.weights_version)
         output = await self.engine.arun(fitted, self._vllm_params(params, len(fitted), 1))
         return self._results(output, version)[0]
 
@@ -294,6 +283,8 @@ class VllmGenerator:
         finally:
             for encoded in sent:
                 encoded.release()
+            sent.clear()
+        self._wake_cache()  # the chunks are gone: the KV cache takes their memory
 
     def load_payloads(self, payloads: Iterable[dict[str, Any]]) -> None:
         """One layer-wise reload from encoded chunks (:mod:`rlcore_vllm.codecs`), whoever encoded them.
@@ -330,43 +321,12 @@ class VllmGenerator:
         """Receive one refit from the broadcast group (blocks until the sender ends it)."""
         received = self.engine.rpc("rlcore_receive_broadcast")
         self._after_update()
+        self._wake_cache()
         return int(received[0])
 
     def world_size(self) -> int:
         """Engine workers that join a broadcast group."""
         return self.config.tensor_parallel_size * self.config.num_replicas
-
-    # ---- lifecycle -----------------------------------------------------------------------------
-    @property
-    def _sleeps(self) -> bool:
-        """Whether the engine gives its GPU memory back while the trainer works: colocated on a GPU,
-        unless ``colocated.sleep_level`` is 0 (resident). vLLM has no sleep mode on CPU."""
-        colocated = self.config.colocated
-        return self.device != "cpu" and colocated.enabled and colocated.sleep_level > 0
-
-    def sleep(self) -> None:
-        """Release weights and KV cache (see ``_sleeps``); otherwise only marks the engine asleep, so that
-        generating before ``wake_up`` fails the same way on every placement."""
-        if self._sleeps and not self.sleeping:
-            free_before = _free_gpu_bytes()
-            self.engine.sleep(level=self.config.colocated.sleep_level)
-            self._wake_bytes = max(0, _free_gpu_bytes() - free_before)  # what the wake-up maps back
-        self.sleeping = True
-
-    def wake_up(self) -> None:
-        """Map the engine's weights and KV cache back. Refused, naming what each side holds, when the GPU has
-        less free memory than the engine gave back at sleep (vLLM's allocator would fail midway)."""
-        if self._sleeps and self.sleeping:
-            need = self._wake_bytes
-            free = _free_gpu_bytes()
-            if need and free < need:
-                raise MemoryError(wake_up_refusal(need, free, self.memory_fraction))
-            self.engine.wake_up()
-        self.sleeping = False
-
-    def _check_awake(self) -> None:
-        if self.sleeping:
-            raise RuntimeError("the vLLM generator is asleep; call wake_up() before generating")
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
@@ -375,27 +335,6 @@ class VllmGenerator:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
-
-
-def _free_gpu_bytes() -> int:
-    """Free memory of this process's GPU, every process's use counted (the engine's may be another's)."""
-    import torch
-
-    return int(torch.cuda.mem_get_info()[0])
-
-
-def wake_up_refusal(need: int, free: int, fraction: float) -> str:
-    """The wake-up's refusal: what the engine needs, what is free, what this process's allocator holds."""
-    import torch
-
-    gib = float(1 << 30)
-    total = torch.cuda.mem_get_info()[1]
-    return (f"vLLM cannot wake up: its weights and KV cache need {need / gib:.1f} GiB and the GPU has {free / gib:.1f} of "
-            f"{total / gib:.1f} GiB free (the engine's share, policy.generation.gpu_memory_utilization, is {fraction:.2f}); "
-            f"this process's tensors hold {torch.cuda.memory_allocated() / gib:.1f} GiB and its allocator caches "
-            f"{(torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / gib:.1f} GiB more (the trainer's state and "
-            "what its last phase left). To fit: policy.generation.colocated.offload_trainer_state: true (or auto), or a "
-            "smaller policy.generation.gpu_memory_utilization (auto sizes it from the run's memory plan)")
 
 
 def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
@@ -472,19 +411,6 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
         engine_kwargs={"use_tqdm_on_load": config.logger.verbosity == "verbose"},
         memory_fraction=placement.engine_memory_fraction,
     )
-
-
-# The engine's share when the recipe says auto and the run made no memory plan (a model shape the planner
-# cannot read, or a generator built outside a run): vLLM's own default less the room a colocated trainer needs.
-UNPLANNED_FRACTION = 0.5
-
-
-def memory_fraction_of(config: VllmConfig, planned: float | None) -> float:
-    """``policy.generation.gpu_memory_utilization``: the recipe's number, else the run's plan, else
-    :data:`UNPLANNED_FRACTION`."""
-    if config.gpu_memory_utilization != "auto":
-        return float(config.gpu_memory_utilization)
-    return planned if planned is not None else UNPLANNED_FRACTION
 
 
 def engine_in_own_process(choice: bool | None, *, device: str, colocated: bool, async_grpo: bool) -> bool | None:

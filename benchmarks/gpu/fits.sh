@@ -1,0 +1,26 @@
+# Every single-GPU 1.2B configuration of bench_grpo_step.py with no memory key set (the run's memory plan
+# chooses the engine's share and whether the trainer's state leaves the GPU), across device calls of at most
+# 10 minutes. Source it in a call after jobs.sh (and install.sh, or env.sh on a warm machine), then:
+#   fits [CONFIG...]        the list below by default; a configuration done in an earlier call on the same
+#                           machine is not run again (FITS_DONE holds a marker per configuration)
+# Each row of results.jsonl carries the plan's memory per phase beside the measured peaks (memory_plan/*,
+# memory/*); the rows are copied to $OUT/results.jsonl after every configuration, since the checkout's copy
+# is replaced by the next call's.
+FITS=(llama1b-megatron llama1b-fsdp2 llama1b-megatron-cuda-graph llama1b-fsdp2-compile llama1b-megatron-ppo
+      llama1b-fsdp2-ppo llama1b-megatron-fp8gen llama1b-tool-async llama1b-tool-agent llama1b-multiturn-async
+      llama1b-multiturn-sync-barrier)
+FITS_DONE=${FITS_DONE:-/root/fits-done}
+
+fits() {
+  local config steps
+  mkdir -p "$FITS_DONE"
+  for config in "${@:-${FITS[@]}}"; do
+    [ -e "$FITS_DONE/$config" ] && continue
+    steps="--steps 2 --warmup 1"
+    case $config in *multiturn*) steps="--steps 1 --warmup 0" ;; esac  # one step is minutes of tool latency
+    # shellcheck disable=SC2086
+    job "$config" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
+    grep -q '^'"$config"': rc=0' "$OUT/jobs.txt" && touch "$FITS_DONE/$config"
+    cp benchmarks/results.jsonl "$OUT/results.jsonl"
+  done
+}
