@@ -13,9 +13,9 @@
 Any recipe override can follow: ``python -m rlcore.demo policy.megatron_cfg.enabled=true``.
 
 ``--tools``: the policy, as an agent written with the ``openai`` client, is trained to call a calculator
-tool through the OpenAI ``tools`` API (:mod:`rlcore.demo_tools`): a short SFT on tool-call
-conversations after the warm start (cached in ``<out>/sft-tools``), then GRPO through the agents'
-endpoint (``recipes/grpo_agent_tool_arith_tiny_cpu.yaml``), in ``<out>/agent-tools``.
+tool through the OpenAI ``tools`` API (:mod:`rlcore.demo_tools`): an SFT on tool-call conversations
+after the warm start until a target share of held-out calls copy the expression right (cached in
+``<out>/sft-tools``), then GRPO through the agents' endpoint (``recipes/grpo_agent_tool_arith_tiny_cpu.yaml``), in ``<out>/agent-tools``.
 
 ``--ppo``: the RL stage is PPO with a learned critic (``recipes/ppo_arith_tiny_cpu.yaml``), in ``<out>/ppo``.
 
