@@ -7,6 +7,7 @@ call and the result the agent sent back, as ``rlcore rollouts`` prints them."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,7 +18,6 @@ import pytest
 
 import rlcore
 
-pytestmark = pytest.mark.slow
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
@@ -40,6 +40,7 @@ def _config(model: Path, run_dir: Path):
     })
 
 
+@pytest.mark.slow
 def test_the_calculator_agent_calls_its_tool_in_every_step_and_the_traces_show_call_and_result(tmp_path):
     from rlcore.demo import sft_config
     from rlcore.demo_tools import tool_warm_start
@@ -48,9 +49,12 @@ def test_the_calculator_agent_calls_its_tool_in_every_step_and_the_traces_show_c
     base = build_tiny_model(tmp_path / "base", "llama", hidden_size=64, num_layers=2, num_heads=1, num_kv_heads=1,
                             intermediate_size=128, max_positions=128)
     warm = tmp_path / "warm"
-    # every conversation calls the tool: the format is learnt in a few dozen steps by a model this small
+    # the format is learnt in a few dozen steps by a model this small; target 1.0: all 60 steps, one held-out check
     recipe = _config(base, tmp_path / "unused")
-    tool_warm_start(base, warm, recipe, sft_config(recipe, base, lr=5e-3, warmup=0), steps=60, batch_size=16, tool_every=1)
+    tool_warm_start(base, warm, recipe, sft_config(recipe, base, lr=5e-3, warmup=0), target=1.0, max_steps=60,
+                    batch_size=16, eval_every=60)
+    checked = json.loads((warm / "tool_warm_start.json").read_text())["history"]
+    assert [h["step"] for h in checked] == [60] and checked[0]["calls"] > 0, checked  # the held-out calls, as parsed
     run_dir = tmp_path / "run"
     rlcore.run(_config(warm, run_dir))
 
@@ -79,3 +83,47 @@ def test_the_calculator_agent_calls_its_tool_in_every_step_and_the_traces_show_c
                              capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert printed.returncode == 0, printed.stderr
     assert "tool call calc(" in printed.stdout and "tool result" in printed.stdout
+
+
+def test_every_warm_start_conversation_calls_the_tool_and_trains_the_call_and_the_answer():
+    """The tool-call warm start's data never answers directly: each conversation calls the calculator with the
+    problem's expression, gets its value back, and answers with it; the call and the answer are trained,
+    the prompt and the tool's result are not."""
+    from rlcore.demo_tools import conversation_batch, tool_conversation
+    from rlcore.plugins import get_plugin_manager
+    from rlcore.testing.tiny import build_tokenizer
+    from rlcore_math.config import ArithmeticDatasetConfig
+
+    spec = importlib.util.spec_from_file_location("math_tool_agent", ROOT / "examples" / "agents" / "math_tool_agent.py")
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    tokenizer = build_tokenizer(tools=True)
+    data = ArithmeticDatasetConfig(digits=2, operations=("+",), num_validation=8, num_train=64)
+    train = get_plugin_manager().get("dataset", "arithmetic").build(data, tokenizer).train
+    conversations = [tool_conversation(sample, agent.TOOLS[0]["function"]) for sample in train]
+    batch = conversation_batch(conversations, tokenizer, agent.TOOLS)
+    call_id = tokenizer.convert_tokens_to_ids("<tool_call>")
+    for sample, ids, mask in zip(train, batch.input_ids, batch.loss_mask):
+        trained = tokenizer.decode([int(t) for t, m in zip(ids, mask) if m])
+        untrained = tokenizer.decode([int(t) for t, m in zip(ids, mask) if not m])
+        expression = sample.metadata["expr"]
+        assert trained == (f'<tool_call>{{"name":"calc","arguments":{{"expression":"{expression}"}}}}</tool_call></s>'
+                           f"{sample.answer}</s>"), trained
+        assert untrained.endswith(f"{expression}=<|assistant|><|tool|>{sample.answer}<|assistant|>"), untrained
+        assert int(ids.tolist().count(call_id)) == 1
+        assert agent.calculate(expression) == str(sample.answer)  # the tool's result is the answer trained on
+
+
+def test_a_recorded_tools_demo_row_carries_the_tool_call_warm_start(tmp_path):
+    """``python -m rlcore.demo --tools --record``: the row names the mode and carries the tool-call SFT's
+    last held-out check (steps, seconds, the shares of calls, right arguments and answers)."""
+    from rlcore.demo import build_parser, demo_row, recorded_variant
+
+    check = {"step": 60, "loss": 0.04, "calls": 1.0, "arguments": 0.62, "answers": 0.88, "seconds": 70.0}
+    (tmp_path / "tool_warm_start.json").write_text(json.dumps({"target": 0.6, "tool_every": 1, "history": [check]}))
+    summary = {"val/accuracy_first": 0.6, "val/accuracy_last": 0.8, "steps": 30, "run_id": "r"}
+    variant = recorded_variant(build_parser().parse_args(["--tools"]), [])
+    row = demo_row(summary, 400.0, tmp_path, "recipes/grpo_agent_tool_arith_tiny_cpu.yaml", variant)
+    assert row["variant"] == "--tools" and row["config"] == "grpo_agent_tool_arith_tiny_cpu"
+    assert {k: row[k] for k in row if k.startswith("tool_sft_")} == {f"tool_sft_{k}": v for k, v in check.items()}
+    assert row["sft_steps"] is None  # no demo SFT history in the tool warm start's directory
