@@ -14,7 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+# The CPU path's check, on a GPU machine too: with a GPU visible, Megatron places its rotary tables and norms there
+# beside the CPU model (the capture and replay on the GPU are test_megatron_cuda.py's)
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))

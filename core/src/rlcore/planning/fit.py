@@ -19,9 +19,9 @@ H200 (one GPU):
 - ``generation`` (vLLM alone, 256 sequences of 64 + 1024 tokens): ``decode_step_ms`` of the bf16 rows with
   one engine per GPU and no MPS cap.
 
-H100 (one GPU): the synchronous GRPO steps of ``llama1b-megatron`` and ``llama1b-fsdp2``. They set what they
-measure (:data:`H100_FITTED`: the dense training efficiency, decode's bandwidth efficiency, the engine's wake-up
-rate); the other compute efficiencies scale from the H200's by the same training ratio (the same kernels reach
+H100 (one GPU): the synchronous GRPO steps of ``llama1b-megatron`` and ``llama1b-fsdp2`` since :data:`H100_SINCE`.
+They set what they measure (:data:`H100_FITTED`: the dense training efficiency, decode's bandwidth efficiency, the
+refit's transfer and wake-up rates); the other compute efficiencies scale from the H200's by the same training ratio (the same kernels reach
 a share of each GPU's peak that moves together), and memory factors and host costs are the H200's.
 
 ``python -m rlcore.planning.fit benchmarks/results.jsonl`` refits and rewrites ``data/calibration.json``.
@@ -57,18 +57,22 @@ def row_key(r: dict) -> tuple[str, str, str]:
 HELD_OUT = frozenset({
     # Qwen3-30B-A3B's layer at 10 layers, 4 x 8192 tokens: the edge of one H200's memory
     ("bench_train_megatron", "megatron", "20261204T202223-ad26cf"),
-    # PPO: the critic's phases and state beside the policy's (H200, then H100)
+    # PPO: the critic's phases and state beside the policy's (H200; the H100's below)
     ("bench_grpo_step", "llama1b-fsdp2-ppo [policy.generation.gpu_memory_utilization=0.25]", "20261205T171548-d0c101"),
     ("bench_grpo_step", "llama1b-megatron-ppo [policy.generation.gpu_memory_utilization=0.25] "
      "[policy.megatron_cfg.empty_unused_memory_level=1]", "2026-12-05T17:15:00+00:00"),
-    ("bench_grpo_step", "llama1b-megatron-ppo", "20261206T040515-83495c"),
-    ("bench_grpo_step", "llama1b-fsdp2-ppo", "20261206T040746-6a8cc5"),
-    # multi-turn, 3-5 turns of heavy-tailed lengths, the trainer's state in host memory while the engine is awake (H100)
-    ("bench_grpo_step", "llama1b-multiturn-async", "20261206T041013-6ee946"),
     # another shape: rank-16 LoRA on an 8B Llama, 8192-token micro-batches, on Megatron and on FSDP2 with
     # activation checkpointing, the engine's share and the trainer's release as the run's memory plan set them (H100)
     ("bench_grpo_step", "llama8b-megatron-lora", "20261206T095527-fc1fcc"),
     ("bench_grpo_step", "llama8b-fsdp2-lora", "20261206T100301-6f8f0d"),
+    # the single-GPU 1.2B configurations other than the two the H100 fit reads, with no memory key set: the run's
+    # memory plan chose the engine's share and the release (H100, benchmarks/gpu/fits.sh)
+    ("bench_grpo_step", "llama1b-megatron-cuda-graph", "20261206T130822-e13175"),
+    ("bench_grpo_step", "llama1b-multiturn-async", "20261206T131027-79a6b3"),
+    ("bench_grpo_step", "llama1b-megatron-ppo", "20261206T131501-f110d1"),
+    ("bench_grpo_step", "llama1b-fsdp2-ppo", "20261206T131701-fba1d0"),
+    ("bench_grpo_step", "llama1b-fsdp2-compile", "20261206T131920-84ae4a"),
+    ("bench_grpo_step", "llama1b-megatron-fp8gen", "20261206T132141-c46726"),
 })
 # the training benchmark's packed lengths: uniform in [256, 2048]
 TRAIN_MEAN, TRAIN_SQ_MEAN = 1152.0, (2048**3 - 256**3) / (3 * 1792)
@@ -88,6 +92,13 @@ class Case:
 
 def _shape(name: str, layers: int | None = None) -> ModelShape:
     return resolve_shape("", "qwen3moe", layers or MOE_LAYERS) if "moe" in name else resolve_shape("", "llama-3.2-1b")
+
+
+def grpo_bench_shape(name: str, layers: int | None = None) -> ModelShape:
+    """The model of a ``bench_grpo_step`` row: its 1.2B model is Llama-3.2-1B's shape with an output layer of its own
+    (``rlcore.bench.models`` builds it with transformers' default ``tie_word_embeddings=False``: 1.5B parameters)."""
+    shape = _shape(name, layers)
+    return shape if shape.moe else attrs.evolve(shape, tied=False)
 
 
 def _train_case(i: int, r: dict) -> Case | None:
@@ -122,7 +133,7 @@ def _grpo_case(i: int, r: dict) -> Case | None:
         return None
     if "(summary after 0)" in r["config"]:  # its means include the first step's one-time work (allocation, tuning)
         return None
-    shape = _shape(r["variant"])
+    shape = grpo_bench_shape(r["variant"])
     moe = shape.moe
     passes = 1 if (r.get("logprobs_s") or 0) > 0.05 else 0  # later rows skip the pass (one optimizer step a batch)
     work = Workload(samples=256, prompt_tokens=16, response_tokens=1024, max_seq=1088, logprob_passes=passes,
@@ -148,18 +159,23 @@ def _generation_case(i: int, r: dict) -> Case | None:
 
 
 H100_GRPO = ("llama1b-megatron", "llama1b-fsdp2")
+# Rows of the colocated engine that wakes in two halves (its KV cache mapped after the refit, not in it) and whose
+# share the run's memory plan set: earlier rows timed a refit phase that no longer exists.
+H100_SINCE = "2026-12-06T12:00"
 
 
 def _h100_case(i: int, r: dict) -> Case | None:
     """A synchronous GRPO step on one H100, planned with its own engine share (the run's memory plan)."""
     if r["bench"] != "bench_grpo_step" or r["variant"] not in H100_GRPO or "(summary after 0)" in r["config"]:
         return None
+    if r["date"] < H100_SINCE:
+        return None
     response = round(r["tokens_per_sample"])
     work = Workload(samples=r["samples"], prompt_tokens=16, response_tokens=response, max_seq=r["max_new_tokens"] + 64,
                     logprob_passes=int((r.get("logprobs_s") or 0) > 0.05))
     lay = Layout(backend="fsdp2" if "fsdp2" in r["variant"] else "megatron", train_mb_tokens=8192, logprob_mb_tokens=16384,
                  gen_memory_fraction=r["memory_plan/engine_fraction"])
-    return Case(i, r["variant"], _shape(r["variant"]), work, lay, {k: r[k] for k in ("train_s", "refit_s")}, "h100")
+    return Case(i, r["variant"], grpo_bench_shape(r["variant"]), work, lay, {k: r[k] for k in ("train_s", "refit_s")}, "h100")
 
 
 def cases(path: Path, gpu_name: str = "h200") -> list[Case]:
@@ -230,7 +246,7 @@ GRID = {
 
 
 # what the H100 rows measure; the other compute efficiencies follow the training ratio (see the module's text)
-H100_FITTED = ("train_efficiency", "decode_bandwidth_efficiency", "wake_gibps")
+H100_FITTED = ("train_efficiency", "decode_bandwidth_efficiency", "refit_gbps", "wake_gibps")
 H100_SCALED = ("moe_efficiency", "fsdp2_moe_efficiency", "forward_efficiency", "prefill_efficiency")
 
 

@@ -180,8 +180,9 @@ def state_parts(train: dict, work: Workload, lay: Layout) -> dict:
 
 def refit_transient_gib(shape: ModelShape, work: Workload, lay: Layout, cal: Calibration) -> float:
     """What the trainer allocates while the engine is awake: one chunk of weights staged for the engine, and
-    the refit probe's logprob pass (its logits dominate)."""
-    probe = work.probe_tokens * shape.vocab / lay.tp * cal.forward_logits_bytes
+    the refit probe's logprob pass (its logits dominate), which packs the probe's sequences into logprob
+    micro-batches and so holds one micro-batch's logits at a time."""
+    probe = min(work.probe_tokens, lay.logprob_mb_tokens) * shape.vocab / lay.tp * cal.forward_logits_bytes
     return (work.refit_chunk_bytes + probe) / GIB
 
 
