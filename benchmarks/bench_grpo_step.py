@@ -133,6 +133,12 @@ CONFIGS = {
     # colocated. Megatron keeps the frozen base in bf16 (no main copy, no optimizer state for it); fsdp2 in its
     # float32 master dtype, gathered in bf16, and recomputes each layer's activations (an 8192-token micro-batch's
     # activations of all 32 layers, about 36 GiB, do not fit beside the 30 GiB base).
+    # Shapes no calibration read (the planner's held-out rows): a 0.5B Llama with Qwen2.5-0.5B's widths, fully
+    # fine-tuned, and Llama-3.2-3B's shape with LoRA (its full fine-tune does not fit one 80 GB GPU)
+    "llama0.5b-megatron": ("llama0.5b", "megatron", {}),
+    "llama0.5b-fsdp2": ("llama0.5b", "fsdp2", {}),
+    "llama3b-megatron-lora": ("llama3b", "megatron", LORA_8B),
+    "llama3b-fsdp2-lora": ("llama3b", "fsdp2", LORA_8B),
     "llama8b-megatron-lora": ("llama8b", "megatron", LORA_8B),
     "llama8b-fsdp2-lora": ("llama8b", "fsdp2", {**LORA_8B, "policy.dtensor_cfg.activation_checkpointing": True}),
     # NeMo-RL's published Llama 3.1-8B row (issue 10): 2048 rollouts (64 prompts x 32), global

@@ -9,6 +9,8 @@
 FITS=(llama1b-megatron llama1b-fsdp2 llama1b-megatron-cuda-graph llama1b-fsdp2-compile llama1b-megatron-ppo
       llama1b-fsdp2-ppo llama1b-megatron-fp8gen llama1b-tool-async llama1b-tool-agent llama1b-multiturn-async
       llama1b-multiturn-sync-barrier)
+# Shapes no calibration read, for the planner's held-out rows: `fits "${HELD_OUT_SHAPES[@]}"`
+HELD_OUT_SHAPES=(llama0.5b-megatron llama0.5b-fsdp2 llama3b-megatron-lora llama3b-fsdp2-lora)
 FITS_DONE=${FITS_DONE:-/root/fits-done}
 
 fits() {

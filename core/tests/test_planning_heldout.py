@@ -36,7 +36,8 @@ from rlcore.planning import fit, plan
 from rlcore.planning.calibration import load_calibration
 from rlcore.planning.hardware import GPUS
 from rlcore.planning.run_memory import plan_run_memory
-from rlcore.planning.shapes import resolve_shape
+from rlcore.bench.models import SHAPES as BENCH_SHAPES
+from rlcore.planning.shapes import from_hf_config
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results.jsonl"
@@ -79,9 +80,16 @@ def _bench():
     return bench_grpo_step
 
 
-# the benchmark's 8B shape name (benchmarks/bench_grpo_step.py CONFIGS) -> the planner's (its 1.2B model and the MoE
-# slice: rlcore.planning.fit.grpo_bench_shape)
-SHAPES = {"llama8b": "llama-3.1-8b"}
+def bench_shape(name: str):
+    """The planner's shape of a model the benchmark builds (``rlcore.bench.models.SHAPES``: Llamas with an output
+    layer of their own, transformers' default; the MoE slice at the fit's depth)."""
+    if "moe" in name:
+        return fit.grpo_bench_shape(name)
+    s = BENCH_SHAPES[name]
+    return from_hf_config(name, {"model_type": "llama", "hidden_size": s["hidden_size"], "num_hidden_layers": s["num_layers"],
+                                 "num_attention_heads": s["num_heads"], "num_key_value_heads": s["num_kv_heads"],
+                                 "intermediate_size": s["intermediate_size"], "vocab_size": s["vocab_size"],
+                                 "tie_word_embeddings": False})
 
 
 def _row_run(r: dict, *, as_ran: bool = False):
@@ -106,7 +114,7 @@ def _row_run(r: dict, *, as_ran: bool = False):
     mean = round(r["tokens_per_sample"])
     longest = round(r.get("rollout/longest_trajectory_model_tokens") or mean)
     tree["policy"]["max_total_sequence_length"] = max(tree["policy"]["max_total_sequence_length"], longest + 64)
-    model = resolve_shape("", SHAPES[shape]) if shape in SHAPES else fit.grpo_bench_shape(shape)
+    model = bench_shape(shape)
     return build_config(tree), model, MACHINE_GPU[r["machine"]], mean, longest
 
 

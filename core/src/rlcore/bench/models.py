@@ -24,6 +24,11 @@ SHAPES = {
                  max_positions=512),
     "llama1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
                     vocab_size=128256, max_positions=20480),
+    # Qwen2.5-0.5B's widths (GQA 14/2, a 152k vocabulary) in a Llama: a shape no calibration read
+    "llama0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                      vocab_size=151936, max_positions=20480),
+    "llama3b": dict(hidden_size=3072, num_layers=28, num_heads=24, num_kv_heads=8, intermediate_size=8192,
+                    vocab_size=128256, max_positions=20480),
     "llama8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
                     vocab_size=128256, max_positions=20480),
 }
@@ -32,6 +37,7 @@ SMALL = ("demo", "tiny")  # float32, built in this process
 KNOWN_MODELS = {
     "runs/demo/sft": "demo",
     "llama-3.2-1b": "llama1b",
+    "llama-3.2-3b": "llama3b",
     "llama-3.1-8b": "llama8b",
     "llama-3-8b": "llama8b",
 }
