@@ -29,10 +29,9 @@ CHAT_TEMPLATE = (
 # `<tool_call>` and `</tool_call>` are one token each (added, not special, so decoded text keeps them,
 # as in Qwen's tokenizers).
 TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
-# The call's JSON in the pieces a byte-pair vocabulary has for it (Qwen2.5's splits `{"name": "calc",
-# "arguments": {"expression": "12+34"}}` as `{"` `name` `":` ` "` `calc` `",` ... `"}}`), added like the tags:
-# written one character at a time, a call was 53 tokens, and one sampled slip in its fixed JSON lost
-# the reward; in these pieces it is 18, 7 of them the expression and the tags.
+# The call's JSON in pieces, as a byte-pair vocabulary merges its punctuation runs and words, added like
+# the tags: written one character at a time a call was 53 tokens, and one sampled slip in its fixed JSON
+# lost the reward; in these pieces it is the expression plus 13 (the tags and EOS among them).
 TOOL_JSON_TOKENS = ('{"', "name", '":"', '","', "arguments", '":{"', '"}}', "calc", "expression")
 TOOL_CHAT_TEMPLATE = (
     "{% if tools %}{% for t in tools %}[{{ (t['function'] if t['function'] is defined else t)['name'] }}]{% endfor %}{% endif %}"
