@@ -138,11 +138,14 @@ def signal_as_training_begins(monkeypatch) -> None:
     monkeypatch.setattr(timing.StepTimer, "phase", phase)
 
 
-@pytest.mark.parametrize("name", ["grpo", "sft"])
+@pytest.mark.parametrize("name", ["grpo", "grpo-async", "sft"])
 def test_a_stop_signal_in_a_validation_step_skips_its_held_out_pass_and_says_so(name, tiny_model_dir, tmp_path, capsys,
                                                                                monkeypatch):
-    run = recipe(name, tiny_model_dir, tmp_path / "run")
+    run = recipe(name.removesuffix("-async"), tiny_model_dir, tmp_path / "run")
     run["train"].update(val_period=1, val_at_start=False)
+    if name.endswith("-async"):
+        run["grpo"]["async_grpo"] = {"enabled": True, "max_trajectory_age_steps": 1}
+        run["train"]["deterministic"] = False
     signal_as_training_begins(monkeypatch)
     stopped = rlcore.run(rlcore.build_config(run))
     out = capsys.readouterr().out
