@@ -4,6 +4,8 @@ plug their step into keeps each property once, for all of them.
 
 - a stop signal after step 1 ends the run with a checkpoint of that step, and the same run started
   again resumes there and ends at the same last step, each step's record once;
+- a stop signal within a validation step skips its held-out pass (the step's refit was skipped: the
+  generator has the older weights and sleeps), saying so;
 - a logger whose ``log`` never returns stops the run at ``cluster.timeout_s``, naming the logger;
 - a streak of non-finite losses (``train.max_consecutive_nonfinite``) stops the run, saying so;
 - a packing budget below one sequence, or more examples per step than the data holds, is refused
@@ -12,11 +14,12 @@ plug their step into keeps each property once, for all of them.
 Real parts on CPU, in this process: a tiny random-init Llama, the fsdp2 backend (the reward model:
 its own trainer), the hf generator and the math environment for the rollout loops. The faults are
 injected on purpose: a logger passed to ``rlcore.run`` that sends the stop signal or hangs, and the
-registered algorithm's loss made NaN for one test.
+registered algorithm's loss made NaN for one test, the signal sent as a step's training begins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -115,6 +118,42 @@ def test_a_stop_signal_checkpoints_the_step_and_the_run_resumes_to_the_same_end(
     assert [r["step"] for r in resumed["records"]] == list(range(1, STEPS + 1)), "each step once"
     assert again.steps == list(range(2, STEPS + 1)) and resumed["summary"]["steps"] == STEPS
     assert [r["data_position"] for r in resumed["records"]] == sorted({r["data_position"] for r in resumed["records"]})
+
+
+def signal_as_training_begins(monkeypatch) -> None:
+    """SIGTERM to this process as the first step's training phase begins (the step timer's), a real signal:
+    its handler runs in the main thread before the next line of the phase."""
+    from rlcore.controller import timing
+
+    original, sent = timing.StepTimer.phase, []
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        with original(self, name):
+            if name == "training" and not sent:
+                sent.append(name)
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield
+
+    monkeypatch.setattr(timing.StepTimer, "phase", phase)
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo-async", "sft"])
+def test_a_stop_signal_in_a_validation_step_skips_its_held_out_pass_and_says_so(name, tiny_model_dir, tmp_path, capsys,
+                                                                               monkeypatch):
+    run = recipe(name.removesuffix("-async"), tiny_model_dir, tmp_path / "run")
+    run["train"].update(val_period=1, val_at_start=False)
+    if name.endswith("-async"):
+        run["grpo"]["async_grpo"] = {"enabled": True, "max_trajectory_age_steps": 1}
+        run["train"]["deterministic"] = False
+    signal_as_training_begins(monkeypatch)
+    stopped = rlcore.run(rlcore.build_config(run))
+    out = capsys.readouterr().out
+    assert stopped["summary"]["stopped_by_signal"] == "SIGTERM"
+    assert [r["step"] for r in stopped["records"]] == [1]
+    assert not [k for k in stopped["records"][0] if k.startswith("val/")], stopped["records"][0]
+    assert "SIGTERM received: the held-out validation of step 1 is skipped" in out
+    assert "SIGTERM received: stopped after step 1, checkpoint of step 1" in out
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

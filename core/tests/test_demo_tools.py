@@ -73,3 +73,23 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_conversati
                     {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}]
     with pytest.raises(ValueError, match="conversation 0 turn by turn"):
         conversation_batch([conversation], Rewriting())
+
+
+def test_the_tools_tokenizer_writes_the_calls_json_in_a_few_pieces_and_keeps_every_plain_id(tokenizer, tmp_path):
+    """A call is the expression plus 13 tokens (the tags, the JSON's pieces, EOS), as a byte-pair vocabulary
+    splits it, not 53 characters; saved and loaded with ``AutoTokenizer`` it encodes the same, and every id
+    of the plain demo tokenizer means what it did (the demo's SFT warm start reads the tools one)."""
+    from transformers import AutoTokenizer
+
+    (ids,), (mask,) = (lambda b: (b.input_ids, b.loss_mask))(
+        conversation_batch([tool_conversation(_sample(), TOOLS[0]["function"])], tokenizer, TOOLS))
+    start = mask.tolist().index(1.0)
+    call = ids.tolist()[start: start + mask.tolist()[start:].index(0.0)]
+    assert tokenizer.convert_ids_to_tokens(call) == [
+        "<tool_call>", '{"', "name", '":"', "calc", '","', "arguments", '":{"', "expression", '":"',
+        "1", "2", "+", "3", "4", '"}}', "</tool_call>", "</s>"]
+    tokenizer.save_pretrained(tmp_path)
+    text = tokenizer.decode(ids.tolist())
+    assert AutoTokenizer.from_pretrained(tmp_path).encode(text, add_special_tokens=False) == ids.tolist()
+    plain = build_tokenizer().get_vocab()
+    assert {token: tokenizer.convert_tokens_to_ids(token) for token in plain} == plain

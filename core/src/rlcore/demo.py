@@ -205,11 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tools", action="store_true",
                         help="train an agent that calls a calculator tool (recipe grpo_agent_tool_arith_tiny_cpu.yaml unless "
                              "--recipe is given), after a tool-call SFT in <out>/sft-tools; its run in <out>/agent-tools")
-    # 0.6: held-out calls copy the expression right for 0.04 of the problems at step 40, 0.25 at 50, 0.62 at 60
-    parser.add_argument("--tool-sft-target", type=float, default=0.6,
+    # 0.35: held-out calls copy the expression right for 0.07 of the problems at step 20, 0.38 at 30, 0.70 at 35,
+    # 0.84 at 40; from 0.38 (held-out accuracy 0.28) GRPO has room to show what it adds (docs/guides/agents.md)
+    parser.add_argument("--tool-sft-target", type=float, default=0.35,
                         help="--tools: stop the tool-call SFT once this share of held-out calls copy the expression right")
     parser.add_argument("--tool-sft-max-steps", type=int, default=150, help="--tools: at most this many tool-call SFT steps")
-    parser.add_argument("--tool-sft-eval-every", type=int, default=10, help="--tools: tool-call SFT steps between held-out checks")
+    parser.add_argument("--tool-sft-eval-every", type=int, default=5, help="--tools: tool-call SFT steps between held-out checks")
     parser.add_argument("--tool-every", type=int, default=1,
                         help="--tools: one tool-call SFT conversation in this many calls the tool, the others answer directly")
     parser.add_argument("--require-gain", type=float, default=None, metavar="G",

@@ -6,7 +6,7 @@ SFT, DPO, reward models) alike:
 
 - start: resume from the newest checkpoint of this run (``checkpointing.resume``), else the held-out
   evaluation before the first step (``train.val_at_start``);
-- :meth:`~RunSkeleton.finish_step`: validation when due (``train.val_period``), the step's timings,
+- :meth:`~RunSkeleton.finish_step`: validation when due (``train.val_period``; not after a stop signal), the step's timings,
   its record (``step``, ``data_position``, ``time/elapsed_s``), a checkpoint when due
   (``checkpointing.save_period``), and the loggers, each call bounded by ``cluster.timeout_s``
   (a logger whose network call hangs stops the run, naming it);
@@ -29,6 +29,7 @@ Also here, for every loop and for ``rlcore.run`` that picks one: :func:`trains_o
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ContextManager
@@ -185,7 +186,12 @@ class RunSkeleton(RunPosition):
     def finish_step(self, record: dict, timer: StepTimer) -> None:
         """Validation when due, the step's timings, its record, a checkpoint when due, the loggers."""
         p = self.progress
-        if self.validates():
+        if self.validates() and p.stop_signal is not None:
+            # A stop signal skips the step's refit (the generator keeps the older weights and, after
+            # training, sleeps): a held-out pass would measure the wrong weights or fail on every problem.
+            print(f"{signal.Signals(p.stop_signal).name} received: the held-out validation of step {p.step} is skipped",
+                  flush=True)
+        elif self.validates():
             with timer.phase("validation"):
                 record.update(self.parts.validate(p.step))
         record.update(timer.finish())
