@@ -18,7 +18,7 @@ import yaml
 
 from _preloaded_cli import PreloadedCli
 
-from rlcore.config.loader import set_dotted
+from rlcore.loading.loader import set_dotted
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def run_rlcore(argv: list[str], tmp: Path, env: dict | None = None, timeout: int
     env = {**os.environ, **(env or {})}
     if _preloaded is not None:
         return _preloaded.run_cli(argv, env, tmp, timeout)
-    return subprocess.run([sys.executable, "-m", "rlcore.cli", *argv], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "rlcore.cli.commands", *argv], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_script(code: str, tmp: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -346,7 +346,7 @@ def test_rlcore_run_whose_process_would_not_exit_ends_with_the_runs_status(tiny_
             threading.Event().wait()
         threading.Thread(target=a_thread_that_never_returns).start()
         sys.argv = ["rlcore", "run", {str(path)!r}, "cluster.exit_timeout_s=2"]
-        from rlcore.cli import main
+        from rlcore.cli.commands import main
         sys.exit(main())
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.agents.config import AgentEnvConfig
+from rlcore.config.agents import AgentEnvConfig
 from rlcore.agents.runner import AgentRunner, resolve_agent
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
 from rlcore.testing.chat_tokenizers import build_chat_tokenizer
@@ -185,7 +185,7 @@ def test_the_model_tokens_of_every_segment_train_with_the_trajectory_advantage(t
     import torch
 
     from rlcore.agents.segments import with_segments
-    from rlcore.controller.batching import Trajectory, to_sequence_batch
+    from rlcore.generation.batching import Trajectory, to_sequence_batch
 
     tok = tokenizers["qwen2"]
     engine = ScriptedEngine(tok, "qwen2", ["a is 1.", "b is 2.", "c is 3.", "d is 4."] * 2)
@@ -246,7 +246,7 @@ def test_segments_carry_their_trajectorys_reward_to_a_critic(tokenizers):
     segment's is its trajectory's (Learner.batch_and_rewards)."""
     from rlcore.algorithms.config import PPOConfig
     from rlcore.algorithms.ppo import PPO
-    from rlcore.controller.batching import Trajectory
+    from rlcore.generation.batching import Trajectory
     from rlcore.controller.learner import Learner
 
     tok = tokenizers["qwen2"]

@@ -20,8 +20,8 @@ import torch
 from rlcore.algorithms import config as C
 from rlcore.algorithms.base import merge_metrics
 from rlcore.interfaces import SequenceBatch
-from rlcore.ops import token_logprobs
-from rlcore.packing import MicroBatch, make_micro_batches, step_totals
+from rlcore.training.ops import token_logprobs
+from rlcore.data.packing import MicroBatch, make_micro_batches, step_totals
 
 LENGTHS = [5, 9, 3, 12, 7, 8, 4]
 TOL = 1e-10

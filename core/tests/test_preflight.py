@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlcore.config import ConfigError, build_config
+from rlcore.config import ConfigError
+from rlcore.loading.loader import build_config
 from rlcore.config.schema import PolicyConfig, RunConfig
 from rlcore.controller.preflight import check_model_name
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlcore.config.generation import RefitConfig
-from rlcore.controller.batching import Trajectory, to_sequence_batch
+from rlcore.generation.batching import Trajectory, to_sequence_batch
 from rlcore.controller.refit_probe import RefitError
 from rlcore.controller.refitter import Refitter
 from rlcore.controller.timing import StepTimer
@@ -144,7 +144,7 @@ def test_a_hung_transfer_or_probe_scoring_stops_the_refit_within_cluster_timeout
     """An injected fault: the transport's transfer, or the generator's scoring of the probe, never returns."""
     import time
 
-    from rlcore.controller.deadlines import GenerationTimeout
+    from rlcore.deadlines import GenerationTimeout
 
     refitter, batch = probe_refitter(generator_shift=0.01)
     released = threading.Event()

@@ -43,8 +43,8 @@ def rlcore_training_backends(register):
     :class:`rlcore.interfaces.Placement`. ``section`` is required and names the config block whose
     ``enabled: true`` selects this backend (e.g. ``policy.megatron_cfg``): its schema must have a
     bool field ``enabled``. Capability ``precedence`` (int, default 0) decides between several
-    enabled backends: highest wins. :mod:`rlcore.training` is the outer layer a backend's
-    ``train`` is built from; :mod:`rlcore.schedule` turns ``policy.scheduler`` into its learning
+    enabled backends: highest wins. :mod:`rlcore.training.steps` is the outer layer a backend's
+    ``train`` is built from; :mod:`rlcore.training.schedule` turns ``policy.scheduler`` into its learning
     rate. A complete third-party example: ``examples/ddp_backend_plugin``.
     """
 

@@ -91,7 +91,7 @@ class Registration:
         unless it has the members every run uses of its kind's protocol (every kind): a wrong object
         would otherwise fail at the first call with an AttributeError naming no plugin, or, for an
         environment, score every rollout 0 as "errors" in a run that exits 0."""
-        from rlcore.controller.given import BUILT_CHECKS, missing_members
+        from rlcore.interfaces.members import BUILT_CHECKS, missing_members
 
         check = BUILT_CHECKS.get(self.kind)
         if check is None:

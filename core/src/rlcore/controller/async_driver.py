@@ -47,12 +47,12 @@ from typing import TYPE_CHECKING
 import attrs
 
 from rlcore.controller.checkpoint import StopSignalled, ended_by_stop
-from rlcore.controller.deadlines import batch_margin_s
+from rlcore.deadlines import batch_margin_s
 from rlcore.controller.timing import StepTimer
 from rlcore.errors import RolloutError, RunStopped
 
 if TYPE_CHECKING:
-    from rlcore.controller.batching import Trajectory
+    from rlcore.generation.batching import Trajectory
     from rlcore.controller.loop import GRPOLoop
     from rlcore.controller.rollouts import RolloutSource
 

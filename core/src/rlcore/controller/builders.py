@@ -16,13 +16,13 @@ import torch
 
 from rlcore.config import ConfigError, RefitConfig, RunConfig
 from rlcore.controller import critic_step
-from rlcore.controller.deadlines import TimedEnvironment
+from rlcore.deadlines import TimedEnvironment
 from rlcore.controller.mps_client import enter_mps_client
 from rlcore.controller.ray_local import start_local_ray
 from rlcore.controller.workers import LocalTrainer, RayTrainerGroup
 from rlcore.interfaces import CriticHandle, Generator, OldLogprobsChoice, Placement, TrainerHandle, WeightTransport
-from rlcore.rows import is_rows, rows_dataset
-from rlcore.weights import stream_into
+from rlcore.data.rows import is_rows, rows_dataset
+from rlcore.training.weights import stream_into
 
 
 class StreamTransport:
@@ -179,7 +179,7 @@ def build_environment(config: RunConfig, manager, given: dict) -> tuple[TimedEnv
     call bounded by ``cluster.timeout_s``; and whether the plugin registered it as multi-turn."""
     environment, name, multi_turn = given.get("environment"), None, False
     if environment is None and config.env.reward_fn:  # a plain function scores single-turn rollouts
-        from rlcore.reward_fn import FunctionEnvironment, load_reward_fn
+        from rlcore.data.reward_fn import FunctionEnvironment, load_reward_fn
 
         environment = FunctionEnvironment(load_reward_fn(config.env.reward_fn), config.env.reward_fn)
         name = config.env.reward_fn
@@ -193,14 +193,14 @@ def build_environment(config: RunConfig, manager, given: dict) -> tuple[TimedEnv
 
 def build_multi_turn_runner(generator, environment, tokenizer, config: RunConfig):
     """The rollouts of a multi-turn environment: the ``agent`` environment's agents through the
-    endpoint (:mod:`rlcore.agents.runner`), any other turn by turn (:mod:`rlcore.rollout`)."""
-    from rlcore.agents.config import AgentEnvConfig
+    endpoint (:mod:`rlcore.agents.runner`), any other turn by turn (:mod:`rlcore.generation.rollout`)."""
+    from rlcore.config.agents import AgentEnvConfig
 
     section = config.section(f"env.{config.env.name}")
     if isinstance(section, AgentEnvConfig):
         from rlcore.agents.runner import make_agent_runner
 
         return make_agent_runner(generator, tokenizer, config, section)
-    from rlcore.rollout import make_multi_turn_runner
+    from rlcore.generation.rollout import make_multi_turn_runner
 
     return make_multi_turn_runner(generator, environment, tokenizer, config)

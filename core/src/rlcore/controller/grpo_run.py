@@ -16,7 +16,7 @@ from rlcore.controller.builders import (
     build_algorithm, build_critic, build_environment, build_generator, build_multi_turn_runner, build_trainer,
     given_or_built_dataset, given_or_loaded_tokenizer, pick_transport, resolve_old_logprobs,
 )
-from rlcore.controller.deadlines import bounded_teardown
+from rlcore.deadlines import bounded_teardown
 from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
 from rlcore.controller.memory_plan import apply_memory_plan
@@ -31,8 +31,8 @@ from rlcore.controller.run_skeleton import build_loggers
 from rlcore.controller.timing import summarize
 from rlcore.interfaces import RolloutTableLogger
 from rlcore.plugins import get_plugin_manager
-from rlcore.run_paths import inside
-from rlcore.traces import RolloutTraces
+from rlcore.config.run_paths import inside
+from rlcore.loggers.traces import RolloutTraces
 from rlcore.utils import resolve
 
 

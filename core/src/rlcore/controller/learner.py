@@ -15,7 +15,7 @@ import torch
 
 from rlcore.agents.segments import with_segments
 from rlcore.controller import critic_step
-from rlcore.controller.batching import Trajectory, to_sequence_batch
+from rlcore.generation.batching import Trajectory, to_sequence_batch
 from rlcore.controller.nonfinite import NonfiniteStreak
 from rlcore.controller.rollouts import reward_tensors
 from rlcore.controller.timing import StepTimer

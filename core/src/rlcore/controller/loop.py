@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from rlcore.controller.checkpoint import StopSignalled, ended_by_stop
-from rlcore.controller.deadlines import TimedTeacher
+from rlcore.deadlines import TimedTeacher
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.learner import Learner
 from rlcore.controller.nonfinite import NonFiniteLossError
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from rlcore.config import RunConfig
     from rlcore.planning.run_memory import RunMemoryPlan
     from rlcore.controller.report import Reporter
-    from rlcore.rollout import MultiTurnRunner
-    from rlcore.traces import RolloutTraces
+    from rlcore.generation.rollout import MultiTurnRunner
+    from rlcore.loggers.traces import RolloutTraces
 
 __all__ = ["Components", "GRPOLoop", "NonFiniteLossError", "run_sync"]
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlcore.config.generation import RefitConfig
-from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
+from rlcore.deadlines import GenerationTimeout, call_with_timeout
 from rlcore.controller.refit_probe import compare_probe_logprobs, refit_probe_sequences
 from rlcore.controller.timing import StepTimer
 from rlcore.controller.rollouts import image_generator

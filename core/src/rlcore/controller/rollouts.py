@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 import torch
 
-from rlcore.controller.batching import DataCursor, Trajectory, apply_env_steps, rollout_metrics, sampling_params, score
-from rlcore.controller.deadlines import (
+from rlcore.generation.batching import DataCursor, Trajectory, apply_env_steps, rollout_metrics, sampling_params, score
+from rlcore.deadlines import (
     EnvironmentTimeout,
     GenerationTimeout,
     TimedEnvironment,
@@ -39,7 +39,7 @@ from rlcore.interfaces import (
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
-    from rlcore.rollout import MultiTurnRunner
+    from rlcore.generation.rollout import MultiTurnRunner
 
 
 @attrs.define
@@ -179,7 +179,7 @@ class Rollouts:
 
     def _tell_environment(self, step: int) -> None:
         """The step whose batch the environment is called for, named if a call hangs
-        (:class:`rlcore.controller.deadlines.TimedEnvironment`). Set here, where the calls are made: the
+        (:class:`rlcore.deadlines.TimedEnvironment`). Set here, where the calls are made: the
         async rollout thread works one or two steps ahead of the trainer's."""
         if isinstance(self.environment, TimedEnvironment):
             self.environment.current_step = step

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlcore.checks import check_before_start
+from rlcore.controller.checks import check_before_start
 from rlcore.config import ConfigError, RunConfig
 from rlcore.controller.builders import seed_everything
-from rlcore.controller.deadlines import SIGTERM_DEADLINE
+from rlcore.deadlines import SIGTERM_DEADLINE
 from rlcore.controller.given import check_given
 from rlcore.controller.grpo_run import run_grpo
 from rlcore.controller.heartbeat import heartbeat
@@ -22,8 +22,8 @@ from rlcore.controller.pairs import run_pairs
 from rlcore.controller.run_dir import RunDir, write_run_config
 from rlcore.controller.run_skeleton import trains_on
 from rlcore.controller.sft import run_sft
-from rlcore.reward_fn import as_environment
-from rlcore.verbosity import apply_verbosity
+from rlcore.data.reward_fn import as_environment
+from rlcore.controller.verbosity import apply_verbosity
 
 # What the algorithm trains on (its registration's ``trains_on``) -> the loop that runs it.
 LOOPS = {

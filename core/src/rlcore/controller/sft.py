@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from rlcore.config import ConfigError, RunConfig
-from rlcore.controller.batching import Trajectory, is_correct, sampling_params, score
+from rlcore.generation.batching import Trajectory, is_correct, sampling_params, score
 from rlcore.controller.builders import (
     build_algorithm, build_environment, build_generator, build_trainer, given_or_built_dataset, given_or_loaded_tokenizer,
     pick_transport,

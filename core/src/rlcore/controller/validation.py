@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcore.controller.batching import Trajectory, accuracy_by_task, is_correct, to_sequence_batch
+from rlcore.generation.batching import Trajectory, accuracy_by_task, is_correct, to_sequence_batch
 from rlcore.controller.rollouts import Rollouts
 from rlcore.interfaces import Teacher, TrainerHandle
 
