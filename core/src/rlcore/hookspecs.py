@@ -128,6 +128,17 @@ def rlcore_weight_transport(trainer, generator):
 
 
 @hookspec(firstresult=True)
+def rlcore_wrap_trainer(trainer):
+    """Wrap the run's trainer handle before the run's first call to it (GRPO-family runs).
+
+    Called once per run with the :class:`rlcore.interfaces.TrainerHandle` the run built; return an
+    object following the same protocol that forwards to it (and adds, e.g., tracing or the faults
+    a test injects: :mod:`rlcore.testing.faults`), or ``None`` to leave it as it is. The first
+    non-``None`` answer wins.
+    """
+
+
+@hookspec(firstresult=True)
 def rlcore_export_checkpoint(backend, checkpoint_dir, config, out_dir):
     """Write the policy held in a training backend's checkpoint as a Hugging Face model.
 

@@ -12,12 +12,16 @@ Environment variables:
   distribution name).
 - ``RLCORE_NO_AUTOLOAD=1``: load only rlcore's built-ins; others can be added with
   :meth:`PluginManager.register_module` (used by tests and by the composable Python API).
+- ``RLCORE_PLUGINS=module,...``: also register these importable modules as plugins, after the
+  entry points (as pytest's ``PYTEST_PLUGINS``): a plugin for one run that no distribution
+  installs, e.g. the faults a test injects (:mod:`rlcore.testing.faults`).
 
 Nothing here imports torch: listing plugins must stay fast.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
 import os
 import traceback
@@ -180,6 +184,19 @@ class PluginManager:
                     f"Fix or uninstall it, or skip it with RLCORE_DISABLE_PLUGINS={ep.name}"
                 ) from exc
             self.register_module(module, source)
+        self._load_named_modules()
+
+    def _load_named_modules(self) -> None:
+        for name in (s.strip() for s in os.environ.get("RLCORE_PLUGINS", "").split(",")):
+            if not name:
+                continue
+            source = Source(name.split(".")[0], "local", f"{name} (RLCORE_PLUGINS)")
+            try:
+                module = importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - any import failure must name the plugin
+                raise PluginError(f"plugin {source.describe()} failed to import: {exc!r}; "
+                                  "fix the module name in RLCORE_PLUGINS or unset it") from exc
+            self.register_module(module, source)
 
     def register_module(self, module: Any, source: Source | None = None) -> None:
         """Register one plugin object (a module or an instance with hookimpls)."""
@@ -268,6 +285,11 @@ class PluginManager:
 
     def weight_transport(self, trainer: Any, generator: Any):
         return self.pm.hook.rlcore_weight_transport(trainer=trainer, generator=generator)
+
+    def wrap_trainer(self, trainer: Any) -> Any:
+        """The run's trainer handle, as a plugin's ``rlcore_wrap_trainer`` wraps it (itself when none does)."""
+        wrapped = self.pm.hook.rlcore_wrap_trainer(trainer=trainer)
+        return trainer if wrapped is None else wrapped
 
     def benchmarks(self) -> dict[str, Any]:
         """Every plugin's component benchmarks (``rlcore_benchmarks``), by name; a name given twice is an error."""

@@ -17,7 +17,6 @@ from rlcore.controller.builders import (
     given_or_built_dataset, given_or_loaded_tokenizer, pick_transport, resolve_old_logprobs,
 )
 from rlcore.deadlines import bounded_teardown
-from rlcore.controller.faults import wrap_from_env
 from rlcore.controller.given import check_given
 from rlcore.controller.memory_plan import apply_memory_plan
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
@@ -65,7 +64,7 @@ def build_components(config: RunConfig, **given) -> Components:
     generator = build_generator(config, manager, placement, given)
     transport = pick_transport(manager, trainer, generator, config)
     print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
-    trainer = wrap_from_env(trainer)  # tests' RLCORE_FAULT: from here on every call may hit a rank
+    trainer = manager.wrap_trainer(trainer)  # a plugin's wrapper (a test's faults) sees every call from here on
     multi_turn = None
     if multi_turn_env:
         multi_turn = build_multi_turn_runner(generator, environment, tokenizer, config)

@@ -1,8 +1,10 @@
-"""Fault injection for tests: a :class:`rlcore.interfaces.TrainerHandle` that makes one trainer
-rank crash or hang as a chosen call starts.
+"""Fault injection for tests, as a plugin: a :class:`rlcore.interfaces.TrainerHandle` that makes one
+trainer rank crash or hang as a chosen call starts.
 
-``RLCORE_FAULT=<crash|hang>:<call>:<step>[:<rank>]`` (read by :func:`wrap_from_env` when the run
-builds its trainer) picks the call (``logprobs``, ``train``, ``save_checkpoint``,
+A test registers this module as a plugin of the run it starts (``env=fault_env(spec)``: this
+module named in ``RLCORE_PLUGINS``, the spec in ``RLCORE_FAULT``); its ``rlcore_wrap_trainer`` hook
+wraps the run's trainer. No production code reads ``RLCORE_FAULT``. The spec
+``<crash|hang>:<call>:<step>[:<rank>]`` picks the call (``logprobs``, ``train``, ``save_checkpoint``,
 ``load_checkpoint``, ``offload``, ``onload``, ``export_weights`` for both ``export_chunks`` and a ``run_on_ranks`` call
 whose ``what`` starts with ``'export_weights'``), the run loop's step and the rank (default:
 the last). The fault runs inside that rank's process (through ``run_on_ranks``), so the
@@ -18,6 +20,8 @@ import time
 from typing import Any
 
 import attrs
+
+from rlcore.plugins import hookimpl
 
 ENV = "RLCORE_FAULT"
 CRASH_EXIT_CODE = 17
@@ -108,7 +112,14 @@ class FaultInjectingTrainer:
         self.inner.shutdown()
 
 
-def wrap_from_env(trainer):
-    """``trainer`` wrapped when ``RLCORE_FAULT`` is set, else ``trainer`` itself."""
+def fault_env(spec: str) -> dict[str, str]:
+    """The environment variables that make a run started with them inject the fault ``spec``."""
+    FaultSpec.parse(spec)  # a wrong spec fails in the test, not in the run it starts
+    return {"RLCORE_PLUGINS": __name__, ENV: spec}
+
+
+@hookimpl
+def rlcore_wrap_trainer(trainer):
+    """The run's trainer, wrapped to inject the fault ``RLCORE_FAULT`` names (None: no fault set)."""
     text = os.environ.get(ENV)
-    return FaultInjectingTrainer(trainer, FaultSpec.parse(text)) if text else trainer
+    return FaultInjectingTrainer(trainer, FaultSpec.parse(text)) if text else None
