@@ -51,7 +51,7 @@ def save_layouts(rank: int, world: int, model_dir: str, out: Path) -> None:
 
     from rlcore.loading.loader import build_config, to_dict
     from rlcore.controller.checkpoint import CheckpointManager
-    from rlcore.controller.builders import select_backend
+    from rlcore.controller.engines import select_backend
     from rlcore.controller.run_dir import checkpoint_root, fingerprint
     from rlcore.interfaces import Placement, WorldInfo
     from rlcore.plugins import get_plugin_manager

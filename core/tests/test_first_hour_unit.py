@@ -247,7 +247,7 @@ def test_a_reward_function_never_stops_the_run_on_model_output(capsys):
 
 
 def test_env_reward_fn_names_a_function(tmp_path, monkeypatch):
-    from rlcore.controller.builders import build_environment
+    from rlcore.controller.task import build_environment
     from rlcore.plugins import get_plugin_manager
     from rlcore.data.reward_fn import load_reward_fn
 

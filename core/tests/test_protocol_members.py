@@ -113,7 +113,7 @@ def test_plugin_name_is_the_name_declared_or_the_class():
 
 
 def test_a_transport_hook_result_without_a_name_is_refused_naming_the_protocol():
-    from rlcore.controller.builders import pick_transport
+    from rlcore.controller.engines import pick_transport
 
     class Nameless:
         def transfer(self, trainer, generator):

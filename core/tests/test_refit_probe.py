@@ -14,6 +14,7 @@ import torch
 
 from rlcore.config.generation import RefitConfig
 from rlcore.generation.batching import Trajectory, to_sequence_batch
+from rlcore.controller.context import RunContext
 from rlcore.controller.refit_probe import RefitError
 from rlcore.controller.refitter import Refitter
 from rlcore.controller.timing import StepTimer
@@ -46,7 +47,7 @@ def probe_refitter(generator_shift: float, threshold: float = 0.15) -> tuple[Ref
     refitter = Refitter(trainer=Scorer([2, 1], 0.0), generator=Scorer([2, 1], generator_shift),
                         transport=SimpleNamespace(name="none", transfer=lambda trainer, generator: {}),
                         config=RefitConfig(probe_threshold=threshold, probe_num_sequences=4),
-                        generator_lock=threading.Lock())
+                        context=RunContext(max_sequence_length=16))
     return refitter, batch
 
 

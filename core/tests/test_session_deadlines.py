@@ -157,6 +157,7 @@ def _rollouts(generator, env, on_timeout: str):
 
     from rlcore.loading.loader import build_config
     from rlcore.controller.rollouts import Rollouts
+    from rlcore.controller.context import RunContext
     from rlcore.generation.rollout import MultiTurnRunner
 
     tok = generator.tokenizer
@@ -165,8 +166,8 @@ def _rollouts(generator, env, on_timeout: str):
                            "cluster": {"timeout_s": BATCH_TIMEOUT_S}, "env": {"on_timeout": on_timeout}})
     timed = TimedEnvironment(env, "game", config.cluster.timeout_s, on_timeout)
     runner = MultiTurnRunner(generator, timed, tok, max_turns=2, max_total_tokens=256)
-    rollouts = Rollouts(config, generator, timed, algorithm=None, dataset=types.SimpleNamespace(train=samples),
-                        multi_turn=runner)
+    rollouts = Rollouts(config, RunContext.of(config), generator, timed, algorithm=None,
+                        dataset=types.SimpleNamespace(train=samples), multi_turn=runner)
     return rollouts, samples
 
 

@@ -43,7 +43,7 @@ def _components(config):
     """Tokenizer, validation samples, environment, generator and multi-turn runner, as ``rlcore.run`` builds them."""
     from transformers import AutoTokenizer
 
-    from rlcore.controller.builders import build_environment
+    from rlcore.controller.task import build_environment
     from rlcore.controller.placement import plan_placement
     from rlcore.controller.preflight import check_model_name, check_prompt_lengths
     from rlcore.plugins import get_plugin_manager
@@ -62,7 +62,7 @@ def _components(config):
     generator = manager.get("generator", config.generation.backend).build(config, config.generation, plan_placement(config))
     multi_turn = None
     if multi_turn_env:
-        from rlcore.controller.builders import build_multi_turn_runner
+        from rlcore.controller.task import build_multi_turn_runner
 
         multi_turn = build_multi_turn_runner(generator, environment, tokenizer, config)
     return samples, environment, generator, multi_turn

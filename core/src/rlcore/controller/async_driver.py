@@ -247,7 +247,7 @@ class RolloutProducer:
 def run_async(run: GRPOLoop) -> None:
     """Trains batch after batch from the rollout thread, each at most ``max_trajectory_age_steps`` old."""
     max_age = run.grpo.async_grpo.max_trajectory_age_steps
-    producer = RolloutProducer(run.rollouts, run.step, run.train_cfg.max_num_steps, run.c.config.cluster.timeout_s, max_age)
+    producer = RolloutProducer(run.rollouts, run.step, run.train_cfg.max_num_steps, run.context.timeout_s, max_age)
     producer.start()
     dropped = 0
     # The policy version each of the generator's weights versions holds: the two count differently (a

@@ -12,9 +12,10 @@ from pathlib import Path
 from rlcore.config import RunConfig
 from rlcore.controller import critic_step
 from rlcore.controller.async_driver import run_async
-from rlcore.controller.builders import (
-    build_algorithm, build_critic, build_environment, build_generator, build_multi_turn_runner, build_trainer,
-    given_or_built_dataset, given_or_loaded_tokenizer, pick_transport, resolve_old_logprobs,
+from rlcore.controller.engines import build_critic, build_generator, build_trainer, pick_transport
+from rlcore.controller.task import (
+    build_algorithm, build_environment, build_multi_turn_runner, given_or_built_dataset, given_or_loaded_tokenizer,
+    resolve_old_logprobs,
 )
 from rlcore.deadlines import bounded_teardown
 from rlcore.controller.given import check_given

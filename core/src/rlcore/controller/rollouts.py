@@ -25,6 +25,7 @@ from rlcore.deadlines import (
     call_with_timeout,
 )
 from rlcore.controller.timing import StepTimer
+from rlcore.controller.context import RunContext
 from rlcore.interfaces import (
     Algorithm,
     Environment,
@@ -108,14 +109,14 @@ def reward_tensors(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor,
 class Rollouts:
     """The step's trajectories from the prompt cursor, the generator and the environment."""
 
-    def __init__(self, config: RunConfig, generator: Generator, environment: Environment, algorithm: Algorithm,
-                 dataset: PromptDataset, multi_turn: MultiTurnRunner | None = None):
+    def __init__(self, config: RunConfig, context: RunContext, generator: Generator, environment: Environment,
+                 algorithm: Algorithm, dataset: PromptDataset, multi_turn: MultiTurnRunner | None = None):
         self.train_cfg, self.grpo, self.generation_cfg = config.train, config.grpo, config.generation
-        self.timeout_s = config.cluster.timeout_s
+        self.timeout_s = context.timeout_s
         self.generator, self.environment, self.algorithm = generator, environment, algorithm
         self.dataset, self.multi_turn = dataset, multi_turn
         self.cursor = DataCursor(len(dataset.train), config.train.seed)
-        self.generator_lock = threading.Lock()
+        self.generator_lock = context.generator_lock
         self.score_lock = threading.Lock()
         self._failures: dict[int, list[dict]] = {}  # failed agent attempts by the step generated for, until traced
         self._failures_lock = threading.Lock()

@@ -4,7 +4,7 @@ loop for what the recipe's algorithm trains on (its ``trains_on`` capability).
 Placement (:mod:`rlcore.controller.placement`) is computed once and handed to the backend and
 generator factories. Ray trainer ranks use a local Ray instance when neither
 ``cluster.ray_address`` nor ``RAY_ADDRESS`` names a cluster; the generator stays with the driver
-unless its plugin places its engines itself. Parts are built in :mod:`rlcore.controller.builders`.
+unless its plugin places its engines itself. Parts are built in :mod:`rlcore.controller.engines` and :mod:`rlcore.controller.task`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rlcore.controller.checks import check_before_start
 from rlcore.config import ConfigError, RunConfig
-from rlcore.controller.builders import seed_everything
+from rlcore.controller.engines import seed_everything
 from rlcore.deadlines import SIGTERM_DEADLINE
 from rlcore.controller.given import check_given
 from rlcore.controller.grpo_run import run_grpo
