@@ -1,4 +1,4 @@
-"""The `rlcore` command and its tools (doctor checks aside): run, plan, export, evaluation, traces, demo, bench and the docs reference; may import every other package."""
+"""The ``rlcore`` command and its tools: run, plan, export, evaluation, traces, demo, bench and the docs reference; may import every package but runtime."""
 
 
 def main(argv: list[str] | None = None) -> int:

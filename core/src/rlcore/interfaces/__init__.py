@@ -1,4 +1,4 @@
-"""What plugins build and what the run loop calls: the data passed around and the protocols.
+"""What plugins build and what the run loop calls: the data passed around and the protocols; imports nothing else of rlcore.
 
 Conventions every plugin follows:
 

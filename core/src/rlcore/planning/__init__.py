@@ -1,5 +1,5 @@
 """Sizing and automatic layout: predicted memory per GPU by part and step time by phase for candidate
-layouts of a run, ranked (``rlcore plan``), and the choice behind ``layout: auto``.
+layouts of a run, ranked (``rlcore plan``), and the choice behind ``layout: auto``; imports config and loading.
 
     from rlcore.loading.loader import load_config
     from rlcore.planning import plan
