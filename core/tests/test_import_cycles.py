@@ -8,6 +8,7 @@ can only be read together)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import rlcore
@@ -181,3 +182,11 @@ def test_every_package_says_what_it_owns_and_may_import():
             continue
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc, f"{init.relative_to(ROOT.parent)} has no docstring saying what the package owns"
+
+
+def test_the_layers_written_in_the_concepts_page_are_these():
+    page = (ROOT.parents[2] / "docs" / "concepts.md").read_text()
+    section = page.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
+    written = tuple(tuple(f"rlcore.{p}" if p != "rlcore" else p for p in re.findall(r"`(\w+)`", parts)) for _, parts in rows)
+    assert written == LAYERS
