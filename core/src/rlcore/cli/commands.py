@@ -27,7 +27,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from rlcore.controller.checks import check_before_start
 from rlcore.cli.parser import Parser
 from rlcore.config import ConfigError
 from rlcore.loading.loader import load_config, to_dict
@@ -91,6 +90,8 @@ def cmd_config(args) -> int:
     if args.recipe is None:
         raise ConfigError("", "rlcore config needs a recipe (or --defaults for the defaults of rlcore run)")
     config = load_config(args.recipe, args.overrides)
+    from rlcore.controller.checks import check_before_start  # the run's package: loaded once a recipe is read
+
     check_before_start(config)  # what rlcore run refuses before it starts, refused here too
     resolved = to_dict(config)
     if args.json:
