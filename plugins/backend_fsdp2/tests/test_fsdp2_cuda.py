@@ -176,7 +176,7 @@ def test_compiled_layers_with_traced_attention_train_like_eager(single_cuda_proc
 
 
 def test_fused_token_logprobs_match_eager_on_a_large_vocabulary():
-    from rlcore.training.steps import ops
+    from rlcore.training import ops
 
     torch.manual_seed(0)
     T, V = 700, 128256
