@@ -4,7 +4,7 @@ A test that starts many short runs one after another pays the imports (torch, tr
 plugins: seconds on two cores) in each. Here a ``multiprocessing`` fork server imports them once,
 before anything runs; each run is a child forked from it: its own process (its own pid, signals,
 stdout, stderr and exit status) with nothing of another run in it, which runs the CLI's ``main`` on
-its command line, as ``python -m rlcore.cli.commands`` does, or a script, as ``python -c`` does.
+its command line, as ``python -m rlcore.cli`` does, or a script, as ``python -c`` does.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class PreloadedCli:
 
     def start(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path | None = None):
         if not self.forked:
-            return _Interpreter([sys.executable, "-m", "rlcore.cli.commands", *argv], env, stdout, stderr or stdout)
+            return _Interpreter([sys.executable, "-m", "rlcore.cli", *argv], env, stdout, stderr or stdout)
         args = (list(argv), dict(env), str(stdout), str(stderr or stdout))
         process = self.context.Process(target=_cli_main, args=args, daemon=False)
         process.start()
@@ -89,7 +89,7 @@ class PreloadedCli:
 
     def _run(self, target, what, env: dict[str, str], tmp: Path, timeout: float, args: list[str]) -> subprocess.CompletedProcess:
         if not self.forked:
-            argv = [sys.executable, "-c", what] if target is _script else [sys.executable, "-m", "rlcore.cli.commands", *what]
+            argv = [sys.executable, "-c", what] if target is _script else [sys.executable, "-m", "rlcore.cli", *what]
             return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
         out, err = (tmp / f"process-{os.urandom(3).hex()}.{name}" for name in ("out", "err"))
         out.touch()

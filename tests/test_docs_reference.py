@@ -30,7 +30,7 @@ def _leaves(tree: dict, prefix: str) -> list[str]:
 
 
 def test_page_lists_every_key_config_defaults_prints():
-    printed = json.loads(subprocess.run([sys.executable, "-m", "rlcore.cli.commands", "config", "--defaults", "--json"],
+    printed = json.loads(subprocess.run([sys.executable, "-m", "rlcore.cli", "config", "--defaults", "--json"],
                                         check=True, capture_output=True, text=True, timeout=120).stdout)
     keys = _leaves(printed["core"], "")
     for section in printed["sections"]:

@@ -63,7 +63,7 @@ def test_export_to_a_full_disk_is_one_line_and_leaves_no_part(tiny_model_dir, tm
 
 # ---- what export copies stays inside the run directory -------------------------------------------
 def _export_cli(source: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlcore.cli.commands", "export", str(source), str(out)],
+    return subprocess.run([sys.executable, "-m", "rlcore.cli", "export", str(source), str(out)],
                           capture_output=True, text=True, timeout=120)
 
 

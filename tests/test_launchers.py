@@ -21,7 +21,7 @@ from test_multinode_ray import LAUNCHER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "examples" / "launch"
-RLCORE = [sys.executable, "-m", "rlcore.cli.commands"]
+RLCORE = [sys.executable, "-m", "rlcore.cli"]
 
 
 def _resolve(args: list[str]) -> dict:

@@ -97,7 +97,7 @@ def run_rlcore(argv: list[str], tmp: Path, env: dict | None = None, timeout: int
     env = {**os.environ, **(env or {})}
     if _preloaded is not None:
         return _preloaded.run_cli(argv, env, tmp, timeout)
-    return subprocess.run([sys.executable, "-m", "rlcore.cli.commands", *argv], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "rlcore.cli", *argv], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_script(code: str, tmp: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -162,7 +162,7 @@ def test_recipe_dry_run_two_steps_on_cpu(dry_runs, path):
 def test_a_hub_model_that_cannot_be_had_fails_before_any_worker(tmp_path):
     recipe = Path(__file__).parents[1] / "recipes" / "grpo_math_1B.yaml"
     env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="250")  # this machine cannot reach the hub either: offline fails fast
-    proc = subprocess.run([sys.executable, "-m", "rlcore.cli.commands", "run", str(recipe), f"logger.log_dir={tmp_path / 'run'}"],
+    proc = subprocess.run([sys.executable, "-m", "rlcore.cli", "run", str(recipe), f"logger.log_dir={tmp_path / 'run'}"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert ("config key 'policy.model_name': 'Qwen/Qwen2.5-1.5B-Instruct' is not a local directory and not in the "

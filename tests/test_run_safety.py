@@ -384,7 +384,7 @@ def test_sigterm_ends_the_step_checkpoints_it_and_the_run_resumes_from_it(tiny_m
     recipe = _recipe(tiny_model_dir, run_dir, **{"train.max_num_steps": 60, "checkpointing.save_period": 1000})
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    proc = subprocess.Popen([sys.executable, "-m", "rlcore.cli.commands", "run", str(path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "rlcore.cli", "run", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240

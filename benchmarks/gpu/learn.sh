@@ -65,7 +65,7 @@ learn_start() {  # DIR RUN [override...]: start RUN in the background (pid in LE
   # A call's own time limit does not reach that group: LEARN_DEADLINE must stay under it, as it does (480-540 of 600 s).
   # cluster.exit_timeout_s=30: a run that has ended but does not exit prints its threads' stacks and exits
   # within the call, not after the default 300 s.
-  setsid python3 -m rlcore.cli.commands run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
+  setsid python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
     cluster.exit_timeout_s=30 $(learn_overrides "$run") "$@" >> "$OUT/grpo-$run.log" 2>&1 &
   LEARN_PID=$!
 }
@@ -129,7 +129,7 @@ learn_eval_bf16() {  # the checkpoints' evaluations run side by side: each start
   for ckpt in "$dir/grpo-$run"/checkpoints/step_*; do
     [ -d "$ckpt" ] || continue
     step=$((10#${ckpt##*step_}))
-    python3 -m rlcore.cli.commands eval "$ckpt" $RECIPE policy.generation.quantization=none policy.generation.enforce_eager=true \
+    python3 -m rlcore.cli eval "$ckpt" $RECIPE policy.generation.quantization=none policy.generation.enforce_eager=true \
       --no-progress --out "$dir/eval-$run-$step.json" > "$OUT/eval-$run-$step.log" 2>&1 &
     pids+=($!); steps+=("$step")
   done

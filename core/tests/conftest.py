@@ -74,7 +74,7 @@ def fake_site(tmp_path, monkeypatch):
 def _rlcore_script() -> list[str]:
     """The installed ``rlcore`` console script of the running interpreter's environment."""
     script = Path(sys.executable).parent / "rlcore"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "rlcore.cli.commands"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rlcore.cli"]
 
 
 def _run_cli(*args: str, env: dict | None = None, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -43,7 +43,7 @@ def test_the_config_digest_follows_the_config():
 
 @pytest.mark.parametrize("option, value", [("--warmup", "-1"), ("--steps", "0")])
 def test_a_negative_warmup_or_no_steps_is_refused_naming_the_option(tmp_path, option, value):
-    done = subprocess.run([sys.executable, "-m", "rlcore.cli.commands", "bench", "step", str(REPO / "recipes" / "grpo_arith_tiny_cpu.yaml"),
+    done = subprocess.run([sys.executable, "-m", "rlcore.cli", "bench", "step", str(REPO / "recipes" / "grpo_arith_tiny_cpu.yaml"),
                            option, value, "--out", str(tmp_path / "bench")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert f"argument {option}: must be at least" in done.stderr and "summary_window" not in done.stderr, done.stderr[-2000:]
@@ -53,7 +53,7 @@ def test_a_negative_warmup_or_no_steps_is_refused_naming_the_option(tmp_path, op
 def test_bench_step_prints_the_table_and_appends_the_row(tmp_path):
     out = tmp_path / "bench"
     done = subprocess.run(
-        [sys.executable, "-m", "rlcore.cli.commands", "bench", "step", str(REPO / "recipes" / "grpo_arith_tiny_cpu.yaml"),
+        [sys.executable, "-m", "rlcore.cli", "bench", "step", str(REPO / "recipes" / "grpo_arith_tiny_cpu.yaml"),
          "policy.generation.backend=hf", "train.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
          "policy.generation.max_new_tokens=2", "logger.print_table=false", "--shape", "tiny", "--steps", "2",
          "--warmup", "1", "--out", str(out), "--workdir", str(tmp_path / "models")],

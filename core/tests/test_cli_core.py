@@ -1,6 +1,6 @@
 """The ``rlcore`` command against the plugins really installed in this environment.
 
-Each test runs the installed console script (or ``rlcore.cli.commands.main``) in a fresh interpreter.
+Each test runs the installed console script (or ``python -m rlcore.cli``) in a fresh interpreter.
 """
 
 from __future__ import annotations

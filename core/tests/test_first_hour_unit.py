@@ -399,7 +399,7 @@ def _installed(module: str) -> bool:
 # ---- 9. output when narrow or piped; defaults with descriptions ---------------------------------------
 def test_plugins_fits_80_columns(run_cli):
     done = run_cli("plugins")  # run_cli sets COLUMNS=250; the table must not need it
-    narrow = subprocess.run([sys.executable, "-m", "rlcore.cli.commands", "plugins"], capture_output=True, text=True,
+    narrow = subprocess.run([sys.executable, "-m", "rlcore.cli", "plugins"], capture_output=True, text=True,
                             env={**os.environ, "COLUMNS": "80"})
     assert narrow.returncode == 0 and done.returncode == 0
     lines = narrow.stdout.splitlines()
@@ -410,7 +410,7 @@ def test_plugins_fits_80_columns(run_cli):
 
 
 def test_plugins_json_into_a_closed_pipe_is_quiet():
-    done = subprocess.run(f"{sys.executable} -m rlcore.cli.commands plugins --json | head -c 10", shell=True, capture_output=True,
+    done = subprocess.run(f"{sys.executable} -m rlcore.cli plugins --json | head -c 10", shell=True, capture_output=True,
                           text=True)
     assert done.stdout.startswith("[") and done.stderr == "", done.stderr
 

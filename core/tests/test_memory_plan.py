@@ -177,7 +177,7 @@ def test_a_run_too_big_for_the_host_is_refused_before_the_model_loads(tmp_path):
     for weights in model.glob("*.safetensors"):
         weights.unlink()  # loading it would fail: the plan must refuse first
     (model / "config.json").write_text(json.dumps({**LLAMA_8B, "torch_dtype": "float32"}))
-    proc = subprocess.run([sys.executable, "-m", "rlcore.cli.commands", "run", str(REPO / "recipes" / "grpo_arith_tiny_cpu.yaml"), f"policy.model_name={model}",
+    proc = subprocess.run([sys.executable, "-m", "rlcore.cli", "run", str(REPO / "recipes" / "grpo_arith_tiny_cpu.yaml"), f"policy.model_name={model}",
                            "policy.generation.backend=hf", f"logger.log_dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

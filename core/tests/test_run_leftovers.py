@@ -217,7 +217,7 @@ def test_rlcore_run_on_a_full_disk_is_one_line_before_anything_loads(small_disk,
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(json.dumps({"policy": {"model_name": str(tmp_path / "no-model")}, "train": {"max_num_steps": 1},
                                   "logger": {"log_dir": str(small_disk / "run")}}))
-    done = subprocess.run([sys.executable, "-m", "rlcore.cli.commands", "run", str(recipe)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "rlcore.cli", "run", str(recipe)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: no space left on device: the run's identity could not be "

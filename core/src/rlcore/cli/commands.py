@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     finally:
         # Once a run has begun (cmd_run sets the limit), its process is ended if it does not exit, but
-        # only when this is the program's own command line (the `rlcore` script, `python -m rlcore.cli.commands`):
+        # only when this is the program's own command line (the `rlcore` script, `python -m rlcore.cli`):
         # a caller that passes argv in-process (a test, a notebook) goes on.
         if argv is None and getattr(args, "exit_timeout_s", None) is not None:
             start_exit_watchdog(args.exit_timeout_s, status)
