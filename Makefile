@@ -33,7 +33,7 @@ $(STAMP): $(PYPROJECTS)
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/python -m rlcore.demo $(ARGS)
+	$(BIN)/python -m rlcore.cli.demo $(ARGS)
 
 # Two pytest workers, each taking a whole test file at a time (its module fixtures stay in one
 # process): one at a time, the suite leaves the two cores idle nearly half the time (engines
@@ -100,7 +100,7 @@ test-newest: install-newest
 	$(NEWEST)/bin/rlcore doctor
 	$(NEWEST)/bin/python -m pytest -n 2 --dist loadfile -m "not wall_clock" $(NEWEST_TESTS)
 	rm -rf runs/demo-newest
-	$(NEWEST)/bin/python -m rlcore.demo $(NEWEST_DEMO)
+	$(NEWEST)/bin/python -m rlcore.cli.demo $(NEWEST_DEMO)
 
 # The two example third-party plugins (examples/: the ddp training backend, the hf_static generator)
 # installed into a directory of their own (the shared .venv stays as it is), then the demo trained
@@ -111,7 +111,7 @@ demo-examples: install
 	rm -rf $(EXAMPLES_SITE)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation --target $(EXAMPLES_SITE) \
 		examples/ddp_backend_plugin examples/hf_static_generator_plugin
-	PYTHONPATH=$(EXAMPLES_SITE) $(BIN)/python -m rlcore.demo --require-gain 0.25 $(EXAMPLES_DEMO) $(ARGS)
+	PYTHONPATH=$(EXAMPLES_SITE) $(BIN)/python -m rlcore.cli.demo --require-gain 0.25 $(EXAMPLES_DEMO) $(ARGS)
 
 # The pip route: the seven distributions as wheels in $(DIST) (`pip install dist/*.whl`, torch pinned first
 # as in the README). The recipes ship inside rlcore's wheel (core/src/rlcore/recipes links to recipes/).
@@ -128,7 +128,7 @@ wheels:
 # The documentation site: the configuration reference regenerated from the installed schemas, then
 # a strict build into site/ (a broken link or a stale page fails it).
 docs: install
-	$(BIN)/python -m rlcore.docs_reference
+	$(BIN)/python -m rlcore.cli.docs_reference
 	$(BIN)/mkdocs build --strict
 
 clean:

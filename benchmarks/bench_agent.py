@@ -3,7 +3,7 @@
 The same three model turns as the ``bench_tool`` environment of ``bench_multiturn_env.py`` (turns
 end on the ``777|>`` stop string or at ``max_new_tokens``; a simulated tool latency uniform in
 ``[0, TOOL_LATENCY_S]``; the tool result ``<result>{len(turn)}</result>`` as the next user turn; a
-pseudo-random reward from the last turn), so that ``llama1b-tool-async`` (``rlcore.rollout``) and
+pseudo-random reward from the last turn), so that ``llama1b-tool-async`` (``rlcore.generation.rollout``) and
 ``llama1b-tool-agent`` (this agent, an HTTP round trip per turn) of ``bench_grpo_step.py`` time the
 same work, and their difference is the endpoint's overhead. Uses the ``openai`` client only.
 """

@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_shapes  # noqa: E402
 import results_log  # noqa: E402
-from rlcore.bench.models import SHAPES, build_here, llama_params  # noqa: E402  (rlcore bench's models: the same shapes)
+from rlcore.cli.bench.models import SHAPES, build_here, llama_params  # noqa: E402  (rlcore bench's models: the same shapes)
 
 PEAK_FLOPS = 989e12
 NEMO_8B_ROW = {
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     import bench_row_logger
-    from rlcore.config.loader import set_dotted
+    from rlcore.loading.loader import set_dotted
     from rlcore.plugins import get_plugin_manager
 
     get_plugin_manager().register_module(bench_row_logger)

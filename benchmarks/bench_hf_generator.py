@@ -29,9 +29,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from rlcore.config import build_config
-    from rlcore.demo import DEMO_MODEL
-    from rlcore.hf_generator import HFGenerator
+    from rlcore.loading.loader import build_config
+    from rlcore.cli.demo import DEMO_MODEL
+    from rlcore.generation.hf_generator import HFGenerator
     from rlcore.interfaces import SamplingParams
     from rlcore.testing.tiny import build_tiny_model
 

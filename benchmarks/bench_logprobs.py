@@ -1,4 +1,4 @@
-"""GPU time of :func:`rlcore.ops.token_logprobs` (forward and backward) on one micro-batch's logits.
+"""GPU time of :func:`rlcore.training.ops.token_logprobs` (forward and backward) on one micro-batch's logits.
 
     python benchmarks/bench_logprobs.py                        # one H200: 4096 x 128256 bf16, chunks of 1024
     python benchmarks/bench_logprobs.py --tokens 3952 --chunk-tokens 4096
@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch
-from rlcore.ops import token_logprobs
+from rlcore.training.ops import token_logprobs
 
 
 def parse_args(argv=None):

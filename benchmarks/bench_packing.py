@@ -1,4 +1,4 @@
-"""Packing efficiency and speed of ``rlcore.packing.plan_micro_batches`` on a realistic length mix.
+"""Packing efficiency and speed of ``rlcore.data.packing.plan_micro_batches`` on a realistic length mix.
 
 Lengths are drawn log-normally (median ~400 tokens) and clipped to [16, 4096]. Reported per
 token budget and data-parallel size: slot fill (real tokens / (micro-batches x budget), counting
@@ -23,7 +23,7 @@ def lognormal_lengths(n: int, seed: int, low: int = 16, high: int = 4096) -> np.
 
 
 def bench_plan(lengths: np.ndarray, max_tokens: int, dp_size: int, repeats: int) -> dict:
-    from rlcore.packing import plan_micro_batches
+    from rlcore.data.packing import plan_micro_batches
 
     best, plan = float("inf"), None
     as_list = lengths.tolist()
@@ -40,7 +40,7 @@ def bench_layout(n: int, max_tokens: int, seed: int) -> float:
     import torch
 
     from rlcore.interfaces import SequenceBatch
-    from rlcore.packing import make_micro_batches
+    from rlcore.data.packing import make_micro_batches
 
     lengths = lognormal_lengths(n, seed).tolist()
     batch = SequenceBatch(

@@ -37,7 +37,7 @@ class RandomTrainer:
                         for n, s in named_shapes]
 
     def export_weights(self, dtype=None, chunk_bytes: int = 1 << 30):
-        from rlcore.weights import chunked
+        from rlcore.training.weights import chunked
 
         yield from chunked(self.tensors, chunk_bytes)
 

@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     import torch
 
     import rlcore
-    from rlcore.demo import DEMO_MODEL
+    from rlcore.cli.demo import DEMO_MODEL
     from rlcore.testing.tiny import build_tiny_model
 
     torch.set_num_threads(args.threads)

@@ -208,8 +208,8 @@ class PlainMegatronLoop:
     def _train(self, batch) -> dict:
         from megatron.core import parallel_state as mpu
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        from rlcore.ops import token_logprobs
-        from rlcore.packing import make_micro_batches
+        from rlcore.training.ops import token_logprobs
+        from rlcore.data.packing import make_micro_batches
         from rlcore_megatron.model import packed_seq_params
 
         mbs = make_micro_batches(batch, self.args.mb_tokens, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),

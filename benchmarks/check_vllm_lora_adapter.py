@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-log", action="store_true", help="print only, append nothing to results.jsonl")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from rlcore.config import build_config
-    from rlcore.demo import DEMO_MODEL
+    from rlcore.loading.loader import build_config
+    from rlcore.cli.demo import DEMO_MODEL
     from rlcore.testing.tiny import build_tiny_model
     from rlcore_fsdp2.lora import adapter_tensors, apply_lora, write_adapter
     from transformers import AutoModelForCausalLM

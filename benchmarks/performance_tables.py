@@ -149,7 +149,7 @@ def memory_table(rows: list[dict]) -> str:
 
 def endpoint_table(rows: list[dict]) -> str:
     """Each ``*-tool-agent`` row (an agent through the OpenAI-compatible endpoint) beside the
-    ``*-tool-async`` row of the same work and machine (``rlcore.rollout``): the endpoint's overhead."""
+    ``*-tool-async`` row of the same work and machine (``rlcore.generation.rollout``): the endpoint's overhead."""
     lines = ["| Config | Rollouts through | Step (s) | Generation | Endpoint overhead (step) | Command | Date | Machine | Commit |",
              "|---|---|---:|---:|---:|---|---|---|---|"]
     for agent in (r for r in rows if str(r["variant"]).endswith("-tool-agent")):
@@ -158,7 +158,7 @@ def endpoint_table(rows: list[dict]) -> str:
         if not same:
             continue
         base = same[-1]
-        for r, via in ((base, "`rlcore.rollout`"), (agent, "the endpoint")):
+        for r, via in ((base, "`rlcore.generation.rollout`"), (agent, "the endpoint")):
             extra = ""
             if r is agent:
                 extra = f"{agent['step_s'] - base['step_s']:+.2f} s ({100 * (agent['step_s'] / base['step_s'] - 1):+.1f}%)"
@@ -190,7 +190,7 @@ def sandbox_table(rows: list[dict]) -> str:
 
 
 # The demo's figures in README.md and docs/performance.md: the text between these markers is
-# written by --write-demo from the newest "demo" row (python -m rlcore.demo --record), never by hand.
+# written by --write-demo from the newest "demo" row (python -m rlcore.cli.demo --record), never by hand.
 DEMO_BEGIN = "<!-- demo figures: python benchmarks/performance_tables.py --write-demo -->"
 DEMO_END = "<!-- end of demo figures -->"
 DEMO_PAGES = {"README.md": "readme", "docs/performance.md": "performance"}
@@ -199,7 +199,7 @@ DEMO_PAGES = {"README.md": "readme", "docs/performance.md": "performance"}
 def newest_demo(rows: list[dict]) -> dict:
     demo = [r for r in rows if r.get("bench") == "demo" and r.get("variant") == "make demo"]
     if not demo:
-        raise SystemExit("no 'make demo' row in the results: python -m rlcore.demo --record benchmarks/results.jsonl")
+        raise SystemExit("no 'make demo' row in the results: python -m rlcore.cli.demo --record benchmarks/results.jsonl")
     return max(demo, key=lambda r: r["date"])
 
 

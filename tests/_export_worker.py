@@ -49,9 +49,9 @@ def batch():
 def save_layouts(rank: int, world: int, model_dir: str, out: Path) -> None:
     import yaml
 
-    from rlcore.config import build_config, to_dict
+    from rlcore.loading.loader import build_config, to_dict
     from rlcore.controller.checkpoint import CheckpointManager
-    from rlcore.controller.builders import select_backend
+    from rlcore.controller.engines import select_backend
     from rlcore.controller.run_dir import checkpoint_root, fingerprint
     from rlcore.interfaces import Placement, WorldInfo
     from rlcore.plugins import get_plugin_manager
@@ -95,7 +95,7 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def export_and_compare(model_dir: str, out: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from rlcore.cli import main as rlcore_main
+    from rlcore.cli.commands import main as rlcore_main
 
     results: dict = {}
     ids = batch().input_ids

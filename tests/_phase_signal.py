@@ -46,7 +46,7 @@ if __name__ == "__main__":
     phase, step, marker, dashes, *argv = sys.argv[1:]
     assert dashes == "--", sys.argv
     hold_at(phase, int(step), Path(marker))
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     sys.argv = ["rlcore", *argv]  # the program's own command line: main() as the rlcore script runs it
     sys.exit(main())

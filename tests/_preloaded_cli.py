@@ -18,7 +18,7 @@ from pathlib import Path
 
 # What a CPU run of the tiny recipes (fsdp2 backend, hf generator, math environment) imports; a module
 # missing here is imported by the run itself, as in a fresh interpreter.
-PRELOAD = ["torch", "torch._inductor.config", "transformers", "transformers.models.llama.modeling_llama", "rlcore.cli",
+PRELOAD = ["torch", "torch._inductor.config", "transformers", "transformers.models.llama.modeling_llama", "rlcore.cli.commands",
            "rlcore.controller.run", "rlcore.controller.grpo_run", "rlcore_fsdp2.backend", "rlcore_math.envs", "math_verify"]
 
 
@@ -39,7 +39,7 @@ def _redirect(env: dict[str, str], stdout: str, stderr: str) -> None:
 def _cli_main(argv: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
     _redirect(env, stdout, stderr)
     sys.argv = ["rlcore", *argv]
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     sys.exit(main())
 

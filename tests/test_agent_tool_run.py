@@ -1,6 +1,6 @@
-"""An agent that calls a calculator through OpenAI ``tools`` trains end to end (``python -m rlcore.demo
+"""An agent that calls a calculator through OpenAI ``tools`` trains end to end (``python -m rlcore.cli.demo
 --tools``'s pieces, small): a tiny Llama given the tools-aware tiny template and the tool-call warm
-start (:mod:`rlcore.demo_tools`), then GRPO through the agents' endpoint with
+start (:mod:`rlcore.cli.demo_tools`), then GRPO through the agents' endpoint with
 ``examples/agents/math_tool_agent.py:agent`` (the ``openai`` client alone; hf generator). Every step's
 record counts the tool calls the endpoint parsed and the agent ran, and the rollout traces show each
 call and the result the agent sent back, as ``rlcore rollouts`` prints them."""
@@ -42,8 +42,8 @@ def _config(model: Path, run_dir: Path):
 
 @pytest.mark.slow
 def test_the_calculator_agent_calls_its_tool_in_every_step_and_the_traces_show_call_and_result(tmp_path):
-    from rlcore.demo import sft_config
-    from rlcore.demo_tools import tool_warm_start
+    from rlcore.cli.demo import sft_config
+    from rlcore.cli.demo_tools import tool_warm_start
     from rlcore.testing.tiny import build_tiny_model
 
     base = build_tiny_model(tmp_path / "base", "llama", hidden_size=64, num_layers=2, num_heads=1, num_kv_heads=1,
@@ -89,7 +89,7 @@ def test_every_warm_start_conversation_calls_the_tool_and_trains_the_call_and_th
     """The tool-call warm start's data never answers directly: each conversation calls the calculator with the
     problem's expression, gets its value back, and answers with it; the call and the answer are trained,
     the prompt and the tool's result are not."""
-    from rlcore.demo_tools import conversation_batch, tool_conversation
+    from rlcore.cli.demo_tools import conversation_batch, tool_conversation
     from rlcore.plugins import get_plugin_manager
     from rlcore.testing.tiny import build_tokenizer
     from rlcore_math.config import ArithmeticDatasetConfig
@@ -115,9 +115,9 @@ def test_every_warm_start_conversation_calls_the_tool_and_trains_the_call_and_th
 
 
 def test_a_recorded_tools_demo_row_carries_the_tool_call_warm_start(tmp_path):
-    """``python -m rlcore.demo --tools --record``: the row names the mode and carries the tool-call SFT's
+    """``python -m rlcore.cli.demo --tools --record``: the row names the mode and carries the tool-call SFT's
     last held-out check (steps, seconds, the shares of calls, right arguments and answers)."""
-    from rlcore.demo import build_parser, demo_row, recorded_variant
+    from rlcore.cli.demo import build_parser, demo_row, recorded_variant
 
     check = {"step": 60, "loss": 0.04, "calls": 1.0, "arguments": 0.62, "answers": 0.88, "seconds": 70.0}
     (tmp_path / "tool_warm_start.json").write_text(json.dumps({"target": 0.6, "tool_every": 1, "history": [check]}))

@@ -67,7 +67,7 @@ def test_agent_failures_are_retried_dropped_counted_and_kept_out_of_advantages(t
 def test_a_hung_agent_ends_rlcore_run_with_one_line_naming_its_trajectory(tiny_model_dir, tmp_path, capfd, mode):
     import yaml
 
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     recipe = {
         "policy": {"model_name": str(tiny_model_dir), "precision": "float32", "max_total_sequence_length": 48,

@@ -2,7 +2,7 @@
 
 A deterministic async run (``max_trajectory_age_steps: 1``, hf generator, math env, one epoch of
 16 steps, a checkpoint each step) is stopped at ten points, each followed by a resume of the
-same command: four kills inside a chosen phase through ``RLCORE_FAULT`` (the trainer's process
+same command: four kills inside a chosen phase through the test-only fault plugin (:mod:`rlcore.testing.faults`) (the trainer's process
 exits mid-call: mid-training, mid-logprobs, mid-refit, mid-checkpoint), and six by SIGKILL or
 SIGTERM at a random moment (a seeded draw, printed) within about a step after the attempt's
 resume, which lands mid-generation, mid-scoring, mid-training or mid-refit as the draw falls. Then:
@@ -38,6 +38,7 @@ from _preloaded_cli import PreloadedCli
 from test_loop import tiny_recipe
 
 from rlcore.controller.checkpoint import CheckpointManager
+from rlcore.testing.faults import fault_env
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +124,7 @@ def test_one_step_off_survives_kills_at_every_phase(cli, tiny_model_dir, tmp_pat
             step = int(what.rsplit(":", 1)[1])
             if step <= len(records):
                 continue  # that phase of that step is behind this run already
-            Attempt(cli, recipe, env={"RLCORE_FAULT": what}).wait()
+            Attempt(cli, recipe, env=fault_env(what)).wait()
         else:  # a step's wall time, from the records so far (the phase kills left four)
             step_s = (records[-1]["time/elapsed_s"] - records[0]["time/elapsed_s"]) / max(len(records) - 1, 1)
             _kill_at_random(Attempt(cli, recipe), rng, what, step_s)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import rlcore
-from rlcore.controller.given import REQUIRED, check_given
+from rlcore.controller.given import check_given
+from rlcore.interfaces.members import REQUIRED
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compose.py"
 

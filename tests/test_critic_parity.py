@@ -43,7 +43,7 @@ def value_model(tiny_model_factory, tmp_path_factory):
     """A value checkpoint: the tiny Llama's body with a seeded random ``score`` head."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    from rlcore.value_model import value_model_config
+    from rlcore.training.value_model import value_model_config
 
     causal = tiny_model_factory("llama", hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
     config = value_model_config(AutoConfig.from_pretrained(causal))
@@ -75,7 +75,7 @@ def reference(value_model):
     from transformers import AutoModelForTokenClassification
 
     from rlcore.algorithms.value_loss import ValueLoss
-    from rlcore.packing import make_micro_batches, step_totals
+    from rlcore.data.packing import make_micro_batches, step_totals
 
     worker = load_worker()
     model = AutoModelForTokenClassification.from_pretrained(value_model, dtype=torch.float64)

@@ -14,11 +14,11 @@ PAGE = ROOT / "docs" / "reference" / "configuration.md"
 
 
 def test_committed_page_matches_the_schemas():
-    from rlcore.docs_reference import render
+    from rlcore.cli.docs_reference import render
     from rlcore.plugins import get_plugin_manager
 
     assert PAGE.read_text() == render(get_plugin_manager()), (
-        f"{PAGE.relative_to(ROOT)} has drifted from the schemas: run `python -m rlcore.docs_reference` (or `make docs`)")
+        f"{PAGE.relative_to(ROOT)} has drifted from the schemas: run `python -m rlcore.cli.docs_reference` (or `make docs`)")
 
 
 def _leaves(tree: dict, prefix: str) -> list[str]:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlcore.config import ConfigError, build_config, load_config
+from rlcore.config import ConfigError
+from rlcore.loading.loader import build_config, load_config
 from rlcore.plugins import get_plugin_manager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,11 +117,11 @@ def test_the_demo_figures_in_the_docs_are_the_newest_recorded_demo():
 
 
 def test_a_recorded_demo_renders_as_the_demo_printed_it(tmp_path):
-    """``python -m rlcore.demo --record`` writes a row from the run's summary; the docs' block shows
+    """``python -m rlcore.cli.demo --record`` writes a row from the run's summary; the docs' block shows
     the warm start, the summary table and the accuracies of that row."""
     import json
 
-    from rlcore.demo import build_parser, demo_row, recorded_variant
+    from rlcore.cli.demo import build_parser, demo_row, recorded_variant
 
     (tmp_path / "sft_history.json").write_text(json.dumps([{"step": 200, "loss": 0.9, "val_accuracy": 0.36, "seconds": 44.2}]))
     summary = {"window_first": 2, "window_last": 240, "timing/total": 1.2, "timing/training": 0.6, "timing/refit": 0.1,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlcore.evaluation import pass_at_k
+from rlcore.cli.evaluation import pass_at_k
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def planted(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlcore.config.hf_generation import HFGenerationConfig
-    from rlcore.hf_generator import HFGenerator
+    from rlcore.generation.hf_generator import HFGenerator
     from rlcore.interfaces import SamplingParams
 
     root = tmp_path_factory.mktemp("eval")
@@ -87,7 +87,7 @@ def test_eval_of_the_checkpoint_reports_the_runs_last_validation(planted):
     root = planted
     code = textwrap.dedent(f"""
         import json, rlcore
-        from rlcore.cli import main
+        from rlcore.cli.commands import main
         if __name__ == "__main__":
             rlcore.run(rlcore.load_config({str(root / 'recipe.yaml')!r}))
             assert main(["eval", {str(root / 'run')!r}, {str(root / 'recipe.yaml')!r}, "--k", "2", "--samples", "4",
@@ -117,7 +117,7 @@ def test_eval_of_the_checkpoint_reports_the_runs_last_validation(planted):
 
 
 def test_eval_names_a_missing_model(tmp_path, capsys):
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     recipe = Path(__file__).parents[1] / "recipes" / "grpo_arith_tiny_cpu.yaml"
     assert main(["eval", str(tmp_path / "nowhere"), str(recipe), "--no-progress"]) == 2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.cli import main as rlcore_main
+from rlcore.cli.commands import main as rlcore_main
 from rlcore.testing.ranks import rank_results
 
 WORKER = Path(__file__).with_name("_export_worker.py")

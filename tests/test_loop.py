@@ -18,7 +18,8 @@ import yaml
 
 from _preloaded_cli import PreloadedCli
 
-from rlcore.config.loader import set_dotted
+from rlcore.loading.loader import set_dotted
+from rlcore.testing.faults import fault_env
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +134,7 @@ def test_a_run_plots_its_curves_when_asked(straight_run):
 
 def test_resume_after_kill_matches_uninterrupted(tiny_model_dir, straight_run, tmp_path):
     killed_dir = tmp_path / "killed"
-    killed = run_recipe(tiny_recipe(tiny_model_dir, killed_dir), tmp_path, env={"RLCORE_FAULT": "crash:train:3"})
+    killed = run_recipe(tiny_recipe(tiny_model_dir, killed_dir), tmp_path, env=fault_env("crash:train:3"))
     assert killed.returncode != 0
     complete = sorted(p.name for p in (killed_dir / "ckpt").iterdir())
     assert complete == ["step_000001", "step_000002"], complete  # step 3 never finished, nothing half-written
@@ -243,7 +244,7 @@ def ray_crash_run(tiny_model_dir, tmp_path_factory) -> tuple[subprocess.Complete
     tmp = tmp_path_factory.mktemp("ray-crash")
     run_dir = tmp / "crash"
     recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "cluster.timeout_s": 120})
-    return run_recipe(recipe, tmp, env={"RLCORE_FAULT": "crash:train:3"}), run_dir
+    return run_recipe(recipe, tmp, env=fault_env("crash:train:3")), run_dir
 
 
 def test_ray_trainer_crash_names_worker_and_keeps_checkpoint(ray_crash_run):
@@ -260,7 +261,7 @@ def test_ray_trainer_hang_times_out_with_report(tiny_model_dir, tmp_path):
     # took over 2 s on two busy cores); the driver waits all of it for the hung rank.
     recipe = tiny_recipe(tiny_model_dir, run_dir, **{"cluster.use_ray": True, "cluster.timeout_s": 8,
                                                       "checkpointing.enabled": False, "train.max_num_steps": 2})
-    done = run_recipe(recipe, tmp_path, env={"RLCORE_FAULT": "hang:train:1"})
+    done = run_recipe(recipe, tmp_path, env=fault_env("hang:train:1"))
     assert done.returncode != 0
     assert "timeout" in done.stderr and "trainer ranks [0]" in done.stderr and "'train'" in done.stderr, done.stderr[-3000:]
 
@@ -346,7 +347,7 @@ def test_rlcore_run_whose_process_would_not_exit_ends_with_the_runs_status(tiny_
             threading.Event().wait()
         threading.Thread(target=a_thread_that_never_returns).start()
         sys.argv = ["rlcore", "run", {str(path)!r}, "cluster.exit_timeout_s=2"]
-        from rlcore.cli import main
+        from rlcore.cli.commands import main
         sys.exit(main())
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -9,7 +9,7 @@ in the refit), then ``STRICT_PACK`` (both ranks on one node). Every metric but t
 equal. A third run asks for more ranks than the cluster has CPUs and must fail before any actor
 starts, naming what is missing. The ranks run on two worker nodes; the head (GCS) has no CPUs.
 
-Then a node is lost mid-step: rank 1 is held inside step 2's ``train`` call (``RLCORE_FAULT``
+Then a node is lost mid-step: rank 1 is held inside step 2's ``train`` call (the fault plugin's
 hang), every listening socket of the run's processes is audited (what listens beyond loopback must
 be a documented Ray server or the process group's, bound to the node's address: README, "Run on a
 cluster"), and rank 1's node is removed ungracefully (raylet and every process of the node killed).
@@ -33,6 +33,8 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+
+from rlcore.testing.faults import fault_env
 
 pytestmark = pytest.mark.slow
 
@@ -296,7 +298,7 @@ def test_a_node_lost_mid_step_stops_the_run_naming_it_and_the_checkpoint_resumes
     path.write_text(yaml.safe_dump(recipe))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # Rank 1 holds step 2's 'train' call open (the fault injection's hang), so the kill lands mid-call.
-    driver = _Driver(path, {**env, "RLCORE_FAULT": f"hang:train:{FAULT_STEP}:1"})
+    driver = _Driver(path, {**env, **fault_env(f"hang:train:{FAULT_STEP}:1")})
     try:
         driver.wait_for("RLCORE_FAULT: trainer rank 1 hangs now", timeout_s=240)
         placed = re.search(r"rank 1 on (\S+) \(node (\w+)\); process group at (\S+):(\d+)", "".join(driver.out))

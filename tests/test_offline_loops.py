@@ -68,7 +68,7 @@ def without_timings(record: dict) -> dict:
 
 def cli_run(recipe: dict, path: Path, sigterm_after_step: int | None = None) -> int:
     """``rlcore run`` in this process; SIGTERM to it once ``metrics.jsonl`` holds that step."""
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     path.write_text(yaml.safe_dump(recipe))
     metrics = Path(recipe["logger"]["log_dir"]) / "metrics.jsonl"
@@ -155,7 +155,7 @@ def test_every_offline_step_record_carries_its_data_position(straight_runs):
 @pytest.mark.parametrize("name", ["sft", "dpo"])
 def test_a_packing_budget_below_one_sequence_is_refused_before_the_offline_run_starts(name, tiny_model_dir, tmp_path, capsys):
     """GRPO's check, made for every loop before the run directory is claimed or a model loads."""
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     recipe = RECIPES[name](tiny_model_dir, tmp_path / "run")
     recipe["policy"]["sequence_packing"] = {"enabled": True, "train_mb_tokens": 1}
@@ -170,7 +170,7 @@ def test_a_packing_budget_below_one_sequence_is_refused_before_the_offline_run_s
 def test_non_finite_losses_end_rlcore_run_with_one_line(name, tiny_model_dir, tmp_path, capsys):
     """A learning rate that overflows the weights after the first update: the next loss is not
     finite, and with train.max_consecutive_nonfinite=1 the run stops, saying so in one line."""
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     recipe = RECIPES[name](tiny_model_dir, tmp_path / "run")
     recipe["policy"]["optimizer"]["lr"] = 1e38
@@ -185,7 +185,7 @@ def test_non_finite_losses_end_rlcore_run_with_one_line(name, tiny_model_dir, tm
 
 
 def test_a_malformed_data_row_ends_rlcore_run_with_one_message_and_status_2(tiny_model_dir, tmp_path, capsys):
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     data = tmp_path / "train.jsonl"
     data.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": \n{"problem": "3+3", "answer": "6"}\n')

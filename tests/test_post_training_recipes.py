@@ -66,7 +66,7 @@ def test_rm_recipe_held_out_pair_accuracy_rises_above_0_8(trained_reward_model):
 
 
 def test_reward_model_environment_scores_trajectories(trained_reward_model, tiny_tokenizer):
-    from rlcore.config import build_config
+    from rlcore.loading.loader import build_config
     from rlcore.interfaces import Sample
     from rlcore.plugins import get_plugin_manager
 

@@ -76,7 +76,7 @@ PAGE_BLOCKS = [(page, *b) for page in PAGES for b in blocks(page) if b[0] in ("b
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    from rlcore.demo import MODEL_SHAPES
+    from rlcore.cli.demo import MODEL_SHAPES
     from rlcore.testing.tiny import build_tiny_model
 
     work = tmp_path_factory.mktemp("readme")

@@ -26,7 +26,8 @@ import attrs
 import pytest
 import yaml
 
-from rlcore.config import ConfigError, load_config
+from rlcore.config import ConfigError
+from rlcore.loading.loader import load_config
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 # Vision-language recipes need a tiny VLM and their image dataset, not the text swaps below: the fsdp2

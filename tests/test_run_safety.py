@@ -297,7 +297,7 @@ def test_a_reward_function_that_never_returns_stops_the_cli_run_in_one_line(tiny
                                                           "grpo.async_grpo.enabled": mode == "async"})
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    done = run_script(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\nfrom rlcore.cli import main\n"
+    done = run_script(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\nfrom rlcore.cli.commands import main\n"
                       f"sys.exit(main(['run', {str(path)!r}]))", tmp_path, timeout=120)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -29,7 +29,7 @@ import pytest
 
 import rlcore
 from rlcore.config import ConfigError
-from rlcore.controller.deadlines import CallTimeout
+from rlcore.deadlines import CallTimeout
 from rlcore.controller.nonfinite import NonFiniteLossError
 from rlcore.plugins import get_plugin_manager
 from test_loop import tiny_recipe

@@ -1,7 +1,7 @@
 """The pip route, as a user outside a checkout meets it: ``make wheels`` builds the seven
 distributions, they install into a fresh virtual environment, and there, in a directory with no
 ``recipes/``: the shipped recipes are listed, copied out and found by name; the demo's first steps
-run (``python -m rlcore.demo``); and the README's CPU commands run as in
+run (``python -m rlcore.cli.demo``); and the README's CPU commands run as in
 ``tests/test_readme_commands.py``.
 
 The environment gets the rlcore distributions from the wheels alone; their dependencies (torch,
@@ -88,9 +88,9 @@ def test_the_shipped_recipes_are_listed_copied_out_and_found_by_name(venv, tmp_p
 
 
 def test_the_demos_first_steps_run_from_the_wheels(venv, tmp_path):
-    """``python -m rlcore.demo`` outside a checkout: the SFT warm start (to its first evaluation), one
+    """``python -m rlcore.cli.demo`` outside a checkout: the SFT warm start (to its first evaluation), one
     GRPO step, and the commands to type next, with the environment they need (it is not activated)."""
-    done = _run([str(venv / "python"), "-m", "rlcore.demo", "--sft-max-steps", "2", "--sft-eval-every", "1",
+    done = _run([str(venv / "python"), "-m", "rlcore.cli.demo", "--sft-max-steps", "2", "--sft-eval-every", "1",
                  "--sft-batch-size", "8", "--sft-target", "0", *SMALL, "policy.generation.backend=hf"], tmp_path, _env())
     assert "sft step    1" in done.stdout and "GRPO took" in done.stdout, done.stdout[-3000:]
     assert (tmp_path / "runs" / "demo" / "grpo" / "model" / "config.json").is_file()
@@ -102,7 +102,7 @@ def readme_dir(venv, tmp_path_factory) -> Path:
     """A directory with the demo's model and no recipes/ or examples/: the README's commands find the
     recipes in the installed rlcore."""
     work = tmp_path_factory.mktemp("readme-wheels")
-    code = ("from rlcore.demo import MODEL_SHAPES; from rlcore.testing.tiny import build_tiny_model; "
+    code = ("from rlcore.cli.demo import MODEL_SHAPES; from rlcore.testing.tiny import build_tiny_model; "
             "build_tiny_model('runs/demo/sft', 'llama', seed=0, **MODEL_SHAPES['tiny'])")
     _run([str(venv / "python"), "-c", code], work, _env(venv))
     return work

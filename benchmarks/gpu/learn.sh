@@ -45,7 +45,7 @@ learn_sft() {  # the SFT warm start in DIR, unless DIR has one
   mkdir -p "$dir"
   if [ ! -f "$dir/sft/config.json" ]; then
     # shellcheck disable=SC2086
-    timeout -k 10 $((deadline - SECONDS)) python3 -m rlcore.demo --recipe $RECIPE --shape llama150m --out "$dir" \
+    timeout -k 10 $((deadline - SECONDS)) python3 -m rlcore.cli.demo --recipe $RECIPE --shape llama150m --out "$dir" \
       --sft-only $SFT_ARGS > "$OUT/sft.log" 2>&1
     echo "sft: rc=$? at ${SECONDS}s" >> "$OUT/jobs.txt"
   fi

@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from rlcore.ops import token_logprobs, vocab_parallel_selected_token_logprobs, vocab_parallel_token_logprobs
+from rlcore.training.ops import token_logprobs, vocab_parallel_selected_token_logprobs, vocab_parallel_token_logprobs
 
 
 def main(rank: int, world: int, port: int, out: str) -> None:

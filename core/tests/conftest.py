@@ -106,8 +106,8 @@ def run_python():
 @pytest.fixture(scope="module")
 def multi_turn_generator(tiny_model_dir):
     """The hf generator on the tiny model, room for 256 tokens (a module's multi-turn rollouts)."""
-    from rlcore.config import build_config
-    from rlcore.hf_generator import HFGenerator
+    from rlcore.loading.loader import build_config
+    from rlcore.generation.hf_generator import HFGenerator
 
     config = build_config({"policy": {"model_name": str(tiny_model_dir), "generation": {"backend": "hf"}}})
     return HFGenerator(str(tiny_model_dir), config.section("policy.generation"), 256)

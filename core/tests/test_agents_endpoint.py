@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 
-from rlcore.agents.config import AgentEnvConfig
+from rlcore.config.agents import AgentEnvConfig
 from rlcore.agents.runner import AgentRunner
-from rlcore.controller.deadlines import GenerationTimeout
+from rlcore.deadlines import GenerationTimeout
 from rlcore.interfaces import Sample, SamplingParams
 
 pytest.importorskip("fastapi")
@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 @pytest.fixture(scope="module")
 def generator(tiny_model_dir):
     from rlcore.config.hf_generation import HFGenerationConfig
-    from rlcore.hf_generator import HFGenerator
+    from rlcore.generation.hf_generator import HFGenerator
 
     return HFGenerator(str(tiny_model_dir), HFGenerationConfig(), 128)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.agents.config import AgentEnvConfig
+from rlcore.config.agents import AgentEnvConfig
 from rlcore.agents.runner import AgentRunner, resolve_agent
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
 from rlcore.testing.chat_tokenizers import build_chat_tokenizer
@@ -185,7 +185,7 @@ def test_the_model_tokens_of_every_segment_train_with_the_trajectory_advantage(t
     import torch
 
     from rlcore.agents.segments import with_segments
-    from rlcore.controller.batching import Trajectory, to_sequence_batch
+    from rlcore.generation.batching import Trajectory, to_sequence_batch
 
     tok = tokenizers["qwen2"]
     engine = ScriptedEngine(tok, "qwen2", ["a is 1.", "b is 2.", "c is 3.", "d is 4."] * 2)
@@ -245,15 +245,16 @@ def test_segments_carry_their_trajectorys_reward_to_a_critic(tokenizers):
     """ppo: the critic's per-token targets start from each batch row's sequence reward; an earlier
     segment's is its trajectory's (Learner.batch_and_rewards)."""
     from rlcore.algorithms.config import PPOConfig
+    from rlcore.controller.context import RunContext
     from rlcore.algorithms.ppo import PPO
-    from rlcore.controller.batching import Trajectory
+    from rlcore.generation.batching import Trajectory
     from rlcore.controller.learner import Learner
 
     tok = tokenizers["qwen2"]
     engine = ScriptedEngine(tok, "qwen2", ["a is 1.", "b is 2.", "c is 3.", "d is 4."] * 2)
     runner, _ = run_agent(tok, engine, rewriting_agent, n=2)
     trajs = [Trajectory(t.sample, 0, t.result, reward) for t, reward in zip(runner.last_trajectories[0], (1.0, 0.25))]
-    batch, rewards_N = Learner(None, PPO(PPOConfig()), 4096, 3).batch_and_rewards(trajs)
+    batch, rewards_N = Learner(None, PPO(PPOConfig()), RunContext(4096), 3).batch_and_rewards(trajs)
     assert len(batch) == 4 and rewards_N.tolist() == [1.0, 0.25, 1.0, 0.25]
 
 

@@ -17,7 +17,7 @@ from rlcore.algorithms.reinforce_pp import ReinforcePP
 from rlcore.algorithms.rloo import RLOO
 from rlcore.algorithms.sft import SFT
 from rlcore.interfaces import Algorithm, SequenceBatch
-from rlcore.packing import make_micro_batches, step_totals
+from rlcore.data.packing import make_micro_batches, step_totals
 
 # Two sequences: A = 3 tokens (2 valid), B = 4 tokens (3 valid). Old policy p_old = 0.5 on every
 # token; the current policy gives ratios A: [1.0, 1.5], B: [0.5, 1.1, 0.9]. Advantages A: +1, B: -1.
@@ -330,7 +330,7 @@ def test_config_validation():
 
 
 def test_registered_and_built_through_plugins():
-    from rlcore.config import build_config
+    from rlcore.loading.loader import build_config
     from rlcore.plugins import get_plugin_manager
 
     manager = get_plugin_manager()

@@ -105,7 +105,7 @@ def run(tmp_path, steps: int, trained: list[list[int]]) -> GRPOLoop:
 
 def drawn(count: int) -> list[int]:
     """The first ``count`` prompt ids in the run's data order."""
-    from rlcore.controller.batching import DataCursor
+    from rlcore.generation.batching import DataCursor
 
     return [100 + i for i in DataCursor(64, seed=3).take(count)]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.bench.models import SHAPES, llama_params, shape_of
-from rlcore.bench.report import config_digest, peak_flops
+from rlcore.cli.bench.models import SHAPES, llama_params, shape_of
+from rlcore.cli.bench.report import config_digest, peak_flops
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ def test_bench_step_prints_the_table_and_appends_the_row(tmp_path):
 def test_a_local_vision_language_directory_gets_new_weights_and_keeps_its_processor(tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from rlcore.bench.models import build_model, model_info
+    from rlcore.cli.bench.models import build_model, model_info
     from rlcore.testing.tiny_vlm import build_tiny_vlm
 
     source = build_tiny_vlm(tmp_path / "source")

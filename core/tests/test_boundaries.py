@@ -130,7 +130,7 @@ def test_the_loop_calls_trainer_methods_not_names():
 
 
 @pytest.mark.parametrize("cls_path", ["rlcore.controller.workers:LocalTrainer", "rlcore.controller.workers:RayTrainerGroup",
-                                      "rlcore.controller.faults:FaultInjectingTrainer"])
+                                      "rlcore.testing.faults:FaultInjectingTrainer"])
 def test_trainer_handles_implement_the_whole_protocol(cls_path):
     from rlcore.utils import resolve
 

@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from rlcore.algorithms import config as C
 from rlcore.interfaces import CapturableLoss, StepTotals
-from rlcore.packing import MicroBatch, make_micro_batches, step_totals
+from rlcore.data.packing import MicroBatch, make_micro_batches, step_totals
 from test_invariance import ALGORITHMS, build_algorithm, build_batch, build_model
 
 CAPTURABLE = {**ALGORITHMS, "cispo": ("cispo", C.CISPOConfig(kl_coef=0.05)),

@@ -19,7 +19,7 @@ import torch
 
 from rlcore.controller.checkpoint import LOOP_STATE, CheckpointManager, CheckpointWriteError, rng_state, set_rng_state
 from rlcore.errors import CheckpointError, UnsafeCheckpointError
-from rlcore.safe_load import load_tensors
+from rlcore.training.safe_load import load_tensors
 from rlcore.testing.planting import plant
 
 
@@ -135,7 +135,7 @@ def _safetensors_disk_full(path: Path) -> None:
 
 @pytest.mark.parametrize("earlier", [True, False])
 def test_a_full_disk_keeps_the_earlier_output_and_says_how_much_space(tmp_path, earlier):
-    from rlcore.run_paths import OutputWriteError, replace_dir
+    from rlcore.config.run_paths import OutputWriteError, replace_dir
 
     model = tmp_path / "model"
     if earlier:
@@ -152,7 +152,7 @@ def test_a_full_disk_keeps_the_earlier_output_and_says_how_much_space(tmp_path, 
 
 
 def test_a_complete_output_replaces_the_earlier_one_and_a_link_in_its_place_is_not_followed(tmp_path, outside_dir):
-    from rlcore.run_paths import replace_dir
+    from rlcore.config.run_paths import replace_dir
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "model").symlink_to(outside_dir)

@@ -1,6 +1,6 @@
 """The ``rlcore`` command against the plugins really installed in this environment.
 
-Each test runs the installed console script (or ``rlcore.cli.main``) in a fresh interpreter.
+Each test runs the installed console script (or ``python -m rlcore.cli``) in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_plugins_listing_is_fast_and_imports_nothing_heavy(run_python):
     code = f"""
         import json, sys, time, io, contextlib
         start = time.perf_counter()
-        from rlcore.cli import main
+        from rlcore.cli.commands import main
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             rc = main(["plugins", "--json"])
@@ -67,7 +67,7 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(run_python):
     """What ``rlcore`` installs before it runs a command: a run that seems hung shows where it waits."""
     code = """
         import os, signal, threading
-        from rlcore.cli import install_stack_dump
+        from rlcore.cli.commands import install_stack_dump
         install_stack_dump()
         started, parked = threading.Event(), threading.Event()
         def waiting_in_a_helper_thread():
@@ -92,7 +92,7 @@ def test_a_finished_run_whose_process_does_not_exit_is_ended_with_its_status(run
     that ``rlcore run`` starts after the summary prints that thread's stack and exits with the status."""
     code = """
         import threading
-        from rlcore.cli import start_exit_watchdog
+        from rlcore.cli.commands import start_exit_watchdog
         def a_thread_that_never_returns():
             threading.Event().wait()
         threading.Thread(target=a_thread_that_never_returns).start()
@@ -117,7 +117,7 @@ def test_a_failed_run_whose_process_does_not_exit_is_ended_too(run_python, recip
             threading.Event().wait()
         threading.Thread(target=a_thread_that_never_returns).start()
         sys.argv = ["rlcore", "run", {str(recipe)!r}, "cluster.exit_timeout_s=1"]
-        from rlcore.cli import main
+        from rlcore.cli.commands import main
         sys.exit(main())
     """)
     assert result.returncode in (1, 2), result.stderr[-3000:]
@@ -127,7 +127,7 @@ def test_a_failed_run_whose_process_does_not_exit_is_ended_too(run_python, recip
 
 def test_the_exit_watchdog_leaves_a_process_that_exits_alone(run_python):
     result = run_python("""
-        from rlcore.cli import start_exit_watchdog
+        from rlcore.cli.commands import start_exit_watchdog
         start_exit_watchdog(30.0, 7)
         print("done")
     """)
@@ -182,7 +182,7 @@ def test_config_rejects_bad_override(run_cli, recipe):
 def test_run_with_misspelled_key_fails_before_any_worker(run_python, recipe, tmp_path):
     code = f"""
         import json, sys
-        from rlcore.cli import main
+        from rlcore.cli.commands import main
         rc = main(["run", {str(recipe)!r}, "{TYPO}=2"])
         started = sorted(m for m in sys.modules if m.startswith("rlcore.controller") or m.split(".")[0] in {HEAVY_MODULES!r})
         print(json.dumps({{"rc": rc, "started": started}}))
@@ -239,7 +239,7 @@ def test_doctor_reports_versions(run_cli):
 
 
 def test_doctor_table_for_people(capsys):
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     assert main(["doctor"]) == 0  # in-process: torch is already imported by other tests
     out = capsys.readouterr().out
@@ -272,7 +272,7 @@ def test_core_readme_examples_run(run_python):
 
 def test_overrides_after_an_option_join_the_others_in_order(recipe, capsys):
     """``rlcore config RECIPE --json a=1 b=2``: argparse would end the overrides at ``--json`` and refuse the rest."""
-    from rlcore.cli import parse
+    from rlcore.cli.commands import parse
 
     args = parse(["config", str(recipe), "train.max_num_steps=7", "--json", "train.max_num_steps=9", "algorithm.kl_coef=0.05"])
     assert args.json and args.overrides == ["train.max_num_steps=7", "train.max_num_steps=9", "algorithm.kl_coef=0.05"]

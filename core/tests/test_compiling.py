@@ -1,10 +1,10 @@
-"""rlcore.compiling: compiled on request, eager after a compiler failure."""
+"""rlcore.training.compiling: compiled on request, eager after a compiler failure."""
 
 from __future__ import annotations
 
 import torch
 
-from rlcore.compiling import CompiledOrEager
+from rlcore.training.compiling import CompiledOrEager
 
 
 def test_compiled_then_eager_after_a_failure(caplog):

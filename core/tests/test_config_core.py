@@ -15,7 +15,8 @@ import yaml
 from attrs import field, frozen
 
 from rlcore import hookimpl
-from rlcore.config import ConfigError, RunConfig, build_config, doc, load_config, to_dict
+from rlcore.config import ConfigError, RunConfig, doc
+from rlcore.loading.loader import build_config, load_config, to_dict
 from rlcore.plugins import PluginManager
 
 

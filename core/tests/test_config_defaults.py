@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rlcore.cli import main
+from rlcore.cli.commands import main
 from rlcore.config.generation import DEFAULT_MAX_NEW_TOKENS
 from rlcore.interfaces import SamplingParams
 from rlcore.plugins import get_plugin_manager
@@ -42,7 +42,7 @@ def test_an_engines_memory_share_is_the_recipes_else_the_plans_else_the_unplanne
 
 def test_a_prompt_fits_the_engines_context_by_the_overflow_policy():
     from rlcore.interfaces import GenerationResult
-    from rlcore.prompts import fit_to_context
+    from rlcore.data.prompts import fit_to_context
 
     assert fit_to_context([1, 2, 3], 4, "drop") == ([1, 2, 3], None)
     assert fit_to_context([1, 2, 3, 4], 4, "truncate") == ([2, 3, 4], "truncated")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rlcore.controller.deadlines import EnvironmentTimeout, TimedEnvironment
+from rlcore.deadlines import EnvironmentTimeout, TimedEnvironment
 from rlcore.interfaces import EnvStep, Sample
 
 pytestmark = pytest.mark.wall_clock
@@ -89,7 +89,7 @@ def stop_spinners():
 def test_a_reward_function_that_never_returns_stops_the_run_naming_it(fn, thread, stop_spinners):
     """A plain reward function catches every Exception of its own (they score 0): the deadline's
     timeout is not one of them, in the sync loop's main thread or the async scoring thread alike."""
-    from rlcore.reward_fn import FunctionEnvironment
+    from rlcore.data.reward_fn import FunctionEnvironment
 
     env = TimedEnvironment(FunctionEnvironment(fn, "my_rewards:hangs"), "my_rewards:hangs", timeout_s=0.3, on_timeout="stop")
     env.current_step = 3
@@ -184,7 +184,7 @@ def test_a_later_outer_timer_is_rearmed_after_a_bounded_call():
 
 
 def test_bounded_calls_off_the_main_thread_reuse_their_helper_thread():
-    from rlcore.controller.deadlines import call_with_timeout
+    from rlcore.deadlines import call_with_timeout
 
     helpers = []
 
@@ -212,7 +212,7 @@ def test_an_environment_close_that_hangs_as_the_run_ends_is_named_and_left_behin
 
 
 def test_a_hung_logger_or_teacher_call_stops_the_run_naming_it():
-    from rlcore.controller.deadlines import CallTimeout, TimedTeacher, bounded_call
+    from rlcore.deadlines import CallTimeout, TimedTeacher, bounded_call
 
     with pytest.raises(CallTimeout, match=r"timeout: logger Mlflow \(log\) did not return within 0.3s \(cluster.timeout_s\) at step 4"):
         bounded_call(lambda: time.sleep(60), "logger Mlflow (log)", 0.3, step=4)

@@ -1,4 +1,4 @@
-"""The tool-call warm start of ``python -m rlcore.demo --tools`` (:mod:`rlcore.demo_tools`): its
+"""The tool-call warm start of ``python -m rlcore.cli.demo --tools`` (:mod:`rlcore.cli.demo_tools`): its
 conversations are trained on exactly the tokens the model writes through the agents' endpoint."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pytest
 
 from rlcore.agents.recorder import parse_tool_calls
-from rlcore.demo_tools import conversation_batch, tool_conversation
+from rlcore.cli.demo_tools import conversation_batch, tool_conversation
 from rlcore.interfaces import Sample
-from rlcore.rollout import ChatSuffixes
+from rlcore.generation.rollout import ChatSuffixes
 from rlcore.testing.tiny import build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.", "parameters": {

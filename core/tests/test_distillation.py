@@ -48,7 +48,7 @@ def test_distillation_needs_teacher_logprobs_and_a_teacher():
     with pytest.raises(ValueError, match="'teacher_logprobs' is missing .the teacher scores the rollouts"):
         _run(Distillation(C.DistillationConfig(teacher_model="t")), batch, lp)
     from rlcore.config import ConfigError
-    from rlcore.teacher import build_teacher
+    from rlcore.generation.teacher import build_teacher
 
     with pytest.raises(ConfigError, match="'algorithm.teacher_model': distillation needs a teacher"):
         build_teacher(C.DistillationConfig())
@@ -60,7 +60,7 @@ def test_teacher_logprobs_match_a_plain_forward(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from rlcore.interfaces import SequenceBatch
-    from rlcore.teacher import HFTeacher
+    from rlcore.generation.teacher import HFTeacher
 
     teacher = HFTeacher(str(tiny_model_dir), device="cpu", batch_size=2)
     seqs = [torch.tensor([3, 10, 11, 12, 13]), torch.tensor([3, 20, 21]), torch.tensor([3, 30, 31, 32])]

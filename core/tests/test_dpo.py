@@ -14,9 +14,9 @@ from rlcore.algorithms.base import merge_metrics
 from rlcore.algorithms.dpo import DPO
 from rlcore.algorithms.pairs import pair_batch
 from rlcore.interfaces import PreferencePair
-from rlcore.packing import KEEP_TOGETHER_FIELD, make_micro_batches, plan_grouped_micro_batches, step_totals
-from rlcore.preference.config import PreferenceDataConfig
-from rlcore.preference.data import PreferenceDataError, build_preference_dataset
+from rlcore.data.packing import KEEP_TOGETHER_FIELD, make_micro_batches, plan_grouped_micro_batches, step_totals
+from rlcore.data.preference.config import PreferenceDataConfig
+from rlcore.data.preference.data import PreferenceDataError, build_preference_dataset
 from rlcore.testing.preferences import vowel_preference_rows, write_jsonl
 
 # Two pairs, prompt of 2 tokens. Response logprobs (policy / reference), summed per response:

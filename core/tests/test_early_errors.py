@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlcore.config import ConfigError, build_config, load_config
-from rlcore.controller.batching import EnvironmentContractError, Trajectory, apply_env_steps, score
+from rlcore.config import ConfigError
+from rlcore.loading.loader import build_config, load_config
+from rlcore.generation.batching import EnvironmentContractError, Trajectory, apply_env_steps, score
 from rlcore.controller.checkpoint import CheckpointManager, CheckpointWriteError
-from rlcore.controller.deadlines import EnvironmentExit, TimedEnvironment
+from rlcore.deadlines import EnvironmentExit, TimedEnvironment
 from rlcore.controller.preflight import check_model_name, check_pairs, check_run_sizes
 from rlcore.interfaces import EnvStep, GenerationResult, PreferencePair, Sample
 
@@ -157,7 +158,7 @@ def test_an_environment_returning_no_envstep_per_trajectory_stops_the_run_naming
 
 @pytest.mark.parametrize("rewards", [["yes", "no"], [float("nan"), 1.0], ["1.0", 1.0]], ids=["words", "nan", "numeric-text"])
 def test_a_reward_function_returning_no_number_warns_and_counts_env_errors(rewards, capsys):
-    from rlcore.reward_fn import FunctionEnvironment
+    from rlcore.data.reward_fn import FunctionEnvironment
 
     env = TimedEnvironment(FunctionEnvironment(lambda prompts, completions, **kw: rewards, "my_rewards:fn"),
                            "my_rewards:fn", timeout_s=30, on_timeout="stop")
@@ -225,7 +226,7 @@ def test_a_factory_returning_the_wrong_object_is_refused_at_build_naming_the_plu
 
 
 def test_every_plugin_kind_checks_its_factorys_product_and_the_built_in_algorithms_pass():
-    from rlcore.controller.given import BUILT_CHECKS
+    from rlcore.interfaces.members import BUILT_CHECKS
     from rlcore.plugins import KINDS, get_plugin_manager
 
     assert set(BUILT_CHECKS) == set(KINDS)
@@ -261,7 +262,7 @@ def test_a_full_disk_torch_reports_as_unexpected_pos_is_the_checkpoint_write_err
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
 def test_export_to_a_directory_that_cannot_be_written_is_refused_first(tmp_path):  # pragma: no cover - root in CI
-    from rlcore.export import check_writable_target
+    from rlcore.cli.export import check_writable_target
 
     locked = tmp_path / "ro"
     locked.mkdir(mode=0o500)
@@ -270,7 +271,7 @@ def test_export_to_a_directory_that_cannot_be_written_is_refused_first(tmp_path)
 
 
 def test_export_to_a_read_only_file_system_is_refused_first(tmp_path, monkeypatch):
-    from rlcore.export import check_writable_target
+    from rlcore.cli.export import check_writable_target
 
     real_mkdir = Path.mkdir
 
@@ -312,8 +313,8 @@ def _write_rows(path: Path, rows: list[dict]) -> Path:
 
 
 def _preference(tiny_tokenizer, path: Path, **kw):
-    from rlcore.preference.config import PreferenceDataConfig
-    from rlcore.preference.data import build_preference_dataset
+    from rlcore.data.preference.config import PreferenceDataConfig
+    from rlcore.data.preference.data import build_preference_dataset
 
     return build_preference_dataset(PreferenceDataConfig(train_files=(str(path),), **kw), tiny_tokenizer)
 

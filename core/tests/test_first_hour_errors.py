@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlcore.config import ConfigError, build_config
+from rlcore.config import ConfigError
+from rlcore.loading.loader import build_config
 from rlcore.controller.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ def _records_of_an_interrupted_run(config) -> None:
 # ---- Ctrl-C without a checkpoint --------------------------------------------------------------------
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["checkpointing-off", "no-checkpoint-yet"])
 def test_ctrl_c_at_once_without_a_checkpoint_says_what_works(tmp_path, capsys, checkpointing):
-    from rlcore.cli import interrupted
+    from rlcore.cli.commands import interrupted
 
     config = _config(tmp_path / "run dir", checkpointing=checkpointing)
     assert interrupted(config) == 128 + signal.SIGINT
@@ -123,9 +124,9 @@ def _parsers(parser: argparse.ArgumentParser):
 
 
 def test_no_parser_of_the_cli_takes_abbreviations(capsys):
-    from rlcore.cli import build_parser
-    from rlcore.demo import build_parser as demo_parser
-    from rlcore.docs_reference import build_parser as reference_parser
+    from rlcore.cli.commands import build_parser
+    from rlcore.cli.demo import build_parser as demo_parser
+    from rlcore.cli.docs_reference import build_parser as reference_parser
 
     parsers = [*_parsers(build_parser()), demo_parser(), reference_parser()]
     assert len(parsers) > 10

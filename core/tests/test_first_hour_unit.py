@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlcore.config import ConfigError, build_config
+from rlcore.config import ConfigError
+from rlcore.loading.loader import build_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,7 @@ def test_no_recipe_logs_into_the_demos_directory():
 
 
 def test_the_demo_moves_the_previous_run_aside(tmp_path):
-    from rlcore.demo import move_aside
+    from rlcore.cli.demo import move_aside
 
     run = tmp_path / "grpo"
     assert move_aside(run) is None
@@ -55,8 +56,8 @@ def test_the_demo_moves_the_previous_run_aside(tmp_path):
 
 
 def test_a_shipped_recipe_is_found_by_name(tmp_path, monkeypatch):
-    from rlcore.config import load_config
-    from rlcore.shipped_recipes import shipped_recipe, shipped_recipes
+    from rlcore.loading.loader import load_config
+    from rlcore.loading.shipped import shipped_recipe, shipped_recipes
 
     assert set(shipped_recipes()) == {p.stem for p in (REPO / "recipes").glob("*.yaml")}
     monkeypatch.chdir(tmp_path)  # no recipes/ here: a wheel's user
@@ -89,14 +90,14 @@ def test_rlcore_recipes_lists_prints_and_copies_out(run_cli, tmp_path):
 # ---- 2. export/eval errors say how to get a checkpoint; a run directory's final model exports --
 def test_export_of_a_directory_without_checkpoints_says_how_to_get_one(tmp_path):
     from rlcore.errors import CheckpointError
-    from rlcore.export import find_checkpoint
+    from rlcore.cli.export import find_checkpoint
 
     with pytest.raises(CheckpointError, match=r"<logger.log_dir>/model.*checkpointing.enabled=true"):
         find_checkpoint(tmp_path)
 
 
 def test_export_of_a_run_without_checkpoints_copies_its_final_model(tiny_model_dir, tmp_path):
-    from rlcore.export import export_checkpoint
+    from rlcore.cli.export import export_checkpoint
 
     shutil.copytree(tiny_model_dir, tmp_path / "run" / "model")
     done = export_checkpoint(tmp_path / "run", tmp_path / "out")
@@ -108,7 +109,7 @@ def test_export_of_a_run_without_checkpoints_copies_its_final_model(tiny_model_d
 def test_quiet_turns_the_libraries_down_and_verbose_leaves_them(run_python):
     code = """
         import logging, os
-        from rlcore.verbosity import apply_verbosity
+        from rlcore.controller.verbosity import apply_verbosity
         apply_verbosity("quiet")
         print(os.environ["VLLM_LOGGING_LEVEL"], os.environ["HF_HUB_DISABLE_PROGRESS_BARS"], logging.getLogger("vllm").level)
     """
@@ -120,7 +121,7 @@ def test_quiet_turns_the_libraries_down_and_verbose_leaves_them(run_python):
 
 
 def test_run_verbose_flag_sets_logger_verbosity():
-    from rlcore.cli import build_parser, run_overrides
+    from rlcore.cli.commands import build_parser, run_overrides
 
     args = build_parser().parse_args(["run", "r.yaml", "a.b=1", "--verbose"])
     assert run_overrides(args) == ["a.b=1", "logger.verbosity=verbose"]
@@ -186,7 +187,7 @@ def test_a_silent_run_prints_what_it_is_doing_every_few_seconds():
 def test_the_demo_ends_with_the_commands_to_type_next_and_their_environment(tmp_path):
     """``make demo`` runs .venv's python without activating .venv: the commands it suggests need it."""
     script = Path(sys.executable).parent / "rlcore"
-    code = ("from pathlib import Path; from rlcore.demo import next_commands, RECIPE; "
+    code = ("from pathlib import Path; from rlcore.cli.demo import next_commands, RECIPE; "
             "print(next_commands(Path('runs/demo/grpo'), Path('runs/demo/sft'), str(RECIPE)))")
     bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PATH": "/usr/bin:/bin"})
@@ -206,7 +207,7 @@ def exact_sum(prompts, completions, **kwargs):
 
 def test_a_trl_style_reward_function_is_an_environment():
     from rlcore.interfaces import Sample
-    from rlcore.reward_fn import FunctionEnvironment, as_environment
+    from rlcore.data.reward_fn import FunctionEnvironment, as_environment
 
     samples = [Sample(prompt="1+1=", answer=2, metadata={"level": 1}), Sample(prompt="2+2=", answer=4, metadata={"level": 2})]
     seen = {}
@@ -227,7 +228,7 @@ def test_a_trl_style_reward_function_is_an_environment():
 
 def test_a_reward_function_never_stops_the_run_on_model_output(capsys):
     from rlcore.interfaces import Sample
-    from rlcore.reward_fn import FunctionEnvironment
+    from rlcore.data.reward_fn import FunctionEnvironment
 
     def parses(prompts, completions, **kwargs):
         return [float(int(c)) for c in completions]  # raises on text that is not a number
@@ -246,9 +247,9 @@ def test_a_reward_function_never_stops_the_run_on_model_output(capsys):
 
 
 def test_env_reward_fn_names_a_function(tmp_path, monkeypatch):
-    from rlcore.controller.builders import build_environment
+    from rlcore.controller.task import build_environment
     from rlcore.plugins import get_plugin_manager
-    from rlcore.reward_fn import load_reward_fn
+    from rlcore.data.reward_fn import load_reward_fn
 
     (tmp_path / "my_rewards_i62.py").write_text("def fn(prompts, completions, **kw):\n    return [0.5] * len(completions)\nx = 3\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -291,7 +292,7 @@ def test_rows_with_a_prompt_column_are_a_dataset_as_in_trl(tiny_model_dir):
     datasets = pytest.importorskip("datasets")
     from transformers import AutoTokenizer
 
-    from rlcore.rows import rows_dataset
+    from rlcore.data.rows import rows_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = rows_dataset(datasets.Dataset.from_dict({"prompt": ["1+2=", "3+4="], "answer": [3, 7], "level": [1, 2]}), tokenizer)
@@ -425,9 +426,9 @@ def test_config_defaults_describe_each_key(run_cli):
 
 
 def test_a_shipped_recipes_data_file_is_found_outside_a_checkout(tmp_path, monkeypatch):
-    from rlcore.preference.config import PreferenceDataConfig
-    from rlcore.preference.data import _read_rows
-    from rlcore.shipped_recipes import shipped_data_file
+    from rlcore.data.preference.config import PreferenceDataConfig
+    from rlcore.data.preference.data import _read_rows
+    from rlcore.loading.shipped import shipped_data_file
 
     monkeypatch.chdir(tmp_path)  # no recipes/ here: the DPO and RM recipes' recipes/data/... is the shipped file
     config = PreferenceDataConfig(train_files=("recipes/data/preference_vowels.jsonl",))

@@ -9,8 +9,8 @@ from rlcore.interfaces import SamplingParams
 
 @pytest.fixture(scope="module")
 def generator(tiny_model_dir):
-    from rlcore.config import build_config
-    from rlcore.hf_generator import HFGenerator
+    from rlcore.loading.loader import build_config
+    from rlcore.generation.hf_generator import HFGenerator
 
     config = build_config({"policy": {"model_name": str(tiny_model_dir), "generation": {"backend": "hf"}}})
     return HFGenerator(str(tiny_model_dir), config.section("policy.generation"), 64)
@@ -61,7 +61,7 @@ def test_refit_of_checkpoint_named_moe_experts_loads_the_fused_parameters(tiny_m
     from transformers.core_model_loading import revert_weight_conversion
 
     from rlcore.config.hf_generation import HFGenerationConfig
-    from rlcore.hf_generator import HFGenerator
+    from rlcore.generation.hf_generator import HFGenerator
 
     path = tiny_model_factory("qwen3_moe", hidden_size=256, num_heads=4, num_kv_heads=2)
     generator = HFGenerator(str(path), HFGenerationConfig(), 64)
@@ -83,8 +83,8 @@ def test_the_registered_generator_runs_on_the_runs_device_and_scores_what_it_sam
     samples there score, through its own forward, to the logprobs it reported."""
     import torch
 
-    from rlcore.config import build_config
-    from rlcore.hf_generator import build
+    from rlcore.loading.loader import build_config
+    from rlcore.generation.hf_generator import build
     from rlcore.interfaces import Placement
 
     if device == "cuda" and not torch.cuda.is_available():

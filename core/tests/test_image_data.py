@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("PIL")
 
-from rlcore.image_data import build_image_dataset, write_counting_task  # noqa: E402
-from rlcore.multimodal import ImageError, ImagePromptProcessor  # noqa: E402
+from rlcore.data.image_data import build_image_dataset, write_counting_task  # noqa: E402
+from rlcore.data.multimodal import ImageError, ImagePromptProcessor  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many squares?"}]}]
 

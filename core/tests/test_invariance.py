@@ -20,8 +20,8 @@ import torch
 from rlcore.algorithms import config as C
 from rlcore.algorithms.base import merge_metrics
 from rlcore.interfaces import SequenceBatch
-from rlcore.ops import token_logprobs
-from rlcore.packing import MicroBatch, make_micro_batches, step_totals
+from rlcore.training.ops import token_logprobs
+from rlcore.data.packing import MicroBatch, make_micro_batches, step_totals
 
 LENGTHS = [5, 9, 3, 12, 7, 8, 4]
 TOL = 1e-10
@@ -236,7 +236,8 @@ def test_gradient_invariant_to_data_parallel_size(setup, tmp_path):
     model, batch = setup
     out = tmp_path / "dp2.pt"
     rendezvous = tmp_path / "rendezvous"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(rendezvous), str(out)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
     try:

@@ -213,10 +213,11 @@ class _EngineShortOfMemory:
 
 
 def test_a_refused_wake_up_releases_the_trainer_state_when_auto(capsys):
+    from rlcore.controller.context import RunContext
     from rlcore.controller.learner import Learner
 
     calls = []
-    learner = Learner(_Recorder(calls), algorithm=None, max_length=8, max_consecutive_nonfinite=3,
+    learner = Learner(_Recorder(calls), algorithm=None, context=RunContext(8), max_consecutive_nonfinite=3,
                       critic=_Recorder(calls), may_offload=True)
     learner.wake(_EngineShortOfMemory(calls))
     assert calls == [("refused",), ("offload", True), ("offload", False), ("woke",)]  # the refit reads the policy's weights
@@ -226,8 +227,8 @@ def test_a_refused_wake_up_releases_the_trainer_state_when_auto(capsys):
         pass
     assert calls[-2:] == [("onload",), ("offload", True)]
     # set by the recipe (true or false), or a loop that cannot release: the refusal stands
-    for learner in (Learner(_Recorder(calls), None, 8, 3, may_offload=False),
-                    Learner(_Recorder(calls), None, 8, 3, offload_trainer_state=True, may_offload=True)):
+    for learner in (Learner(_Recorder(calls), None, RunContext(8), 3, may_offload=False),
+                    Learner(_Recorder(calls), None, RunContext(8), 3, offload_trainer_state=True, may_offload=True)):
         with pytest.raises(MemoryError, match="cannot wake up"):
             learner.wake(_EngineShortOfMemory([]))
 

@@ -12,7 +12,7 @@ import pytest
 import rlcore
 from rlcore.config import ConfigError
 from rlcore.controller.mps_client import enter_mps_client, mps_control_pipe
-from rlcore.controller.builders import build_trainer
+from rlcore.controller.engines import build_trainer
 from rlcore.interfaces import Placement
 from rlcore.plugins import get_plugin_manager
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlcore.config import ConfigError, build_config
+from rlcore.config import ConfigError
+from rlcore.loading.loader import build_config
 from rlcore.controller.nonfinite import NonFiniteLossError, NonfiniteStreak
 from rlcore.controller.offline import OfflineLoop, OfflineSteps
 

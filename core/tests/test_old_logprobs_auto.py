@@ -9,7 +9,7 @@ import pytest
 import rlcore
 from rlcore.algorithms.config import GRPOConfig
 from rlcore.algorithms.grpo import GRPO
-from rlcore.controller.builders import build_algorithm, resolve_old_logprobs
+from rlcore.controller.task import build_algorithm, resolve_old_logprobs
 from rlcore.interfaces import OldLogprobsChoice
 from rlcore.plugins import get_plugin_manager
 

@@ -37,7 +37,7 @@ DISTRIBUTIONS = {
     "plugins/envs": ("rlcore-envs", "rlcore_envs", "envs = rlcore_envs.plugin"),
 }
 OUR_DISTS = {canonicalize_name(d) for d, _, _ in DISTRIBUTIONS.values()}
-# Versions each range must admit: both ends of the tested ranges (rlcore.doctor.TESTED) and the GPU machines.
+# Versions each range must admit: both ends of the tested ranges (rlcore.training.doctor.TESTED) and the GPU machines.
 MUST_ADMIT = {
     "torch": ["2.11.0", "2.13.0", "2.13.0+cpu"],
     "transformers": ["5.17.0", "5.25.0"],

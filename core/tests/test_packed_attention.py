@@ -1,11 +1,11 @@
-"""rlcore.attention: packed causal attention equals per-sequence causal attention."""
+"""rlcore.training.attention: packed causal attention equals per-sequence causal attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlcore.attention import attention_cu_seqlens, packed_causal_attention, sdpa
+from rlcore.training.attention import attention_cu_seqlens, packed_causal_attention, sdpa
 
 
 def _reference(q_THD, k_TGD, v_TGD, bounds, scale):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rlcore.interfaces import SequenceBatch
-from rlcore.ops import token_logprobs
-from rlcore.packing import make_micro_batches, plan_micro_batches, step_totals, unpack
+from rlcore.training.ops import token_logprobs
+from rlcore.data.packing import make_micro_batches, plan_micro_batches, step_totals, unpack
 
 
 def _batch(lengths, seed=0):
@@ -133,7 +133,7 @@ def test_step_totals_counts_and_all_masked_error():
 @pytest.mark.parametrize(("temperature", "fused"), [(1.0, False), (0.7, False), (0.7, True)])
 def test_token_logprobs_matches_log_softmax_and_its_gradient(temperature, fused):
     """``fused``: the chunk math compiled by torch.compile (the CUDA default), here on the CPU."""
-    from rlcore import ops
+    from rlcore.training import ops
 
     torch.manual_seed(0)
     T, V = 11, 17

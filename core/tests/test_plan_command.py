@@ -11,8 +11,8 @@ import pytest
 
 import numpy as np
 
-from rlcore.cli import main
-from rlcore.controller.batching import Trajectory, rollout_metrics
+from rlcore.cli.commands import main
+from rlcore.generation.batching import Trajectory, rollout_metrics
 from rlcore.interfaces import GenerationResult, Sample
 from rlcore.planning.command import seconds
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.cli import main
-from rlcore.config import ConfigError, load_config, to_dict
+from rlcore.cli.commands import main
+from rlcore.config import ConfigError
+from rlcore.loading.loader import load_config, to_dict
 from rlcore.planning import fit, plan
 from rlcore.planning.calibration import load_calibration
 from rlcore.planning.shapes import resolve_shape
@@ -142,7 +143,7 @@ def test_run_time_choice_keeps_the_recipes_engine_share(shipped, monkeypatch):
     """``layout: auto`` plans the trainer beside the engine share the recipe gives vLLM."""
     import yaml
 
-    from rlcore.config.loader import build_config
+    from rlcore.loading.loader import build_config
     from rlcore.planning import hardware, runtime
 
     monkeypatch.setattr(runtime, "device_gpu", lambda device: hardware.GPUS["h200"])

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.config import build_config
+from rlcore.loading.loader import build_config
 from rlcore.planning import fit, plan
 from rlcore.planning.calibration import load_calibration
 from rlcore.planning.hardware import GPUS

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlcore.config.loader import build_config
+from rlcore.loading.loader import build_config
 from rlcore.planning import plan
 from rlcore.planning.calibration import load_calibration
 from rlcore.planning.search import evaluate

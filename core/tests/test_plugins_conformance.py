@@ -155,7 +155,7 @@ class TestBuiltinHFGenerator(GeneratorConformance):
 
     @pytest.fixture(scope="class")
     def generator(self, generator_model_dir):
-        from rlcore.config import build_config
+        from rlcore.loading.loader import build_config
 
         config = build_config({"policy": {"model_name": str(generator_model_dir), "generation": {"backend": "hf"}}})
         return MANAGER.get("generator", "hf").build(config, config.generation, Placement())

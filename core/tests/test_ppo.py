@@ -14,7 +14,7 @@ from rlcore.algorithms.config import PPOConfig
 from rlcore.algorithms.ppo import PPO
 from rlcore.algorithms.value_loss import ValueLoss
 from rlcore.interfaces import SequenceBatch
-from rlcore.packing import make_micro_batches, step_totals
+from rlcore.data.packing import make_micro_batches, step_totals
 
 
 def batch_of(masks: list[list[float]], **token_fields) -> SequenceBatch:
@@ -143,7 +143,8 @@ def test_warmup_and_old_logprobs():
 
 
 def test_config_errors_name_the_key():
-    from rlcore.config import ConfigError, build_config
+    from rlcore.config import ConfigError
+    from rlcore.loading.loader import build_config
 
     with pytest.raises((ConfigError, ValueError), match="gae_lambda"):
         PPOConfig(gae_lambda=1.5)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlcore.config import ConfigError, build_config
+from rlcore.config import ConfigError
+from rlcore.loading.loader import build_config
 from rlcore.config.schema import PolicyConfig, RunConfig
 from rlcore.controller.preflight import check_model_name
 
@@ -50,7 +51,7 @@ def test_a_model_directory_passes(tiny_model_dir):
 
 
 def test_the_backend_chosen_is_said_at_start_with_the_others_enabled(capsys):
-    from rlcore.controller.builders import select_backend
+    from rlcore.controller.engines import select_backend
     from rlcore.plugins import get_plugin_manager
 
     manager = get_plugin_manager()

@@ -18,17 +18,19 @@ from rlcore.testing.conformance.members import protocol_members
 
 ROOT = Path(rlcore.__file__).parent
 # The modules that run a training loop and call plugin objects.
-RUN_CODE = ("controller/*.py", "agents/*.py", "rollout.py", "reward_fn.py", "training.py", "evaluation.py")
+RUN_CODE = ("controller/*.py", "agents/*.py", "deadlines.py", "interfaces/members.py", "generation/rollout.py",
+            "generation/batching.py", "data/reward_fn.py", "training/steps.py", "cli/evaluation.py")
 
 # (module, first argument, second argument) of each getattr/hasattr the run code may make: none
 # on a plugin object (an environment, generator, algorithm, backend, logger, transport, dataset).
 ALLOWED: dict[tuple[str, str, str], str] = {
-    ("controller/deadlines.py", "self.inner", "attr"):
+    ("deadlines.py", "self.inner", "attr"):
         "the timeout wrappers' pass-through of attributes the caller reads; they answer isinstance as the wrapped object",
-    ("controller/deadlines.py", "signal", "'setitimer'"): "the signal module: interval timers are POSIX-only",
-    ("controller/given.py", "obj", "name"): "the protocol check itself, naming the member an object lacks",
-    ("controller/batching.py", "step", "'reward'"): "a value an environment returned, checked to be an EnvStep before use",
-    ("controller/batching.py", "step", "'metrics'"): "a value an environment returned, checked to be an EnvStep before use",
+    ("deadlines.py", "signal", "'setitimer'"): "the signal module: interval timers are POSIX-only",
+    ("interfaces/members.py", "obj", "name"): "the protocol check itself, naming the member an object lacks",
+    ("generation/batching.py", "step", "'reward'"): "a value an environment returned, checked to be an EnvStep before use",
+    ("generation/batching.py", "step", "'metrics'"): "a value an environment returned, checked to be an EnvStep before use",
+    ("controller/checks.py", "packing", "key"): "a config section's two token budgets, checked alike",
     ("controller/workers.py", "self", "'pids'"): "a Ray trainer group's own state, set once its actors started",
     ("controller/workers.py", "self", "'node_ips'"): "a Ray trainer group's own state, set once its actors started",
     ("agents/runner.py", "module", "name"): "the agent named by env.agent.function ('module:attr'), imported",
@@ -37,8 +39,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("agents/runner.py", "tokenizer", "'chat_template'"): "a transformers tokenizer, not a plugin object",
     ("agents/recorder.py", "tokenizer", "'name_or_path'"): "a transformers tokenizer, not a plugin object",
     ("agents/recorder.py", "ids", "'input_ids'"): "what a chat template returned (a list or a BatchEncoding)",
-    ("rollout.py", "tokenizer", "'all_special_ids'"): "a transformers tokenizer, not a plugin object",
-    ("reward_fn.py", "fn", "'__name__'"): "a reward function's name (a lambda or callable object may lack one)",
+    ("generation/rollout.py", "tokenizer", "'all_special_ids'"): "a transformers tokenizer, not a plugin object",
+    ("data/reward_fn.py", "fn", "'__name__'"): "a reward function's name (a lambda or callable object may lack one)",
 }
 
 
@@ -111,7 +113,7 @@ def test_plugin_name_is_the_name_declared_or_the_class():
 
 
 def test_a_transport_hook_result_without_a_name_is_refused_naming_the_protocol():
-    from rlcore.controller.builders import pick_transport
+    from rlcore.controller.engines import pick_transport
 
     class Nameless:
         def transfer(self, trainer, generator):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from rlcore.algorithms import config as C
 from rlcore.algorithms.dapo import DAPO
+from rlcore.controller.context import RunContext
 from rlcore.controller.rollouts import Rollouts
 from rlcore.controller.timing import StepTimer
 from rlcore.interfaces import EnvStep, GenerationResult, Sample
@@ -42,9 +43,10 @@ def refill_rollouts(texts: list[list[str]]) -> Rollouts:
                                  stop_token_ids=(), ignore_eos=False)
     config = SimpleNamespace(train=SimpleNamespace(num_prompts_per_step=2, seed=0, deterministic=False),
                              grpo=SimpleNamespace(num_generations_per_prompt=2),
-                             generation=generation, cluster=SimpleNamespace(timeout_s=30.0))
+                             generation=generation)
     dataset = SimpleNamespace(train=[Sample(prompt=f"p{i}", prompt_ids=[i + 1]) for i in range(8)])
-    return Rollouts(config, Generator(texts), Environment(), DAPO(C.DAPOConfig()), dataset)
+    return Rollouts(config, RunContext(max_sequence_length=16, timeout_s=30.0), Generator(texts), Environment(),
+                    DAPO(C.DAPOConfig()), dataset)
 
 
 def test_refill_rounds_replace_all_equal_groups_until_the_step_is_full():

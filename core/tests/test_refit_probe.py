@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rlcore.config.generation import RefitConfig
-from rlcore.controller.batching import Trajectory, to_sequence_batch
+from rlcore.generation.batching import Trajectory, to_sequence_batch
+from rlcore.controller.context import RunContext
 from rlcore.controller.refit_probe import RefitError
 from rlcore.controller.refitter import Refitter
 from rlcore.controller.timing import StepTimer
@@ -46,7 +47,7 @@ def probe_refitter(generator_shift: float, threshold: float = 0.15) -> tuple[Ref
     refitter = Refitter(trainer=Scorer([2, 1], 0.0), generator=Scorer([2, 1], generator_shift),
                         transport=SimpleNamespace(name="none", transfer=lambda trainer, generator: {}),
                         config=RefitConfig(probe_threshold=threshold, probe_num_sequences=4),
-                        generator_lock=threading.Lock())
+                        context=RunContext(max_sequence_length=16))
     return refitter, batch
 
 
@@ -144,7 +145,7 @@ def test_a_hung_transfer_or_probe_scoring_stops_the_refit_within_cluster_timeout
     """An injected fault: the transport's transfer, or the generator's scoring of the probe, never returns."""
     import time
 
-    from rlcore.controller.deadlines import GenerationTimeout
+    from rlcore.deadlines import GenerationTimeout
 
     refitter, batch = probe_refitter(generator_shift=0.01)
     released = threading.Event()

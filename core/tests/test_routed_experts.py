@@ -12,7 +12,7 @@ import torch
 
 from rlcore.config import ConfigError
 from rlcore.config.hf_generation import HFGenerationConfig
-from rlcore.controller.batching import Trajectory, to_sequence_batch
+from rlcore.generation.batching import Trajectory, to_sequence_batch
 from rlcore.interfaces import GenerationResult, Placement, Sample
 
 
@@ -67,7 +67,7 @@ def test_malformed_routing_names_its_shape():
 def test_the_hf_generator_refuses_to_report_routing():
     from rlcore.config import RunConfig
     from rlcore.config.schema import PolicyConfig
-    from rlcore.hf_generator import build
+    from rlcore.generation.hf_generator import build
 
     with pytest.raises(ConfigError, match=r"policy\.generation\.return_routed_experts.*does not report MoE routing"):
         build(RunConfig(policy=PolicyConfig(model_name="unused")), HFGenerationConfig(return_routed_experts=True), Placement())

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.cli import build_parser, run_overrides
+from rlcore.cli.commands import build_parser, run_overrides
 from rlcore.config import ConfigError
 from rlcore.config.schema import CheckpointingConfig, LoggerConfig, PolicyConfig, RunConfig, TrainConfig
 from rlcore.controller.checkpoint import CheckpointManager, rng_state
 from rlcore.controller.run_dir import RunDir, check_owner, checkpoint_root
 from rlcore.loggers.config import JsonlLoggerConfig
 from rlcore.loggers.jsonl import JsonlLogger
-from rlcore.run_paths import OutputWriteError
+from rlcore.config.run_paths import OutputWriteError
 
 
 def _config(log_dir: Path, seed: int = 1, **checkpointing) -> RunConfig:

@@ -13,12 +13,13 @@ import pytest
 import torch
 import yaml
 
-from rlcore.config import ConfigError, build_config
+from rlcore.config import ConfigError
+from rlcore.loading.loader import build_config
 from rlcore.config.schema import CheckpointingConfig, LoggerConfig, OptimizerConfig, PolicyConfig, RunConfig, TrainConfig
 from rlcore.controller.checkpoint import CheckpointManager, CheckpointWriteError, resume_loggers, rng_state
 from rlcore.controller.run_dir import RUN_FILE, RunDir, check_owner, checkpoint_root
 from rlcore.errors import CheckpointError
-from rlcore.export import run_config_for
+from rlcore.cli.export import run_config_for
 from rlcore.loggers.config import JsonlLoggerConfig
 from rlcore.loggers.jsonl import JsonlLogger
 
@@ -233,7 +234,7 @@ def test_the_rollout_traces_file_keeps_every_guard_of_the_metrics_file(tmp_path,
 
 def test_the_rollout_traces_writer_refuses_a_link_out_when_it_opens_its_file(tmp_path, outside_dir):
     from rlcore.config.traces import RolloutTracesConfig
-    from rlcore.traces import RolloutTraces
+    from rlcore.loggers.traces import RolloutTraces
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "rollouts.jsonl").symlink_to(outside_dir / "keep.txt")

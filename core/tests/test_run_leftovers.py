@@ -1,7 +1,7 @@
 """What a killed process leaves half-written in a run directory, and a full disk at the run's small files.
 
 A run's outputs are written beside their place (``.NAME.tmp.PID``) and renamed there when whole
-(:mod:`rlcore.run_paths`). A kill -9 mid-write leaves that copy: the next start (a resume, an
+(:mod:`rlcore.config.run_paths`). A kill -9 mid-write leaves that copy: the next start (a resume, an
 export) removes it, or completes a swap the kill cut between its two renames, and touches nothing
 else. A full disk at ``run.json``, ``config.yaml``, ``summary.json``, ``curves.png`` or a record's
 append is one error naming the file, its directory and the space free; what was there is kept.
@@ -22,11 +22,11 @@ import pytest
 
 from rlcore.config.schema import CheckpointingConfig, LoggerConfig, PolicyConfig, RunConfig, TrainConfig
 from rlcore.controller.run_dir import RUN_FILE, RunDir, write_run_config
-from rlcore.run_paths import OutputWriteError, settle_leftovers
+from rlcore.config.run_paths import OutputWriteError, settle_leftovers
 
 KILLED_MID_WRITE = """
 import pathlib, sys, time
-from rlcore.run_paths import replace_dir
+from rlcore.config.run_paths import replace_dir
 def write(tmp):  # the final model's write, killed halfway
     tmp.mkdir()
     (tmp / "model.safetensors").write_bytes(b"half")
@@ -110,7 +110,7 @@ def test_export_completes_a_cut_swap_of_the_final_model_and_removes_its_own_left
     earlier export's copy beside OUT is removed by the next export to OUT."""
     import shutil
 
-    from rlcore.export import export_checkpoint
+    from rlcore.cli.export import export_checkpoint
 
     run, pid = tmp_path / "run", _dead_pid()
     run.mkdir()
@@ -185,7 +185,7 @@ def test_the_runs_small_files_on_a_full_disk_are_named_and_the_earlier_ones_kept
 def test_a_record_on_a_full_disk_is_named_and_the_file_keeps_whole_records(small_disk, records):
     from rlcore.loggers.config import JsonlLoggerConfig
     from rlcore.loggers.jsonl import JsonlLogger
-    from rlcore.run_paths import append_whole
+    from rlcore.config.run_paths import append_whole
 
     run = small_disk / "run"
     run.mkdir()

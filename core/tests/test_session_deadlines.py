@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rlcore.controller.deadlines import EnvironmentTimeout, TimedEnvironment, batch_deadline
+from rlcore.deadlines import EnvironmentTimeout, TimedEnvironment, batch_deadline
 from rlcore.interfaces import EnvironmentSession, EnvStep, Sample, SessionEnvironment, TrajectoryTurns
 from rlcore.testing.chat_tokenizers import chat_samples
 
@@ -155,9 +155,10 @@ def test_inside_a_batch_the_limit_is_what_is_left_of_it(game):
 def _rollouts(generator, env, on_timeout: str):
     import types
 
-    from rlcore.config import build_config
+    from rlcore.loading.loader import build_config
     from rlcore.controller.rollouts import Rollouts
-    from rlcore.rollout import MultiTurnRunner
+    from rlcore.controller.context import RunContext
+    from rlcore.generation.rollout import MultiTurnRunner
 
     tok = generator.tokenizer
     samples = chat_samples(tok)
@@ -165,8 +166,8 @@ def _rollouts(generator, env, on_timeout: str):
                            "cluster": {"timeout_s": BATCH_TIMEOUT_S}, "env": {"on_timeout": on_timeout}})
     timed = TimedEnvironment(env, "game", config.cluster.timeout_s, on_timeout)
     runner = MultiTurnRunner(generator, timed, tok, max_turns=2, max_total_tokens=256)
-    rollouts = Rollouts(config, generator, timed, algorithm=None, dataset=types.SimpleNamespace(train=samples),
-                        multi_turn=runner)
+    rollouts = Rollouts(config, RunContext.of(config), generator, timed, algorithm=None,
+                        dataset=types.SimpleNamespace(train=samples), multi_turn=runner)
     return rollouts, samples
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlcore.interfaces import SequenceBatch
-from rlcore.multimodal import ImageInputs, SharedImages
-from rlcore.packing import make_micro_batches, plan_micro_batches
+from rlcore.data.multimodal import ImageInputs, SharedImages
+from rlcore.data.packing import make_micro_batches, plan_micro_batches
 
 
 def _images(first: float, grid: list[int]) -> ImageInputs:
@@ -87,7 +87,7 @@ def test_affinity_packs_groups_into_few_micro_batches_at_the_same_fill(seed):
 
 
 def test_a_tower_inside_encode_each_once_sees_distinct_rows_and_refuses_other_inputs():
-    from rlcore.multimodal import encode_each_once
+    from rlcore.data.multimodal import encode_each_once
 
     a, b = _images(0, [1, 2, 2]), _images(10, [1, 2, 2])
     shared = SharedImages.find([a, a, b], merge_size=2)

@@ -63,7 +63,7 @@ def test_a_stop_signal_that_came_before_skips_the_refit_and_one_outside_it_waits
 def test_a_ctrl_c_of_an_earlier_run_in_the_process_is_not_taken_for_a_later_runs(tmp_path, capsys):
     """``rlcore run`` reads the interruption flags to report an error that follows a signal as the stop it was;
     a later run in the same process (a sweep, a notebook) had none: its bad key is an error, exit 2."""
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
     from rlcore.controller.checkpoint import INTERRUPTED
 
     INTERRUPTED.set()  # what a Ctrl-C'd run before this one left

@@ -1,4 +1,4 @@
-"""Rollout traces (rlcore.traces): which trajectories a step traces, the byte bounds per step and
+"""Rollout traces (rlcore.loggers.traces): which trajectories a step traces, the byte bounds per step and
 per run, resume, the tables for TensorBoard, and ``rlcore rollouts``."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from rlcore.config.traces import RolloutTracesConfig
-from rlcore.controller.batching import Trajectory, to_sequence_batch
+from rlcore.generation.batching import Trajectory, to_sequence_batch
 from rlcore.interfaces import GenerationResult, Sample
-from rlcore.traces import RolloutTraces, read_traces, spread, table
+from rlcore.loggers.traces import RolloutTraces, read_traces, spread, table
 
 
 def _step(rng: random.Random, n: int, prompt_len: int, response_len: int, max_len: int):
@@ -127,7 +127,7 @@ def test_tensorboard_logger_writes_the_table(tmp_path):
 
 
 def test_rlcore_rollouts_prints_the_worst_first_and_names_what_is_missing(tmp_path, capsys):
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     traces, rng = RolloutTraces(RolloutTracesConfig(per_step=4), tmp_path), random.Random(4)
     for step in (1, 2):
@@ -146,7 +146,7 @@ def test_rlcore_rollouts_prints_the_worst_first_and_names_what_is_missing(tmp_pa
 
 
 def test_rlcore_rollouts_reads_no_link_out_of_the_run_directory(tmp_path, outside_dir, capsys):
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "rollouts.jsonl").symlink_to(outside_dir / "keep.txt")
@@ -165,7 +165,7 @@ def test_per_token_advantages_are_traced_where_they_differ(tmp_path):
 
 
 def test_rlcore_rollouts_shows_an_agents_tool_calls_and_results_as_text(tmp_path, capsys):
-    from rlcore.cli import main
+    from rlcore.cli.commands import main
 
     call = {"id": "call-1-0", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "12*7"}'}}
     record = {"step": 5, "kind": "trajectory", "row": 0, "sample": 17, "group": 0, "reward": 1.0, "advantage": 0.5,

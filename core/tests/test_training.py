@@ -1,4 +1,4 @@
-"""The outer layer both training backends share (rlcore.training, MicroBatch.to, the HF writer)."""
+"""The outer layer both training backends share (rlcore.training.steps, MicroBatch.to, the HF writer)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rlcore.interfaces import SequenceBatch
-from rlcore.packing import make_micro_batches
-from rlcore.training import combine_optimizer_steps, sum_over_ranks, train_in_optimizer_steps
-from rlcore.weights import chunked, write_hf_checkpoint
+from rlcore.data.packing import make_micro_batches
+from rlcore.training.steps import combine_optimizer_steps, sum_over_ranks, train_in_optimizer_steps
+from rlcore.training.weights import chunked, write_hf_checkpoint
 
 
 def _batch(n: int) -> SequenceBatch:

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from rlcore.interfaces import EnvStep, Sample, SamplingParams, TrajectoryTurns
-from rlcore.rollout import MultiTurnRunner, TurnBarrier
+from rlcore.generation.rollout import MultiTurnRunner, TurnBarrier
 from rlcore.testing.chat_tokenizers import chat_samples
 
 TURNS = {(0, 0): 2, (0, 1): 3, (1, 0): 3, (1, 1): 3}  # (sample index, trajectory) -> model turns
@@ -123,7 +123,7 @@ def test_a_trajectory_that_fails_leaves_the_barrier():
 
 
 def test_the_agent_environment_refuses_a_turn_barrier():
-    from rlcore.agents.config import AgentEnvConfig
+    from rlcore.config.agents import AgentEnvConfig
     from rlcore.agents.runner import make_agent_runner
 
     with pytest.raises(ValueError, match="env.agent.turn_barrier"):

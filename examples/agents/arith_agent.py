@@ -1,8 +1,8 @@
 """A one-request agent for the CPU demo's 2-digit addition: it asks the policy through the OpenAI
 API and grades the reply itself. No rlcore import: any OpenAI-client code trains the same way.
 
-    python -m rlcore.demo --sft-only                 # the demo's SFT warm start (runs/demo/sft)
-    python -m rlcore.demo --recipe recipes/grpo_agent_arith_tiny_cpu.yaml
+    python -m rlcore.cli.demo --sft-only                 # the demo's SFT warm start (runs/demo/sft)
+    python -m rlcore.cli.demo --recipe recipes/grpo_agent_arith_tiny_cpu.yaml
 """
 
 import re

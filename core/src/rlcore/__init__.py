@@ -9,7 +9,8 @@ Importing this package imports no torch; the heavy parts load on use.
 
 from __future__ import annotations
 
-from rlcore.config import ConfigError, RunConfig, build_config, load_config
+from rlcore.config import ConfigError, RunConfig
+from rlcore.loading.loader import build_config, load_config
 from rlcore.plugins import PluginError, get_plugin_manager, hookimpl
 
 __version__ = "0.1.0"

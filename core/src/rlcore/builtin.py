@@ -35,7 +35,7 @@ def rlcore_loggers(register):
 def rlcore_generators(register):
     from rlcore.config.hf_generation import HFGenerationConfig
 
-    register("hf", "rlcore.hf_generator:build", HFGenerationConfig, devices=("cpu", "cuda"), async_engine=False, exact=True)
+    register("hf", "rlcore.generation.hf_generator:build", HFGenerationConfig, devices=("cpu", "cuda"), async_engine=False, exact=True)
 
 
 @hookimpl
@@ -54,27 +54,27 @@ def rlcore_algorithms(register):
     register("reward_model", "rlcore.algorithms.reward_model:RewardModel", RewardModelConfig, loss_level="sequence",
              trains_on="pairs", pair_trainer="rlcore.reward_model.trainer:build", head="scalar")
     register("distillation", "rlcore.algorithms.distillation:Distillation", DistillationConfig, loss_level="token|sequence",
-             teacher="rlcore.teacher:build_teacher")
+             teacher="rlcore.generation.teacher:build_teacher")
 
 
 @hookimpl
 def rlcore_datasets(register):
     from rlcore.config.images import CountingTaskConfig, ImageDataConfig
-    from rlcore.preference.config import PreferenceDataConfig
+    from rlcore.data.preference.config import PreferenceDataConfig
 
-    register("preference", "rlcore.preference.data:build_preference_dataset", PreferenceDataConfig,
+    register("preference", "rlcore.data.preference.data:build_preference_dataset", PreferenceDataConfig,
              provides="pairs", requires=("datasets",))
-    register("images", "rlcore.image_data:build_from_config", ImageDataConfig, requires=("PIL",))
-    register("image_counting", "rlcore.image_data:build_counting", CountingTaskConfig, requires=("PIL",))
+    register("images", "rlcore.data.image_data:build_from_config", ImageDataConfig, requires=("PIL",))
+    register("image_counting", "rlcore.data.image_data:build_counting", CountingTaskConfig, requires=("PIL",))
 
 
 @hookimpl
 def rlcore_environments(register):
-    from rlcore.agents.config import AgentEnvConfig
+    from rlcore.config.agents import AgentEnvConfig
     from rlcore.reward_model.config import RewardModelEnvConfig
 
     register("reward_model", "rlcore.reward_model.env:build", RewardModelEnvConfig, devices=("cpu", "cuda"))
-    register("counting", "rlcore.image_data:counting_env", None)
+    register("counting", "rlcore.data.image_data:counting_env", None)
     # conformance="plugin": its agent scores trajectories through the endpoint, never step() (which
     # refuses); the agents' own tests (core/tests/test_agents_*) hold it to its contract.
     register("agent", "rlcore.agents.environment:build", AgentEnvConfig, multi_turn=True, endpoint="openai",

@@ -43,8 +43,8 @@ def rlcore_training_backends(register):
     :class:`rlcore.interfaces.Placement`. ``section`` is required and names the config block whose
     ``enabled: true`` selects this backend (e.g. ``policy.megatron_cfg``): its schema must have a
     bool field ``enabled``. Capability ``precedence`` (int, default 0) decides between several
-    enabled backends: highest wins. :mod:`rlcore.training` is the outer layer a backend's
-    ``train`` is built from; :mod:`rlcore.schedule` turns ``policy.scheduler`` into its learning
+    enabled backends: highest wins. :mod:`rlcore.training.steps` is the outer layer a backend's
+    ``train`` is built from; :mod:`rlcore.training.schedule` turns ``policy.scheduler`` into its learning
     rate. A complete third-party example: ``examples/ddp_backend_plugin``.
     """
 
@@ -124,6 +124,17 @@ def rlcore_weight_transport(trainer, generator):
     registered later are asked first (pluggy's LIFO order), so a third party can override the
     built-in choice. rlcore's own fallback streams ``export_chunks()`` into
     ``generator.update_weights()``.
+    """
+
+
+@hookspec(firstresult=True)
+def rlcore_wrap_trainer(trainer):
+    """Wrap the run's trainer handle before the run's first call to it (GRPO-family runs).
+
+    Called once per run with the :class:`rlcore.interfaces.TrainerHandle` the run built; return an
+    object following the same protocol that forwards to it (and adds, e.g., tracing or the faults
+    a test injects: :mod:`rlcore.testing.faults`), or ``None`` to leave it as it is. The first
+    non-``None`` answer wins.
     """
 
 

@@ -12,12 +12,16 @@ Environment variables:
   distribution name).
 - ``RLCORE_NO_AUTOLOAD=1``: load only rlcore's built-ins; others can be added with
   :meth:`PluginManager.register_module` (used by tests and by the composable Python API).
+- ``RLCORE_PLUGINS=module,...``: also register these importable modules as plugins, after the
+  entry points (as pytest's ``PYTEST_PLUGINS``): a plugin for one run that no distribution
+  installs, e.g. the faults a test injects (:mod:`rlcore.testing.faults`).
 
 Nothing here imports torch: listing plugins must stay fast.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
 import os
 import traceback
@@ -91,7 +95,7 @@ class Registration:
         unless it has the members every run uses of its kind's protocol (every kind): a wrong object
         would otherwise fail at the first call with an AttributeError naming no plugin, or, for an
         environment, score every rollout 0 as "errors" in a run that exits 0."""
-        from rlcore.controller.given import BUILT_CHECKS, missing_members
+        from rlcore.interfaces.members import BUILT_CHECKS, missing_members
 
         check = BUILT_CHECKS.get(self.kind)
         if check is None:
@@ -179,6 +183,19 @@ class PluginManager:
                     f"{traceback.format_exc(limit=-3)}"
                     f"Fix or uninstall it, or skip it with RLCORE_DISABLE_PLUGINS={ep.name}"
                 ) from exc
+            self.register_module(module, source)
+        self._load_named_modules()
+
+    def _load_named_modules(self) -> None:
+        for name in (s.strip() for s in os.environ.get("RLCORE_PLUGINS", "").split(",")):
+            if not name:
+                continue
+            source = Source(name.split(".")[0], "local", f"{name} (RLCORE_PLUGINS)")
+            try:
+                module = importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - any import failure must name the plugin
+                raise PluginError(f"plugin {source.describe()} failed to import: {exc!r}; "
+                                  "fix the module name in RLCORE_PLUGINS or unset it") from exc
             self.register_module(module, source)
 
     def register_module(self, module: Any, source: Source | None = None) -> None:
@@ -268,6 +285,11 @@ class PluginManager:
 
     def weight_transport(self, trainer: Any, generator: Any):
         return self.pm.hook.rlcore_weight_transport(trainer=trainer, generator=generator)
+
+    def wrap_trainer(self, trainer: Any) -> Any:
+        """The run's trainer handle, as a plugin's ``rlcore_wrap_trainer`` wraps it (itself when none does)."""
+        wrapped = self.pm.hook.rlcore_wrap_trainer(trainer=trainer)
+        return trainer if wrapped is None else wrapped
 
     def benchmarks(self) -> dict[str, Any]:
         """Every plugin's component benchmarks (``rlcore_benchmarks``), by name; a name given twice is an error."""

@@ -86,8 +86,8 @@ def reference_train(model, batch, algo, gbs: int | None, steps_before: int = 0):
     """Optimizer steps of ``batch`` split by ``gbs``, as the backend's contract describes; the
     loss sees all of a step's sequences as one (padding-free) micro-batch. Returns (loss, grad
     norm before clipping) per step."""
-    from rlcore.packing import make_micro_batches, step_totals
-    from rlcore.schedule import lr_factor
+    from rlcore.data.packing import make_micro_batches, step_totals
+    from rlcore.training.schedule import lr_factor
 
     stats = []
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=WEIGHT_DECAY)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlcore.attention import padded_rows_attention
+from rlcore.training.attention import padded_rows_attention
 from rlcore_fsdp2.attention import attention_cu_seqlens, varlen_attention_forward
 
 

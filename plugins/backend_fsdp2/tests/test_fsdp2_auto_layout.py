@@ -12,7 +12,7 @@ from rlcore.interfaces import SequenceBatch
 
 
 def _run(model_dir, **dtensor):
-    from rlcore.config.loader import build_config
+    from rlcore import build_config
 
     return build_config({"policy": {"model_name": str(model_dir), "precision": "float32",
                                     "dtensor_cfg": {"layout": "auto", **dtensor}},

@@ -11,7 +11,7 @@ import pytest
 from rlcore.config.structure import ConfigError, structure
 from rlcore_fsdp2.config import SECTION, DTensorConfig
 from rlcore_fsdp2.parallel_dims import ParallelDims
-from rlcore.schedule import lr_factor
+from rlcore.training.schedule import lr_factor
 
 
 def test_defaults_are_nemo_rl_keys():

@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory):
 
 def test_varlen_path_matches_per_sequence_sdpa():
     """Outputs and gradients of the varlen kernel (GQA, trailing padding) against fp32 SDPA per sequence."""
-    from rlcore.attention import use_varlen
+    from rlcore.training.attention import use_varlen
     from rlcore_fsdp2.attention import attention_cu_seqlens, varlen_attention_forward
 
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ def test_compiled_layers_with_traced_attention_train_like_eager(single_cuda_proc
 
 
 def test_fused_token_logprobs_match_eager_on_a_large_vocabulary():
-    from rlcore import ops
+    from rlcore.training import ops
 
     torch.manual_seed(0)
     T, V = 700, 128256

@@ -12,7 +12,7 @@ pytest.importorskip("peft")
 
 @pytest.fixture(scope="module")
 def lora_trainer(single_process_group, tiny_model_dir):
-    from rlcore.config import build_config
+    from rlcore import build_config
     from rlcore.runtime import LocalTrainer
     from rlcore.plugins import get_plugin_manager
 
@@ -33,7 +33,7 @@ def _batch():
 
 
 def _hf_logprobs(model, batch):
-    from rlcore.ops import token_logprobs
+    from rlcore.training.ops import token_logprobs
 
     with torch.no_grad():
         return [token_logprobs(model(input_ids=ids[None]).logits[0], ids) for ids in batch.input_ids]
@@ -82,7 +82,7 @@ def test_merge_happens_in_fp32_before_the_cast():
 
 
 def test_lora_config_errors_name_the_key(tiny_model_dir):
-    from rlcore.config import build_config
+    from rlcore import build_config
     from rlcore_fsdp2.lora import apply_lora
     from transformers import AutoModelForCausalLM
 

@@ -42,7 +42,7 @@ def _logprobs_and_grads(backend, mb):
 
 
 def test_selected_rows_equal_every_row_on_the_loss_tokens(backend):
-    from rlcore.packing import make_micro_batches
+    from rlcore.data.packing import make_micro_batches
 
     (mb,) = make_micro_batches(_batch(), max_tokens=64)
     needed = mb.loss_mask_T > 0

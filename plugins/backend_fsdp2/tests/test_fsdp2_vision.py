@@ -19,8 +19,8 @@ pytest.importorskip("PIL")
 def vlm(request, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from rlcore.image_data import build_image_dataset, write_counting_task
-    from rlcore.multimodal import load_prompt_processor
+    from rlcore.data.image_data import build_image_dataset, write_counting_task
+    from rlcore.data.multimodal import load_prompt_processor
     from rlcore.testing.tiny_vlm import build_tiny_vlm
 
     root = tmp_path_factory.mktemp("vlm")
@@ -33,7 +33,7 @@ def vlm(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def generator(vlm):
     from rlcore.config.hf_generation import HFGenerationConfig
-    from rlcore.hf_generator import HFGenerator
+    from rlcore.generation.hf_generator import HFGenerator
 
     return HFGenerator(str(vlm[0]), HFGenerationConfig(), 256)
 
@@ -101,7 +101,7 @@ def test_generation_sees_the_image_and_scores_what_it_sampled(vlm, generator, ro
 
 def test_generation_encodes_shared_images_once(vlm, generator):
     """Two rows with one images object: the prefill encodes it once and samples what two copies give."""
-    from rlcore.multimodal import vision_modules
+    from rlcore.data.multimodal import vision_modules
 
     sample = vlm[1].train[0]
     copy = attrs.evolve(sample.images, pixel_values=sample.images.pixel_values.clone())
@@ -139,7 +139,7 @@ def test_trainer_logprobs_match_the_generator_and_packing(single_process_group, 
 
 
 def test_packed_and_unpacked_losses_agree_in_float64(single_process_group, vlm, rollouts):
-    from rlcore.packing import make_micro_batches, step_totals
+    from rlcore.data.packing import make_micro_batches, step_totals
 
     batch = _batch(*rollouts)
     backend = _backend(vlm[0], precision="float64")
@@ -164,8 +164,8 @@ def test_packed_and_unpacked_losses_agree_in_float64(single_process_group, vlm, 
 def test_shared_images_are_encoded_once_with_the_same_logprobs_and_gradients(single_process_group, vlm, rollouts):
     """A group's samples share their prompt's images (one object): the vision tower runs on each distinct
     image once, and the logprobs and the tower's gradients equal those of encoding every copy."""
-    from rlcore.multimodal import vision_modules
-    from rlcore.packing import make_micro_batches
+    from rlcore.data.multimodal import vision_modules
+    from rlcore.data.packing import make_micro_batches
 
     flat, images = rollouts  # two samples of each prompt: each images object appears twice
     copies = [attrs.evolve(i, pixel_values=i.pixel_values.clone()) for i in images]  # same pixels, six objects

@@ -24,7 +24,7 @@ CASES = {"dense": ("llama", {}), "moe": ("qwen3_moe", {}), "moe_tp2_ep2": ("qwen
 
 
 def run_config(path: str, keys: dict):
-    from rlcore.config.loader import build_config
+    from rlcore import build_config
 
     return build_config({
         "policy": {"model_name": path, "precision": "float32", "sequence_packing": {"train_mb_tokens": 64, "logprob_mb_tokens": 64},

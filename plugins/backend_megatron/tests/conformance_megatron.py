@@ -22,7 +22,7 @@ class TestMegatronConformance(TrainingBackendConformance):
 
     @pytest.fixture(scope="class")
     def training_backend(self, single_process_group, backend_model_dir):
-        from rlcore.config import build_config
+        from rlcore import build_config
         from rlcore.interfaces import WorldInfo
         from rlcore.plugins import get_plugin_manager
 

@@ -72,7 +72,7 @@ def backend_for(path: str, **mcfg):
 def megatron_logits(backend, batch) -> list[torch.Tensor] | None:
     """Full-vocab logits per sequence on rank 0, through the backend's schedule (PP-aware)."""
     from megatron.core import parallel_state as mpu
-    from rlcore.packing import unpack
+    from rlcore.data.packing import unpack
 
     mbs = backend.micro_batches(batch, 64, 4)
 
@@ -126,7 +126,7 @@ def check_parity(path: str, **mcfg) -> float:
 
 def check_logprobs(path: str, **mcfg) -> float:
     """Backend logprobs (rank 0) vs Hugging Face; every rank returns the same number."""
-    from rlcore.ops import token_logprobs
+    from rlcore.training.ops import token_logprobs
     from transformers import AutoModelForCausalLM
 
     backend = backend_for(path, **mcfg)
@@ -144,8 +144,8 @@ def check_logprobs(path: str, **mcfg) -> float:
 
 def reference_step(path: str, batch, run, cfg):
     """Plain single-process HF + torch AdamW step with the backend's hyperparameters and loss."""
-    from rlcore.ops import token_logprobs
-    from rlcore.packing import make_micro_batches, step_totals
+    from rlcore.training.ops import token_logprobs
+    from rlcore.data.packing import make_micro_batches, step_totals
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -350,7 +350,7 @@ def check_training(path: str, tmp: Path, out: dict) -> None:
     lp = backend.logprobs(batch2)
     ref_lp = backend.logprobs(batch2, reference=True)
     if dist.get_rank() == 0:
-        from rlcore.ops import token_logprobs
+        from rlcore.training.ops import token_logprobs
 
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         expect = [token_logprobs(base(ids[None]).logits[0].detach(), ids) for ids in batch2.input_ids]
@@ -437,7 +437,7 @@ def random_adapters(backend) -> dict[str, torch.Tensor]:
 def lora_step(backend, adapters, batch) -> tuple[dict, dict, dict, float]:
     """(metrics, adapter gradients, adapters after the step, largest difference between the merged weights the
     backend exports and the base merged with those adapters here) of one step from ``adapters``; whole, on rank 0."""
-    from rlcore.lora import merge
+    from rlcore.training.lora import merge
     from rlcore_megatron.lora import adapter_tensors, load_adapter_tensors
 
     load_adapter_tensors(backend.module, adapters)
@@ -510,7 +510,7 @@ def check_lora_vs_fsdp2(path: str) -> dict:
 
 
 def hf_logprobs(model, batch) -> list[torch.Tensor]:
-    from rlcore.ops import token_logprobs
+    from rlcore.training.ops import token_logprobs
 
     with torch.no_grad():
         return [token_logprobs(model(ids[None]).logits[0], ids) for ids in batch.input_ids]

@@ -8,7 +8,8 @@ import sys
 import attrs
 import pytest
 
-from rlcore.config import ConfigError, build_config, structure
+from rlcore.config import ConfigError, structure
+from rlcore import build_config
 from rlcore_megatron.config import SECTION, MegatronConfig, validate_parallelism
 
 

@@ -76,7 +76,7 @@ def test_static_layout_pads_and_leaves_nothing_behind():
     overwrites everything the first left (tokens, mask, sequence indices and fields, rows, segments)."""
     import torch
     from rlcore.interfaces import SequenceBatch, StepTotals
-    from rlcore.packing import make_micro_batches
+    from rlcore.data.packing import make_micro_batches
 
     from rlcore_megatron.cuda_graph import StaticInputs, bucket_for
 

@@ -35,7 +35,8 @@ def test_bad_target_names_name_the_key(names, message):
 def test_refused_configurations_name_the_key():
     from types import SimpleNamespace
 
-    from rlcore.config import ConfigError, build_config
+    from rlcore.config import ConfigError
+    from rlcore import build_config
     from rlcore_megatron.backend import MegatronBackend
     from rlcore_megatron.lora import apply
 

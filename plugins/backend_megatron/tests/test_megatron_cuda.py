@@ -46,7 +46,7 @@ def _exact_fp32():
 
 @pytest.fixture(scope="module")
 def te_loads():
-    from rlcore.doctor import transformer_engine
+    from rlcore.training.doctor import transformer_engine
 
     status = transformer_engine()
     if not status["loads"]:
@@ -68,7 +68,7 @@ def cuda_backend(path: str, precision: str = "float32", **mcfg):
 
 
 def hf_logprobs(path: str, batch, dtype=torch.float32) -> list[torch.Tensor]:
-    from rlcore.ops import token_logprobs
+    from rlcore.training.ops import token_logprobs
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda()

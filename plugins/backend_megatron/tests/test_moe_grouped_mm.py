@@ -91,7 +91,7 @@ def test_grouped_mm_bf16_logprobs_equal_the_expert_loop(single_process_group, mo
 
 
 def test_grouped_mm_export_reloads_into_transformers(trained, tmp_path):
-    from rlcore.ops import token_logprobs
+    from rlcore.training.ops import token_logprobs
     from transformers import AutoModelForCausalLM
 
     grouped = trained["grouped_mm"]

@@ -1,7 +1,7 @@
 """A 3-turn ``math_tool`` rollout is token-exact: its tokens are the chat template of its messages.
 
 Peers' multi-turn rollouts lose or duplicate the separator tokens between turns (verl#6501,
-TRL#5224). Here the trajectory of a real rollout (``rlcore.rollout`` built from a run config, the
+TRL#5224). Here the trajectory of a real rollout (``rlcore.generation.rollout`` built from a run config, the
 ``math_tool`` environment's calculator and grader) is compared, token for token, with the chat
 template applied to the final message list, for byte-level BPE tokenizers with the released chat
 templates of Llama 3, Qwen2 and Qwen3 (``rlcore.testing.chat_tokenizers``, saved and read back
@@ -15,10 +15,10 @@ import asyncio
 
 import pytest
 
-from rlcore.config.loader import build_config
+from rlcore import build_config
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
 from rlcore.plugins import get_plugin_manager
-from rlcore.rollout import ChatSuffixes, MultiTurnTrajectory, make_multi_turn_runner
+from rlcore.generation.rollout import ChatSuffixes, MultiTurnTrajectory, make_multi_turn_runner
 from rlcore.testing.chat_tokenizers import build_chat_tokenizer
 
 SYSTEM = "You are a helpful assistant."

@@ -111,7 +111,7 @@ def test_refit_through_the_plugins_transport_in_the_engines_dtype(sglang_plugin_
     import torch
 
     from rlcore.runtime import LocalTrainer
-    from rlcore.weights import chunked
+    from rlcore.training.weights import chunked
     from rlcore_sglang.transport import SglangTensorTransport
 
     class StateDict:  # a backend's export_weights over a state dict (what a trainer handle streams)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.weights import chunked
+from rlcore.training.weights import chunked
 
 
 class StateDictBackend:

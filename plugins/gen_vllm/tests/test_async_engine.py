@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rlcore.interfaces import EnvStep, Sample, SamplingParams
-from rlcore.rollout import ChatSuffixes, MultiTurnRunner
+from rlcore.generation.rollout import ChatSuffixes, MultiTurnRunner
 
 from _vllm_helpers import hf_greedy, hf_token_logprobs, perturbed_state_dict, state_dict_trainer, with_weights
 

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.vllm
 def exported_dir(vllm_model_dir, tmp_path, single_process_group):
     """One fsdp2 training step from the engine's model, saved as a run checkpoint, then exported."""
     pytest.importorskip("rlcore_fsdp2", reason="the checkpoint is written by the FSDP2 backend (rlcore-fsdp2)")
-    from rlcore.config import build_config, to_dict
-    from rlcore.runtime import CheckpointManager
-    from rlcore.export import export_checkpoint
+    from rlcore import build_config
+    from rlcore.runtime import CheckpointManager, to_dict
+    from rlcore.runtime import export_checkpoint
     from rlcore.interfaces import SequenceBatch, WorldInfo
     from rlcore.plugins import get_plugin_manager
     from rlcore_fsdp2.backend import FSDP2Backend

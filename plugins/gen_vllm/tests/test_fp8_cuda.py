@@ -39,7 +39,7 @@ def test_refit_into_an_fp8_engine_equals_an_engine_started_from_the_new_weights(
     from transformers import AutoModelForCausalLM
 
     from _vllm_helpers import perturbed_state_dict
-    from rlcore.weights import chunked
+    from rlcore.training.weights import chunked
 
     old_path = str(tiny_model_factory("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2))
     model = AutoModelForCausalLM.from_pretrained(old_path, torch_dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""``rlcore.rollout`` with a scripted generator (no engine): token bookkeeping and limits."""
+"""``rlcore.generation.rollout`` with a scripted generator (no engine): token bookkeeping and limits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from rlcore.interfaces import EnvStep, GenerationResult, Sample, SamplingParams
-from rlcore.rollout import ChatSuffixes, MultiTurnRunner
+from rlcore.generation.rollout import ChatSuffixes, MultiTurnRunner
 
 
 class ScriptedGenerator:

@@ -58,8 +58,8 @@ def llava(tmp_path_factory):
     """A tiny LLaVA, three image prompts of the counting task, and the vllm generator on it."""
     from transformers import AutoTokenizer
 
-    from rlcore.image_data import build_image_dataset, write_counting_task
-    from rlcore.multimodal import load_prompt_processor
+    from rlcore.data.image_data import build_image_dataset, write_counting_task
+    from rlcore.data.multimodal import load_prompt_processor
     from rlcore.testing.tiny_vlm import build_tiny_vlm
     from rlcore_vllm.config import RefitConfig, VllmConfig
     from rlcore_vllm.generator import VllmGenerator
@@ -76,7 +76,7 @@ def llava(tmp_path_factory):
 
 def _hf(model_dir):
     from rlcore.config.hf_generation import HFGenerationConfig
-    from rlcore.hf_generator import HFGenerator
+    from rlcore.generation.hf_generator import HFGenerator
 
     return HFGenerator(str(model_dir), HFGenerationConfig(), 192)
 
@@ -152,7 +152,7 @@ def test_llava_refit_of_vision_weights_reaches_the_engine(llava, tmp_path):
 def test_placeholders_collapse_to_one_per_image():
     import torch
 
-    from rlcore.multimodal import ImageInputs
+    from rlcore.data.multimodal import ImageInputs
     from rlcore_vllm.images import collapse_placeholders
 
     two = ImageInputs(torch.zeros(2, 3, 4, 4))

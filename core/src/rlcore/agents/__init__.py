@@ -1,4 +1,4 @@
-"""Agentic RL: any agent written against the OpenAI API, trained through an endpoint rlcore serves.
+"""Agentic RL: any agent written against the OpenAI API, trained through an endpoint rlcore serves; imports config, interfaces, deadlines and generation.
 
 - :mod:`rlcore.agents.server`: ``/v1/chat/completions`` and ``/v1/completions`` on 127.0.0.1
   during rollouts, one key per trajectory, backed by the run's generator.

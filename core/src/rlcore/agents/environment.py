@@ -3,7 +3,7 @@ scores nothing itself; the run loop takes the rewards the agent returned."""
 
 from __future__ import annotations
 
-from rlcore.agents.config import AgentEnvConfig
+from rlcore.config.agents import AgentEnvConfig
 from rlcore.interfaces import EnvStep, Sample
 
 

@@ -7,7 +7,7 @@ appended token with a loss-mask bit and its sampling logprob (0 where the model 
 - **Extending** the recorded conversation (a request whose messages start with the messages
   recorded so far, the model's own replies as the endpoint returned them): the recorded tokens
   stand for the earlier turns, and only the new messages are templated, as the suffix the chat
-  template renders for them after a closed assistant turn (:meth:`rlcore.rollout.ChatSuffixes.messages_ids`),
+  template renders for them after a closed assistant turn (:meth:`rlcore.generation.rollout.ChatSuffixes.messages_ids`),
   preceded by what completes the template's end-of-turn text after the model's last turn.
   Generated text is never re-tokenized.
 - **Rewriting** (anything else: compaction, an edited or dropped turn, Qwen3's template dropping
@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 
 from rlcore.interfaces import GenerationResult
-from rlcore.rollout import ChatSuffixes
+from rlcore.generation.rollout import ChatSuffixes
 
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 

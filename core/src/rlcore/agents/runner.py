@@ -5,7 +5,7 @@
 (at most ``max_env_concurrency`` at once), each with an ``openai`` client whose key is that
 trajectory's, and returns ``params.n`` results per sample: the tokens the endpoint recorded
 (:mod:`rlcore.agents.recorder`), the agent's return value as the reward. It stands where
-:class:`rlcore.rollout.MultiTurnRunner` stands in the run loop (``Components.multi_turn``).
+:class:`rlcore.generation.rollout.MultiTurnRunner` stands in the run loop (``Components.multi_turn``).
 
 Failures are infrastructure, not model output, and never become rewards: an agent that raises,
 times out (``attempt_timeout_s``), returns something that is not a finite reward, never reaches
@@ -36,13 +36,13 @@ from typing import Any, Callable
 
 import attrs
 
-from rlcore.agents.config import AgentEnvConfig
+from rlcore.config.agents import AgentEnvConfig
 from rlcore.agents.server import Endpoint
 from rlcore.config import ConfigError
-from rlcore.controller.deadlines import DaemonThreads, GenerationTimeout, batch_margin_s
+from rlcore.deadlines import DaemonThreads, GenerationTimeout, batch_margin_s
 from rlcore.errors import RolloutError
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
-from rlcore.rollout import ChatSuffixes
+from rlcore.generation.rollout import ChatSuffixes
 
 
 class AgentTimeout(GenerationTimeout, RolloutError):

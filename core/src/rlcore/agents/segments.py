@@ -17,7 +17,7 @@ import torch
 
 def with_segments(batch, trajectories: list[Any], advantages_N: torch.Tensor, keep_N: torch.Tensor, max_len: int):
     """``batch`` with every trajectory's earlier segments appended (``batch`` itself when none has any)."""
-    from rlcore.controller.batching import Trajectory, to_sequence_batch
+    from rlcore.generation.batching import Trajectory, to_sequence_batch
 
     extra, extra_adv, extra_keep = [], [], []
     for i, traj in enumerate(trajectories):

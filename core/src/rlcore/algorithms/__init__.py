@@ -1,4 +1,4 @@
-"""Built-in algorithms, registered by :mod:`rlcore.builtin` under the ``algorithm`` section.
+"""Built-in algorithms, registered by :mod:`rlcore.builtin` under the ``algorithm`` section; they import config, interfaces and data.
 
 ========== ======================================= ======================================
 name       module                                  what differs

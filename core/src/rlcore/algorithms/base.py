@@ -17,7 +17,7 @@ import torch
 
 from rlcore.algorithms import advantages as adv
 from rlcore.interfaces import StepTotals
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 
 
 # ---- loss inputs -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ with ``p_train`` the old policy (``use_old_logprobs: true``) or the current one,
 default: one on-policy update per batch, r = 1). Differences: the per-token advantage leaves out
 the future tokens' KL (discount 0, as Thinking Machines' recipe); the environment's rewards are
 not used for training (they are still logged, and validation still grades). Teacher logprobs come
-from :mod:`rlcore.teacher` (token field ``teacher_logprobs``). Metric ``reverse_kl``: the mean over
+from :mod:`rlcore.generation.teacher` (token field ``teacher_logprobs``). Metric ``reverse_kl``: the mean over
 valid tokens of log p_train - log q, the k1 estimate of the per-token reverse KL.
 """
 
@@ -30,7 +30,7 @@ from rlcore.algorithms.base import check_loss_inputs, masked, token_mean_share
 from rlcore.algorithms.config import DistillationConfig
 from rlcore.algorithms.policy_gradient import PolicyGradient
 from rlcore.interfaces import StepTotals
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 
 
 class Distillation(PolicyGradient):
@@ -38,7 +38,7 @@ class Distillation(PolicyGradient):
     config_cls = DistillationConfig
 
     def required_fields(self) -> dict[str, str]:
-        return {**super().required_fields(), "teacher_logprobs": "the teacher scores the rollouts (rlcore.teacher)"}
+        return {**super().required_fields(), "teacher_logprobs": "the teacher scores the rollouts (rlcore.generation.teacher)"}
 
     def advantages(self, rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
         check_rewards(rewards_N, group_ids_N)

@@ -33,7 +33,7 @@ from rlcore.algorithms.base import AlgorithmBase, check_loss_inputs, masked, per
 from rlcore.algorithms.config import DPOConfig
 from rlcore.algorithms.pairs import num_pairs, pair_index
 from rlcore.interfaces import StepTotals
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 
 
 class DPO(AlgorithmBase):

@@ -21,7 +21,7 @@ from rlcore.algorithms.advantages import group_advantages
 from rlcore.algorithms.config import DrGRPOConfig
 from rlcore.algorithms.policy_gradient import PolicyGradient
 from rlcore.interfaces import StepTotals
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 
 
 class DrGRPO(PolicyGradient):

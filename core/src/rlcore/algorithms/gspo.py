@@ -22,7 +22,7 @@ import torch
 from rlcore.algorithms.base import per_seq_sum, spread_per_seq
 from rlcore.algorithms.config import GSPOConfig
 from rlcore.algorithms.grpo import GRPO
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 
 
 class GSPO(GRPO):

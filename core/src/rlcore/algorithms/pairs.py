@@ -3,7 +3,7 @@ the matching of each micro-batch's chosen and rejected sequences.
 
 A preference batch (:class:`rlcore.interfaces.SequenceBatch`) holds each pair as two sequences
 (prompt + chosen, prompt + rejected), with the sequence fields ``pack_group`` (the pair's index,
-so that packing keeps the two in one micro-batch: :data:`rlcore.packing.KEEP_TOGETHER_FIELD`)
+so that packing keeps the two in one micro-batch: :data:`rlcore.data.packing.KEEP_TOGETHER_FIELD`)
 and ``chosen`` (1.0 or 0.0). Every sequence has at least one response token, so a step's pairs
 are ``StepTotals.num_valid_seqs / 2``.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from rlcore.interfaces import PreferencePair, SequenceBatch
-from rlcore.packing import KEEP_TOGETHER_FIELD, MicroBatch
+from rlcore.data.packing import KEEP_TOGETHER_FIELD, MicroBatch
 
 CHOSEN_FIELD = "chosen"
 

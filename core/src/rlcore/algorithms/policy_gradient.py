@@ -39,7 +39,7 @@ from rlcore.algorithms.base import (
     token_mean_share,
 )
 from rlcore.interfaces import StepTotals
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 
 
 class PolicyGradient(AlgorithmBase):

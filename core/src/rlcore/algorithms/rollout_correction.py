@@ -39,7 +39,7 @@ import torch
 
 from rlcore.algorithms.base import masked, per_seq_sum, spread_per_seq
 from rlcore.interfaces import StepTotals
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 
 _LOG_CLAMP = 30.0
 

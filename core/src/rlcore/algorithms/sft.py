@@ -18,7 +18,7 @@ from rlcore.algorithms.advantages import check_rewards
 from rlcore.algorithms.base import AlgorithmBase, check_loss_inputs, masked, token_mean_share
 from rlcore.algorithms.config import SFTConfig
 from rlcore.interfaces import StepTotals
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 
 
 class SFT(AlgorithmBase):

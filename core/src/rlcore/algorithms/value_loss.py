@@ -24,7 +24,7 @@ import torch
 
 from rlcore.algorithms.base import check_loss_inputs, masked, token_mean_share
 from rlcore.interfaces import StepTotals
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 
 
 class ValueLoss:

@@ -1,11 +1,10 @@
-"""Typed run configuration: frozen attrs schemas, YAML recipes and dotted overrides."""
+"""Typed run configuration: the frozen attrs schemas of every section and where a run's files go; imports only rlcore.errors (loading a recipe into them is rlcore.loading's)."""
 
 from rlcore.config.generation import ColocatedConfig, GenerationConfig, GenerationResources, RefitConfig
-from rlcore.config.loader import apply_overrides, build_config, load_config, to_dict
 from rlcore.config.schema import RunConfig
 from rlcore.config.structure import ConfigError, doc, structure, unstructure
 
 __all__ = [
     "ColocatedConfig", "ConfigError", "GenerationConfig", "GenerationResources", "RefitConfig", "RunConfig",
-    "apply_overrides", "build_config", "doc", "load_config", "structure", "to_dict", "unstructure",
+    "doc", "structure", "unstructure",
 ]

@@ -1,7 +1,7 @@
 """What core reads of an environment's section: the turn settings of multi-turn environments.
 
 An environment registered with ``multi_turn=True`` has a ``config_cls`` extending
-:class:`MultiTurnEnvConfig` (checked when it registers); :func:`rlcore.rollout.make_multi_turn_runner`
+:class:`MultiTurnEnvConfig` (checked when it registers); :func:`rlcore.generation.rollout.make_multi_turn_runner`
 reads these keys and nothing else of the section. Imports no torch.
 """
 

@@ -1,5 +1,5 @@
 """Schemas of the image-prompt datasets (``data.name: images`` and ``image_counting``, see
-:mod:`rlcore.image_data`). Imports no torch and no PIL."""
+:mod:`rlcore.data.image_data`). Imports no torch and no PIL."""
 
 from __future__ import annotations
 

@@ -171,7 +171,7 @@ class EnvConfig:
     name: str = field(default="math", metadata=doc("registered environment (unused when env.reward_fn is set)"))
     reward_fn: str | None = field(
         default=None, metadata=doc("'module:function': a plain reward function fn(prompts, completions, **kwargs) -> "
-                                   "list[float] (TRL's signature) scores the rollouts instead of env.name (rlcore.reward_fn)"),
+                                   "list[float] (TRL's signature) scores the rollouts instead of env.name (rlcore.data.reward_fn)"),
     )
     on_timeout: Literal["stop", "zero"] = field(
         default="stop", metadata=doc("an environment call over cluster.timeout_s stops the run, or scores its batch (a multi-turn or session call: its trajectory) 0, counted in env/timeout"),
@@ -190,7 +190,7 @@ class LoggerConfig:
         default="quiet", metadata=doc("quiet: the libraries underneath (vLLM, transformers, Ray, torch.distributed) print "
                                       "errors only; verbose: their own INFO logs and progress bars too (rlcore run --verbose)"),
     )
-    rollouts: RolloutTracesConfig = field(factory=RolloutTracesConfig, metadata=doc("rollout traces (rlcore.traces)"))
+    rollouts: RolloutTracesConfig = field(factory=RolloutTracesConfig, metadata=doc("rollout traces (rlcore.loggers.traces)"))
 
 
 @frozen

@@ -53,7 +53,7 @@ SECTION_PROVIDERS = {
 
 # Keys that moved to another section (old dotted key -> new): a recipe or override with the old
 # spelling is an error naming both, and a run's saved config is read with them moved
-# (rlcore.config.loader.upgrade_saved_config). The keys every trainer reads left ``grpo`` for ``train``.
+# (rlcore.loading.loader.upgrade_saved_config). The keys every trainer reads left ``grpo`` for ``train``.
 MOVED_KEYS = {f"grpo.{key}": f"train.{key}" for key in (
     "max_num_steps", "num_prompts_per_step", "val_period", "val_at_start", "max_val_samples", "seed", "deterministic",
     "max_consecutive_nonfinite")}

@@ -1,5 +1,5 @@
 """The rollout traces' section (``logger.rollouts``): which trajectories of each step are written to
-``<logger.log_dir>/<filename>`` and how many bytes they may take (:mod:`rlcore.traces`)."""
+``<logger.log_dir>/<filename>`` and how many bytes they may take (:mod:`rlcore.loggers.traces`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import attrs
 from attrs import field, frozen
 
 from rlcore.config.structure import doc
-from rlcore.run_paths import check_output_name
+from rlcore.config.run_paths import check_output_name
 
 _positive = attrs.validators.gt(0)
 _non_negative = attrs.validators.ge(0)
@@ -15,7 +15,7 @@ _non_negative = attrs.validators.ge(0)
 
 def inside_log_dir(section: str):
     """A validator: a plain relative file name inside ``logger.log_dir`` (under the run's lock) that
-    is none of the run's own files (:func:`rlcore.run_paths.check_output_name`); ``section`` names
+    is none of the run's own files (:func:`rlcore.config.run_paths.check_output_name`); ``section`` names
     the key in the error."""
 
     def check(instance, attribute, value: str) -> None:

@@ -1,1 +1,1 @@
-"""The run loop: builds the components of a recipe, places them, and runs GRPO steps."""
+"""The run: builds the parts of a recipe, places them, and runs the GRPO-family and offline loops through one skeleton; may import every package below testing and cli."""

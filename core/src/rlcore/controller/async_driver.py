@@ -47,12 +47,12 @@ from typing import TYPE_CHECKING
 import attrs
 
 from rlcore.controller.checkpoint import StopSignalled, ended_by_stop
-from rlcore.controller.deadlines import batch_margin_s
+from rlcore.deadlines import batch_margin_s
 from rlcore.controller.timing import StepTimer
 from rlcore.errors import RolloutError, RunStopped
 
 if TYPE_CHECKING:
-    from rlcore.controller.batching import Trajectory
+    from rlcore.generation.batching import Trajectory
     from rlcore.controller.loop import GRPOLoop
     from rlcore.controller.rollouts import RolloutSource
 
@@ -247,7 +247,7 @@ class RolloutProducer:
 def run_async(run: GRPOLoop) -> None:
     """Trains batch after batch from the rollout thread, each at most ``max_trajectory_age_steps`` old."""
     max_age = run.grpo.async_grpo.max_trajectory_age_steps
-    producer = RolloutProducer(run.rollouts, run.step, run.train_cfg.max_num_steps, run.c.config.cluster.timeout_s, max_age)
+    producer = RolloutProducer(run.rollouts, run.step, run.train_cfg.max_num_steps, run.context.timeout_s, max_age)
     producer.start()
     dropped = 0
     # The policy version each of the generator's weights versions holds: the two count differently (a

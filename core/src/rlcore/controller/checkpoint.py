@@ -5,7 +5,7 @@ backend with torch.distributed.checkpoint or Megatron's dist_checkpointing) and 
 state (step, data position, RNG of the driver, counters, the records so far, the run's
 fingerprint) in ``loop_state.pt``, written last, so a directory without it was never finished
 and is ignored on resume. The loop state holds only tensors, numbers, strings and containers:
-it is read with ``weights_only=True`` (:mod:`rlcore.safe_load`).
+it is read with ``weights_only=True`` (:mod:`rlcore.training.safe_load`).
 
 A checkpoints directory may be shared (``checkpointing.checkpoint_dir``): each run writes its
 partial checkpoint under a name of its own (``step_N.tmp.<run id>``), never overwrites a
@@ -37,11 +37,11 @@ import numpy as np
 import torch
 
 from rlcore.config.structure import ConfigError
-from rlcore.controller.deadlines import SIGTERM_DEADLINE
+from rlcore.deadlines import SIGTERM_DEADLINE
 from rlcore.errors import RunStopped
 from rlcore.interfaces import ResumableLogger
-from rlcore.run_paths import disk_full, remove_no_follow
-from rlcore.safe_load import CheckpointError, UnsafeCheckpointError, load_tensors
+from rlcore.config.run_paths import disk_full, remove_no_follow
+from rlcore.training.safe_load import CheckpointError, UnsafeCheckpointError, load_tensors
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 LOOP_STATE = "loop_state.pt"
@@ -93,7 +93,7 @@ def run_catching_sigterm(loop: Any, body: Callable[[], Any], checkpointed: bool 
     Ctrl-C (SIGINT) does the same (exit 130); a second one stops at once (KeyboardInterrupt, which
     ``rlcore run`` reports in one line). ``loop`` has ``step`` and ``stop_signal``; ``checkpointed``
     says whether the stop writes a checkpoint. With ``timeout_s`` (``cluster.timeout_s``), SIGTERM
-    also arms :data:`~rlcore.controller.deadlines.SIGTERM_DEADLINE`: the process ends that long
+    also arms :data:`~rlcore.deadlines.SIGTERM_DEADLINE`: the process ends that long
     after the signal whatever it waits for. Off the main thread, where Python cannot catch
     signals, ``body()`` runs as it is."""
 

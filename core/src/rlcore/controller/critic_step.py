@@ -212,7 +212,7 @@ def export_at_end(critic: CriticHandle | None, run_dir: Path, offloaded: bool = 
     critic comes back for it (the caller frees the engine's memory first)."""
     if critic is None:
         return None
-    from rlcore.run_paths import inside, replace_dir
+    from rlcore.config.run_paths import inside, replace_dir
 
     out = inside(run_dir, CRITIC_DIR)
     if offloaded:

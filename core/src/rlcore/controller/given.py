@@ -9,7 +9,7 @@ use are looked up when used: a generator's ``score`` by refit probes, ``agenerat
 multi-turn rollouts; a backend's checkpoint methods when checkpointing is on.)
 
 ``dataset`` may also be rows (a ``datasets.Dataset`` with a ``prompt`` column, TRL's
-``train_dataset``; :mod:`rlcore.rows`), tokenized once the tokenizer is loaded.
+``train_dataset``; :mod:`rlcore.data.rows`), tokenized once the tokenizer is loaded.
 
 A passed environment runs single-turn: multi-turn environments are registered plugins, whose
 section holds the turn settings (:mod:`rlcore.config.environment`).
@@ -20,35 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 from rlcore import interfaces
-from rlcore.rows import check_rows, is_rows
+from rlcore.interfaces.members import REQUIRED, missing_members
+from rlcore.data.rows import check_rows, is_rows
 
-# keyword of rlcore.run -> (protocol, the members every run uses: "name()" a method, "name" an attribute)
-REQUIRED: dict[str, tuple[type, tuple[str, ...]]] = {
-    "algorithm": (interfaces.Algorithm, ("name", "uses_reference", "uses_old_logprobs", "loss_level",
-                                         "shape_rewards()", "keep_trajectories()", "advantages()", "loss()")),
-    "environment": (interfaces.Environment, ("step()",)),
-    "dataset": (interfaces.PromptDataset, ("train", "validation")),
-    "backend": (interfaces.TrainingBackend, ("logprobs()", "train()", "export_weights()", "shutdown()")),
-    "generator": (interfaces.Generator, ("weights_version", "generate()", "update_weights()")),
-}
 KNOWN = (*REQUIRED, "tokenizer", "loggers")
-# plugin kind -> what its factory's product must have (rlcore.plugins.Registration.build checks it);
-# every kind of rlcore.plugins.KINDS has an entry (a test checks it)
-BUILT_CHECKS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "environment": REQUIRED["environment"], "generator": REQUIRED["generator"], "algorithm": REQUIRED["algorithm"],
-    "dataset": REQUIRED["dataset"], "training_backend": REQUIRED["backend"],
-    "logger": (interfaces.MetricLogger, ("log()", "close()")),
-}
-
-
-def missing_members(obj: Any, members: tuple[str, ...]) -> list[str]:
-    """The entries of ``members`` that ``obj`` lacks (a method must be callable)."""
-    missing = []
-    for member in members:
-        name = member.removesuffix("()")
-        if member.endswith("()") and not callable(getattr(obj, name, None)) or not hasattr(obj, name):
-            missing.append(member)
-    return missing
 
 
 def check_given(given: dict[str, Any]) -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 from rlcore.config import RunConfig
 from rlcore.controller import critic_step
 from rlcore.controller.async_driver import run_async
-from rlcore.controller.builders import (
-    build_algorithm, build_critic, build_environment, build_generator, build_multi_turn_runner, build_trainer,
-    given_or_built_dataset, given_or_loaded_tokenizer, pick_transport, resolve_old_logprobs,
+from rlcore.controller.engines import build_critic, build_generator, build_trainer, pick_transport
+from rlcore.controller.task import (
+    build_algorithm, build_environment, build_multi_turn_runner, given_or_built_dataset, given_or_loaded_tokenizer,
+    resolve_old_logprobs,
 )
-from rlcore.controller.deadlines import bounded_teardown
-from rlcore.controller.faults import wrap_from_env
+from rlcore.deadlines import bounded_teardown
 from rlcore.controller.given import check_given
 from rlcore.controller.memory_plan import apply_memory_plan
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
@@ -31,8 +31,8 @@ from rlcore.controller.run_skeleton import build_loggers
 from rlcore.controller.timing import summarize
 from rlcore.interfaces import RolloutTableLogger
 from rlcore.plugins import get_plugin_manager
-from rlcore.run_paths import inside
-from rlcore.traces import RolloutTraces
+from rlcore.config.run_paths import inside
+from rlcore.loggers.traces import RolloutTraces
 from rlcore.utils import resolve
 
 
@@ -65,7 +65,7 @@ def build_components(config: RunConfig, **given) -> Components:
     generator = build_generator(config, manager, placement, given)
     transport = pick_transport(manager, trainer, generator, config)
     print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
-    trainer = wrap_from_env(trainer)  # tests' RLCORE_FAULT: from here on every call may hit a rank
+    trainer = manager.wrap_trainer(trainer)  # a plugin's wrapper (a test's faults) sees every call from here on
     multi_turn = None
     if multi_turn_env:
         multi_turn = build_multi_turn_runner(generator, environment, tokenizer, config)

@@ -15,7 +15,8 @@ import torch
 
 from rlcore.agents.segments import with_segments
 from rlcore.controller import critic_step
-from rlcore.controller.batching import Trajectory, to_sequence_batch
+from rlcore.controller.context import RunContext
+from rlcore.generation.batching import Trajectory, to_sequence_batch
 from rlcore.controller.nonfinite import NonfiniteStreak
 from rlcore.controller.rollouts import reward_tensors
 from rlcore.controller.timing import StepTimer
@@ -25,11 +26,11 @@ from rlcore.interfaces import Algorithm, CriticHandle, Generator, SequenceBatch,
 class Learner:
     """Trains the policy on one step's trajectories through the trainer handle."""
 
-    def __init__(self, trainer: TrainerHandle, algorithm: Algorithm, max_length: int, max_consecutive_nonfinite: int,
+    def __init__(self, trainer: TrainerHandle, algorithm: Algorithm, context: RunContext, max_consecutive_nonfinite: int,
                  teacher: Teacher | None = None, offload_trainer_state: bool = False, critic: CriticHandle | None = None,
                  may_offload: bool = False):
         self.trainer, self.algorithm, self.teacher, self.critic = trainer, algorithm, teacher, critic
-        self.max_length = max_length
+        self.max_length = context.max_sequence_length
         self.nonfinite = NonfiniteStreak(max_consecutive_nonfinite)
         self.offload_trainer_state = offload_trainer_state
         # offload_trainer_state: auto on a synchronous colocated GPU run: a wake-up refused for memory turns it on

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import attrs
 
 from rlcore.controller.checkpoint import StopSignalled, ended_by_stop
-from rlcore.controller.deadlines import TimedTeacher
+from rlcore.controller.context import RunContext
+from rlcore.deadlines import TimedTeacher
 from rlcore.controller.interpreter import CollectorPolicy, GCClock, LockLagProbe
 from rlcore.controller.learner import Learner
 from rlcore.controller.nonfinite import NonFiniteLossError
@@ -42,8 +43,8 @@ if TYPE_CHECKING:
     from rlcore.config import RunConfig
     from rlcore.planning.run_memory import RunMemoryPlan
     from rlcore.controller.report import Reporter
-    from rlcore.rollout import MultiTurnRunner
-    from rlcore.traces import RolloutTraces
+    from rlcore.generation.rollout import MultiTurnRunner
+    from rlcore.loggers.traces import RolloutTraces
 
 __all__ = ["Components", "GRPOLoop", "NonFiniteLossError", "run_sync"]
 
@@ -77,17 +78,17 @@ class GRPOLoop(RunPosition):
     def __init__(self, c: Components):
         self.c, cfg = c, c.config
         self.train_cfg, self.grpo = cfg.train, cfg.grpo
-        self.rollouts = Rollouts(cfg, c.generator, c.environment, c.algorithm, c.dataset, c.multi_turn)
-        teacher = None if c.teacher is None else TimedTeacher(c.teacher, cfg.cluster.timeout_s)
+        # the garbage collector's pauses and, when asked, the interpreter lock's waits, recorded with each step
+        observers = (GCClock(),) + ((LockLagProbe(True),) if cfg.experimental.gil_lag_probe else ())
+        self.context = context = RunContext.of(cfg, observers)
+        self.rollouts = Rollouts(cfg, context, c.generator, c.environment, c.algorithm, c.dataset, c.multi_turn)
+        teacher = None if c.teacher is None else TimedTeacher(c.teacher, context.timeout_s)
         may_offload = (cfg.generation.colocated.offload_trainer_state == "auto" and c.placement.device == "cuda"
                        and c.placement.colocated and not cfg.grpo.async_grpo.enabled)
-        self.learner = Learner(c.trainer, c.algorithm, cfg.policy.max_total_sequence_length,
-                               cfg.train.max_consecutive_nonfinite, teacher,
+        self.learner = Learner(c.trainer, c.algorithm, context, cfg.train.max_consecutive_nonfinite, teacher,
                                c.placement.offload_trainer_state, c.critic, may_offload=may_offload)
-        self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, self.rollouts.generator_lock,
-                                 cfg.policy.max_total_sequence_length, cfg.cluster.timeout_s)
-        self.validator = Validator(self.rollouts, c.trainer, cfg.train.max_val_samples, cfg.train.seed,
-                                   cfg.policy.max_total_sequence_length, teacher)
+        self.refitter = Refitter(c.trainer, c.generator, c.transport, cfg.generation.refit, context)
+        self.validator = Validator(self.rollouts, c.trainer, cfg.train.max_val_samples, cfg.train.seed, context, teacher)
         identity = c.run_identity or {"run_id": "", "log_dir": cfg.logger.log_dir, "fingerprint": fingerprint(cfg)}
         self.checkpoints = LoopCheckpoints(self.learner, self.rollouts.cursor, self.refitter, c.generator)
         parts = LoopParts(save_backend=self.checkpoints.save_backend, load_backend=self.checkpoints.load_backend,
@@ -98,9 +99,7 @@ class GRPOLoop(RunPosition):
         self.skeleton = RunSkeleton(cfg, identity, parts, c.loggers, nonfinite=self.learner.nonfinite,
                                     resumed_too=[c.traces] if c.traces else [])
         self.progress = self.skeleton.progress
-        # the garbage collector's pauses and the interpreter lock's waits, recorded with each step (interpreter.py)
-        self.collector = CollectorPolicy(cfg.cluster.gc_period)
-        self.gc_clock, self.lock_lag = GCClock(), LockLagProbe(cfg.experimental.gil_lag_probe)
+        self.collector = CollectorPolicy(cfg.cluster.gc_period)  # the collector's collections, between steps
         self.phase_memory: PhaseMemory | None = None  # peak GPU memory per phase (the sync loop on CUDA)
         # the plan's prediction, with this process's first step record (beside the measured peaks)
         self._plan_metrics = c.memory_plan.metrics() if c.memory_plan is not None else {}
@@ -109,7 +108,9 @@ class GRPOLoop(RunPosition):
         """Resume or validate at the start, then ``driver(self)`` until the last step or a stop signal."""
         self.phase_memory = PhaseMemory.on_cuda() if driver is run_sync else None
         try:
-            with self.collector, self.gc_clock, self.lock_lag:
+            with self.collector, contextlib.ExitStack() as observing:
+                for observer in self.context.observers:
+                    observing.enter_context(observer)
                 return self.skeleton.run(lambda: driver(self))
         finally:
             if self.phase_memory is not None:
@@ -142,7 +143,7 @@ class GRPOLoop(RunPosition):
 
     def _step_metrics(self) -> dict:
         plan, self._plan_metrics = self._plan_metrics, {}
-        return {**self.gc_clock.take(), **self.lock_lag.take(), "policy_version": self.learner.policy_version, **plan}
+        return {**self.context.observed(), "policy_version": self.learner.policy_version, **plan}
 
     def _show(self, record: dict) -> None:
         if record["step"] == 0:

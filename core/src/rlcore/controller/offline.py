@@ -2,7 +2,7 @@
 
 :mod:`rlcore.controller.sft` and :mod:`rlcore.controller.pairs` plug their trainer into
 :class:`OfflineLoop` through :class:`OfflineSteps`. Each step draws ``train.num_prompts_per_step``
-examples (a :class:`~rlcore.controller.batching.DataCursor`: seeded, epoch-wise order) and trains
+examples (a :class:`~rlcore.generation.batching.DataCursor`: seeded, epoch-wise order) and trains
 on them; every ``train.val_period`` steps (and before the first with ``train.val_at_start``) the
 first ``train.max_val_samples`` held-out examples are evaluated. Records go to the loggers and
 carry ``timing/*`` and ``time/elapsed_s`` as the GRPO loop's do.
@@ -26,9 +26,9 @@ from typing import Any
 
 import attrs
 
-from rlcore.controller.batching import DataCursor
+from rlcore.generation.batching import DataCursor
 from rlcore.controller.checkpoint import CheckpointManager
-from rlcore.controller.deadlines import bounded_teardown
+from rlcore.deadlines import bounded_teardown
 from rlcore.controller.heartbeat import doing, said
 from rlcore.controller.run_end import print_outputs, save_final_checkpoint, write_model, write_summary
 from rlcore.controller.run_skeleton import LoopParts, RunPosition, RunSkeleton, build_loggers

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from rlcore.config import ConfigError, RunConfig
-from rlcore.controller.builders import build_trainer, given_or_built_dataset, given_or_loaded_tokenizer
+from rlcore.controller.engines import build_trainer
+from rlcore.controller.task import given_or_built_dataset, given_or_loaded_tokenizer
 from rlcore.controller.heartbeat import doing
 from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline
 from rlcore.controller.placement import plan_placement

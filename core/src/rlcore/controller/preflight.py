@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlcore.checks import check_packing
+from rlcore.controller.checks import check_packing
 from rlcore.config import ConfigError, RunConfig
 from rlcore.interfaces import plugin_name
 

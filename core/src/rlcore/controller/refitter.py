@@ -11,13 +11,13 @@ is bounded by the trainer handle.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from rlcore.config.generation import RefitConfig
-from rlcore.controller.deadlines import GenerationTimeout, call_with_timeout
+from rlcore.deadlines import GenerationTimeout, call_with_timeout
+from rlcore.controller.context import RunContext
 from rlcore.controller.refit_probe import compare_probe_logprobs, refit_probe_sequences
 from rlcore.controller.timing import StepTimer
 from rlcore.controller.rollouts import image_generator
@@ -28,10 +28,10 @@ class Refitter:
     """Moves weights through ``transport`` and checks them with the probe (``policy.generation.refit``)."""
 
     def __init__(self, trainer: TrainerHandle, generator: Generator, transport: WeightTransport, config: RefitConfig,
-                 generator_lock: threading.Lock, max_len: int | None = None, timeout_s: float | None = None):
+                 context: RunContext):
         self.trainer, self.generator, self.transport, self.config = trainer, generator, transport, config
-        self.generator_lock, self.max_len = generator_lock, max_len  # policy.max_total_sequence_length
-        self.timeout_s = timeout_s  # cluster.timeout_s; None: unbounded
+        self.generator_lock, self.max_len = context.generator_lock, context.max_sequence_length
+        self.timeout_s = context.timeout_s  # None: unbounded
 
     def _bounded(self, fn: Callable[[], Any], what: str) -> Any:
         if self.timeout_s is None:

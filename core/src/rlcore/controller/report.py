@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlcore.controller.heartbeat import doing, said
-from rlcore.run_paths import write_file
+from rlcore.config.run_paths import write_file
 
 STEP_COLUMNS = [
     ("step", "step", "{:.0f}"),

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator
 
 from rlcore.controller import critic_step
-from rlcore.controller.batching import DataCursor
+from rlcore.generation.batching import DataCursor
 from rlcore.controller.learner import Learner
 from rlcore.controller.refitter import Refitter
 from rlcore.interfaces import Generator, TrainerHandle

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 import torch
 
-from rlcore.controller.batching import DataCursor, Trajectory, apply_env_steps, rollout_metrics, sampling_params, score
-from rlcore.controller.deadlines import (
+from rlcore.generation.batching import DataCursor, Trajectory, apply_env_steps, rollout_metrics, sampling_params, score
+from rlcore.deadlines import (
     EnvironmentTimeout,
     GenerationTimeout,
     TimedEnvironment,
@@ -25,6 +25,7 @@ from rlcore.controller.deadlines import (
     call_with_timeout,
 )
 from rlcore.controller.timing import StepTimer
+from rlcore.controller.context import RunContext
 from rlcore.interfaces import (
     Algorithm,
     Environment,
@@ -39,7 +40,7 @@ from rlcore.interfaces import (
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
-    from rlcore.rollout import MultiTurnRunner
+    from rlcore.generation.rollout import MultiTurnRunner
 
 
 @attrs.define
@@ -108,14 +109,14 @@ def reward_tensors(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor,
 class Rollouts:
     """The step's trajectories from the prompt cursor, the generator and the environment."""
 
-    def __init__(self, config: RunConfig, generator: Generator, environment: Environment, algorithm: Algorithm,
-                 dataset: PromptDataset, multi_turn: MultiTurnRunner | None = None):
+    def __init__(self, config: RunConfig, context: RunContext, generator: Generator, environment: Environment,
+                 algorithm: Algorithm, dataset: PromptDataset, multi_turn: MultiTurnRunner | None = None):
         self.train_cfg, self.grpo, self.generation_cfg = config.train, config.grpo, config.generation
-        self.timeout_s = config.cluster.timeout_s
+        self.timeout_s = context.timeout_s
         self.generator, self.environment, self.algorithm = generator, environment, algorithm
         self.dataset, self.multi_turn = dataset, multi_turn
         self.cursor = DataCursor(len(dataset.train), config.train.seed)
-        self.generator_lock = threading.Lock()
+        self.generator_lock = context.generator_lock
         self.score_lock = threading.Lock()
         self._failures: dict[int, list[dict]] = {}  # failed agent attempts by the step generated for, until traced
         self._failures_lock = threading.Lock()
@@ -179,7 +180,7 @@ class Rollouts:
 
     def _tell_environment(self, step: int) -> None:
         """The step whose batch the environment is called for, named if a call hangs
-        (:class:`rlcore.controller.deadlines.TimedEnvironment`). Set here, where the calls are made: the
+        (:class:`rlcore.deadlines.TimedEnvironment`). Set here, where the calls are made: the
         async rollout thread works one or two steps ahead of the trainer's."""
         if isinstance(self.environment, TimedEnvironment):
             self.environment.current_step = step

@@ -4,17 +4,17 @@ loop for what the recipe's algorithm trains on (its ``trains_on`` capability).
 Placement (:mod:`rlcore.controller.placement`) is computed once and handed to the backend and
 generator factories. Ray trainer ranks use a local Ray instance when neither
 ``cluster.ray_address`` nor ``RAY_ADDRESS`` names a cluster; the generator stays with the driver
-unless its plugin places its engines itself. Parts are built in :mod:`rlcore.controller.builders`.
+unless its plugin places its engines itself. Parts are built in :mod:`rlcore.controller.engines` and :mod:`rlcore.controller.task`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rlcore.checks import check_before_start
+from rlcore.controller.checks import check_before_start
 from rlcore.config import ConfigError, RunConfig
-from rlcore.controller.builders import seed_everything
-from rlcore.controller.deadlines import SIGTERM_DEADLINE
+from rlcore.controller.engines import seed_everything
+from rlcore.deadlines import SIGTERM_DEADLINE
 from rlcore.controller.given import check_given
 from rlcore.controller.grpo_run import run_grpo
 from rlcore.controller.heartbeat import heartbeat
@@ -22,8 +22,8 @@ from rlcore.controller.pairs import run_pairs
 from rlcore.controller.run_dir import RunDir, write_run_config
 from rlcore.controller.run_skeleton import trains_on
 from rlcore.controller.sft import run_sft
-from rlcore.reward_fn import as_environment
-from rlcore.verbosity import apply_verbosity
+from rlcore.data.reward_fn import as_environment
+from rlcore.controller.verbosity import apply_verbosity
 
 # What the algorithm trains on (its registration's ``trains_on``) -> the loop that runs it.
 LOOPS = {

@@ -8,7 +8,7 @@
   plumbing). Every checkpoint's loop state carries the same, and resuming from one whose
   fingerprint differs (another learning rate, another seed) is an error naming both runs and the key.
 - Every file and directory the run writes there is checked before anything is written
-  (:func:`output_paths`, :func:`rlcore.run_paths.inside`): a symbolic link that leads one out of
+  (:func:`output_paths`, :func:`rlcore.config.run_paths.inside`): a symbolic link that leads one out of
   the directory is refused, naming it, and so are the writers' own checks when they write.
 - A directory that already holds another run's records is refused unless this run resumes it:
   records of two runs are never appended to one file (``metrics.jsonl``, ``rollouts.jsonl``, or
@@ -31,10 +31,11 @@ from typing import Any
 
 import yaml
 
-from rlcore.config import ConfigError, RunConfig, to_dict
+from rlcore.config import ConfigError, RunConfig
+from rlcore.loading.loader import to_dict
 from rlcore.config.structure import MOVED_KEYS
 from rlcore.controller.checkpoint import CheckpointManager
-from rlcore.run_paths import CONTROL_FILES, disk_full, inside, settle_leftovers, write_file
+from rlcore.config.run_paths import CONTROL_FILES, disk_full, inside, settle_leftovers, write_file
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -269,14 +270,14 @@ def _checkpoint_identity(step_dir: Path) -> dict | None:
 
 
 def write_run_config(config: RunConfig) -> Path:
-    """``<logger.log_dir>/config.yaml``: the resolved config, whole or not at all (:func:`rlcore.run_paths.write_file`)."""
+    """``<logger.log_dir>/config.yaml``: the resolved config, whole or not at all (:func:`rlcore.config.run_paths.write_file`)."""
     path = inside(config.logger.log_dir, "config.yaml", file=True)
     return write_file(path, yaml.safe_dump(to_dict(config), sort_keys=False), "the run's config")
 
 
 def settle_run_leftovers(config: RunConfig) -> list[str]:
     """What a killed earlier process of this run left half-written beside the run's outputs (its final
-    model, ``run.json``, its records' rewrite on resume): :func:`rlcore.run_paths.settle_leftovers`
+    model, ``run.json``, its records' rewrite on resume): :func:`rlcore.config.run_paths.settle_leftovers`
     of each, under the run directory's lock (no other process writes them)."""
     log_dir, done = Path(config.logger.log_dir), []
     for relative, _, _ in output_paths(config):

@@ -57,10 +57,10 @@ def save_final_model(loop: Any, trainer: Any, config: Any, run_dir: str | Path, 
 
 def write_model(run_dir: str | Path, config: Any, write: Callable[[Path], None]) -> Path:
     """``write(path)`` writes the final model into a new directory, which then replaces
-    ``run_dir/model`` (:func:`rlcore.run_paths.replace_dir`: a failed write, a full disk, keeps what
+    ``run_dir/model`` (:func:`rlcore.config.run_paths.replace_dir`: a failed write, a full disk, keeps what
     was there). The exported model is in the loaded checkpoint's dtype: its weights' size on disk
     is what the message of a full disk says it needs."""
-    from rlcore.run_paths import inside, replace_dir
+    from rlcore.config.run_paths import inside, replace_dir
 
     out = inside(run_dir, MODEL_DIR)
     model = Path(config.policy.model_name)
@@ -72,7 +72,7 @@ def write_summary(run_dir: str | Path, summary: dict) -> Path:
     """``run_dir/summary.json``, whole or not at all (a full disk: one error naming it, the earlier one kept)."""
     import json
 
-    from rlcore.run_paths import inside, write_file
+    from rlcore.config.run_paths import inside, write_file
 
     return write_file(inside(run_dir, "summary.json"), json.dumps(summary, indent=2), "the run's summary")
 
@@ -81,7 +81,7 @@ def outputs(run_dir: str | Path, config: Any) -> list[tuple[str, Path]]:
     """What the run in ``run_dir`` left, as (what, where), for the files that exist."""
     from rlcore.controller.checkpoint import CheckpointManager
     from rlcore.controller.run_dir import checkpoint_root
-    from rlcore.traces import trace_path
+    from rlcore.loggers.traces import trace_path
 
     run_dir = Path(run_dir)
     found = [("model (Hugging Face)", run_dir / MODEL_DIR), ("metrics", run_dir / "metrics.jsonl"),

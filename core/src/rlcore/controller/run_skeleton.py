@@ -20,7 +20,7 @@ SFT, DPO, reward models) alike:
 A loop plugs in what differs (:class:`LoopParts`): how the trainer's state is saved and loaded, what
 its held-out evaluation is, where its data stands, what it adds to the loop state and to each record,
 and how a record is shown. The checks made before anything loads are
-:func:`rlcore.checks.check_before_start` and :func:`rlcore.controller.preflight.check_step_sizes`,
+:func:`rlcore.controller.checks.check_before_start` and :func:`rlcore.controller.preflight.check_step_sizes`,
 which every loop's builder calls.
 
 Also here, for every loop and for ``rlcore.run`` that picks one: :func:`trains_on` and :func:`build_loggers`.
@@ -39,7 +39,7 @@ import attrs
 from rlcore.controller.checkpoint import (
     CheckpointManager, resume_loggers, rng_state, run_catching_sigterm, set_rng_state, stop_after_step,
 )
-from rlcore.controller.deadlines import bounded_call, bounded_teardown
+from rlcore.deadlines import bounded_call, bounded_teardown
 from rlcore.controller.heartbeat import doing
 from rlcore.controller.nonfinite import NonfiniteStreak
 from rlcore.controller.run_dir import check_owner, checkpoint_root

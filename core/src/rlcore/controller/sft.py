@@ -29,11 +29,9 @@ import numpy as np
 import torch
 
 from rlcore.config import ConfigError, RunConfig
-from rlcore.controller.batching import Trajectory, is_correct, sampling_params, score
-from rlcore.controller.builders import (
-    build_algorithm, build_environment, build_generator, build_trainer, given_or_built_dataset, given_or_loaded_tokenizer,
-    pick_transport,
-)
+from rlcore.generation.batching import Trajectory, is_correct, sampling_params, score
+from rlcore.controller.engines import build_generator, build_trainer, pick_transport
+from rlcore.controller.task import build_algorithm, build_environment, given_or_built_dataset, given_or_loaded_tokenizer
 from rlcore.controller.heartbeat import doing
 from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline
 from rlcore.controller.placement import plan_placement

@@ -6,18 +6,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcore.controller.batching import Trajectory, accuracy_by_task, is_correct, to_sequence_batch
+from rlcore.generation.batching import Trajectory, accuracy_by_task, is_correct, to_sequence_batch
 from rlcore.controller.rollouts import Rollouts
+from rlcore.controller.context import RunContext
 from rlcore.interfaces import Teacher, TrainerHandle
 
 
 class Validator:
     """The ``val/*`` metrics of the policy the generator holds (the trainer's, after a refit)."""
 
-    def __init__(self, rollouts: Rollouts, trainer: TrainerHandle, max_val_samples: int, seed: int, max_length: int,
+    def __init__(self, rollouts: Rollouts, trainer: TrainerHandle, max_val_samples: int, seed: int, context: RunContext,
                  teacher: Teacher | None = None):
         self.rollouts, self.trainer, self.teacher = rollouts, trainer, teacher
-        self.max_val_samples, self.seed, self.max_length = max_val_samples, seed, max_length
+        self.max_val_samples, self.seed, self.max_length = max_val_samples, seed, context.max_sequence_length
 
     def validate(self, step: int) -> dict[str, float]:
         val = self.rollouts.dataset.validation

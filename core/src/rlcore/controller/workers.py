@@ -9,7 +9,7 @@ processes. In the Ray form every wait has a timeout; on expiry the error says wh
 driver was waiting for and what they were doing. A dead actor is named with what it was running
 as soon as it is seen, before any error of its peers (which may be blocked in a collective with
 it, or have failed because of it). Test fault injection wraps a handle
-(:mod:`rlcore.controller.faults`).
+(:mod:`rlcore.testing.faults`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ class WandbLogger:
 
     def log_rollouts(self, rows: list[list], step: int) -> None:
         """A few of the step's rollout traces as a ``wandb.Table``."""
-        from rlcore.traces import TABLE_COLUMNS
+        from rlcore.loggers.traces import TABLE_COLUMNS
 
         self.run.log({"rollouts": self.wandb.Table(columns=list(TABLE_COLUMNS), data=rows)}, step=step)
 

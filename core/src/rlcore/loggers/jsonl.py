@@ -14,7 +14,7 @@ import math
 import os
 from pathlib import Path
 
-from rlcore.run_paths import append_whole, inside, write_file
+from rlcore.config.run_paths import append_whole, inside, write_file
 
 
 def _run_id(run_dir: Path) -> str:

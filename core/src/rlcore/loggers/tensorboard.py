@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlcore.run_paths import inside
+from rlcore.config.run_paths import inside
 
 
 class TensorboardLogger:
@@ -22,7 +22,7 @@ class TensorboardLogger:
 
     def log_rollouts(self, rows: list[list], step: int) -> None:
         """A few of the step's rollout traces as a Markdown table under the Text tab."""
-        from rlcore.traces import TABLE_COLUMNS
+        from rlcore.loggers.traces import TABLE_COLUMNS
 
         def cell(value) -> str:
             return str(value).replace("|", "\\|").replace("\n", "⏎ ")

@@ -1,7 +1,7 @@
 """Sizing and automatic layout: predicted memory per GPU by part and step time by phase for candidate
-layouts of a run, ranked (``rlcore plan``), and the choice behind ``layout: auto``.
+layouts of a run, ranked (``rlcore plan``), and the choice behind ``layout: auto``; imports config and loading.
 
-    from rlcore.config import load_config
+    from rlcore.loading.loader import load_config
     from rlcore.planning import plan
     inp = plan.inputs(load_config("recipes/grpo_math_8B_megatron.yaml"), gpus=8)
     best = plan.plan(inp)[0]

@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
 
 
 def cmd_plan(args) -> int:
-    from rlcore.config import ConfigError, load_config, to_dict
+    from rlcore.config import ConfigError
+    from rlcore.loading.loader import load_config, to_dict
     from rlcore.planning import plan as planning
 
     if args.calibrate:

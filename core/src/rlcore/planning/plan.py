@@ -1,7 +1,7 @@
 """From a run's config to the planner's inputs, and back: the recipe's own layout, the keys that bind
 the search, and the config values of a chosen layout.
 
-The planner reads the resolved config as plain data (:func:`rlcore.config.to_dict`), never a plugin's
+The planner reads the resolved config as plain data (:func:`rlcore.loading.loader.to_dict`), never a plugin's
 config class: the key names below are the backends' and the generator's documented keys.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 import attrs
 from attrs import frozen
 
-from rlcore.config import ConfigError, RunConfig, to_dict
+from rlcore.config import ConfigError, RunConfig
+from rlcore.loading.loader import to_dict
 from rlcore.planning import checks, lengths
 from rlcore.planning import search as _search
 from rlcore.planning.calibration import Calibration, load_calibration

@@ -67,7 +67,7 @@ PHASES = (("step", None), ("train", "training"), ("refit", "refit"), ("generatio
 
 def predict(row: Published, recipes: Path):
     """The planner's estimate of the row's configuration with rlcore, on H100s, with the shipped calibration."""
-    from rlcore.config import load_config
+    from rlcore.loading.loader import load_config
     from rlcore.planning import plan
     from rlcore.planning.calibration import load_calibration
 

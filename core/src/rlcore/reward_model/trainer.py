@@ -100,7 +100,7 @@ class RewardModelTrainer:
     def load_checkpoint(self, path: str) -> None:
         from safetensors.torch import load_model
 
-        from rlcore.safe_load import load_tensors
+        from rlcore.training.safe_load import load_tensors
 
         load_model(self.scorer.model, str(Path(path) / "model.safetensors"), device=str(self.scorer.device))
         state = load_tensors(Path(path) / "trainer.pt")

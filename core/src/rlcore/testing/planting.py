@@ -42,7 +42,7 @@ def plant(path: Path, marker: Path, checkpoint_root: Path | None = None) -> None
 
 
 def _plant_in_items(path: Path, payload: bytes) -> None:
-    from rlcore.safe_load import read_dcp_metadata
+    from rlcore.training.safe_load import read_dcp_metadata
 
     data = bytearray(path.read_bytes())
     metadata = read_dcp_metadata(path.parent)

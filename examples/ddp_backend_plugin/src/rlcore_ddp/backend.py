@@ -1,21 +1,21 @@
 """The ``ddp`` training backend: a Hugging Face causal LM under ``torch.nn.parallel.DistributedDataParallel``.
 
 Every trainer rank holds the whole model (gloo on CPU, NCCL on CUDA) and takes its data-parallel
-share of each step's sequences through :func:`rlcore.packing.make_micro_batches`. A micro-batch
+share of each step's sequences through :func:`rlcore.data.packing.make_micro_batches`. A micro-batch
 comes in rlcore's flat packed layout (sequences concatenated), which the losses are written over;
 the forward takes its sequences as right-padded rows with an attention mask (attention costs
 ``n * L_max**2``, not ``T**2`` as one packed row with a block mask would), and the per-token
 logprobs are laid back flat. Each sequence is computed alone, so packing changes no logprobs.
 
 rlcore's losses are global shares (divided by the whole step's token or sequence count,
-:func:`rlcore.packing.step_totals`), so gradients must be **summed** over ranks, not averaged as
+:func:`rlcore.data.packing.step_totals`), so gradients must be **summed** over ranks, not averaged as
 DDP does by default: a communication hook (:func:`sum_allreduce_hook`) all-reduces each bucket
 with a plain sum. Gradients accumulate over micro-batches under ``no_sync`` and are reduced once,
 in the last micro-batch's backward.
 
-Public rlcore API only: :mod:`rlcore.interfaces` (what is built and called), :mod:`rlcore.packing`
-and :mod:`rlcore.ops` (layout and logprobs), :mod:`rlcore.training` (the ``train`` outer layer and
-metric sums), :mod:`rlcore.schedule` (``policy.scheduler``) and :mod:`rlcore.weights` (chunks,
+Public rlcore API only: :mod:`rlcore.interfaces` (what is built and called), :mod:`rlcore.data.packing`
+and :mod:`rlcore.training.ops` (layout and logprobs), :mod:`rlcore.training.steps` (the ``train`` outer layer and
+metric sums), :mod:`rlcore.training.schedule` (``policy.scheduler``) and :mod:`rlcore.training.weights` (chunks,
 gather to rank 0, the Hugging Face writer).
 """
 
@@ -35,11 +35,11 @@ from torch.nn.parallel import DistributedDataParallel
 from rlcore.algorithms.base import merge_metrics
 from rlcore.config import ConfigError, RunConfig
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
-from rlcore.ops import token_logprobs
-from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
-from rlcore.schedule import lr_lambda
-from rlcore.training import check_world, sum_over_ranks, train_in_optimizer_steps
-from rlcore.weights import chunked, gather_sequences_to_rank0, write_hf_checkpoint
+from rlcore.training.ops import token_logprobs
+from rlcore.data.packing import MicroBatch, make_micro_batches, step_totals, unpack
+from rlcore.training.schedule import lr_lambda
+from rlcore.training.steps import check_world, sum_over_ranks, train_in_optimizer_steps
+from rlcore.training.weights import chunked, gather_sequences_to_rank0, write_hf_checkpoint
 
 from rlcore_ddp import checkpoint
 from rlcore_ddp.config import DDPConfig

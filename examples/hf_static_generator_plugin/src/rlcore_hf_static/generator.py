@@ -22,7 +22,7 @@ import torch
 
 from rlcore.config import ConfigError, RunConfig
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
-from rlcore.ops import token_logprobs
+from rlcore.training.ops import token_logprobs
 
 from rlcore_hf_static.config import HFStaticGenerationConfig
 

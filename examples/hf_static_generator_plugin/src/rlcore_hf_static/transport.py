@@ -9,7 +9,7 @@ generation model in place by ``update_weights``.
 from __future__ import annotations
 
 from rlcore.interfaces import Generator, TrainerHandle, WeightTransport
-from rlcore.weights import stream_into
+from rlcore.training.weights import stream_into
 
 
 class InPlaceTransport:

@@ -3,7 +3,7 @@
 A packed micro-batch is one row ``[1, T]`` holding several sequences back to back
 (``cu_seqlens`` boundaries, trailing padding as one more segment). The model is called with
 ``cu_seq_lens_q`` / ``max_length_q`` keyword arguments (transformers forwards them to the
-attention function untouched) and :func:`rlcore.attention.packed_causal_attention` does the
+attention function untouched) and :func:`rlcore.training.attention.packed_causal_attention` does the
 work: FlashAttention's varlen kernel on CUDA in bf16/fp16, exact per-sequence SDPA otherwise.
 
 transformers builds no mask for an attention implementation it has no mask function for, so
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.attention import attention_cu_seqlens, packed_causal_attention, sdpa
+from rlcore.training.attention import attention_cu_seqlens, packed_causal_attention, sdpa
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_cu_seqlens", "register", "varlen_attention_forward"]
 

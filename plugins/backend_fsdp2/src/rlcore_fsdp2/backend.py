@@ -2,12 +2,12 @@
 
 Each trainer rank builds one :class:`FSDP2Backend`; every rank gets the same calls with the same
 :class:`~rlcore.interfaces.SequenceBatch` and takes its data-parallel share of it through
-:func:`rlcore.packing.make_micro_batches`. Micro-batches are packed rows whose attention stays
+:func:`rlcore.data.packing.make_micro_batches`. Micro-batches are packed rows whose attention stays
 inside each sequence (:mod:`rlcore_fsdp2.attention`); logprobs come from
-:func:`rlcore.ops.token_logprobs` (chunked, never full-vocab float32 for the whole row).
+:func:`rlcore.training.ops.token_logprobs` (chunked, never full-vocab float32 for the whole row).
 
 Training follows rlcore's global normalization: the algorithm's loss of a micro-batch is already
-its share of the step loss (divided by :func:`rlcore.packing.step_totals` of the whole optimizer
+its share of the step loss (divided by :func:`rlcore.data.packing.step_totals` of the whole optimizer
 step), so gradients are accumulated over micro-batches and SUMMED over data-parallel ranks.
 """
 
@@ -27,19 +27,19 @@ from rlcore.algorithms.base import merge_metrics
 from rlcore.config.schema import RunConfig
 from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Algorithm, SequenceBatch, WorldInfo
-from rlcore.multimodal import (ImageInputs, encoding_shared_images_once, is_vision_language, mrope_positions,
+from rlcore.data.multimodal import (ImageInputs, encoding_shared_images_once, is_vision_language, mrope_positions,
                                uses_multimodal_rope, vision_modules)
-from rlcore.ops import selected_token_logprobs, token_logprobs
-from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
+from rlcore.training.ops import selected_token_logprobs, token_logprobs
+from rlcore.data.packing import MicroBatch, make_micro_batches, step_totals, unpack
 from rlcore_fsdp2 import attention, checkpoint, lora, one_rank
 from rlcore_fsdp2.config import DTensorConfig, apply_auto_layout
 from rlcore_fsdp2.optim import ShardLocalAdamW
 from rlcore_fsdp2.parallel_dims import ParallelDims
 from rlcore_fsdp2.parallelize import defer_grad_sync, hf_name, parallelize
-from rlcore.schedule import lr_lambda
-from rlcore.training import HostOffloader, check_world, sum_over_ranks, train_in_optimizer_steps
+from rlcore.training.schedule import lr_lambda
+from rlcore.training.steps import HostOffloader, check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.utils import torch_dtype
-from rlcore.weights import chunked, gather_sequences_to_rank0, write_hf_checkpoint
+from rlcore.training.weights import chunked, gather_sequences_to_rank0, write_hf_checkpoint
 from rlcore_fsdp2.weights import ReferencePolicy, gather_full, iter_hf_tensors, local, state_tensors
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ and each rank's RNG state, resuming exactly.
 Every rank writes its own shards; DCP's metadata records every tensor's global shape, which is
 checked against the live model before loading so that a checkpoint of another model fails with
 a message naming the first differing parameter rather than a deep DCP error. Loading runs no code
-from the checkpoint: the metadata and the non-tensor items are read by :mod:`rlcore.safe_load`.
+from the checkpoint: the metadata and the non-tensor items are read by :mod:`rlcore.training.safe_load`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from rlcore.safe_load import DamagedCheckpointError, SafeFileSystemReader, SafeLoadPlanner, rank_failure, read_dcp_metadata
+from rlcore.training.safe_load import DamagedCheckpointError, SafeFileSystemReader, SafeLoadPlanner, rank_failure, read_dcp_metadata
 
 META_FILE = "rlcore_fsdp2.json"
 

@@ -86,10 +86,10 @@ def apply_auto_layout(cfg: DTensorConfig, run, hf_config: dict, world_size: int,
     the keys the section sets are kept. Rank-independent, so every rank takes the same one."""
     if cfg.layout != "auto":
         return cfg
-    from rlcore.planning.runtime import choose, describe
+    from rlcore.runtime import choose_layout, describe_layout
 
-    best, runner_up = choose(run, hf_config, world_size, device, local_ranks=local_ranks)
+    best, runner_up = choose_layout(run, hf_config, world_size, device, local_ranks=local_ranks)
     lay = best.layout
-    report(f"rlcore-fsdp2: {describe(best, runner_up, world_size)}")
+    report(f"rlcore-fsdp2: {describe_layout(best, runner_up, world_size)}")
     return attrs.evolve(cfg, tensor_parallel_size=lay.tp, sequence_parallel=lay.sp, activation_checkpointing=lay.recompute != "none",
                         cpu_offload=lay.offload)

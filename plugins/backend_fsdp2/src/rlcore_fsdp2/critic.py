@@ -1,9 +1,9 @@
 """PPO's critic on the fsdp2 backend: the Hugging Face model with a value head, under FSDP2.
 
 :class:`FSDP2Critic` is the backend (:mod:`rlcore_fsdp2.backend`) with another model and forward:
-``AutoModelForTokenClassification`` with one label (:mod:`rlcore.value_model`) instead of the
+``AutoModelForTokenClassification`` with one label (:mod:`rlcore.training.value_model`) instead of the
 causal LM, and a forward returning token-aligned values instead of logprobs
-(:func:`rlcore.ops.token_aligned_values`). Everything else is the backend's: packed micro-batches
+(:func:`rlcore.training.ops.token_aligned_values`). Everything else is the backend's: packed micro-batches
 and their attention, FSDP2 over the data-parallel ranks with gradients summed, the optimizer,
 scheduler, clipping and non-finite skip, DCP checkpoints, offloading, and the Hugging Face export
 (a token-classification checkpoint). It trains on the value loss it is given
@@ -22,9 +22,9 @@ import torch
 from rlcore.config.schema import RunConfig
 from rlcore.config.structure import ConfigError
 from rlcore.interfaces import SequenceBatch, WorldInfo
-from rlcore.ops import token_aligned_values
-from rlcore.packing import MicroBatch
-from rlcore.value_model import HEAD, is_value_model, value_model_config
+from rlcore.training.ops import token_aligned_values
+from rlcore.data.packing import MicroBatch
+from rlcore.training.value_model import HEAD, is_value_model, value_model_config
 from rlcore_fsdp2 import attention
 from rlcore_fsdp2.backend import FSDP2Backend
 from rlcore_fsdp2.config import SECTION, DTensorConfig

@@ -7,7 +7,7 @@ gradients. The reference policy is the initial weights, i.e. the base model (B =
 
 Refit and ``export_hf`` send *merged* weights in the base model's Hugging Face names, merged in
 float32 and cast once, and ``export_hf`` also writes the adapter in PEFT's format
-(:mod:`rlcore.lora`, shared with the Megatron backend). Sending the adapters alone to vLLM (its
+(:mod:`rlcore.training.lora`, shared with the Megatron backend). Sending the adapters alone to vLLM (its
 LoRA support) is not implemented.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlcore.lora import merge, peft_config, write_adapter  # noqa: F401 - write_adapter: this module's export API
+from rlcore.training.lora import merge, peft_config, write_adapter  # noqa: F401 - write_adapter: this module's export API
 
 ADAPTER = "default"  # peft's adapter name
 _PARTS = (".base_layer.weight", f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight")

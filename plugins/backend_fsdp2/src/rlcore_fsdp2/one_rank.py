@@ -36,7 +36,7 @@ import logging
 from typing import Any
 
 import torch
-from rlcore.compiling import CompiledOrEager
+from rlcore.training.compiling import CompiledOrEager
 
 log = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ class ReferencePolicy:
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, weights: bool = True) -> Iterator[torch.Tensor]:
-    """The rank's training state for :class:`rlcore.training.HostOffloader`: the local shards of the
+    """The rank's training state for :class:`rlcore.training.steps.HostOffloader`: the local shards of the
     parameters (unless ``weights`` is false), their gradients, and the optimizer's state."""
     for p in model.parameters():
         if weights:

@@ -3,13 +3,13 @@
 Every micro-batch is one packed sequence stream (thd layout, ``PackedSeqParams``), padded to a
 multiple of TP (times the FP8 GEMM row multiple with FP8). The model's last stage returns hidden
 states and the output layer runs only on the rows whose logprobs a loss reads
-(:mod:`rlcore_megatron.output`); logprobs come from :func:`rlcore.ops.selected_token_logprobs`
+(:mod:`rlcore_megatron.output`); logprobs come from :func:`rlcore.training.ops.selected_token_logprobs`
 (its vocab-parallel form under TP): chunked, in the logits' dtype, so neither full-vocabulary
 float32 logits nor, under TP, the full vocabulary is materialized on a rank. A step's
 micro-batches go to the device before the schedule runs, with non-blocking copies, and their
 metrics stay on the device until the step ends: a blocking copy or a ``.tolist()`` per
 micro-batch would make the host wait for the GPU before launching the next micro-batch. Losses are the algorithm's share of the step value
-(global normalization by :func:`rlcore.packing.step_totals`); Megatron's DDP runs in per-token
+(global normalization by :func:`rlcore.data.packing.step_totals`); Megatron's DDP runs in per-token
 mode so data-parallel gradients are summed. Schedules come from ``get_forward_backward_func``
 (pipeline-parallel when PP > 1); with ``cuda_graph: micro_batch`` the training micro-batches are
 replays of CUDA graphs instead (:mod:`rlcore_megatron.cuda_graph`), and the backend runs what the
@@ -31,10 +31,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from rlcore.config import ConfigError, RunConfig
 from rlcore.algorithms.base import merge_metrics
 from rlcore.interfaces import Algorithm, NamedTensors, SequenceBatch, StepTotals, WorldInfo
-from rlcore.packing import MicroBatch, make_micro_batches, step_totals, unpack
-from rlcore.training import HostOffloader, check_world, sum_over_ranks, train_in_optimizer_steps
+from rlcore.data.packing import MicroBatch, make_micro_batches, step_totals, unpack
+from rlcore.training.steps import HostOffloader, check_world, sum_over_ranks, train_in_optimizer_steps
 from rlcore.utils import torch_dtype
-from rlcore.weights import chunked, gather_sequences_to_rank0
+from rlcore.training.weights import chunked, gather_sequences_to_rank0
 from rlcore_megatron import checkpoint, context_parallel, cpu_shims, cuda_graph, kernels, lora, output, parallel
 from rlcore_megatron.config import SECTION, MegatronConfig, apply_auto_layout
 from rlcore_megatron.convert import iter_hf_weights, load_hf_into_megatron
@@ -271,7 +271,7 @@ class MegatronBackend:
     # ---- training ----------------------------------------------------------------------------
     @cpu_shims.shimmed
     def train(self, batch: SequenceBatch, algorithm: Algorithm) -> dict[str, float]:
-        """One optimizer step per ``policy.train_global_batch_size`` sequences (:mod:`rlcore.training`)."""
+        """One optimizer step per ``policy.train_global_batch_size`` sequences (:mod:`rlcore.training.steps`)."""
         if self.routing is not None:
             if self.routing.from_generator:
                 self.routing.use_generator_routing(batch)
@@ -387,7 +387,7 @@ class MegatronBackend:
     @cpu_shims.shimmed
     def offload(self, *, keep_weights: bool = False) -> None:
         """Release the optimizer state, the main weights that own their storage, the gradient buffers and,
-        unless ``keep_weights``, the parameter buffers to host memory (:class:`rlcore.training.HostOffloader`:
+        unless ``keep_weights``, the parameter buffers to host memory (:class:`rlcore.training.steps.HostOffloader`:
         bit for bit, every reference kept; on CPU the storages are released and restored the same way)."""
         if self.offloader.offloaded:
             return

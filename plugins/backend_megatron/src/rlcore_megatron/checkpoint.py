@@ -9,7 +9,7 @@ A checkpoint directory holds:
 
 Loading runs no code from the checkpoint: ``dist_checkpointing`` unpickles DCP's metadata and
 its non-tensor items without restrictions, so those files are verified first
-(:func:`rlcore.safe_load.verify_dcp_dir`), and every ``.pt`` file is read with ``weights_only``.
+(:func:`rlcore.training.safe_load.verify_dcp_dir`), and every ``.pt`` file is read with ``weights_only``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from rlcore.safe_load import DamagedCheckpointError, load_tensors, rank_failure, verify_dcp_dir
+from rlcore.training.safe_load import DamagedCheckpointError, load_tensors, rank_failure, verify_dcp_dir
 from rlcore_megatron import lora
 
 # Fully parallel save/load with no gathering; reshardable across data-parallel sizes.
@@ -150,11 +150,11 @@ def _verify(directory: Path) -> None:
 
 
 def export_hf(backend, path: str, shard_bytes: int = 4 << 30) -> None:
-    """A Hugging Face checkpoint (:func:`rlcore.weights.write_hf_checkpoint`) in the model's
+    """A Hugging Face checkpoint (:func:`rlcore.training.weights.write_hf_checkpoint`) in the model's
     ``params_dtype``, with the tokenizer of ``policy.tokenizer_name`` (default: the model's). With
     LoRA the weights are merged, and the adapter is written in PEFT's format to ``<path>/adapter``."""
-    from rlcore.lora import ADAPTER_DIR, write_adapter
-    from rlcore.weights import write_hf_checkpoint
+    from rlcore.training.lora import ADAPTER_DIR, write_adapter
+    from rlcore.training.weights import write_hf_checkpoint
 
     policy = backend.run.policy
     dtype = backend.module.config.params_dtype

@@ -184,7 +184,7 @@ class MegatronConfig:
         "layer implementation: 'transformer_engine' (TE's fused layers, needed for FP8), 'local' (Megatron's own with "
         "rlcore's attention and norms), 'auto' = TE when its torch extension loads and the run is on CUDA"))
     core_attention: Literal["auto", "flash", "transformer_engine"] = field(default="auto", metadata=doc(
-        "attention kernel: 'flash' (FlashAttention varlen through torch, rlcore.attention), 'transformer_engine' "
+        "attention kernel: 'flash' (FlashAttention varlen through torch, rlcore.training.attention), 'transformer_engine' "
         "(TE's DotProductAttention: cuDNN fused attention), 'auto' = flash"))
     apply_rope_fusion: bool | None = field(default=None, metadata=doc("fused RoPE kernel (TE); None = on with Transformer Engine"))
     bias_activation_fusion: bool | None = field(default=None, metadata=doc("fused SwiGLU; None = on with CUDA"))
@@ -335,11 +335,11 @@ def apply_auto_layout(cfg: MegatronConfig, run, hf_config: dict, world_size: int
     the keys the section sets are kept. Rank-independent, so every rank takes the same one."""
     if cfg.layout != "auto":
         return cfg
-    from rlcore.planning.runtime import choose, describe
+    from rlcore.runtime import choose_layout, describe_layout
 
-    best, runner_up = choose(run, hf_config, world_size, device, local_ranks=local_ranks)
+    best, runner_up = choose_layout(run, hf_config, world_size, device, local_ranks=local_ranks)
     lay = best.layout
-    report(f"rlcore-megatron: {describe(best, runner_up, world_size)}")
+    report(f"rlcore-megatron: {describe_layout(best, runner_up, world_size)}")
     recompute = {"none": False, "full": "full", "selective": "selective"}[lay.recompute]
     return attrs.evolve(cfg, tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp, context_parallel_size=lay.cp,
                         expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp if lay.ep > 1 or lay.etp != lay.tp else None,

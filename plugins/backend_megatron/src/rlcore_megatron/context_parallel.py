@@ -23,7 +23,7 @@ import torch.distributed.nn.functional as dist_nn
 from megatron.core import parallel_state as mpu
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 from rlcore_megatron.output import output_logits
 
 
@@ -122,13 +122,13 @@ def cp_attention(query_THD: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torc
                  scale: float | None, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the all-gathered keys/values of each sequence.
 
-    One :func:`rlcore.attention.packed_causal_attention` call for the whole micro-batch: each local
+    One :func:`rlcore.training.attention.packed_causal_attention` call for the whole micro-batch: each local
     query chunk (``c`` tokens at global chunk offset ``a``) is a segment whose keys are the
     sequence's first ``a + c`` keys, with the causal mask aligned to the bottom right. On CUDA in
     bf16 that is one FlashAttention varlen kernel (an explicit boolean mask instead sent SDPA to
     its math backend: over a hundred GiB and minutes per step at 16k tokens, CP=2).
     """
-    from rlcore.attention import packed_causal_attention
+    from rlcore.training.attention import packed_causal_attention
 
     group = mpu.get_context_parallel_group()
     cp, rank = group.size(), group.rank()

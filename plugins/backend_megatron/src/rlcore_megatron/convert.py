@@ -211,7 +211,7 @@ def load_hf_into_megatron(model, hf_path_or_getter, hf_config) -> None:
         tensor.data.copy_(value.to(tensor.dtype))
 
 
-VALUE_HEAD = "value_head."  # a critic's value head; transformers names it ``score`` (rlcore.value_model)
+VALUE_HEAD = "value_head."  # a critic's value head; transformers names it ``score`` (rlcore.training.value_model)
 
 
 def value_head_value(name: str, get: Callable[[str], torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 :class:`MegatronCritic` is the backend (:mod:`rlcore_megatron.backend`) with the vocabulary
 output layer replaced by a value head, a ``Linear(hidden, 1)`` on the last pipeline stage (its
-weights ``score.weight`` / ``score.bias`` in Hugging Face names, :mod:`rlcore.value_model`). The
+weights ``score.weight`` / ``score.bias`` in Hugging Face names, :mod:`rlcore.training.value_model`). The
 head is one row wide, so it is not split: every tensor-parallel rank holds all of it and computes
 the same values from the same final hidden states. Its gradient is then whole on each rank (no
 tensor-parallel reduction, not marked ``sequence_parallel``), Megatron's DDP sums it over the
@@ -19,7 +19,7 @@ Per layout, from the last stage's hidden states (as :mod:`rlcore_megatron.output
   :func:`rlcore_megatron.context_parallel.cp_logprobs` does for logprobs.
 - PP: the last stage owns the head; the other stages are the policy's.
 
-Values are token-aligned (:func:`rlcore.ops.token_aligned_values`): token t reads row t-1.
+Values are token-aligned (:func:`rlcore.training.ops.token_aligned_values`): token t reads row t-1.
 Training, checkpoints (``dist_checkpointing``; the head as a replicated tensor), offloading and
 the Hugging Face export (a token-classification checkpoint) are the backend's. MoE routing replay
 and CUDA graphs are the policy's alone: the critic runs without them.
@@ -37,10 +37,10 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from rlcore.config import RunConfig
 from rlcore.interfaces import SequenceBatch, WorldInfo
-from rlcore.ops import token_aligned_values
-from rlcore.packing import MicroBatch
-from rlcore.training import train_in_optimizer_steps
-from rlcore.value_model import is_value_model, value_model_config
+from rlcore.training.ops import token_aligned_values
+from rlcore.data.packing import MicroBatch
+from rlcore.training.steps import train_in_optimizer_steps
+from rlcore.training.value_model import is_value_model, value_model_config
 from rlcore_megatron import context_parallel, cpu_shims, parallel
 from rlcore_megatron.backend import MegatronBackend
 from rlcore_megatron.config import MegatronConfig

@@ -59,7 +59,7 @@ import torch
 from rlcore.algorithms.base import token_advantages
 from rlcore.config import ConfigError
 from rlcore.interfaces import CapturableLoss, StepTotals
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 from rlcore_megatron import output
 from rlcore_megatron.config import SECTION, MegatronConfig
 from rlcore_megatron.model import packed_seq_params

@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from rlcore.config import ConfigError
-from rlcore.doctor import transformer_engine
+from rlcore.training.doctor import transformer_engine
 from rlcore_megatron.config import SECTION, MegatronConfig, MegatronFP8Config
 
 
@@ -37,7 +37,7 @@ class Kernels:
     """The resolved implementation of one Megatron model."""
 
     transformer_engine: bool  # TE's layer spec (fused norm + linear, TE linears, TE norms)
-    core_attention: str  # "flash" (rlcore.attention) or "transformer_engine"
+    core_attention: str  # "flash" (rlcore.training.attention) or "transformer_engine"
     rope_fusion: bool
     swiglu_fusion: bool
     wgrad_fusion: bool

@@ -40,7 +40,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from rlcore.config import ConfigError
-from rlcore.lora import peft_name
+from rlcore.training.lora import peft_name
 from rlcore_megatron.convert import LAYER, Shape, _gather, _layer_numbers, iter_hf_weights
 
 KEY = "policy.lora.target_modules"
@@ -283,9 +283,9 @@ def hf_targets(adapters: list[LoraAdapter]) -> list[str]:
 
 def merged(named: Iterator[tuple[str, torch.Tensor]], adapters: dict[str, torch.Tensor], scale: float,
            dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Hugging Face weights with each adapted one merged (:func:`rlcore.lora.merge`, float32, cast once to ``dtype``,
+    """Hugging Face weights with each adapted one merged (:func:`rlcore.training.lora.merge`, float32, cast once to ``dtype``,
     default the weight's); ``adapters``: whole tensors under PEFT's saved names."""
-    from rlcore.lora import merge
+    from rlcore.training.lora import merge
 
     for name, weight in named:
         module = name.removesuffix(".weight")

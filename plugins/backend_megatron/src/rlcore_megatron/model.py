@@ -24,7 +24,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from rlcore.attention import packed_causal_attention, sdpa
+from rlcore.training.attention import packed_causal_attention, sdpa
 from rlcore.config import ConfigError
 from rlcore.utils import torch_dtype
 from rlcore_megatron.config import SECTION, MegatronConfig
@@ -46,7 +46,7 @@ def architecture(hf_config) -> str:
 
 
 class SDPACoreAttention(MegatronModule):
-    """Core attention on torch's flash kernels (:mod:`rlcore.attention`; never cuDNN, which re-plans
+    """Core attention on torch's flash kernels (:mod:`rlcore.training.attention`; never cuDNN, which re-plans
     for every new sequence length).
 
     Inputs ``query`` [s, b, heads, d], ``key``/``value`` [s, b, groups, d] (sbhd), or in the packed

@@ -11,7 +11,7 @@ states from the last stage and runs the head itself (``verl/models/mcore/model_f
 Every layout rlcore supports selects:
 
 - TP: each rank holds every row; it selects, computes its vocabulary shard of the selected
-  rows' logits and :func:`rlcore.ops.vocab_parallel_selected_token_logprobs` combines the shards.
+  rows' logits and :func:`rlcore.training.ops.vocab_parallel_selected_token_logprobs` combines the shards.
 - TP + sequence parallelism: each rank holds ``T/tp`` rows. They are all-gathered over TP (the
   gather the output layer would do itself, same volume), selected, and the output layer runs with
   its own gather switched off; its input-gradient all-reduce then gives every rank the whole
@@ -33,9 +33,9 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-from rlcore.ops import (selected_token_logprobs, token_logprobs, vocab_parallel_selected_token_logprobs,
+from rlcore.training.ops import (selected_token_logprobs, token_logprobs, vocab_parallel_selected_token_logprobs,
                         vocab_parallel_token_logprobs)
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 
 
 @contextlib.contextmanager

@@ -60,7 +60,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from rlcore.config import ConfigError
-from rlcore.packing import MicroBatch
+from rlcore.data.packing import MicroBatch
 from rlcore_megatron.config import SECTION, MegatronConfig
 
 

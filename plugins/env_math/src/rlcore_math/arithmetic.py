@@ -15,7 +15,7 @@ import random
 from typing import Any
 
 from rlcore.interfaces import Sample
-from rlcore.prompts import PromptSplits, messages_for
+from rlcore.data.prompts import PromptSplits, messages_for
 
 from rlcore_math.calculator import Calculator, format_number
 from rlcore_math.config import ArithmeticDatasetConfig

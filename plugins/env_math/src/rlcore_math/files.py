@@ -36,7 +36,7 @@ from rlcore.config.structure import ConfigError
 from rlcore.interfaces import Sample
 from rlcore.errors import DataError as CoreDataError
 from rlcore.runtime import check_rows, text_problem
-from rlcore.prompts import PromptSplits, messages_for
+from rlcore.data.prompts import PromptSplits, messages_for
 
 from rlcore_math.config import MathFilesDatasetConfig
 from rlcore_math.grading import hash_answer, last_boxed

@@ -1,5 +1,5 @@
 """What every dataset of this plugin shares: its data error, and core's prompt encoding
-(:mod:`rlcore.prompts`) raising it."""
+(:mod:`rlcore.data.prompts`) raising it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from rlcore.errors import DataError as CoreDataError
 from rlcore.interfaces import Sample
-from rlcore.prompts import tokenize_split as _tokenize_split
+from rlcore.data.prompts import tokenize_split as _tokenize_split
 
 log = logging.getLogger("rlcore_math")
 
@@ -21,5 +21,5 @@ class DataError(CoreDataError):
 
 def tokenize_split(samples: Sequence[Sample], tokenizer: Any, split: str, max_prompt_tokens: int | None,
                    stats: dict[str, int], chat_template: bool = True) -> list[Sample]:
-    """:func:`rlcore.prompts.tokenize_split`, a split of only too-long prompts raising this plugin's DataError."""
+    """:func:`rlcore.data.prompts.tokenize_split`, a split of only too-long prompts raising this plugin's DataError."""
     return _tokenize_split(samples, tokenizer, split, max_prompt_tokens, stats, chat_template, error=DataError)

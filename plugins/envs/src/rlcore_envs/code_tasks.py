@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from rlcore.interfaces import Sample
-from rlcore.prompts import PromptSplits, messages_for
+from rlcore.data.prompts import PromptSplits, messages_for
 from rlcore_envs.common import build_splits
 from rlcore_envs.config import CodeTasksDatasetConfig
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlcore.interfaces import EnvStep, Sample
-from rlcore.prompts import PromptSplits, tokenize_split
+from rlcore.data.prompts import PromptSplits, tokenize_split
 
 
 def build_splits(train: list[Sample], validation: list[Sample], tokenizer: Any, keys: Any) -> PromptSplits:

@@ -33,7 +33,7 @@ import urllib.request
 from typing import Any
 
 from rlcore.interfaces import EnvStep, Sample
-from rlcore.prompts import PromptSplits, messages_for
+from rlcore.data.prompts import PromptSplits, messages_for
 from rlcore_envs.common import build_splits, replay_in_sessions, require
 from rlcore_envs.config import OpenEnvDatasetConfig, OpenEnvEnvConfig, OpenEnvServerKeys
 

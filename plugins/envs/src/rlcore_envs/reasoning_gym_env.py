@@ -23,7 +23,7 @@ import random
 from typing import Any
 
 from rlcore.interfaces import EnvStep, Sample
-from rlcore.prompts import PromptSplits, messages_for
+from rlcore.data.prompts import PromptSplits, messages_for
 from rlcore_envs.common import build_splits, require
 from rlcore_envs.config import ReasoningGymDatasetConfig, ReasoningGymEnvConfig
 

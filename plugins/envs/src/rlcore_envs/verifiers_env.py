@@ -36,7 +36,7 @@ from queue import Empty, Queue
 from typing import Any
 
 from rlcore.interfaces import EnvStep, Sample
-from rlcore.prompts import PromptSplits
+from rlcore.data.prompts import PromptSplits
 from rlcore_envs.common import build_splits, replay_in_sessions, require
 from rlcore_envs.config import VerifiersDatasetConfig, VerifiersEnvConfig
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
-from rlcore.prompts import answers_in_order, fit_to_context
+from rlcore.data.prompts import answers_in_order, fit_to_context
 from rlcore_sglang import translate
 from rlcore_sglang.config import SglangConfig
 from rlcore_sglang.memory import free_gpu_bytes, wake_up_refusal

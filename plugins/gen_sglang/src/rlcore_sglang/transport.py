@@ -9,7 +9,7 @@ engine beside a float32 trainer receives half the bytes, and go into ``update_we
 from __future__ import annotations
 
 from rlcore.interfaces import Generator, TrainerHandle, WeightTransport
-from rlcore.weights import stream_into
+from rlcore.training.weights import stream_into
 
 
 class SglangTensorTransport:

@@ -22,7 +22,7 @@ from typing import Any
 
 from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
-from rlcore.prompts import answers_in_order, fit_to_context
+from rlcore.data.prompts import answers_in_order, fit_to_context
 from rlcore_vllm.config import VllmConfig
 from rlcore_vllm.images import check_engine_ids, image_request, never_sampled
 from rlcore_vllm.sleep_mode import SleepMode
@@ -89,7 +89,7 @@ class VllmGenerator(SleepMode):
         checkpoint whose images this generator takes; (None, None, 0) otherwise."""
         from transformers import AutoConfig
 
-        from rlcore.multimodal import is_vision_language
+        from rlcore.data.multimodal import is_vision_language
         from rlcore_vllm.images import image_family
 
         try:
@@ -197,7 +197,7 @@ class VllmGenerator(SleepMode):
         return self._results(output, version)[0]
 
     def generate_with_images(self, prompts: list[list[int]], images: list, params: SamplingParams) -> list[list[GenerationResult]]:
-        """:meth:`generate` with each prompt's images (:class:`rlcore.multimodal.ImageInputs`, None: none).
+        """:meth:`generate` with each prompt's images (:class:`rlcore.data.multimodal.ImageInputs`, None: none).
 
         Prompts longer than ``max_model_len - 1`` are an error here: truncating one could cut an image's placeholders."""
         self._check_awake()
@@ -358,7 +358,7 @@ def check_vision_language(model_path: str) -> None:
     (:data:`rlcore_vllm.images.VLLM_IMAGE_FAMILIES`), or one vLLM cannot read, is left to vLLM."""
     from transformers import AutoConfig
 
-    from rlcore.multimodal import is_vision_language
+    from rlcore.data.multimodal import is_vision_language
     from rlcore_vllm.images import image_family
 
     try:

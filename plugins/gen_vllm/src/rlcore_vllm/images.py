@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlcore.multimodal import ImageInputs
+from rlcore.data.multimodal import ImageInputs
 
 # model_type -> vLLM's model_impl for it
 VLLM_IMAGE_FAMILIES = {"llava": "transformers"}

@@ -32,7 +32,7 @@ class ColocatedTransport:
         self.chunk_bytes, self.dtype = chunk_bytes, dtype
 
     def transfer(self, trainer, generator) -> dict[str, float]:
-        from rlcore.weights import stream_into
+        from rlcore.training.weights import stream_into
 
         return stream_into(generator, trainer.export_chunks(dtype=self.dtype, chunk_bytes=self.chunk_bytes))
 

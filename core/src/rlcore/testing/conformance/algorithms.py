@@ -144,7 +144,7 @@ class AlgorithmConformance:
     def test_loss_finite_with_finite_gradient(self, algorithm):
         import torch
 
-        from rlcore.packing import make_micro_batches, step_totals
+        from rlcore.data.packing import make_micro_batches, step_totals
 
         batch, logprobs = make_algorithm_batch(algorithm)
         totals = step_totals(batch)
@@ -155,7 +155,7 @@ class AlgorithmConformance:
 
     @pytest.mark.parametrize("dp_size, max_tokens, pad", [(2, 10_000, 1), (1, 24, 1), (3, 16, 8)])
     def test_micro_batch_losses_sum_to_the_step_loss(self, algorithm, dp_size, max_tokens, pad):
-        from rlcore.packing import make_micro_batches, step_totals
+        from rlcore.data.packing import make_micro_batches, step_totals
 
         batch, logprobs = make_algorithm_batch(algorithm)
         totals = step_totals(batch)
@@ -175,7 +175,7 @@ class AlgorithmConformance:
             assert parts_metrics[key] == pytest.approx(whole_metrics[key], abs=1e-9, rel=1e-6), f"metric {key!r} is not a share"
 
     def test_empty_micro_batch_is_a_zero_loss(self, algorithm):
-        from rlcore.packing import make_micro_batches, step_totals
+        from rlcore.data.packing import make_micro_batches, step_totals
 
         batch, logprobs = make_algorithm_batch(algorithm, num_groups=1, group_size=2)
         micro_batches = make_micro_batches(batch, 10_000, dp_rank=2, dp_size=3, pad_to_multiple=4)
@@ -189,7 +189,7 @@ class AlgorithmConformance:
     def test_masked_tokens_do_not_matter(self, algorithm):
         import torch
 
-        from rlcore.packing import make_micro_batches, step_totals
+        from rlcore.data.packing import make_micro_batches, step_totals
 
         batch, logprobs = make_algorithm_batch(algorithm)
         (mb,) = make_micro_batches(batch, 10_000, pad_to_multiple=16)

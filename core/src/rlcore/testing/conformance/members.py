@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlcore.controller.given import missing_members
+from rlcore.interfaces.members import missing_members
 
 
 def protocol_members(protocol: type) -> tuple[str, ...]:
-    """What ``protocol`` declares, spelled as :func:`rlcore.controller.given.missing_members` takes it:
+    """What ``protocol`` declares, spelled as :func:`rlcore.interfaces.members.missing_members` takes it:
     ``"name()"`` a method, ``"name"`` an attribute or property. Inherited protocols are not followed
     (the protocols of :mod:`rlcore.interfaces` inherit none)."""
     attributes = list(vars(protocol).get("__annotations__", {}))
