@@ -36,7 +36,7 @@ from rlcore.planning import fit, plan
 from rlcore.planning.calibration import load_calibration
 from rlcore.planning.hardware import GPUS
 from rlcore.planning.run_memory import plan_run_memory
-from rlcore.bench.models import SHAPES as BENCH_SHAPES
+from rlcore.cli.bench.models import SHAPES as BENCH_SHAPES
 from rlcore.planning.shapes import from_hf_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ def _bench():
 
 
 def bench_shape(name: str):
-    """The planner's shape of a model the benchmark builds (``rlcore.bench.models.SHAPES``: Llamas with an output
+    """The planner's shape of a model the benchmark builds (``rlcore.cli.bench.models.SHAPES``: Llamas with an output
     layer of their own, transformers' default; the MoE slice at the fit's depth)."""
     if "moe" in name:
         return fit.grpo_bench_shape(name)

@@ -96,7 +96,7 @@ def _shape(name: str, layers: int | None = None) -> ModelShape:
 
 def grpo_bench_shape(name: str, layers: int | None = None) -> ModelShape:
     """The model of a ``bench_grpo_step`` row: its 1.2B model is Llama-3.2-1B's shape with an output layer of its own
-    (``rlcore.bench.models`` builds it with transformers' default ``tie_word_embeddings=False``: 1.5B parameters)."""
+    (``rlcore.cli.bench.models`` builds it with transformers' default ``tie_word_embeddings=False``: 1.5B parameters)."""
     shape = _shape(name, layers)
     return shape if shape.moe else attrs.evolve(shape, tied=False)
 
