@@ -42,3 +42,31 @@ def test_sessions_keep_their_own_episode(server):
         b.close()
     (replayed,) = env.step([sample], [["0", "0"]])
     assert replayed.done and replayed.reward == 0.0 and replayed.metrics["openenv/steps"] == 2.0
+
+
+def test_a_port_taken_after_it_was_found_free_is_replaced(monkeypatch):
+    """The race a free port has (another process binds it before the server does), injected: the first port handed
+    out is held by a listening socket; the server exits saying the address is in use, and a new port is taken."""
+    import socket
+
+    from rlcore_envs import openenv_env
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    real, handed = openenv_env._free_port, []
+
+    def free_port():
+        handed.append(taken if not handed else real())
+        return handed[-1]
+
+    monkeypatch.setattr(openenv_env, "_free_port", free_port)
+    try:
+        started = OpenEnvServer(OpenEnvEnvConfig(server_command=tuple(SERVER)))
+        try:
+            assert len(handed) == 2 and started.url == f"http://127.0.0.1:{handed[1]}" and handed[1] != taken
+        finally:
+            started.stop()
+    finally:
+        held.close()

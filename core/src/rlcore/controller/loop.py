@@ -95,7 +95,7 @@ class GRPOLoop(RunPosition):
                           data_position=self.checkpoints.data_position, set_data_position=self.checkpoints.set_data_position,
                           validate=self.validator.validate, show=self._show, loop_state=self.checkpoints.loop_state,
                           restore=self.checkpoints.restore, step_metrics=self._step_metrics,
-                          saving=self.checkpoints.training_state_on_device)
+                          saving=self.checkpoints.training_state_on_device, validation_needs_refit=True)
         self.skeleton = RunSkeleton(cfg, identity, parts, c.loggers, nonfinite=self.learner.nonfinite,
                                     resumed_too=[c.traces] if c.traces else [])
         self.progress = self.skeleton.progress

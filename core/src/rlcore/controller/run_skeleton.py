@@ -6,7 +6,7 @@ SFT, DPO, reward models) alike:
 
 - start: resume from the newest checkpoint of this run (``checkpointing.resume``), else the held-out
   evaluation before the first step (``train.val_at_start``);
-- :meth:`~RunSkeleton.finish_step`: validation when due (``train.val_period``; not after a stop signal), the step's timings,
+- :meth:`~RunSkeleton.finish_step`: validation when due (``train.val_period``; a GRPO-family step's not after a stop signal), the step's timings,
   its record (``step``, ``data_position``, ``time/elapsed_s``), a checkpoint when due
   (``checkpointing.save_period``), and the loggers, each call bounded by ``cluster.timeout_s``
   (a logger whose network call hangs stops the run, naming it);
@@ -123,6 +123,9 @@ class LoopParts:
     restore: Callable[[dict], None] = _nothing  # the loop's own part of a resumed state (GRPO: its version, a refit)
     step_metrics: Callable[[], dict] = _nothing  # joined to each step's record (GRPO: clocks, the policy's version)
     saving: Callable[[], ContextManager[Any]] = contextlib.nullcontext  # around a checkpoint's save
+    # the held-out pass reads a generator the step's refit updates (GRPO): a stop signal, which skips the refit,
+    # skips it too; an offline loop evaluates the trainer itself, so its validation stands after a stop signal
+    validation_needs_refit: bool = False
 
 
 class RunSkeleton(RunPosition):
@@ -186,7 +189,7 @@ class RunSkeleton(RunPosition):
     def finish_step(self, record: dict, timer: StepTimer) -> None:
         """Validation when due, the step's timings, its record, a checkpoint when due, the loggers."""
         p = self.progress
-        if self.validates() and p.stop_signal is not None:
+        if self.validates() and p.stop_signal is not None and self.parts.validation_needs_refit:
             # A stop signal skips the step's refit (the generator keeps the older weights and, after
             # training, sleeps): a held-out pass would measure the wrong weights or fail on every problem.
             print(f"{signal.Signals(p.stop_signal).name} received: the held-out validation of step {p.step} is skipped",

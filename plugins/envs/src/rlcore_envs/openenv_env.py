@@ -44,6 +44,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind the port it was given (taken since it was found free)."""
+
+
 class OpenEnvServer:
     """The server a config names: its URL, and the process when this run started it."""
 
@@ -52,19 +59,28 @@ class OpenEnvServer:
         if keys.base_url:
             self.url = keys.base_url.rstrip("/")
             return
-        port = _free_port()
-        cmd = [part.replace("{port}", str(port)).replace("{python}", sys.executable) for part in keys.server_command]
-        self.url = f"http://127.0.0.1:{port}"
-        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         atexit.register(self.stop)
-        self._wait(keys.startup_timeout_s, cmd)
+        for attempt in range(PORT_ATTEMPTS):
+            # A free port is free when asked, not when the server binds it: another process can take it between
+            # the two, and then the server exits at once saying so; a new port is asked for then.
+            port = _free_port()
+            cmd = [part.replace("{port}", str(port)).replace("{python}", sys.executable) for part in keys.server_command]
+            self.url = f"http://127.0.0.1:{port}"
+            self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            try:
+                self._wait(keys.startup_timeout_s, cmd)
+                return
+            except PortTaken:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
 
     def _wait(self, timeout_s: float, cmd: list[str]) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode(errors="replace")[-2000:]
-                raise RuntimeError(f"the OpenEnv server {cmd} exited with {self.process.returncode} before answering:\n{err}")
+                error = PortTaken if "address already in use" in err.lower() else RuntimeError
+                raise error(f"the OpenEnv server {cmd} exited with {self.process.returncode} before answering:\n{err}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                     if response.status == 200:
