@@ -94,10 +94,10 @@ def _shape(name: str, layers: int | None = None) -> ModelShape:
     return resolve_shape("", "qwen3moe", layers or MOE_LAYERS) if "moe" in name else resolve_shape("", "llama-3.2-1b")
 
 
-def grpo_bench_shape(name: str, layers: int | None = None) -> ModelShape:
+def grpo_bench_shape(name: str) -> ModelShape:
     """The model of a ``bench_grpo_step`` row: its 1.2B model is Llama-3.2-1B's shape with an output layer of its own
     (``rlcore.cli.bench.models`` builds it with transformers' default ``tie_word_embeddings=False``: 1.5B parameters)."""
-    shape = _shape(name, layers)
+    shape = _shape(name)
     return shape if shape.moe else attrs.evolve(shape, tied=False)
 
 
