@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     import bench_row_logger
-    from rlcore.loading.loader import set_dotted
+    from rlcore.config.structure import set_dotted
     from rlcore.plugins import get_plugin_manager
 
     get_plugin_manager().register_module(bench_row_logger)

@@ -18,7 +18,7 @@ import yaml
 
 from _preloaded_cli import PreloadedCli
 
-from rlcore.loading.loader import set_dotted
+from rlcore.config.structure import set_dotted
 from rlcore.testing.faults import fault_env
 
 pytestmark = pytest.mark.slow

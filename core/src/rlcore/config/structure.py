@@ -40,6 +40,14 @@ def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """``tree["a"]["b"]["c"] = value`` for ``dotted == "a.b.c"``, creating missing levels."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
 # Sections of rlcore's own plugin distributions, to say what to install when one is missing.
 SECTION_PROVIDERS = {
     "policy.dtensor_cfg": "rlcore-fsdp2",

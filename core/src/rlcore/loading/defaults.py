@@ -51,7 +51,7 @@ def format_defaults(defaults: dict[str, Any]) -> str:
     """YAML for people: the core's keys, then each plugin section nested at its path."""
     import yaml
 
-    from rlcore.loading.loader import set_dotted
+    from rlcore.config.structure import set_dotted
 
     def dump(tree: dict) -> str:
         return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None)
@@ -94,7 +94,7 @@ def _described(tree: dict[str, Any], docs: dict[str, Any], indent: str = "") -> 
 
 def format_described(defaults: dict[str, Any], manager: Any) -> str:
     """:func:`format_defaults` with each key's description as a YAML comment (``rlcore config --defaults``)."""
-    from rlcore.loading.loader import set_dotted
+    from rlcore.config.structure import set_dotted
 
     parts = ["# rlcore run: the defaults of every key a recipe leaves out, each with what it does",
              *_described(defaults["core"], field_docs(RunConfig))]

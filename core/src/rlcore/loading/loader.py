@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from rlcore.config.schema import RunConfig
-from rlcore.config.structure import MOVED_KEYS, ConfigError, RawText, structure, unknown_key_error, unstructure
+from rlcore.config.structure import MOVED_KEYS, ConfigError, RawText, set_dotted, structure, unknown_key_error, unstructure
 from rlcore.plugins import SHARED_SECTION_KEYS, PluginManager, get_plugin_manager
 
 
@@ -180,14 +180,6 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), manager: Plu
         return build_config(data, overrides, manager)
     except ConfigError as exc:
         raise ConfigError(exc.key, f"{exc.message} (in {path})") from exc
-
-
-def set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    """``tree["a"]["b"]["c"] = value`` for ``dotted == "a.b.c"``, creating missing levels."""
-    *parents, last = dotted.split(".")
-    for part in parents:
-        tree = tree.setdefault(part, {})
-    tree[last] = value
 
 
 def to_dict(config: RunConfig) -> dict:

@@ -63,23 +63,21 @@ def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = No
     """The planner's inputs for ``config``, every one checked (:mod:`rlcore.planning.checks`): a bad count,
     length or parallel size is a :class:`ConfigError` naming its key."""
     tree = to_dict(config)
-    policy, gen = tree["policy"], tree["policy"].get("generation") or {}
-    backend = backend_of(tree)
-    section = policy.get("megatron_cfg" if backend == "megatron" else "dtensor_cfg") or {}
-    model = model or resolve_shape(policy["model_name"], shape, layers)
+    model = model or resolve_shape(tree["policy"]["model_name"], shape, layers)
     if world is not None:
         cluster = Cluster(gpu(gpu_name), 1, world)
     else:
         cluster = Cluster(gpu(gpu_name), *checks.cluster_size(gpus, nodes, config.cluster.num_nodes, config.cluster.gpus_per_node))
-    work = workload(config, tree, prompt_tokens, response_tokens, has_generator=bool(gen.get("backend")),
-                    response_max=response_max, lengths_from=lengths_from)
+    layout, work = recipe_work(config, tree, prompt_tokens, response_tokens, response_max=response_max, lengths_from=lengths_from)
     critic = critic_shape(tree, model)
     work = attrs.evolve(work, critic=critic is not None, critic_model=critic)
     if config.policy.lora.enabled:
         work = attrs.evolve(work, lora_params=model.lora_params(config.policy.lora.rank, config.policy.lora.target_modules))
+    backend, gen = layout.backend, tree["policy"].get("generation") or {}
+    section = _section(tree, backend)
     auto = section.get("layout") == "auto"
     explicit = config.section(MEGATRON if backend == "megatron" else DTENSOR).explicit_keys if auto else frozenset()
-    layout, fixed = recipe_layout(tree, backend, section, gen), fixed_keys(backend, section, explicit, gen, config)
+    fixed = fixed_keys(backend, section, explicit, gen, config)
     if world is None:  # a run's own callers pass its world; its backend checks its sizes as it builds
         # layout: auto searches the sizes the section leaves out: only those it sets must divide what they split
         bound = layout.with_(**{f: fixed.get(f, 1) for f in ("tp", "pp", "cp", "ep", "etp")}) if auto else layout
@@ -88,6 +86,22 @@ def inputs(config: RunConfig, *, gpus: int | None = None, nodes: int | None = No
     release_auto = (colocated.get("offload_trainer_state", "auto") == "auto" and layout.colocated and not work.one_step_off
                     and work.generation)
     return Inputs(model, work, cluster, calibration or load_calibration(gpu_name), backend, layout, fixed, auto, release_auto)
+
+
+def _section(tree: dict, backend: str) -> dict:
+    return tree["policy"].get("megatron_cfg" if backend == "megatron" else "dtensor_cfg") or {}
+
+
+def recipe_work(config: RunConfig, tree: dict, prompt_tokens: int | None = None, response_tokens: int | None = None, *,
+                response_max: int | None = None, lengths_from: str | None = None) -> tuple[Layout, Workload]:
+    """The recipe's own layout and its step's workload, read from ``tree`` (``config`` resolved as plain data); the
+    lengths given on the command line checked against the recipe's limit (:func:`rlcore.planning.checks.lengths`)."""
+    gen = tree["policy"].get("generation") or {}
+    backend = backend_of(tree)
+    layout = recipe_layout(tree, backend, _section(tree, backend), gen)
+    work = workload(config, tree, prompt_tokens, response_tokens, has_generator=bool(gen.get("backend")),
+                    response_max=response_max, lengths_from=lengths_from)
+    return layout, work
 
 
 # settings the planner's model does not price: (config key, the value refused, the value to plan with, why)

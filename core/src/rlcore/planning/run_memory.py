@@ -26,7 +26,9 @@ from attrs import frozen
 from rlcore.config import ConfigError, RunConfig
 from rlcore.planning import plan as planning
 from rlcore.planning.calibration import load_calibration
+from rlcore.loading.loader import to_dict
 from rlcore.planning.hardware import GPU, Cluster
+from rlcore.planning.layout import Layout
 from rlcore.planning.memory import ENGINE_CAP, Memory, estimate
 from rlcore.planning.shapes import ModelShape
 
@@ -80,38 +82,31 @@ class RunMemoryPlan:
         return text
 
 
-def _releasable(config: RunConfig) -> bool:
-    return config.generation.colocated.enabled and not config.grpo.async_grpo.enabled
-
-
-def _layout_and_work(config: RunConfig, inp: planning.Inputs, *, critic: bool, release: bool):
-    refit = config.generation.refit
-    work = attrs.evolve(inp.work, critic=critic, refit_chunk_bytes=refit.chunk_bytes,
-                        probe_tokens=refit.probe_num_sequences * config.policy.max_total_sequence_length)
-    return inp.recipe_layout.with_release(release), work
-
-
 def plan_run_memory(config: RunConfig, shape: ModelShape, gpu: GPU, world: int, *, critic: bool, cpu: bool = False) -> RunMemoryPlan:
-    """The plan for ``world`` trainer ranks on ``gpu`` (on CPU: host memory a rank); raises :class:`PlanRefused`."""
+    """The plan for ``world`` trainer ranks on ``gpu`` (on CPU: host memory a rank); raises :class:`PlanRefused`.
+
+    The one place the plan reads the run's config: the recipe's layout and workload
+    (:func:`rlcore.planning.plan.recipe_work`), the refit's staged chunk and probe, and the keys it decides;
+    the estimates take those typed values."""
     gen = config.generation
-    fraction_key = gen.gpu_memory_utilization
-    offload_key = gen.colocated.offload_trainer_state
+    fraction_key, offload_key = gen.gpu_memory_utilization, gen.colocated.offload_trainer_state
+    releasable = gen.colocated.enabled and not config.grpo.async_grpo.enabled  # a colocated engine, the synchronous loop
+    tree = to_dict(config)
+    layout, work = planning.recipe_work(config, tree)
+    if config.policy.lora.enabled:
+        work = attrs.evolve(work, lora_params=shape.lora_params(config.policy.lora.rank, config.policy.lora.target_modules))
+    work = attrs.evolve(work, critic=critic, generation=work.generation and not cpu, refit_chunk_bytes=gen.refit.chunk_bytes,
+                        probe_tokens=gen.refit.probe_num_sequences * config.policy.max_total_sequence_length)
     # the calibration of the GPU the run is on (the shipped H200 one for a GPU without its own)
-    inp = planning.inputs(config, world=world, model=shape, calibration=load_calibration(gpu.name))
-    inp = attrs.evolve(inp, cluster=Cluster(gpu, 1, world + inp.recipe_layout.gen_gpus))
-    if cpu:
-        inp = attrs.evolve(inp, work=attrs.evolve(inp.work, generation=False))
+    cal, cluster = load_calibration(gpu.name), Cluster(gpu, 1, world + layout.gen_gpus)
     release = offload_key is True
-    lay, work = _layout_and_work(config, inp, critic=critic, release=release)
-    mem = estimate(shape, work, lay, inp.cluster, inp.cal)
-    decided = []
-    if offload_key == AUTO and not cpu and _releasable(config):
-        lay_r, work_r = _layout_and_work(config, inp, critic=critic, release=True)
-        released = estimate(shape, work_r, lay_r, inp.cluster, inp.cal)
-        if mem.better_released(released):
-            mem, release = released, True
-    if offload_key == AUTO and not cpu:
-        decided.append(f"offload_trainer_state={str(release).lower()}")
+    kept, released = layout.with_release(release), layout.with_release(True)
+    mem = estimate(shape, work, kept, cluster, cal)
+    if offload_key == AUTO and not cpu and releasable:
+        with_release = estimate(shape, work, released, cluster, cal)
+        if mem.better_released(with_release):
+            mem, release = with_release, True
+    decided = [f"offload_trainer_state={str(release).lower()}"] if offload_key == AUTO and not cpu else []
     engine_fraction = None
     if work.generation:
         if fraction_key == AUTO:
@@ -120,19 +115,19 @@ def plan_run_memory(config: RunConfig, shape: ModelShape, gpu: GPU, world: int, 
         else:
             engine_fraction = float(fraction_key)
     if not mem.fits:
-        key, how = _key_for(mem, lay, config)
+        key, how = _key_for(mem, kept, releasable)
         raise PlanRefused(key, f"the run does not fit one {gpu.name} ({gpu.memory_gib:.0f} GiB): {mem.problem}; "
                                f"to fit: {how} (`rlcore plan` shows every part)")
     return RunMemoryPlan(mem, gpu, engine_fraction, release, tuple(decided))
 
 
-def _key_for(mem: Memory, lay, config: RunConfig) -> tuple[str, str]:
+def _key_for(mem: Memory, lay: Layout, releasable: bool) -> tuple[str, str]:
     """The key that would make the refused phase fit, and how."""
     problem = mem.problem or ""
     if problem.startswith("generation"):
         if "gpu_memory_utilization" in problem:
             return "policy.generation.gpu_memory_utilization", "auto (the engine is sized within what the trainer leaves free)"
-        if not lay.releases_state and _releasable(config):
+        if not lay.releases_state and releasable:
             return ("policy.generation.colocated.offload_trainer_state",
                     "true or auto (the trainer's gradients and optimizer state leave while the engine is awake)")
         return ("policy.generation.colocated.enabled", "false (the engine on GPUs of its own), or a shorter "
