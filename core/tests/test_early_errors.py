@@ -18,7 +18,8 @@ from rlcore.loading.loader import build_config, load_config
 from rlcore.generation.batching import EnvironmentContractError, Trajectory, apply_env_steps, score
 from rlcore.controller.checkpoint import CheckpointManager, CheckpointWriteError
 from rlcore.deadlines import EnvironmentExit, TimedEnvironment
-from rlcore.controller.preflight import check_model_name, check_pairs, check_run_sizes
+from rlcore.controller.model_files import check_model_name
+from rlcore.controller.preflight import check_pairs, check_run_sizes
 from rlcore.interfaces import EnvStep, GenerationResult, PreferencePair, Sample
 
 BASE = {"policy": {"model_name": "m", "generation": {"backend": "hf"}}}

@@ -133,7 +133,8 @@ def test_run_verbose_flag_sets_logger_verbosity():
 def test_summary_is_titled_by_algorithm_and_names_its_columns():
     from rich.console import Console
 
-    from rlcore.controller.report import Reporter, summary_table
+    from rlcore.controller.report import Reporter
+    from rlcore.controller.run_end import summary_table
 
     console = Console(file=io.StringIO(), width=80)
     console.print(summary_table({"window_first": 2, "window_last": 5, "timing/reward": 0.15,
@@ -247,7 +248,7 @@ def test_a_reward_function_never_stops_the_run_on_model_output(capsys):
 
 
 def test_env_reward_fn_names_a_function(tmp_path, monkeypatch):
-    from rlcore.controller.task import build_environment
+    from rlcore.controller.environment import build_environment
     from rlcore.plugins import get_plugin_manager
     from rlcore.data.reward_fn import load_reward_fn
 
@@ -369,7 +370,7 @@ def test_a_logger_whose_package_is_missing_fails_before_the_run_starts(tiny_mode
 
 
 def test_a_model_directory_without_a_tokenizer_names_the_key(tiny_model_dir, tmp_path):
-    from rlcore.controller.preflight import check_model_name
+    from rlcore.controller.model_files import check_model_name
 
     (tmp_path / "m").mkdir()
     shutil.copy(tiny_model_dir / "config.json", tmp_path / "m" / "config.json")

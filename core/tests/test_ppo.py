@@ -158,7 +158,8 @@ def test_step_and_summary_tables_show_the_critic_phases():
 
     from rich.console import Console
 
-    from rlcore.controller.report import Reporter, summary_table
+    from rlcore.controller.report import Reporter
+    from rlcore.controller.run_end import summary_table
 
     def printed(record: dict) -> str:
         out = io.StringIO()

@@ -8,7 +8,7 @@ import pytest
 from rlcore.config import ConfigError
 from rlcore.loading.loader import build_config
 from rlcore.config.schema import PolicyConfig, RunConfig
-from rlcore.controller.preflight import check_model_name
+from rlcore.controller.model_files import check_model_name
 
 
 def _recipe(**policy) -> dict:

@@ -36,7 +36,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("agents/runner.py", "module", "name"): "the agent named by env.agent.function ('module:attr'), imported",
     ("agents/runner.py", "value", "'reward'"): "an agent's return value: a number, a dict or an EnvStep-like object",
     ("agents/runner.py", "value", "'metrics'"): "an agent's return value: a number, a dict or an EnvStep-like object",
-    ("agents/runner.py", "tokenizer", "'chat_template'"): "a transformers tokenizer, not a plugin object",
+    ("agents/server.py", "tokenizer", "'chat_template'"): "a transformers tokenizer, not a plugin object",
     ("agents/recorder.py", "tokenizer", "'name_or_path'"): "a transformers tokenizer, not a plugin object",
     ("agents/recorder.py", "ids", "'input_ids'"): "what a chat template returned (a list or a BatchEncoding)",
     ("generation/rollout.py", "tokenizer", "'all_special_ids'"): "a transformers tokenizer, not a plugin object",
@@ -113,7 +113,7 @@ def test_plugin_name_is_the_name_declared_or_the_class():
 
 
 def test_a_transport_hook_result_without_a_name_is_refused_naming_the_protocol():
-    from rlcore.controller.engines import pick_transport
+    from rlcore.controller.transport import pick_transport
 
     class Nameless:
         def transfer(self, trainer, generator):

@@ -161,7 +161,7 @@ def test_run_json_on_a_full_disk_is_named_and_the_earlier_one_kept(small_disk):
 
 @pytest.mark.parametrize("name", ["config.yaml", "summary.json", "curves.png"])
 def test_the_runs_small_files_on_a_full_disk_are_named_and_the_earlier_ones_kept(small_disk, name):
-    from rlcore.controller.report import plot_curves
+    from rlcore.controller.run_end import plot_curves
     from rlcore.controller.run_end import write_summary
 
     run = small_disk / "run"

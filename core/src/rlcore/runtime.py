@@ -27,7 +27,7 @@ checks theirs); everything else in ``rlcore`` is internal.
 from __future__ import annotations
 
 from rlcore.cli.export import export_checkpoint
-from rlcore.controller.engines import StreamTransport
+from rlcore.controller.transport import StreamTransport
 from rlcore.controller.checkpoint import CheckpointManager
 from rlcore.controller.placement import plan_placement
 from rlcore.controller.preflight import check_prompt_lengths

@@ -5,7 +5,8 @@
 (at most ``max_env_concurrency`` at once), each with an ``openai`` client whose key is that
 trajectory's, and returns ``params.n`` results per sample: the tokens the endpoint recorded
 (:mod:`rlcore.agents.recorder`), the agent's return value as the reward. It stands where
-:class:`rlcore.generation.rollout.MultiTurnRunner` stands in the run loop (``Components.multi_turn``).
+:class:`rlcore.generation.rollout.MultiTurnRunner` stands in the run loop (``Components.multi_turn``);
+:func:`build_multi_turn_runner` picks one of the two for a run's multi-turn environment.
 
 Failures are infrastructure, not model output, and never become rewards: an agent that raises,
 times out (``attempt_timeout_s``), returns something that is not a finite reward, never reaches
@@ -42,7 +43,7 @@ from rlcore.config import ConfigError
 from rlcore.deadlines import DaemonThreads, GenerationTimeout, batch_margin_s
 from rlcore.errors import RolloutError
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
-from rlcore.generation.rollout import ChatSuffixes
+from rlcore.generation.rollout import make_multi_turn_runner
 
 
 class AgentTimeout(GenerationTimeout, RolloutError):
@@ -119,8 +120,7 @@ class AgentRunner:
     def __init__(self, generator, tokenizer, agent: Callable, config: AgentEnvConfig, *, max_total_tokens: int, timeout_s: float,
                  served_models: tuple[str, ...] = ("policy",)):
         self.agent, self.cfg, self.timeout_s = agent, config, timeout_s
-        suffixes = ChatSuffixes(tokenizer) if getattr(tokenizer, "chat_template", None) else None
-        self.endpoint = Endpoint(generator, tokenizer, suffixes, max_total_tokens=max_total_tokens, max_turns=config.max_turns,
+        self.endpoint = Endpoint(generator, tokenizer, max_total_tokens=max_total_tokens, max_turns=config.max_turns,
                                  max_request_bytes=config.max_request_bytes, max_concurrent_requests=config.max_concurrent_requests,
                                  served_models=served_models)
         self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(agent.__call__)
@@ -267,6 +267,15 @@ class AgentRunner:
         """The last call's failure counters (``rollout/infra_failures[/<cause>]``, ``rollout/dropped_groups``, ...)."""
         base = {"rollout/infra_failures": 0.0, "rollout/dropped_groups": 0.0}
         return {**base, **{k: float(v) for k, v in self.counts.items()}}
+
+
+def build_multi_turn_runner(generator, environment, tokenizer, config):
+    """The rollouts of a multi-turn environment: the ``agent`` environment's agents through the endpoint
+    (:func:`make_agent_runner`), any other turn by turn (:func:`rlcore.generation.rollout.make_multi_turn_runner`)."""
+    section = config.section(f"env.{config.env.name}")
+    if isinstance(section, AgentEnvConfig):
+        return make_agent_runner(generator, tokenizer, config, section)
+    return make_multi_turn_runner(generator, environment, tokenizer, config)
 
 
 def make_agent_runner(generator, tokenizer, config, section: AgentEnvConfig) -> AgentRunner:

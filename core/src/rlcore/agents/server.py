@@ -30,6 +30,7 @@ import time
 import attrs
 
 from rlcore.agents.recorder import RequestError, TrajectoryRecorder, parse_tool_calls, template_name, template_takes_tools
+from rlcore.generation.rollout import ChatSuffixes
 from rlcore.interfaces import AsyncTokenGenerator, SamplingParams
 
 HOST = "127.0.0.1"
@@ -61,9 +62,11 @@ class OpenTrajectory:
 class Endpoint:
     """Open trajectories by key and serve their requests through the generator."""
 
-    def __init__(self, generator: AsyncTokenGenerator, tokenizer, suffixes, *, max_total_tokens: int, max_turns: int,
+    def __init__(self, generator: AsyncTokenGenerator, tokenizer, *, max_total_tokens: int, max_turns: int,
                  max_request_bytes: int, max_concurrent_requests: int, served_models: tuple[str, ...] = (_DEFAULT_MODEL,)):
-        self.generator, self.tokenizer, self.suffixes = generator, tokenizer, suffixes
+        self.generator, self.tokenizer = generator, tokenizer
+        # what the chat template renders around a turn (ChatSuffixes), for the recorder; none without a template
+        self.suffixes = ChatSuffixes(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         self.served_models = tuple(dict.fromkeys(served_models))  # the names a request's 'model' may give
         self.max_total_tokens, self.max_turns = max_total_tokens, max_turns
         self.max_request_bytes, self.max_concurrent = max_request_bytes, max_concurrent_requests

@@ -140,7 +140,7 @@ def sft_warm_start(base_dir: Path, out_dir: Path, target: float, max_steps: int,
 
 def _sft_steps(trainer, evaluator, environment, dataset, tokenizer, algorithm, val, target, max_steps, batch_size,
                max_new_tokens, eval_every) -> list[dict]:
-    from rlcore.controller.engines import StreamTransport
+    from rlcore.controller.transport import StreamTransport
     from rlcore.controller.heartbeat import doing, said
     from rlcore.controller.sft import answer_batch, greedy_accuracy
     from rlcore.interfaces import SamplingParams
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     apply_verbosity("quiet")  # the libraries' INFO logs off, as in rlcore run (logger.verbosity)
     import rlcore
-    from rlcore.controller.report import change
+    from rlcore.controller.run_end import change
     from rlcore.testing.tiny import build_tiny_model
 
     out = Path(args.out)

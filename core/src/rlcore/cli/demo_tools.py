@@ -134,7 +134,7 @@ def tool_warm_start(sft_dir: Path, out_dir: Path, recipe, config, target: float,
     ``max_steps``), exported to ``out_dir`` with its history; ``config`` is the SFT run's
     (``rlcore.cli.demo.sft_config`` of the recipe, from ``sft_dir``)."""
     from rlcore.config.hf_generation import HFGenerationConfig
-    from rlcore.controller.engines import StreamTransport
+    from rlcore.controller.transport import StreamTransport
     from rlcore.controller.heartbeat import heartbeat
     from rlcore.controller.workers import LocalTrainer
     from rlcore.generation.hf_generator import HFGenerator

@@ -43,9 +43,10 @@ def _components(config):
     """Tokenizer, validation samples, environment, generator and multi-turn runner, as ``rlcore.run`` builds them."""
     from transformers import AutoTokenizer
 
-    from rlcore.controller.task import build_environment
+    from rlcore.controller.environment import build_environment
     from rlcore.controller.placement import plan_placement
-    from rlcore.controller.preflight import check_model_name, check_prompt_lengths
+    from rlcore.controller.model_files import check_model_name
+    from rlcore.controller.preflight import check_prompt_lengths
     from rlcore.plugins import get_plugin_manager
 
     manager = get_plugin_manager()
@@ -62,7 +63,7 @@ def _components(config):
     generator = manager.get("generator", config.generation.backend).build(config, config.generation, plan_placement(config))
     multi_turn = None
     if multi_turn_env:
-        from rlcore.controller.task import build_multi_turn_runner
+        from rlcore.agents.runner import build_multi_turn_runner
 
         multi_turn = build_multi_turn_runner(generator, environment, tokenizer, config)
     return samples, environment, generator, multi_turn

@@ -127,7 +127,7 @@ def _write_out(out: Path, write, needed_bytes: int) -> None:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, overrides: list[str] = ()) -> dict:
     """Write the checkpoint's policy to ``out`` (which must not hold files yet); returns what was done."""
-    from rlcore.controller.preflight import check_model_name
+    from rlcore.controller.model_files import check_model_name
     from rlcore.controller.engines import select_backend
     from rlcore.plugins import get_plugin_manager
 

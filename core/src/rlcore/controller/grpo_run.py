@@ -9,26 +9,28 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+from rlcore.agents.runner import build_multi_turn_runner
 from rlcore.config import RunConfig
 from rlcore.controller import critic_step
 from rlcore.controller.async_driver import run_async
-from rlcore.controller.engines import build_critic, build_generator, build_trainer, pick_transport
+from rlcore.controller.engines import build_engines
+from rlcore.controller.environment import build_environment
 from rlcore.controller.task import (
-    build_algorithm, build_environment, build_multi_turn_runner, given_or_built_dataset, given_or_loaded_tokenizer,
-    resolve_old_logprobs,
+    build_algorithm, given_or_built_dataset, given_or_loaded_tokenizer, resolve_old_logprobs,
 )
 from rlcore.deadlines import bounded_teardown
 from rlcore.controller.given import check_given
 from rlcore.controller.memory_plan import apply_memory_plan
 from rlcore.controller.loop import Components, GRPOLoop, run_sync
-from rlcore.controller.heartbeat import doing
 from rlcore.controller.placement import plan_placement
-from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_run_sizes
-from rlcore.controller.report import Reporter, plot_curves, summary_table
+from rlcore.controller.model_files import check_model_name
+from rlcore.controller.preflight import check_prompt_lengths, check_run_sizes
+from rlcore.controller.report import Reporter
 from rlcore.controller.run_dir import RunDir
-from rlcore.controller.run_end import print_outputs, save_final_model, write_summary
+from rlcore.controller.run_end import plot_curves, print_outputs, save_final_model, summary_table, write_summary
 from rlcore.controller.run_skeleton import build_loggers
 from rlcore.controller.timing import summarize
+from rlcore.controller.transport import pick_transport
 from rlcore.interfaces import RolloutTableLogger
 from rlcore.plugins import get_plugin_manager
 from rlcore.config.run_paths import inside
@@ -53,16 +55,13 @@ def build_components(config: RunConfig, **given) -> Components:
     teacher = given.get("teacher")
     if teacher is None and algorithm_reg is not None and "teacher" in algorithm_reg.capabilities:
         teacher = resolve(algorithm_reg.capabilities["teacher"])(config.section("algorithm"))  # distillation: "module:attr"
-    environment, multi_turn_env = build_environment(config, manager, given)
     dataset = given_or_built_dataset(config, manager, given, tokenizer)
+    environment, multi_turn_env = build_environment(config, manager, given)
     check_prompt_lengths(dataset, config)
     check_run_sizes(config, dataset, algorithm)
     placement, memory_plan = apply_memory_plan(config, plan_placement(config), critic=critic_step.trains_critic(algorithm), given=given)
-    doing("loading the model into the training backend")
-    trainer = build_trainer(config, manager, placement, given.get("backend"))
-    critic = build_critic(config, manager, algorithm, trainer, placement, given.get("backend"))  # ppo's value model
-    doing("starting the generator")
-    generator = build_generator(config, manager, placement, given)
+    engines = build_engines(config, manager, placement, given, algorithm)
+    trainer, critic, generator = engines.trainer, engines.critic, engines.generator
     transport = pick_transport(manager, trainer, generator, config)
     print(f"refit transport: {transport.name} ({type(trainer).__name__} -> {type(generator).__name__})", flush=True)
     trainer = manager.wrap_trainer(trainer)  # a plugin's wrapper (a test's faults) sees every call from here on
@@ -78,14 +77,6 @@ def build_components(config: RunConfig, **given) -> Components:
                            timeout_s=config.cluster.timeout_s)
     return Components(config, trainer, generator, environment, algorithm, dataset, transport, loggers, reporter, multi_turn,
                       teacher=teacher, critic=critic, placement=placement, memory_plan=memory_plan, traces=traces)
-
-
-def export_critic(components: Components, run_dir: Path) -> None:
-    """ppo: the critic as a Hugging Face checkpoint in ``<run_dir>/critic``; with
-    ``offload_trainer_state`` its state comes back for it (the engines sleep by then: ``run_grpo``)."""
-    if components.critic is None:
-        return
-    critic_step.export_at_end(components.critic, run_dir, components.placement.offload_trainer_state)
 
 
 def held_out_summary(records: list[dict]) -> dict:
@@ -113,8 +104,10 @@ def run_grpo(config: RunConfig, owner: RunDir, run_dir: Path, given: dict) -> di
         if loop.skeleton.stop_signal is None and "generator" not in given:
             bounded_teardown(components.generator.sleep, "the generator (sleep before the final export)",
                              config.cluster.timeout_s)
-        if save_final_model(loop.skeleton, components.trainer, config, run_dir, given.get("tokenizer")) is not None:
-            export_critic(components, run_dir)  # after a stop signal the checkpoint holds the critic too
+        saved = save_final_model(loop.skeleton, components.trainer, config, run_dir, given.get("tokenizer"))
+        if saved is not None and components.critic is not None:  # ppo: the critic in <run_dir>/critic (after a stop
+            # signal the checkpoint holds it); with offload_trainer_state its state comes back for it (the engines sleep)
+            critic_step.export_at_end(components.critic, run_dir, components.placement.offload_trainer_state)
     finally:  # each bounded: a component that hangs as the run ends is named and left behind
         limit = config.cluster.timeout_s
         loop.skeleton.close_loggers()

@@ -29,7 +29,8 @@ from rlcore.controller.task import given_or_built_dataset, given_or_loaded_token
 from rlcore.controller.heartbeat import doing
 from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline
 from rlcore.controller.placement import plan_placement
-from rlcore.controller.preflight import check_model_name, check_pairs, check_step_sizes
+from rlcore.controller.model_files import check_model_name
+from rlcore.controller.preflight import check_pairs, check_step_sizes
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.run_skeleton import trains_on
 from rlcore.interfaces import PairTrainer, PreferenceDataset, PreferencePair, TrainerHandle

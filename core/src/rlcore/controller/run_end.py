@@ -1,5 +1,6 @@
 """What every run leaves when it ends, whatever its loop: the final model, a checkpoint of the
-last step, and one block saying where its outputs are.
+last step, and one block saying where its outputs are; and what the GRPO run shows of its steps at
+the end: the summary table (:func:`summary_table`) and the curves (:func:`plot_curves`).
 
 - ``<logger.log_dir>/model``: the policy in Hugging Face format (safetensors, ``config.json``,
   tokenizer), written by the backend's own ``export_hf`` on its ranks, as TRL's and verl's
@@ -18,9 +19,16 @@ line, so they carry over whatever shape the loops take.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from rlcore.config.run_paths import write_file
 
 MODEL_DIR = "model"
 
@@ -72,7 +80,7 @@ def write_summary(run_dir: str | Path, summary: dict) -> Path:
     """``run_dir/summary.json``, whole or not at all (a full disk: one error naming it, the earlier one kept)."""
     import json
 
-    from rlcore.config.run_paths import inside, write_file
+    from rlcore.config.run_paths import inside
 
     return write_file(inside(run_dir, "summary.json"), json.dumps(summary, indent=2), "the run's summary")
 
@@ -109,3 +117,72 @@ def print_outputs(run_dir: str | Path, config: Any, console: Any = None) -> None
         console.print(text, highlight=False, markup=False, soft_wrap=True)
     else:
         print(text, flush=True)
+
+
+def summary_table(summary: dict, algorithm: str) -> Group:
+    """The NeMo-RL table row: Step, Train, Refit, Generation, Logprobs, Tokens/sample (seconds),
+    titled with the run's ``algorithm``; then a line with the held-out metrics' first and last values."""
+    title = f"{algorithm} summary: mean seconds per step, steps {summary.get('window_first', '?')}-{summary.get('window_last', '?')}"
+    table = Table(title=title)
+    # A critic's phases (ppo) get columns of their own after Logprobs, as NeMo-RL's PPO table has them.
+    critic = ["Values", "Critic"] if "timing/values" in summary else []
+    # Short headers: the table must fit 80 columns (rich's width when output is not a terminal),
+    # shorter still with the critic's two. "Scoring"/"Score" is the environment's time to compute
+    # rewards, not a reward.
+    headers = ("steps", "Step", "Train", "Refit", "Gen", "LP", *critic, "Score", "Tok") if critic else \
+        ("steps", "Step", "Train", "Refit", "Gen", "Logprobs", "Scoring", "Tok/sample")
+    for column in headers:
+        table.add_column(column, justify="right")
+
+    def cell(key, fmt="{:.2f}"):
+        return fmt.format(summary[key]) if key in summary else "-"
+
+    critic_cells = [cell("timing/values"), cell("timing/critic_train")] if critic else []
+    table.add_row(
+        f"{summary.get('window_first', '?')}-{summary.get('window_last', '?')}",
+        cell("timing/total"), cell("timing/training"), cell("timing/refit"), cell("timing/generation"),
+        cell("timing/logprobs"), *critic_cells, cell("timing/reward"), cell("rollout/mean_response_tokens", "{:.1f}"),
+    )
+    line = held_out_line(summary)
+    return Group(table, Text(line)) if line else Group(table)
+
+
+def change(first: float | None, last: float | None) -> str:
+    """``0.383 -> 0.758 (+0.375)``: a metric's first and last values, rounded to what they can show."""
+    if first is None or last is None:
+        return f"{'-' if first is None else f'{first:.3f}'} -> {'-' if last is None else f'{last:.3f}'}"
+    return f"{first:.3f} -> {last:.3f} ({last - first:+.3f})"
+
+
+def held_out_line(summary: dict) -> str:
+    """``held-out accuracy 0.383 -> 0.758 (+0.375); reverse_kl ...``: each ``val/<name>_first``/``_last`` pair."""
+    names = sorted({k[len("val/"):-len("_first")] for k in summary if k.startswith("val/") and k.endswith("_first")})
+    parts = [f"{name} {change(summary.get(f'val/{name}_first'), summary.get(f'val/{name}_last'))}" for name in names
+             if summary.get(f"val/{name}_first") is not None]
+    return "held-out " + "; ".join(parts) if parts else ""
+
+
+def plot_curves(records: list[dict], path: Path) -> Path | None:
+    """Reward and held-out accuracy against step, as a PNG (None if matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in records if "train/reward_mean" in r]
+    ax.plot(steps, [r["train/reward_mean"] for r in records if "train/reward_mean" in r], label="train reward (mean)")
+    val = [(r["step"], r["val/accuracy"]) for r in records if "val/accuracy" in r]
+    if val:
+        ax.plot([s for s, _ in val], [a for _, a in val], marker="o", label="held-out accuracy")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    return write_file(path, png.getvalue(), "the run's curves")

@@ -30,12 +30,14 @@ import torch
 
 from rlcore.config import ConfigError, RunConfig
 from rlcore.generation.batching import Trajectory, is_correct, sampling_params, score
-from rlcore.controller.engines import build_generator, build_trainer, pick_transport
-from rlcore.controller.task import build_algorithm, build_environment, given_or_built_dataset, given_or_loaded_tokenizer
-from rlcore.controller.heartbeat import doing
+from rlcore.controller.engines import build_engines
+from rlcore.controller.environment import build_environment
+from rlcore.controller.task import build_algorithm, given_or_built_dataset, given_or_loaded_tokenizer
 from rlcore.controller.offline import BackendPolicy, OfflineSteps, run_offline
 from rlcore.controller.placement import plan_placement
-from rlcore.controller.preflight import check_model_name, check_prompt_lengths, check_step_sizes
+from rlcore.controller.transport import pick_transport
+from rlcore.controller.model_files import check_model_name
+from rlcore.controller.preflight import check_prompt_lengths, check_step_sizes
 from rlcore.controller.run_dir import RunDir
 from rlcore.controller.run_skeleton import trains_on
 from rlcore.controller.rollouts import image_generator
@@ -144,11 +146,11 @@ def build_sft_run(config: RunConfig, given: dict) -> tuple[SFTTrainer, Any]:
     check_prompt_lengths(dataset, config)
     check_step_sizes(config, dataset)
     placement = plan_placement(config)
-    doing("loading the model into the training backend")
-    trainer = build_trainer(config, manager, placement, given.get("backend"))
-    generator = environment = transport = None
-    if given.get("generator") is not None or config.section("policy.generation") is not None:
-        generator = build_generator(config, manager, placement, given)
+    generates = given.get("generator") is not None or config.section("policy.generation") is not None
+    engines = build_engines(config, manager, placement, given, algorithm, generate=generates)
+    trainer, generator = engines.trainer, engines.generator
+    environment = transport = None
+    if generates:
         environment, _ = build_environment(config, manager, given)
         transport = pick_transport(manager, trainer, generator, config)
     return SFTTrainer(config, trainer, algorithm, tokenizer, generator, environment, transport), dataset

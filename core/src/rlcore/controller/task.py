@@ -1,8 +1,9 @@
 """The task of a run: what it learns and from what: the algorithm (its ``auto`` keys decided), the
-tokenizer, the prompt data and the environment that scores, from the recipe (through the plugin
-registry) or from the objects a user passes to ``rlcore.run``.
+tokenizer and the prompt data, from the recipe (through the plugin registry) or from the objects a
+user passes to ``rlcore.run``.
 
-The parts that hold the policy's weights are built in :mod:`rlcore.controller.engines`.
+The environment that scores is built in :mod:`rlcore.controller.environment`, the parts that hold the
+policy's weights in :mod:`rlcore.controller.engines`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from typing import Any
 
 from rlcore.config import RunConfig
 from rlcore.data.rows import is_rows, rows_dataset
-from rlcore.deadlines import TimedEnvironment
 from rlcore.interfaces import OldLogprobsChoice
 
 
@@ -66,35 +66,3 @@ def given_or_built_dataset(config: RunConfig, manager, given: dict, tokenizer: A
     elif is_rows(dataset):  # TRL's train_dataset: rows with a "prompt" column
         dataset = rows_dataset(dataset, tokenizer)
     return dataset
-
-
-def build_environment(config: RunConfig, manager, given: dict) -> tuple[TimedEnvironment, bool]:
-    """The environment (passed, else ``env.reward_fn``'s function, else ``env.name``'s plugin), every
-    call bounded by ``cluster.timeout_s``; and whether the plugin registered it as multi-turn."""
-    environment, name, multi_turn = given.get("environment"), None, False
-    if environment is None and config.env.reward_fn:  # a plain function scores single-turn rollouts
-        from rlcore.data.reward_fn import FunctionEnvironment, load_reward_fn
-
-        environment = FunctionEnvironment(load_reward_fn(config.env.reward_fn), config.env.reward_fn)
-        name = config.env.reward_fn
-    if environment is None:  # a given environment replaces the lookup: no plugin of that name is needed
-        reg = manager.get("environment", config.env.name)
-        environment = reg.build(config.section(f"env.{config.env.name}"))
-        name, multi_turn = config.env.name, bool(reg.capabilities.get("multi_turn"))
-    timed = TimedEnvironment(environment, name or type(environment).__name__, config.cluster.timeout_s, config.env.on_timeout)
-    return timed, multi_turn
-
-
-def build_multi_turn_runner(generator, environment, tokenizer, config: RunConfig):
-    """The rollouts of a multi-turn environment: the ``agent`` environment's agents through the
-    endpoint (:mod:`rlcore.agents.runner`), any other turn by turn (:mod:`rlcore.generation.rollout`)."""
-    from rlcore.config.agents import AgentEnvConfig
-
-    section = config.section(f"env.{config.env.name}")
-    if isinstance(section, AgentEnvConfig):
-        from rlcore.agents.runner import make_agent_runner
-
-        return make_agent_runner(generator, tokenizer, config, section)
-    from rlcore.generation.rollout import make_multi_turn_runner
-
-    return make_multi_turn_runner(generator, environment, tokenizer, config)

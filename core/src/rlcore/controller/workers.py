@@ -180,24 +180,23 @@ class _TrainerActor:
 
 
 class RayTrainerGroup:
-    """``world_size`` trainer ranks as Ray actors (gloo on CPU, NCCL on GPU), one per bundle of a
-    placement group (:mod:`rlcore.controller.ray_placement`; ``cluster.placement_strategy``).
+    """``world_size`` trainer ranks as Ray actors (gloo on CPU, NCCL on GPU), one per bundle of
+    ``placement_group`` (made ready by :func:`rlcore.controller.ray_placement.create_rank_placement_group`;
+    ``cluster.placement_strategy``).
 
     The process group meets at the address rank 0's node reports and a port free there, so ranks
     on other nodes reach it; on a local Ray instance that address is loopback."""
 
     in_process = False
 
-    def __init__(self, registration, config, section_config, placement: Placement, timeout_s: float):
+    def __init__(self, registration, config, section_config, placement: Placement, timeout_s: float, placement_group):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from rlcore.controller.ray_placement import create_rank_placement_group
 
         self.ray = ray
         self.timeout_s = timeout_s
         self.loop_step = 0
-        self.placement_group = create_rank_placement_group(ray, placement, config.cluster.placement_strategy, timeout_s)
+        self.placement_group = placement_group  # bundle i is rank i's (ray_placement.create_rank_placement_group)
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if placement.device == "cuda" else 0)(_TrainerActor)
         self.actors = [
             actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank)).remote(
