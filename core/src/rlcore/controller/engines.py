@@ -3,9 +3,9 @@ critic, the generator), built in that order by :func:`build_engines` from the re
 registry) or from the objects a user passes to ``rlcore.run``; the run's seeds. The transport between
 trainer and generator is chosen in :mod:`rlcore.controller.transport`.
 
-What the run learns and from what (algorithm, tokenizer, data, environment) is built in
-:mod:`rlcore.controller.task`. Every loop (GRPO, SFT, pairs) builds its parts there and here only,
-so a part is built the same way whatever the algorithm trains on.
+What the run learns and from what (algorithm, tokenizer, data) is built in :mod:`rlcore.controller.task`,
+the environment in :mod:`rlcore.controller.environment`. Every loop (GRPO, SFT, pairs) builds its parts
+there and here only, so a part is built the same way whatever the algorithm trains on.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ def start_trainer(config: RunConfig, registration, placement: Placement, backend
 
 @frozen
 class Engines:
+    """The parts that hold the policy's weights, as :func:`build_engines` built them."""
+
     trainer: TrainerHandle
     critic: CriticHandle | None  # ppo's value model, on the trainer's ranks
     generator: Generator | None  # None: a run that does not generate
