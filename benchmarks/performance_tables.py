@@ -209,7 +209,7 @@ def demo_readme(row: dict) -> str:
 
     from rich.console import Console
 
-    from rlcore.controller.report import change, summary_table
+    from rlcore.controller.run_end import change, summary_table
 
     summary = {"window_first": row["window_first"], "window_last": row["window_last"], "timing/total": row["step_s"],
                "timing/training": row["train_s"], "timing/refit": row["refit_s"], "timing/generation": row["generation_s"],
