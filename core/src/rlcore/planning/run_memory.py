@@ -100,12 +100,12 @@ def plan_run_memory(config: RunConfig, shape: ModelShape, gpu: GPU, world: int, 
     # the calibration of the GPU the run is on (the shipped H200 one for a GPU without its own)
     cal, cluster = load_calibration(gpu.name), Cluster(gpu, 1, world + layout.gen_gpus)
     release = offload_key is True
-    kept, released = layout.with_release(release), layout.with_release(True)
-    mem = estimate(shape, work, kept, cluster, cal)
+    kept_layout, released_layout = layout.with_release(release), layout.with_release(True)
+    mem = estimate(shape, work, kept_layout, cluster, cal)
     if offload_key == AUTO and not cpu and releasable:
-        with_release = estimate(shape, work, released, cluster, cal)
-        if mem.better_released(with_release):
-            mem, release = with_release, True
+        released = estimate(shape, work, released_layout, cluster, cal)
+        if mem.better_released(released):
+            mem, release = released, True
     decided = [f"offload_trainer_state={str(release).lower()}"] if offload_key == AUTO and not cpu else []
     engine_fraction = None
     if work.generation:
@@ -115,7 +115,7 @@ def plan_run_memory(config: RunConfig, shape: ModelShape, gpu: GPU, world: int, 
         else:
             engine_fraction = float(fraction_key)
     if not mem.fits:
-        key, how = _key_for(mem, kept, releasable)
+        key, how = _key_for(mem, kept_layout, releasable)
         raise PlanRefused(key, f"the run does not fit one {gpu.name} ({gpu.memory_gib:.0f} GiB): {mem.problem}; "
                                f"to fit: {how} (`rlcore plan` shows every part)")
     return RunMemoryPlan(mem, gpu, engine_fraction, release, tuple(decided))
