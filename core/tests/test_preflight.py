@@ -46,6 +46,16 @@ def test_a_model_name_that_is_not_a_model_is_refused_naming_the_key(tmp_path, ma
     assert failure.value.key == "policy.model_name" and says in str(failure.value)
 
 
+def test_a_critic_model_that_is_not_a_model_is_refused_naming_its_key(tmp_path, tiny_model_dir):
+    recipe = {"policy": {"model_name": str(tiny_model_dir), "generation": {"backend": "hf"}},
+              "algorithm": {"name": "ppo", "critic": {"model_name": str(tmp_path / "missing")}}}
+    with pytest.raises(ConfigError) as failure:
+        check_model_name(build_config(recipe))
+    assert failure.value.key == "algorithm.critic.model_name" and "no such directory" in str(failure.value)
+    recipe["algorithm"]["critic"]["model_name"] = str(tiny_model_dir)
+    check_model_name(build_config(recipe))
+
+
 def test_a_model_directory_passes(tiny_model_dir):
     check_model_name(RunConfig(policy=PolicyConfig(model_name=str(tiny_model_dir))))
 

@@ -1,22 +1,27 @@
-"""The model's files, checked before anything loads them: ``policy.model_name`` (and ``policy.tokenizer_name``)
-must be Hugging Face model directories, or hub ids the cache or the hub knows. Without it, a wrong path fails
+"""The model's files, checked before anything loads them: ``policy.model_name`` (and ``policy.tokenizer_name``,
+and PPO's ``algorithm.critic.model_name``) must be Hugging Face model directories, or hub ids the cache or the hub knows. Without it, a wrong path fails
 deep inside transformers, after retries, naming neither the key nor the directory."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from rlcore.algorithms.config import PPOConfig
 from rlcore.config import ConfigError, RunConfig
 
 
 def check_model_name(config: RunConfig) -> None:
-    """``policy.model_name`` (and ``policy.tokenizer_name``) must be Hugging Face model directories."""
+    """``policy.model_name`` (``policy.tokenizer_name``, ``algorithm.critic.model_name``) must be Hugging Face
+    model directories."""
     policy = config.policy
     _check_hf_dir("policy.model_name", policy.model_name, need="config.json")
     if policy.tokenizer_name:
         _check_hf_dir("policy.tokenizer_name", policy.tokenizer_name, need=None)
     else:
         _check_tokenizer_files("policy.model_name", policy.model_name)
+    algorithm = config.section("algorithm")
+    if isinstance(algorithm, PPOConfig) and algorithm.critic.model_name:  # a value model of its own
+        _check_hf_dir("algorithm.critic.model_name", algorithm.critic.model_name, need="config.json")
 
 
 # Files one of which a saved tokenizer has (fast, sentencepiece, BPE vocab, WordPiece).
