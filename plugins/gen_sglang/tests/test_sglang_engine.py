@@ -112,15 +112,16 @@ def test_refit_through_the_plugins_transport_in_the_engines_dtype(sglang_plugin_
 
     from rlcore.runtime import LocalTrainer
     from rlcore.training.weights import chunked
+    from rlcore.utils import torch_dtype
     from rlcore_sglang.transport import SglangTensorTransport
 
     class StateDict:  # a backend's export_weights over a state dict (what a trainer handle streams)
         def __init__(self, state):
             self.state, self.dtypes = state, set()
 
-        def export_weights(self, dtype=None, chunk_bytes=1 << 30):
+        def export_weights(self, dtype=None, chunk_bytes=1 << 30):  # dtype: a torch dtype or its name, as backends take it
             self.dtypes.add(dtype)
-            yield from chunked(((n, t.to(dtype) if dtype else t) for n, t in self.state.items()), chunk_bytes)
+            yield from chunked(((n, t.to(torch_dtype(dtype)) if dtype else t) for n, t in self.state.items()), chunk_bytes)
 
     g = torch.Generator().manual_seed(3)
     new = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in hf_state.items()}

@@ -75,11 +75,21 @@ def test_logprobs_of_other_tokens_than_the_sampled_ones_are_an_error():
 def test_prompt_logprobs_are_token_aligned_with_index_0_zero():
     out = answer([4], [-0.5], {"type": "length", "length": 1},
                  input_logprobs=[(None, 1, None), (-2.5, 2, None), (-0.75, 3, None)])
-    assert translate.prompt_logprobs(out, [1, 2, 3]) == [0.0, -2.5, -0.75]
+    assert translate.prompt_logprobs(out, [1, 2, 3], vocab_size=128) == [0.0, -2.5, -0.75]
     with pytest.raises(RuntimeError, match="3 prompt logprobs for a sequence of 4 tokens"):
-        translate.prompt_logprobs(out, [1, 2, 3, 4])
+        translate.prompt_logprobs(out, [1, 2, 3, 4], vocab_size=128)
     with pytest.raises(RuntimeError, match="first difference at 2"):
-        translate.prompt_logprobs(out, [1, 2, 5])
+        translate.prompt_logprobs(out, [1, 2, 5], vocab_size=128)
+
+
+def test_prompt_logprobs_read_the_models_last_token_as_sglang_reports_it():
+    """SGLang reports input ids from vocab_size - 1 up as 0 (its image-token clipping): the last token id
+    still matches, any other id in its place does not."""
+    out = answer([4], [-0.5], {"type": "length", "length": 1},
+                 input_logprobs=[(None, 1, None), (-2.5, 0, None), (-0.75, 3, None)])
+    assert translate.prompt_logprobs(out, [1, 127, 3], vocab_size=128) == [0.0, -2.5, -0.75]
+    with pytest.raises(RuntimeError, match="first difference at 1"):
+        translate.prompt_logprobs(out, [1, 126, 3], vocab_size=128)
 
 
 def test_retractions_are_summed_over_answers():

@@ -29,11 +29,13 @@ def test_buckets_hold_one_dtype_in_order_so_every_offset_is_whole_elements():
     assert by_dtype([]) == []
 
 
-@pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not installed (no CPU build on the package index; the GPU "
-                    "check installs sglang 0.5.17: benchmarks/gpu/README.md)")
+@pytest.mark.skipif(not HAS_SGLANG or not torch.cuda.is_available(),
+                    reason="needs sglang and a CUDA GPU (no CPU build on the package index; the GPU check installs "
+                    "sglang 0.5.17: benchmarks/gpu/README.md)")
 def test_sglangs_bucket_rebuilds_each_dtype_group_after_serialization():
-    """SGLang's own FlattenedTensorBucket and MultiprocessingSerializer (CPU tensors go through shared
-    memory), as the scheduler reads them back; a mixed-dtype bucket of the same tensors fails to rebuild."""
+    """SGLang's own FlattenedTensorBucket and MultiprocessingSerializer (host tensors are copied to the GPU
+    first: SGLang's patched reducer takes CUDA tensors only), as the scheduler reads them back; a mixed-dtype
+    bucket of the same tensors fails to rebuild."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
@@ -46,7 +48,7 @@ def test_sglangs_bucket_rebuilds_each_dtype_group_after_serialization():
         bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
         rebuilt = bucket.reconstruct_tensors()
         assert [n for n, _ in rebuilt] == [n for n, _ in group]
-        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(rebuilt, group))
+        assert all(got.is_cuda and torch.equal(got.cpu(), want) for (_, got), (_, want) in zip(rebuilt, group))
     mixed = FlattenedTensorBucket(named_tensors=mixed_chunk())
     with pytest.raises(RuntimeError, match="must be divisible"):
         FlattenedTensorBucket(flattened_tensor=mixed.get_flattened_tensor(), metadata=mixed.get_metadata()).reconstruct_tensors()

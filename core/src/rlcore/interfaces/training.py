@@ -110,9 +110,10 @@ class TrainingBackend(Protocol):
         ``skipped_nonfinite``."""
 
     def export_weights(self, dtype: Any = None, chunk_bytes: int = 1 << 30) -> Iterator[NamedTensors]:
-        """Chunks of (Hugging Face name, tensor) covering the whole model, each at most
-        ``chunk_bytes`` (one tensor larger than that forms its own chunk). Rank 0 yields; other
-        ranks iterate too (collectives) and yield nothing."""
+        """Chunks of (Hugging Face name, tensor) covering the whole model in ``dtype`` (a torch dtype or its
+        name, e.g. ``"bfloat16"``; None: the backend's compute dtype), each at most ``chunk_bytes`` (one tensor
+        larger than that forms its own chunk). Rank 0 yields; other ranks iterate too (collectives) and yield
+        nothing."""
 
     def save_checkpoint(self, path: str) -> None: ...
 

@@ -43,6 +43,13 @@ def server_args(config: SglangConfig, model_path: str, *, tokenizer_path: str | 
     return args
 
 
+def _vocab_size(model_path: str) -> int:
+    """The model's vocabulary size as SGLang reads it (the text model's, for a vision-language model)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_path).get_text_config().vocab_size)
+
+
 class SglangGenerator:
     """A :class:`rlcore.interfaces.Generator` (and :class:`rlcore.interfaces.GeneratorMetrics`) on one SGLang engine."""
 
@@ -55,6 +62,7 @@ class SglangGenerator:
         self.model_path = str(model_path)
         self.max_model_len = self.config.max_model_len or max_model_len
         self.dtype = dtype  # the engine's, which refits are sent in
+        self.vocab_size = _vocab_size(self.model_path)
         self.weights_version = 0
         self.sleeping = False
         self._cache_asleep = False  # weights awake, KV cache not yet (see wake_up)
@@ -119,7 +127,7 @@ class SglangGenerator:
         sent = [list(s) for s in sequences]
         one_token = [{"max_new_tokens": 1, "temperature": 1.0} for _ in sent]
         outputs = self.engine.call(self._request(sent, one_token, logprob_start_len=0))
-        return [translate.prompt_logprobs(out, seq) for out, seq in zip(outputs, sent)]
+        return [translate.prompt_logprobs(out, seq, self.vocab_size) for out, seq in zip(outputs, sent)]
 
     # ---- weights -------------------------------------------------------------------------------
     def update_weights(self, chunks: Iterable[NamedTensors]) -> None:

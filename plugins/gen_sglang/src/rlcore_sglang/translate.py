@@ -76,15 +76,19 @@ def to_result(output: dict[str, Any], prompt_ids: list[int], version: int) -> Ge
     )
 
 
-def prompt_logprobs(output: dict[str, Any], sequence: list[int]) -> list[float]:
+def prompt_logprobs(output: dict[str, Any], sequence: list[int], vocab_size: int) -> list[float]:
     """Token-aligned logprobs of ``sequence`` (index 0 is 0) from an answer requested with
-    ``return_logprob=True, logprob_start_len=0``."""
+    ``return_logprob=True, logprob_start_len=0``, checked against the token ids SGLang reports beside them.
+
+    SGLang reports an input id of ``vocab_size - 1`` or more as 0 (it clips image tokens' padded hash values
+    there: ``scheduler_components/logprob_result_processor.py``), so the sequence is compared clipped the same
+    way: the model's last token id is a real token a sequence may hold."""
     entries = output["meta_info"].get("input_token_logprobs")
     if entries is None or len(entries) != len(sequence):
         got = "none" if entries is None else len(entries)
         raise RuntimeError(f"SGLang returned {got} prompt logprobs for a sequence of {len(sequence)} tokens")
     ids = [int(e[1]) for e in entries]
-    if ids != list(sequence):
+    if ids != [t if t < vocab_size - 1 else 0 for t in sequence]:
         raise RuntimeError("SGLang scored other tokens than the sequence's "
                            f"(first difference at {_first_difference(ids, list(sequence))})")
     return [0.0] + [float(e[0]) for e in entries[1:]]

@@ -12,8 +12,9 @@ refits (``slime/backends/megatron_utils/update_weight/update_weight_from_tensor.
 Every tensor-parallel rank gets its own copy of the serialized payload (``Engine._serialize_tensors_per_rank``
 does the same for unflattened tensors). CUDA tensors travel as IPC handles naming their GPU by UUID:
 ``monkey_patch_torch_reductions`` makes torch's reducer write the UUID, which the scheduler's patched
-rebuild reads (``sglang/srt/weight_sync/utils.py`` patches the sender the same way); CPU tensors go
-through shared memory (torch's ``ForkingPickler``).
+rebuild reads (``sglang/srt/weight_sync/utils.py`` patches the sender the same way). That patched reducer
+takes every tensor for a CUDA one (sglang 0.5.17 fails on a CPU tensor's shorter reduce tuple: "tuple index
+out of range"), so a bucket of host tensors (a checkpoint read on the CPU) is copied to the current GPU first.
 
 The caller keeps the buffers alive until the last chunk has loaded and the cache is flushed: SGLang
 answers once its copies into the weights are enqueued, not finished (slime's
@@ -55,8 +56,9 @@ def bucket_payload(named: NamedTensors, tp_size: int) -> tuple[list[bytes], Any]
     monkey_patch_torch_reductions()
     bucket = FlattenedTensorBucket(named_tensors=[(name, tensor.detach()) for name, tensor in named])
     buffer = bucket.get_flattened_tensor()
-    if buffer.is_cuda:
-        torch.cuda.current_stream(buffer.device).synchronize()
+    if not buffer.is_cuda:  # see the module's text: only CUDA tensors go through SGLang's reducer
+        buffer = buffer.to(torch.cuda.current_device())
+    torch.cuda.current_stream(buffer.device).synchronize()
     data = {"flattened_tensor": buffer, "metadata": bucket.get_metadata()}
     return [MultiprocessingSerializer.serialize(data) for _ in range(tp_size)], buffer
 
