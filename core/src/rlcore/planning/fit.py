@@ -73,6 +73,12 @@ HELD_OUT = frozenset({
     ("bench_grpo_step", "llama1b-fsdp2-ppo", "20261206T131701-fba1d0"),
     ("bench_grpo_step", "llama1b-fsdp2-compile", "20261206T131920-84ae4a"),
     ("bench_grpo_step", "llama1b-megatron-fp8gen", "20261206T132141-c46726"),
+    ("bench_grpo_step", "llama1b-tool-async", "20261206T162816-00ed10"),
+    # shapes no calibration read: Qwen2.5-0.5B's widths, and rank-16 LoRA on a 3B Llama (H100, no memory key set)
+    ("bench_grpo_step", "llama0.5b-megatron", "20261206T161637-88fe1e"),
+    ("bench_grpo_step", "llama0.5b-fsdp2", "20261206T161929-810673"),
+    ("bench_grpo_step", "llama3b-megatron-lora", "20261206T162137-ec0ce7"),
+    ("bench_grpo_step", "llama3b-fsdp2-lora", "20261206T162456-4a2e1f"),
 })
 # the training benchmark's packed lengths: uniform in [256, 2048]
 TRAIN_MEAN, TRAIN_SQ_MEAN = 1152.0, (2048**3 - 256**3) / (3 * 1792)
