@@ -23,6 +23,9 @@ from rlcore.config.structure import ConfigError, doc
 @frozen
 class Calibration:
     train_efficiency: float = field(default=0.5, metadata=doc("dense training: achieved / peak FLOP/s"))
+    eager_efficiency: float = field(default=0.5, metadata=doc(
+        "dense training on FSDP2 without torch.compile: achieved / peak FLOP/s (its norms, activations and loss run "
+        "as separate eager kernels, which Megatron's fused layers and a compiled model do not)"))
     moe_efficiency: float = field(default=0.4, metadata=doc("mixture-of-experts training: achieved / peak FLOP/s"))
     fsdp2_moe_efficiency: float = field(default=0.25, metadata=doc("mixture-of-experts training on FSDP2 (experts one after another)"))
     forward_efficiency: float = field(default=0.5, metadata=doc("logprob passes (forward only): achieved / peak FLOP/s"))

@@ -19,10 +19,12 @@ H200 (one GPU):
 - ``generation`` (vLLM alone, 256 sequences of 64 + 1024 tokens): ``decode_step_ms`` of the bf16 rows with
   one engine per GPU and no MPS cap.
 
-H100 (one GPU): the synchronous GRPO steps of ``llama1b-megatron`` and ``llama1b-fsdp2`` since :data:`H100_SINCE`.
-They set what they measure (:data:`H100_FITTED`: the dense training efficiency, decode's bandwidth efficiency, the
-refit's transfer and wake-up rates); the other compute efficiencies scale from the H200's by the same training ratio (the same kernels reach
-a share of each GPU's peak that moves together), and memory factors and host costs are the H200's.
+H100 (one GPU): the synchronous GRPO steps of :data:`H100_GRPO` (two dense shapes, Megatron and eager FSDP2) since
+:data:`H100_SINCE`. They set what they measure (:data:`H100_FITTED`: the dense and the eager FSDP2 training
+efficiencies, decode's host cost and bandwidth efficiency, the refit's fixed cost, transfer and wake-up rates: two
+shapes make the fixed costs separable from the rates); the other compute efficiencies scale from the H200's by the
+same training ratio (the same kernels reach a share of each GPU's peak that moves together), and so does the H200's
+eager efficiency, which no H200 row measures; memory factors are the H200's.
 
 ``python -m rlcore.planning.fit benchmarks/results.jsonl`` refits and rewrites ``data/calibration.json``.
 """
@@ -40,6 +42,7 @@ import attrs
 from attrs import frozen
 
 from rlcore.planning import search
+from rlcore.planning.bench_shapes import SHAPES, bench_shape
 from rlcore.planning.calibration import Calibration
 from rlcore.planning.hardware import Cluster, gpu
 from rlcore.planning.layout import Layout, Workload
@@ -74,9 +77,7 @@ HELD_OUT = frozenset({
     ("bench_grpo_step", "llama1b-fsdp2-compile", "20261206T131920-84ae4a"),
     ("bench_grpo_step", "llama1b-megatron-fp8gen", "20261206T132141-c46726"),
     ("bench_grpo_step", "llama1b-tool-async", "20261206T162816-00ed10"),
-    # shapes no calibration read: Qwen2.5-0.5B's widths, and rank-16 LoRA on a 3B Llama (H100, no memory key set)
-    ("bench_grpo_step", "llama0.5b-megatron", "20261206T161637-88fe1e"),
-    ("bench_grpo_step", "llama0.5b-fsdp2", "20261206T161929-810673"),
+    # a shape no calibration read: rank-16 LoRA on a 3B Llama (H100, no memory key set)
     ("bench_grpo_step", "llama3b-megatron-lora", "20261206T162137-ec0ce7"),
     ("bench_grpo_step", "llama3b-fsdp2-lora", "20261206T162456-4a2e1f"),
 })
@@ -101,10 +102,15 @@ def _shape(name: str, layers: int | None = None) -> ModelShape:
 
 
 def grpo_bench_shape(name: str) -> ModelShape:
-    """The model of a ``bench_grpo_step`` row: its 1.2B model is Llama-3.2-1B's shape with an output layer of its own
-    (``rlcore.cli.bench.models`` builds it with transformers' default ``tie_word_embeddings=False``: 1.5B parameters)."""
-    shape = _shape(name)
-    return shape if shape.moe else attrs.evolve(shape, tied=False)
+    """The model of a ``bench_grpo_step`` row: the MoE slice at the fit's depth, else the benchmark model its
+    configuration's name begins with (``llama0.5b-fsdp2``: :data:`rlcore.planning.bench_shapes.SHAPES`'s
+    ``llama0.5b``; the held-out test checks this against each configuration's own model)."""
+    if "moe" in name:
+        return _shape(name)
+    model = name.split("-")[0]
+    if model not in SHAPES:
+        raise ValueError(f"benchmark configuration {name!r}: its model {model!r} is not one of {', '.join(SHAPES)}")
+    return bench_shape(model)
 
 
 def _train_case(i: int, r: dict) -> Case | None:
@@ -164,7 +170,7 @@ def _generation_case(i: int, r: dict) -> Case | None:
     return Case(i, r["variant"], shape, work, lay, {"decode_step_ms": r["decode_step_ms"]})
 
 
-H100_GRPO = ("llama1b-megatron", "llama1b-fsdp2")
+H100_GRPO = ("llama1b-megatron", "llama1b-fsdp2", "llama0.5b-megatron", "llama0.5b-fsdp2")
 # Rows of the colocated engine that wakes in two halves (its KV cache mapped after the refit, not in it) and whose
 # share the run's memory plan set: earlier rows timed a refit phase that no longer exists.
 H100_SINCE = "2026-12-06T12:00"
@@ -204,12 +210,12 @@ def cases(path: Path, gpu_name: str = "h200") -> list[Case]:
 def _generation_medians(rows: list[dict], out: list[Case]) -> None:
     """Attach to each GRPO case the median generation phase of the synchronous rows of its model."""
     grpo = [k for k, c in enumerate(out) if rows[c.row - 1]["bench"] == "bench_grpo_step"]
-    by_model: dict[bool, list[float]] = {}
+    by_model: dict[str, list[float]] = {}
     for k in grpo:
-        by_model.setdefault(out[k].shape.moe, []).append(rows[out[k].row - 1]["generation_s"])
+        by_model.setdefault(out[k].shape.name, []).append(rows[out[k].row - 1]["generation_s"])
     for k in grpo:
         c = out[k]
-        out[k] = attrs.evolve(c, measured={**c.measured, "generation_s": statistics.median(by_model[c.shape.moe])})
+        out[k] = attrs.evolve(c, measured={**c.measured, "generation_s": statistics.median(by_model[c.shape.name])})
 
 
 def predict(case: Case, cal: Calibration) -> dict:
@@ -237,6 +243,7 @@ def errors(all_cases: list[Case], cal: Calibration) -> list[tuple[Case, str, flo
 # parameter -> (quantities it drives, candidate values)
 GRID = {
     "train_efficiency": (("train_s",), [x / 100 for x in range(25, 81)]),
+    "eager_efficiency": (("train_s",), [x / 100 for x in range(15, 81)]),
     "moe_efficiency": (("train_s",), [x / 100 for x in range(10, 71)]),
     "fsdp2_moe_efficiency": (("train_s",), [x / 100 for x in range(5, 61)]),
     "per_microbatch_s": (("train_s", "logprobs_s"), [x / 1000 for x in range(0, 41, 2)]),
@@ -251,8 +258,27 @@ GRID = {
 }
 
 
+def _eager(c: Case) -> bool:
+    return c.layout.backend == "fsdp2" and not c.work.compiled
+
+
+# the training efficiency each case's training phase reads (:func:`rlcore.planning.timing._pass_s`): a parameter is
+# fitted to the cases it prices, or a case it does not price would hold the worst error whatever its value
+TRAINING_EFFICIENCY = {
+    "train_efficiency": lambda c: not c.shape.moe and not _eager(c),
+    "eager_efficiency": lambda c: not c.shape.moe and _eager(c),
+    "moe_efficiency": lambda c: c.shape.moe and c.layout.backend != "fsdp2",
+    "fsdp2_moe_efficiency": lambda c: c.shape.moe and c.layout.backend == "fsdp2",
+}
+
+
+def _drives(name: str, c: Case) -> bool:
+    return TRAINING_EFFICIENCY.get(name, lambda _: True)(c)
+
+
 # what the H100 rows measure; the other compute efficiencies follow the training ratio (see the module's text)
-H100_FITTED = ("train_efficiency", "decode_bandwidth_efficiency", "refit_gbps", "wake_gibps")
+H100_FITTED = ("train_efficiency", "eager_efficiency", "decode_host_ms", "decode_bandwidth_efficiency", "refit_fixed_s", "refit_gbps",
+               "wake_gibps")
 H100_SCALED = ("moe_efficiency", "fsdp2_moe_efficiency", "forward_efficiency", "prefill_efficiency")
 
 
@@ -284,7 +310,9 @@ def fit(all_cases: list[Case], rounds: int = 4, start: Calibration | None = None
     for _ in range(rounds):
         for name in (n for n in names if n not in REFIT):
             quantities, values = GRID[name]
-            subset = [c for c in all_cases if set(quantities) & set(c.measured)]
+            subset = [c for c in all_cases if set(quantities) & set(c.measured) and _drives(name, c)]
+            if not subset:  # no row measures it: it keeps its value
+                continue
             def worst(v, subset=subset, quantities=quantities, name=name):
                 trial = attrs.evolve(cal, **{name: v})
                 return max((abs(p / m - 1) for _, q, p, m in errors(subset, trial) if q in quantities), default=0.0)
@@ -304,6 +332,11 @@ def main(argv: list[str]) -> int:
     fitted = {"h200": cases(path, "h200"), "h100": cases(path, "h100")}
     cals = {"h200": fit(fitted["h200"])}
     cals["h100"] = fit_h100(fitted["h100"], cals["h200"])
+    # no H200 row trains a dense model on eager FSDP2: its eager efficiency moves with its training efficiency as the
+    # H100's does (the same kernels)
+    h100 = cals["h100"]
+    cals["h200"] = attrs.evolve(cals["h200"], eager_efficiency=round(
+        cals["h200"].train_efficiency * h100.eager_efficiency / h100.train_efficiency, 3))
     out = {}
     for name, cal in cals.items():
         values = {f.name: getattr(cal, f.name) for f in attrs.fields(Calibration) if f.name != "source"}

@@ -80,7 +80,7 @@ def calibrate(gpu_name: str) -> tuple:
         table = gpu_entry(gpu_name)
         shipped = load_calibration(gpu_name)
         scale = measured["gemm_tflops"] / table.peak_tflops / GEMM_SHARE_REF
-        for name in ("train_efficiency", "moe_efficiency", "fsdp2_moe_efficiency", "forward_efficiency", "prefill_efficiency"):
+        for name in ("train_efficiency", "eager_efficiency", "moe_efficiency", "fsdp2_moe_efficiency", "forward_efficiency", "prefill_efficiency"):
             values[name] = round(min(0.95, getattr(shipped, name) * scale), 4)
         values["decode_bandwidth_efficiency"] = round(min(0.95, max(measured["copy_tbps"], measured["decode_tbps"]) / table.hbm_tbps), 4)
         if "link_gbps" in measured:

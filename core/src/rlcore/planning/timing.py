@@ -48,7 +48,8 @@ def _pass_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, ca
     elif lay.recompute == "selective" and not forward_only:
         flops += 2 * shape.layers * shape.q_dim * work.sum_sq
     moe_eff = cal.fsdp2_moe_efficiency if lay.backend == "fsdp2" else cal.moe_efficiency
-    eff = cal.forward_efficiency if forward_only else (moe_eff if shape.moe else cal.train_efficiency)
+    dense_eff = cal.eager_efficiency if lay.backend == "fsdp2" and not work.compiled else cal.train_efficiency
+    eff = cal.forward_efficiency if forward_only else (moe_eff if shape.moe else dense_eff)
     compute = flops / world / (cluster.gpu.peak_tflops * 1e12 * eff)
     if lay.pp > 1:
         compute *= 1 + (lay.pp - 1) / (lay.vpp * n_mb)
