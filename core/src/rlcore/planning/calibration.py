@@ -45,6 +45,9 @@ class Calibration:
     engine_asleep_gib: float = field(default=0.5, metadata=doc("what a sleeping engine keeps on the GPU"))
     refit_fixed_s: float = field(default=0.15, metadata=doc("fixed cost of one refit"))
     refit_gbps: float = field(default=13.0, metadata=doc("GB/s of weights into a colocated engine"))
+    lora_merge_gbps: float = field(default=30.0, metadata=doc(
+        "a LoRA run's refit: GB/s of merged weights the trainer makes (the adapters added into the base weights, cast "
+        "to the engine's dtype) before it sends them"))
     wake_gibps: float = field(default=300.0, metadata=doc("GiB/s at which a colocated engine maps its KV cache back as it wakes (the refit phase's start)"))
     offload_gbps: float = field(default=50.0, metadata=doc("GB/s of trainer state to and from host memory"))
     headroom: float = field(default=0.05, metadata=doc("share of each GPU's memory a fitting layout leaves free (the model's error, fragmentation)"))

@@ -20,7 +20,7 @@ H200 (one GPU):
   one engine per GPU and no MPS cap.
 
 H100 (one GPU): the synchronous GRPO steps of :data:`H100_GRPO` (two dense shapes, Megatron and eager FSDP2) since
-:data:`H100_SINCE`. They set what they measure (:data:`H100_FITTED`: the dense and the eager FSDP2 training
+:data:`H100_SINCE`, and the refits of :data:`H100_LORA` (the LoRA merge rate). They set what they measure (:data:`H100_FITTED`: the dense and the eager FSDP2 training
 efficiencies, decode's host cost and bandwidth efficiency, the refit's fixed cost, transfer and wake-up rates: two
 shapes make the fixed costs separable from the rates); the other compute efficiencies scale from the H200's by the
 same training ratio (the same kernels reach a share of each GPU's peak that moves together), and so does the H200's
@@ -41,6 +41,7 @@ from pathlib import Path
 import attrs
 from attrs import frozen
 
+from rlcore.config.schema import LoraConfig
 from rlcore.planning import search
 from rlcore.planning.bench_shapes import SHAPES, bench_shape
 from rlcore.planning.calibration import Calibration
@@ -64,10 +65,6 @@ HELD_OUT = frozenset({
     ("bench_grpo_step", "llama1b-fsdp2-ppo [policy.generation.gpu_memory_utilization=0.25]", "20261205T171548-d0c101"),
     ("bench_grpo_step", "llama1b-megatron-ppo [policy.generation.gpu_memory_utilization=0.25] "
      "[policy.megatron_cfg.empty_unused_memory_level=1]", "2026-12-05T17:15:00+00:00"),
-    # another shape: rank-16 LoRA on an 8B Llama, 8192-token micro-batches, on Megatron and on FSDP2 with
-    # activation checkpointing, the engine's share and the trainer's release as the run's memory plan set them (H100)
-    ("bench_grpo_step", "llama8b-megatron-lora", "20261206T095527-fc1fcc"),
-    ("bench_grpo_step", "llama8b-fsdp2-lora", "20261206T100301-6f8f0d"),
     # the single-GPU 1.2B configurations other than the two the H100 fit reads, with no memory key set: the run's
     # memory plan chose the engine's share and the release (H100, benchmarks/gpu/fits.sh)
     ("bench_grpo_step", "llama1b-megatron-cuda-graph", "20261206T130822-e13175"),
@@ -177,10 +174,13 @@ H100_SINCE = "2026-12-06T12:00"
 
 
 def _h100_case(i: int, r: dict) -> Case | None:
-    """A synchronous GRPO step on one H100, planned with its own engine share (the run's memory plan)."""
-    if r["bench"] != "bench_grpo_step" or r["variant"] not in H100_GRPO or "(summary after 0)" in r["config"]:
+    """A synchronous GRPO step on one H100, planned with its own engine share (the run's memory plan); of a LoRA
+    row (:data:`H100_LORA`), its refit alone."""
+    if r["bench"] != "bench_grpo_step" or "(summary after 0)" in r["config"]:
         return None
-    if r["date"] < H100_SINCE:
+    if r["variant"] in H100_LORA:
+        return _h100_lora_case(i, r)
+    if r["variant"] not in H100_GRPO or r["date"] < H100_SINCE:
         return None
     response = round(r["tokens_per_sample"])
     work = Workload(samples=r["samples"], prompt_tokens=16, response_tokens=response, max_seq=r["max_new_tokens"] + 64,
@@ -188,6 +188,19 @@ def _h100_case(i: int, r: dict) -> Case | None:
     lay = Layout(backend="fsdp2" if "fsdp2" in r["variant"] else "megatron", train_mb_tokens=8192, logprob_mb_tokens=16384,
                  gen_memory_fraction=r["memory_plan/engine_fraction"])
     return Case(i, r["variant"], grpo_bench_shape(r["variant"]), work, lay, {k: r[k] for k in ("train_s", "refit_s")}, "h100")
+
+
+# LoRA rank 16 on the default projections (the benchmark's LoRA configurations): their refits set the merge rate
+H100_LORA = ("llama8b-megatron-lora", "llama8b-fsdp2-lora")
+
+
+def _h100_lora_case(i: int, r: dict) -> Case:
+    shape = grpo_bench_shape(r["variant"])
+    work = Workload(samples=r["samples"], prompt_tokens=16, response_tokens=round(r["tokens_per_sample"]),
+                    max_seq=r["max_new_tokens"] + 64, lora_params=shape.lora_params(16, LoraConfig().target_modules))
+    lay = Layout(backend="fsdp2" if "fsdp2" in r["variant"] else "megatron", train_mb_tokens=8192,
+                 gen_memory_fraction=r["memory_plan/engine_fraction"])
+    return Case(i, r["variant"], shape, work, lay, {"refit_s": r["refit_s"]}, "h100")
 
 
 def cases(path: Path, gpu_name: str = "h200") -> list[Case]:
@@ -209,7 +222,7 @@ def cases(path: Path, gpu_name: str = "h200") -> list[Case]:
 
 def _generation_medians(rows: list[dict], out: list[Case]) -> None:
     """Attach to each GRPO case the median generation phase of the synchronous rows of its model."""
-    grpo = [k for k, c in enumerate(out) if rows[c.row - 1]["bench"] == "bench_grpo_step"]
+    grpo = [k for k, c in enumerate(out) if rows[c.row - 1]["bench"] == "bench_grpo_step" and "train_s" in c.measured]
     by_model: dict[str, list[float]] = {}
     for k in grpo:
         by_model.setdefault(out[k].shape.name, []).append(rows[out[k].row - 1]["generation_s"])
@@ -254,6 +267,7 @@ GRID = {
     "refit_fixed_s": (("refit_s",), [x / 100 for x in range(0, 41, 2)]),
     "refit_gbps": (("refit_s",), [float(x) for x in range(4, 61, 2)]),
     "wake_gibps": (("refit_s",), [float(x) for x in range(100, 1001, 25)]),
+    "lora_merge_gbps": (("refit_s",), [float(x) for x in range(4, 81, 2)]),
     "offload_gbps": (("offload_s",), [float(x) for x in range(10, 121, 5)]),
 }
 
@@ -278,7 +292,7 @@ def _drives(name: str, c: Case) -> bool:
 
 # what the H100 rows measure; the other compute efficiencies follow the training ratio (see the module's text)
 H100_FITTED = ("train_efficiency", "eager_efficiency", "decode_host_ms", "decode_bandwidth_efficiency", "refit_fixed_s", "refit_gbps",
-               "wake_gibps")
+               "wake_gibps", "lora_merge_gbps")
 H100_SCALED = ("moe_efficiency", "fsdp2_moe_efficiency", "forward_efficiency", "prefill_efficiency")
 
 
@@ -286,10 +300,23 @@ REFIT = ("refit_fixed_s", "refit_gbps", "wake_gibps")  # searched together: each
 
 
 def _fit_refit(all_cases: list[Case], cal: Calibration, names: tuple) -> Calibration:
-    """The refit's parameters among ``names`` over their whole grid at once (the refit is priced from memory
-    that does not depend on them, so each case's memory is estimated once)."""
+    """The refit's parameters among ``names`` over their whole grid at once on the full fine-tuning rows (the refit
+    is priced from memory that does not depend on them, so each case's memory is estimated once), then a LoRA
+    run's merge rate on the LoRA rows, the rest fixed."""
     from rlcore.planning import memory, timing
 
+    if "lora_merge_gbps" in names:
+        cal = _fit_refit([c for c in all_cases if not c.work.lora_params], cal, tuple(n for n in names if n != "lora_merge_gbps"))
+        lora = [c for c in all_cases if c.work.lora_params and "refit_s" in c.measured]
+        if not lora:
+            return cal
+        mems = [memory.estimate(c.shape, c.work, c.layout, Cluster(gpu(c.gpu_name), 1, 1), cal) for c in lora]
+
+        def worst_merge(value):
+            trial = attrs.evolve(cal, lora_merge_gbps=value)
+            return max(abs(timing.refit_s(c.shape, c.work, c.layout, Cluster(gpu(c.gpu_name), 1, 1), trial, m)
+                           / c.measured["refit_s"] - 1) for c, m in zip(lora, mems))
+        return attrs.evolve(cal, lora_merge_gbps=min(GRID["lora_merge_gbps"][1], key=worst_merge))
     subset = [c for c in all_cases if "refit_s" in c.measured]
     clusters = [Cluster(gpu(c.gpu_name), 1, 1) for c in subset]
     mems = [memory.estimate(c.shape, c.work, c.layout, k, cal) for c, k in zip(subset, clusters)]
@@ -308,7 +335,7 @@ def fit(all_cases: list[Case], rounds: int = 4, start: Calibration | None = None
     quantities it drives; the rest stay ``start``'s. The refit's parameters are searched jointly, last."""
     cal = start or Calibration()
     for _ in range(rounds):
-        for name in (n for n in names if n not in REFIT):
+        for name in (n for n in names if n not in REFIT and n != "lora_merge_gbps"):  # those: _fit_refit
             quantities, values = GRID[name]
             subset = [c for c in all_cases if set(quantities) & set(c.measured) and _drives(name, c)]
             if not subset:  # no row measures it: it keeps its value

@@ -8,7 +8,8 @@ data-parallel gradient reduce-scatter and parameter all-gather (FSDP: per micro-
 the overlappable ones not hidden behind compute. Generation: an engine's decode steps are its tokens in
 full batches and then its longest response's tail; each step reads the engine's weights and the KV cache
 of the sequences in flight from memory (or computes their GEMMs, whichever is slower) plus a host cost per
-step; prefill is FLOPs. Refit: bytes into the engine plus a fixed cost. PPO's critic: its values and
+step; prefill is FLOPs. Refit: bytes into the engine plus a fixed cost (and, for LoRA, the trainer's merge of the
+adapters into the base weights before they leave). PPO's critic: its values and
 training passes (:mod:`rlcore.planning.critic`). The step: the sum, or one step off the longer of
 generation and the trainer's side (:func:`step_s`).
 """
@@ -134,10 +135,12 @@ def refit_s(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, ca
     """Colocated, the phase starts with the engine's wake-up, which maps its KV cache back (a larger engine
     share wakes slower), then moves the weights into it; on GPUs of its own, the weights cross the link."""
     per_engine = shape.total_params * work.dtype_bytes / lay.gen_tp
+    # LoRA: each trainer rank merges its shard of the base weights with the adapters before they leave
+    merge = shape.total_params * work.dtype_bytes / (lay.tp * lay.pp) / (cal.lora_merge_gbps * 1e9) if work.lora_params else 0.0
     if lay.colocated:
-        return cal.refit_fixed_s + per_engine / (cal.refit_gbps * 1e9) + mem.engine_kv_gib / cal.wake_gibps
+        return cal.refit_fixed_s + merge + per_engine / (cal.refit_gbps * 1e9) + mem.engine_kv_gib / cal.wake_gibps
     gbps = cluster.gpu.network_gbps if cluster.nodes > 1 else cluster.gpu.link_gbps
-    return cal.refit_fixed_s + shape.total_params * work.dtype_bytes / (gbps * 1e9 * cal.comm_efficiency)
+    return cal.refit_fixed_s + merge + shape.total_params * work.dtype_bytes / (gbps * 1e9 * cal.comm_efficiency)
 
 
 def offload_s(mem: Memory, lay: Layout, work: Workload, cal: Calibration) -> float:
