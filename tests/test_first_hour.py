@@ -3,7 +3,8 @@
 One 3-step ``rlcore run`` of the tiny recipe (its vLLM generator, a plain reward function from
 ``env.reward_fn``, checkpoints every 2 steps, TensorBoard on) is shared by the tests below: its
 console, its final model and last-step checkpoint, then ``rlcore export`` and ``rlcore eval`` on
-its run directory. Ctrl-C has its own run.
+its run directory. Ctrl-C has its own run; SIGTERM at each phase of a step, a chain of runs that
+each resume the one before.
 """
 
 from __future__ import annotations
@@ -276,15 +277,18 @@ def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model
                                                              settings, psutil)
         assert kept == 0 or re.search(rf"resumed from \S+ at step {kept}\b", out), (phase, out[-2000:])
         assert ended_after < GROUP_TIMEOUT_S + EXIT_MARGIN_S, (phase, ended_after, out[-2000:], err[-3000:])
-        ours = [line for line in err.splitlines() if not line.startswith(("(EngineCore", "(Worker"))]  # the engine logs its own end
+        # the engine logs its own end
+        ours = [line for line in err.splitlines() if not line.startswith(("(EngineCore", "(Worker"))]
         assert not any("Traceback" in line for line in ours), (phase, err[-3000:])
-        assert re.search(r"SIGTERM received(: stopped after step \d+|: the run stopped mid-step| .*has not ended)", out + err), (phase, err[-3000:])
+        assert re.search(r"SIGTERM received(: stopped after step \d+|: the run stopped mid-step| .*has not ended)",
+                         out + err), (phase, err[-3000:])
         _, alive = psutil.wait_procs(children, timeout=60)
         assert not alive, (phase, [(p.pid, p.name()) for p in alive])
         kept = checkpoint_kept(phase, kept, step_of_run)
         steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
         print(phase, steps, f"{ended_after:.1f}s", out[-1500:], "\n".join(ours)[-3000:], sep="\n")
-        assert steps[-1] == f"step_{kept:06d}" and (run_dir / "checkpoints" / steps[-1] / "loop_state.pt").is_file(), (phase, steps)
+        newest = run_dir / "checkpoints" / steps[-1]
+        assert steps[-1] == f"step_{kept:06d}" and (newest / "loop_state.pt").is_file(), (phase, steps)
         recorded = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert recorded == list(range(1, kept + 1)), (phase, recorded)
     resumed = rlcore("run", RECIPE, *group_run_args(tiny_model_dir, run_dir, **settings), "--resume", timeout=900)
