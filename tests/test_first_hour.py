@@ -3,7 +3,8 @@
 One 3-step ``rlcore run`` of the tiny recipe (its vLLM generator, a plain reward function from
 ``env.reward_fn``, checkpoints every 2 steps, TensorBoard on) is shared by the tests below: its
 console, its final model and last-step checkpoint, then ``rlcore export`` and ``rlcore eval`` on
-its run directory. Ctrl-C has its own run.
+its run directory. Ctrl-C has its own run; SIGTERM at each phase of a step, a chain of runs that
+each resume the one before.
 """
 
 from __future__ import annotations
@@ -146,8 +147,11 @@ def start_in_own_group(model_dir: Path, run_dir: Path, launcher: list[str] | Non
 
 
 def group_run_args(model_dir: Path, run_dir: Path, **extra) -> list[str]:
+    # Eager engine: these runs test signals, not vLLM's compiled model, whose warm-up (Inductor on CPU)
+    # costs each engine start 10-25 s on 2 cores; tiny_run keeps the recipe's compiled one.
     return overrides(model_dir, run_dir, generator="vllm", **{
-        "train.max_num_steps": 500, "train.val_period": 0, "checkpointing.enabled": "true", **extra})
+        "train.max_num_steps": 500, "train.val_period": 0, "checkpointing.enabled": "true",
+        "policy.generation.enforce_eager": "true", **extra})
 
 
 def children_once_a_step_is_recorded(proc: subprocess.Popen, run_dir: Path, psutil) -> list:
@@ -205,22 +209,26 @@ def pids_of_group(pgid: int, psutil) -> list[tuple[int, str]]:
     return left
 
 
-@pytest.mark.wall_clock
-@pytest.mark.timeout(1800)  # two engine starts (the run's, the resume's) of up to 8 minutes each on a loaded machine
-@pytest.mark.parametrize("phase, kept", [("generation", 1), ("training", 2), ("refit", 2), ("checkpoint", 2)])
-def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model_dir, tmp_path, phase, kept):
-    """SIGTERM to the whole process group (``timeout``, Slurm, Kubernetes) of a vLLM run while it is in
-    ``phase`` of step 2 (the step timer's: the launcher holds there until the signal has arrived):
-    vLLM's engine dies with it. The run ends within cluster.timeout_s of the signal, exit 143, with
-    the checkpoint of step 2 once its training has begun (the refit its weights were for is skipped:
-    no step follows), else of step 1; nothing of its process group is left; and ``--resume`` goes on
-    from that checkpoint, each step's record once."""
-    psutil = pytest.importorskip("psutil")
-    run_dir, marker = tmp_path / "run", tmp_path / "in-phase"
-    settings = {"checkpointing.save_period": 1, "cluster.timeout_s": GROUP_TIMEOUT_S, "train.val_at_start": "false",
-                "train.max_num_steps": 3}
-    launcher = [sys.executable, str(PHASE_LAUNCHER), phase, "2", str(marker), "--"]
-    proc = start_in_own_group(tiny_model_dir, run_dir, launcher, **settings)
+# (phase, step of its run) where each run of the chain below is signalled: every run but the first is the
+# same command again, which resumes the one before. Step 2 of its run: one whole step of that process is
+# behind it.
+PHASES = (("generation", 2), ("training", 2), ("refit", 2), ("checkpoint", 2))
+
+
+def checkpoint_kept(phase: str, resumed_at: int, step_of_run: int) -> int:
+    """The newest checkpoint once a run resumed at ``resumed_at`` is signalled in ``phase`` of its
+    ``step_of_run``-th step (save_period 1): that step's once its training has begun, else the step before."""
+    return resumed_at + step_of_run - (phase == "generation")
+
+
+def signal_the_group_in(phase: str, step_of_run: int, model_dir: Path, run_dir: Path, marker: Path, settings: dict,
+                        psutil) -> tuple[str, str, float, list]:
+    """Starts the run (resuming when it has a checkpoint) held in ``phase`` of its ``step_of_run``-th step,
+    SIGTERMs its whole process group there and waits for it to end: (stdout, stderr, seconds from the
+    signal to its end, the processes it had when signalled)."""
+    marker.unlink(missing_ok=True)
+    launcher = [sys.executable, str(PHASE_LAUNCHER), phase, str(step_of_run), str(marker), "--"]
+    proc = start_in_own_group(model_dir, run_dir, launcher, **settings)
     try:
         deadline = time.monotonic() + 600  # an engine start on a loaded 2-core machine: up to 8 minutes seen
         while not marker.exists():
@@ -228,10 +236,11 @@ def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 out, err = proc.communicate()
-                pytest.fail(f"the run did not reach {phase} of step 2 (status {proc.returncode}): {out[-1500:]} {err[-3000:]}")
+                pytest.fail(f"the run did not reach {phase} of its step {step_of_run} (status {proc.returncode}): "
+                            f"{out[-1500:]} {err[-3000:]}")
             time.sleep(0.05)
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert any(p.name().startswith("VLLM::") for p in children), [p.name() for p in children]
+        assert any(p.name().startswith("VLLM::") for p in children), (phase, [p.name() for p in children])
         os.killpg(proc.pid, signal.SIGTERM)
         signalled = time.monotonic()
         out, err = proc.communicate(timeout=240)
@@ -239,21 +248,51 @@ def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-3000:]
-    assert ended_after < GROUP_TIMEOUT_S + EXIT_MARGIN_S, (ended_after, out[-2000:], err[-3000:])
-    ours = [line for line in err.splitlines() if not line.startswith(("(EngineCore", "(Worker"))]  # the engine logs its own end
-    assert not any("Traceback" in line for line in ours), err[-3000:]
-    assert re.search(r"SIGTERM received(: stopped after step \d+|: the run stopped mid-step| .*has not ended)", out + err), err[-3000:]
-    _, alive = psutil.wait_procs(children, timeout=60)
-    assert not alive, [(p.pid, p.name()) for p in alive]
-    assert pids_of_group(proc.pid, psutil) == []
-    steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    print(phase, steps, f"{ended_after:.1f}s", out[-1500:], "\n".join(ours)[-3000:], sep="\n")
-    assert steps[-1] == f"step_{kept:06d}" and (run_dir / "checkpoints" / steps[-1] / "loop_state.pt").is_file(), steps
-    recorded = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert recorded == list(range(1, kept + 1)), recorded
+    assert proc.returncode == 128 + signal.SIGTERM, (phase, out[-2000:] + err[-3000:])
+    assert pids_of_group(proc.pid, psutil) == [], phase
+    return out, err, ended_after, children
+
+
+@pytest.mark.wall_clock
+@pytest.mark.timeout(3600)  # five engine starts (a run and four resumes) of up to 8 minutes each on a loaded machine
+def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model_dir, tmp_path):
+    """SIGTERM to the whole process group (``timeout``, Slurm, Kubernetes) of a vLLM run while it is in
+    each phase of a step (the step timer's: the launcher holds there until the signal has arrived),
+    one phase a run: a run, then the same command again each time (it resumes). vLLM's engine dies with it.
+    The run ends within cluster.timeout_s of the signal, exit 143, with the checkpoint of that step
+    once its training has begun (the refit its weights were for is skipped: no step follows), else
+    of the step before; nothing of its process group is left; the next run goes on from that
+    checkpoint, and a last ``--resume`` ends the run with each step's record once."""
+    psutil = pytest.importorskip("psutil")
+    run_dir, marker = tmp_path / "run", tmp_path / "in-phase"
+    last_step = 0
+    for phase, step_of_run in PHASES:
+        last_step = checkpoint_kept(phase, last_step, step_of_run)
+    last_step += 1  # the last resume's own step
+    settings = {"checkpointing.save_period": 1, "cluster.timeout_s": GROUP_TIMEOUT_S, "train.val_at_start": "false",
+                "train.max_num_steps": last_step}
+    kept = 0  # the checkpoint each run resumes from (none for the first)
+    for phase, step_of_run in PHASES:
+        out, err, ended_after, children = signal_the_group_in(phase, step_of_run, tiny_model_dir, run_dir, marker,
+                                                             settings, psutil)
+        assert kept == 0 or re.search(rf"resumed from \S+ at step {kept}\b", out), (phase, out[-2000:])
+        assert ended_after < GROUP_TIMEOUT_S + EXIT_MARGIN_S, (phase, ended_after, out[-2000:], err[-3000:])
+        # the engine logs its own end
+        ours = [line for line in err.splitlines() if not line.startswith(("(EngineCore", "(Worker"))]
+        assert not any("Traceback" in line for line in ours), (phase, err[-3000:])
+        assert re.search(r"SIGTERM received(: stopped after step \d+|: the run stopped mid-step| .*has not ended)",
+                         out + err), (phase, err[-3000:])
+        _, alive = psutil.wait_procs(children, timeout=60)
+        assert not alive, (phase, [(p.pid, p.name()) for p in alive])
+        kept = checkpoint_kept(phase, kept, step_of_run)
+        steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        print(phase, steps, f"{ended_after:.1f}s", out[-1500:], "\n".join(ours)[-3000:], sep="\n")
+        newest = run_dir / "checkpoints" / steps[-1]
+        assert steps[-1] == f"step_{kept:06d}" and (newest / "loop_state.pt").is_file(), (phase, steps)
+        recorded = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert recorded == list(range(1, kept + 1)), (phase, recorded)
     resumed = rlcore("run", RECIPE, *group_run_args(tiny_model_dir, run_dir, **settings), "--resume", timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    assert f"at step {kept}" in resumed.stdout, resumed.stdout[-2000:]
+    assert re.search(rf"resumed from \S+ at step {kept}\b", resumed.stdout), resumed.stdout[-2000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3], (recorded, [r["step"] for r in records])
+    assert [r["step"] for r in records] == list(range(1, last_step + 1)), [r["step"] for r in records]

@@ -81,6 +81,7 @@ class SyncEngine:
         with terminal_sigint_held():
             self.llm = LLM(**engine_kwargs)
         self._processes.after()
+        wake_waiters_when_the_engine_dies(self.llm.llm_engine.engine_core)
         self._lock = threading.Lock()
         self._lock_start = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -159,6 +160,31 @@ class SyncEngine:
             del llm, engine, core
             _release_device_memory()
             self._processes.release()
+
+
+def wake_waiters_when_the_engine_dies(client) -> None:
+    """A ``generate`` waiting on an engine core whose process has died raises vLLM's ``EngineDeadError``.
+
+    vLLM's sync client (``SyncMPClient``) notices the death of its engine core's process, marks the
+    engine dead and shuts itself down, but a call already waiting on its output queue is never woken:
+    it would wait forever (a SIGTERM to the run's process group, a killed or crashed engine core).
+    After that shutdown, the error put in the queue ends the wait; later calls raise it before
+    sending. An in-process engine core (no process to die) has no such queue and is left as it is."""
+    outputs, resources = getattr(client, "outputs_queue", None), getattr(client, "resources", None)
+    if outputs is None or not hasattr(resources, "engine_dead"):
+        return
+    shutdown = client.shutdown
+
+    def shutdown_then_wake(*args, **kwargs):
+        try:
+            return shutdown(*args, **kwargs)
+        finally:
+            if resources.engine_dead:
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                outputs.put_nowait(EngineDeadError())
+
+    client.shutdown = shutdown_then_wake
 
 
 def _release_device_memory() -> None:
