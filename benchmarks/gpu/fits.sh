@@ -26,3 +26,22 @@ fits() {
     cp benchmarks/results.jsonl "$OUT/results.jsonl"
   done
 }
+
+# A configuration with no memory key beside the same one with hand-set memory settings, back to back in one call
+# (generation varies by tens of percent from call to call, so only a pair from one call compares):
+#   fits_pair CONFIG KEY=VALUE...     e.g. fits_pair llama1b-megatron policy.generation.gpu_memory_utilization=0.5
+# The hand-set row's variant names its settings ([key=value]); a pair done in an earlier call is not run again.
+fits_pair() {
+  local config=$1 steps="--steps 2 --warmup 1" marker sets=() setting; shift
+  marker="$FITS_DONE/pair-$config-$(echo "$*" | md5sum | cut -c1-8)"
+  mkdir -p "$FITS_DONE"
+  [ -e "$marker" ] && return
+  case $config in *multiturn*) steps="--steps 1 --warmup 0" ;; esac
+  for setting in "$@"; do sets+=(--set "$setting"); done
+  # shellcheck disable=SC2086
+  job "$config" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
+  # shellcheck disable=SC2086
+  job "$config-hand-set" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps "${sets[@]}"
+  grep -q '^'"$config"'-hand-set: rc=0' "$OUT/jobs.txt" && grep -q '^'"$config"': rc=0' "$OUT/jobs.txt" && touch "$marker"
+  cp benchmarks/results.jsonl "$OUT/results.jsonl"
+}
