@@ -1,6 +1,7 @@
 """The model's files, checked before anything loads them: ``policy.model_name`` (and ``policy.tokenizer_name``,
-and PPO's ``algorithm.critic.model_name``) must be Hugging Face model directories, or hub ids the cache or the hub knows. Without it, a wrong path fails
-deep inside transformers, after retries, naming neither the key nor the directory."""
+and PPO's ``algorithm.critic.model_name``) must be Hugging Face model directories, or hub ids the cache or the hub
+knows. Without it, a wrong path fails deep inside transformers, after retries, naming neither the key nor the
+directory."""
 
 from __future__ import annotations
 

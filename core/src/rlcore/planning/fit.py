@@ -20,9 +20,10 @@ H200 (one GPU):
   one engine per GPU and no MPS cap.
 
 H100 (one GPU): the synchronous GRPO steps of :data:`H100_GRPO` (two dense shapes, Megatron and eager FSDP2) since
-:data:`H100_SINCE`, and the refits of :data:`H100_LORA` (the LoRA merge rate). They set what they measure (:data:`H100_FITTED`: the dense and the eager FSDP2 training
-efficiencies, decode's host cost and bandwidth efficiency, the refit's fixed cost, transfer and wake-up rates: two
-shapes make the fixed costs separable from the rates); the other compute efficiencies scale from the H200's by the
+:data:`H100_SINCE`, and the refits of :data:`H100_LORA` (the LoRA merge rate). They set what they measure
+(:data:`H100_FITTED`: the dense and the eager FSDP2 training efficiencies, decode's host cost and bandwidth
+efficiency, the refit's fixed cost, transfer and wake-up rates: two shapes make the fixed costs separable from the
+rates); the other compute efficiencies scale from the H200's by the
 same training ratio (the same kernels reach a share of each GPU's peak that moves together), and so does the H200's
 eager efficiency, which no H200 row measures; memory factors are the H200's.
 
@@ -291,8 +292,8 @@ def _drives(name: str, c: Case) -> bool:
 
 
 # what the H100 rows measure; the other compute efficiencies follow the training ratio (see the module's text)
-H100_FITTED = ("train_efficiency", "eager_efficiency", "decode_host_ms", "decode_bandwidth_efficiency", "refit_fixed_s", "refit_gbps",
-               "wake_gibps", "lora_merge_gbps")
+H100_FITTED = ("train_efficiency", "eager_efficiency", "decode_host_ms", "decode_bandwidth_efficiency", "refit_fixed_s",
+               "refit_gbps", "wake_gibps", "lora_merge_gbps")
 H100_SCALED = ("moe_efficiency", "fsdp2_moe_efficiency", "forward_efficiency", "prefill_efficiency")
 
 
@@ -306,7 +307,8 @@ def _fit_refit(all_cases: list[Case], cal: Calibration, names: tuple) -> Calibra
     from rlcore.planning import memory, timing
 
     if "lora_merge_gbps" in names:
-        cal = _fit_refit([c for c in all_cases if not c.work.lora_params], cal, tuple(n for n in names if n != "lora_merge_gbps"))
+        full = [c for c in all_cases if not c.work.lora_params]
+        cal = _fit_refit(full, cal, tuple(n for n in names if n != "lora_merge_gbps"))
         lora = [c for c in all_cases if c.work.lora_params and "refit_s" in c.measured]
         if not lora:
             return cal
