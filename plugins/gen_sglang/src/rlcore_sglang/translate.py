@@ -88,9 +88,9 @@ def prompt_logprobs(output: dict[str, Any], sequence: list[int], vocab_size: int
         got = "none" if entries is None else len(entries)
         raise RuntimeError(f"SGLang returned {got} prompt logprobs for a sequence of {len(sequence)} tokens")
     ids = [int(e[1]) for e in entries]
-    if ids != [t if t < vocab_size - 1 else 0 for t in sequence]:
-        raise RuntimeError("SGLang scored other tokens than the sequence's "
-                           f"(first difference at {_first_difference(ids, list(sequence))})")
+    expected = [t if t < vocab_size - 1 else 0 for t in sequence]
+    if ids != expected:
+        raise RuntimeError(f"SGLang scored other tokens than the sequence's (first difference at {_first_difference(ids, expected)})")
     return [0.0] + [float(e[0]) for e in entries[1:]]
 
 
