@@ -63,10 +63,6 @@ def _rows() -> dict[tuple, tuple[int, dict]]:
     return out
 
 
-def _rows_by_number() -> dict[int, dict]:
-    return {number: r for number, r in _rows().values()}
-
-
 def _set(tree: dict, key: str, value) -> None:
     *parents, last = key.split(".")
     for part in parents:
@@ -178,9 +174,15 @@ def test_the_moe_slice_at_the_edge_of_memory():
     assert predicted["train_s"] == pytest.approx(r["step_s"], rel=0.30)
 
 
-# the held-out rows, and the H100 rows the fit reads for time alone (no calibration reads an H100 row's memory)
-MEMORY_ROWS = sorted(k for k in set(GRPO) | {fit.row_key(_rows_by_number()[c.row]) for c in fit.cases(RESULTS, "h100")}
-                     if "memory/training_device_gib" in _rows()[k][1]) if RESULTS.is_file() else []
+def _memory_rows() -> list[tuple]:
+    """The held-out rows, and the H100 rows the fit reads for time alone (no calibration reads an H100 row's memory)."""
+    rows = _rows()
+    by_number = {number: r for number, r in rows.values()}
+    keys = set(GRPO) | {fit.row_key(by_number[c.row]) for c in fit.cases(RESULTS, "h100")}
+    return sorted(k for k in keys if "memory/training_device_gib" in rows[k][1])
+
+
+MEMORY_ROWS = _memory_rows() if RESULTS.is_file() else []
 
 
 @pytest.mark.parametrize("key", MEMORY_ROWS, ids=lambda k: f"{k[1].split(' [')[0]}-{k[2][:15]}")
