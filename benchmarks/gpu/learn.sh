@@ -3,6 +3,8 @@
 #   learn DIR RUN...      RUN: fsdp2 | megatron | async (fsdp2, one step off, token_tis)
 #                         | async-megatron (Megatron, one step off, vLLM resident)
 #                         | fp8 (fsdp2, FP8 rollouts, token-level truncated IS) | fp8-megatron
+#                         | sglang (fsdp2, SGLang generating: its processes take SGLANG_SITE, default
+#                           /tmp/site-sglang, first on PYTHONPATH, as benchmarks/gpu/README.md installs it)
 #   learn_together DIR RUN...  the same runs started at once on the one GPU, engines resident
 #                         (colocated.sleep_level=0): at 141M parameters the GPU is mostly idle, and three
 #                         runs together take about 1.1 s a step each
@@ -35,7 +37,9 @@ learn_overrides() {
     # (fsdp2's checkpoints export on the CPU; a Transformer Engine Megatron checkpoint needs TE there).
     fp8) echo "policy.generation.quantization=fp8 algorithm.rollout_correction.preset=token_tis checkpointing.save_period=10 checkpointing.keep_last_k=5" ;;
     fp8-megatron) echo "policy.dtensor_cfg.enabled=false policy.megatron_cfg.enabled=true policy.generation.quantization=fp8 algorithm.rollout_correction.preset=token_tis" ;;
-    *) echo "learn: unknown run '$1' (fsdp2, megatron, async, async-megatron, fp8, fp8-megatron)" >&2; return 1 ;;
+    # The recipe's vLLM-only keys go; SGLang's own bounds the batch as max_num_seqs does for vLLM.
+    sglang) echo "policy.generation.backend=sglang ~policy.generation.max_num_seqs ~policy.generation.gpu_kv_cache_gib policy.generation.max_running_requests=512" ;;
+    *) echo "learn: unknown run '$1' (fsdp2, megatron, async, async-megatron, fp8, fp8-megatron, sglang)" >&2; return 1 ;;
   esac
 }
 
@@ -65,7 +69,9 @@ learn_start() {  # DIR RUN [override...]: start RUN in the background (pid in LE
   # A call's own time limit does not reach that group: LEARN_DEADLINE must stay under it, as it does (480-540 of 600 s).
   # cluster.exit_timeout_s=30: a run that has ended but does not exit prints its threads' stacks and exits
   # within the call, not after the default 300 s.
-  setsid python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
+  local site=
+  case $run in sglang*) site=${SGLANG_SITE:-/tmp/site-sglang}: ;; esac
+  setsid env PYTHONPATH="$site$PYTHONPATH" python3 -m rlcore.cli run $RECIPE "policy.model_name=$dir/sft" "logger.log_dir=$dir/grpo-$run" \
     cluster.exit_timeout_s=30 $(learn_overrides "$run") "$@" >> "$OUT/grpo-$run.log" 2>&1 &
   LEARN_PID=$!
 }

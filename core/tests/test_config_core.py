@@ -254,6 +254,33 @@ def test_override_wins_over_yaml_and_creates_sections(manager):
     assert data["train"]["max_num_steps"] == 10  # the caller's dict is not modified
 
 
+def test_a_tilde_override_removes_a_key_the_recipe_sets(manager):
+    # Switching a shared section's provider: the old provider's own keys must go, or they are unknown keys.
+    data = {**BASE, "algorithm": {"name": "fakealgo", "clip": 0.3}, "train": {"max_num_steps": 10}}
+    assert build(manager, [], data).section("algorithm") == FakeAlgoConfig(clip=0.3)
+    config = build(manager, ["~algorithm.clip", "~train.max_num_steps"], data)
+    assert config.section("algorithm") == FakeAlgoConfig() and config.train.max_num_steps == build(manager).train.max_num_steps
+    assert data["algorithm"] == {"name": "fakealgo", "clip": 0.3}  # the caller's dict is not modified
+    # Removed and set again: the overrides apply in order.
+    assert build(manager, ["~train.max_num_steps", "train.max_num_steps=4"], data).train.max_num_steps == 4
+    err = error(manager, ["~train.seed"], data)
+    assert err.key == "train.seed" and "does not set it" in str(err)
+    err = error(manager, ["~nosection.key"], data)
+    assert err.key == "nosection.key" and "does not set nosection" in str(err)
+    err = error(manager, ["~train.max_num_steps=3"], data)
+    assert "a removal looks like ~dotted.key" in str(err)
+    assert "a removal looks like" in str(error(manager, ["~"], data))
+
+
+def test_a_key_of_another_provider_names_its_owner_and_the_removal(manager):
+    err = error(manager, ["algorithm.name=fakealgo", "algorithm.kl_coef=0.1"])
+    assert err.key == "algorithm.kl_coef"
+    assert "a key of algorithm.name=grpo, not of fakealgo" in str(err) and "~algorithm.kl_coef" in str(err)
+    # A key no provider takes keeps the plain unknown-key error.
+    err = error(manager, ["algorithm.name=fakealgo", "algorithm.kl_coeff=0.1"])
+    assert "a key of" not in str(err) and "unknown key" in str(err)
+
+
 # ---- recipes on disk -------------------------------------------------------------------------
 def test_the_keys_every_trainer_reads_are_under_train_and_their_old_grpo_spelling_is_named(manager, tmp_path):
     recipe = tmp_path / "recipe.yaml"

@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run a recipe")
     p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value; ~dotted.key removes a key the recipe sets")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                    help="continue from this run's newest checkpoint (checkpointing.resume; default: the recipe's)")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on a recipe's validation set (JSON summary)")
     p.add_argument("model", help="a Hugging Face model directory, or an rlcore checkpoint (exported first)")
     p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value applied to the recipe")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value applied to the recipe; ~dotted.key removes one")
     p.add_argument("--k", type=int, default=1, help="pass@k (unbiased estimator over --samples samples per prompt)")
     p.add_argument("--samples", type=int, default=None, help="samples per prompt for pass@k (default: k)")
     p.add_argument("--batch-size", type=int, default=256, help="prompts per generate call")

@@ -35,6 +35,9 @@ Every key of a recipe, with its type, default and meaning, generated from the sc
 by its `backend` or `name` key. Keys under an `experimental` section exist to measure an
 alternative against the default; they may change or go without notice.
 `rlcore config --defaults` prints the same defaults as YAML.
+On the command line, `dotted.key=value` sets a key over the recipe and `~dotted.key` removes one the
+recipe sets: switching a shared section's provider drops the old provider's own keys, e.g.
+`policy.generation.backend=sglang '~policy.generation.max_num_seqs'`.
 """
 
 

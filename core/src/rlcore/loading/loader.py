@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import attrs
 import yaml
 
 from rlcore.config.schema import RunConfig
@@ -15,11 +16,17 @@ from rlcore.config.structure import MOVED_KEYS, ConfigError, RawText, set_dotted
 from rlcore.plugins import SHARED_SECTION_KEYS, PluginManager, get_plugin_manager
 
 
-def parse_override(item: str) -> tuple[list[str], RawText]:
+def parse_override(item: str) -> tuple[list[str], RawText | None]:
+    """``dotted.key=value`` sets a key; ``~dotted.key`` removes one the recipe sets (value None)."""
+    if item.startswith("~"):
+        key = item[1:].strip()
+        if not key or "=" in key or any(not part for part in key.split(".")):
+            raise ConfigError(key or item, f"override {item!r}: a removal looks like ~dotted.key, with no value")
+        return key.split("."), None
     key, sep, value = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(key or item, f"override {item!r} must look like dotted.key=value")
+        raise ConfigError(key or item, f"override {item!r} must look like dotted.key=value (or ~dotted.key to remove a key)")
     return key.split("."), RawText(value)
 
 
@@ -30,12 +37,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         node = data
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
+            if child is None and value is None:
+                raise ConfigError(".".join(parts), f"cannot remove it ({item!r}): the recipe does not set {'.'.join(parts[: i + 1])}")
             if child is None:
                 child = node[part] = {}
             elif not isinstance(child, dict):
                 raise ConfigError(".".join(parts[: i + 1]), f"is a value ({child!r}), not a section; cannot set {item!r}")
             node = child
-        node[parts[-1]] = value
+        if value is None:
+            if parts[-1] not in node:
+                raise ConfigError(".".join(parts), f"cannot remove it ({item!r}): the recipe does not set it")
+            del node[parts[-1]]
+        else:
+            node[parts[-1]] = value
     return data
 
 
@@ -66,9 +80,25 @@ def _section_resolver(manager: PluginManager):
             if value:
                 raise unknown_key_error(path, next(iter(value)), [])
             return None
-        return structure(reg.config_cls, value, path)
+        try:
+            return structure(reg.config_cls, value, path)
+        except ConfigError as err:
+            raise _with_other_provider_hint(err, path, key, reg.name, regs) from None
 
     return resolve
+
+
+def _with_other_provider_hint(err: ConfigError, path: str, key: str | None, chosen: str, regs) -> ConfigError:
+    """An unknown key that another provider of the shared section takes: say whose it is and how to drop it."""
+    prefix = f"{path}."
+    name = err.key[len(prefix):] if err.key.startswith(prefix) else ""
+    if key is None or not name or "." in name or not err.message.startswith("unknown key"):
+        return err
+    owners = [r.name for r in regs if r.name != chosen and r.config_cls is not None and name in attrs.fields_dict(r.config_cls)]
+    if not owners:
+        return err
+    return ConfigError(err.key, f"{err.message} (a key of {path}.{key}={owners[0]}, not of {chosen}: "
+                                f"remove it from the recipe, or add the override ~{err.key})")
 
 
 def build_config(data: dict, overrides: list[str] = (), manager: PluginManager | None = None) -> RunConfig:
