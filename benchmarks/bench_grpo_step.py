@@ -323,7 +323,7 @@ def row(name: str, shape: str, result: dict, gpus: int, args, train_gpus: int | 
     periods = [ended[r["step"]] - ended[r["step"] - 1] for r in records if r["step"] - 1 in ended and r["step"] in ended]
     refit_gbps = [r["refit/gb_per_s"] for r in records if "refit/gb_per_s" in r]
     return {
-        "config": name, "gpus": gpus, "samples": samples, "max_new_tokens": args.max_new_tokens, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
+        "config": name, "generator": args.generator, "gpus": gpus, "samples": samples, "max_new_tokens": args.max_new_tokens, "step_s": s.get("timing/total"), "train_s": s.get("timing/training"),
         "refit_s": s.get("timing/refit"), "generation_s": s.get("timing/generation"), "logprobs_s": s.get("timing/logprobs"),
         "offload_s": s.get("timing/offload"),  # colocated.offload_trainer_state: both directions
         "values_s": s.get("timing/values"), "critic_train_s": s.get("timing/critic_train"),  # ppo's critic phases
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         gpus = tree["cluster"]["gpus_per_node"] or 1
         placement = tree["policy"]["generation"].get("colocated", {})
         train_gpus = gpus - (placement.get("resources", {}).get("gpus_per_node", 0) if not placement.get("enabled", True) else 0)
-        label = name + "".join(f" [{item}]" for item in args.set)
+        label = name + (f" [{args.generator} generator]" if args.generator != "vllm" else "") + "".join(f" [{item}]" for item in args.set)
         if args.trainer_mps_percentage is not None:
             label += f" [mps trainer {args.trainer_mps_percentage}%]"
         if args.trainer_mps_priority is not None:
