@@ -56,6 +56,8 @@ def grpo_command(row: dict) -> str:
             args.append(f"--trainer-mps-priority {extra.split()[-1]}")
         elif extra.startswith("trainer GEMMs leave "):
             args.append(f"--trainer-sm-margin {extra.split()[3]}")
+        elif extra.endswith(" generator"):
+            args.append(f"--generator {extra.split()[0]}")
         else:
             args.append(f"--set {extra}")
     return "python benchmarks/bench_grpo_step.py " + " ".join(args)
@@ -115,6 +117,18 @@ def grpo_table(rows: list[dict]) -> str:
                      f"{_f(r.get('gen_tokens_per_gpu_s'), 0)} | {mfu} | `{grpo_command(r)}` | {r['date'][:10]} | "
                      f"{machine(r)} | `{str(r['commit'])[:7]}` |")
     return "\n".join(lines)
+
+
+def engine_pairs(steps: list[dict], rows: list[dict]) -> list[dict]:
+    """Each row of a generator other than vLLM, after the vLLM row of the same configuration that ran just before it
+    on the same machine (``bench_grpo_step.py --generator``: the pair runs back to back in one call)."""
+    out = []
+    for other in (r for r in steps if r.get("generator") not in (None, "vllm")):
+        name = other["variant"].split(" [")[0]
+        before = [r for r in rows if r.get("bench") == "bench_grpo_step" and r.get("variant") == name
+                  and r.get("machine") == other["machine"] and r["date"] < other["date"]]
+        out += [max(before, key=lambda r: r["date"]), other] if before else [other]
+    return out
 
 
 def memory_table(rows: list[dict]) -> str:
@@ -276,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     if planned:
         print("### Memory: the run's plan against the measured peaks\n\n" + memory_table(planned) + "\n")
     print("### PPO step (a critic beside the policy)\n\n" + grpo_table(ppo) + "\n")
-    print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain]) + "\n")
+    pairs = engine_pairs(gpu, rows)
+    if pairs:
+        print("### GRPO step, GPU: SGLang beside vLLM\n\n" + grpo_table(pairs) + "\n")
+    print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain + pairs]) + "\n")
     print("### GRPO step, CPU (tiny shapes)\n\n" + grpo_table([r for r in steps if r not in gpu]) + "\n")
     endpoint = endpoint_table(steps)
     if endpoint:

@@ -18,8 +18,10 @@ from pathlib import Path
 # beside the CPU model (the capture and replay on the GPU are test_megatron_cuda.py's); with Transformer Engine
 # installed, Megatron's optimizer takes TE's CUDA multi-tensor kernels for the gradient norm, even of CPU tensors.
 # So the worker sees what a CPU machine has: no GPU, no Transformer Engine (Megatron falls back to torch's).
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
-sys.modules["transformer_engine"] = None  # type: ignore[assignment]  # its import now fails as where it is absent
+# Only as a script: test_megatron_cuda.py imports this module's helpers into a process that uses both.
+if __name__ == "__main__":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    sys.modules["transformer_engine"] = None  # type: ignore[assignment]  # its import now fails as where it is absent
 
 import torch  # noqa: E402
 import torch.distributed as dist

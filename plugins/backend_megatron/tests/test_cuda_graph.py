@@ -101,3 +101,19 @@ def test_static_layout_pads_and_leaves_nothing_behind():
     assert static.seq_fields["advantages"].tolist() == [1.0, 2.0, 3.0] + [0.0] * (static.bucket.seqs - 3)
     assert (static.token_fields["old_logprobs"][used:] == 0).all() and static.totals_2.tolist() == [43.0, 3.0]
     assert static.params.max_seqlen_q == tokens + 1 and static.mb.num_seqs == static.bucket.seqs
+
+
+def test_importing_the_worker_leaves_the_importers_gpu_and_transformer_engine_alone():
+    """The worker hides the GPU and Transformer Engine from itself as a script only: test_megatron_cuda.py imports
+    its helpers into a process that needs both (hidden there, every later CUDA test and vLLM engine failed)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import cuda_graph_worker; "
+            "print(os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'), 'transformer_engine' in sys.modules "
+            "and sys.modules['transformer_engine'] is None)")
+    done = subprocess.run([sys.executable, "-c", code, str(WORKER.parent)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["0", "False"]

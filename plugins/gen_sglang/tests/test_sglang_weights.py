@@ -29,26 +29,45 @@ def test_buckets_hold_one_dtype_in_order_so_every_offset_is_whole_elements():
     assert by_dtype([]) == []
 
 
+# What the scheduler does with a payload, in a process of its own (a CUDA IPC handle does not open in the process
+# that made it): rebuild the bucket, and save its tensors on the host for the test to compare.
+READ_BACK = """
+import sys, torch
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+monkey_patch_torch_reductions()  # as SGLang's model runner does at start-up: the payload names its rebuild function
+data = MultiprocessingSerializer.deserialize(open(sys.argv[1], "rb").read())
+bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+torch.save([(name, tensor.is_cuda, tensor.cpu()) for name, tensor in bucket.reconstruct_tensors()], sys.argv[2])
+"""
+
+
 @pytest.mark.skipif(not HAS_SGLANG or not torch.cuda.is_available(),
                     reason="needs sglang and a CUDA GPU (no CPU build on the package index; the GPU check installs "
                     "sglang 0.5.17: benchmarks/gpu/README.md)")
-def test_sglangs_bucket_rebuilds_each_dtype_group_after_serialization():
+def test_sglangs_bucket_rebuilds_each_dtype_group_after_serialization(tmp_path):
     """SGLang's own FlattenedTensorBucket and MultiprocessingSerializer (host tensors are copied to the GPU
-    first: SGLang's patched reducer takes CUDA tensors only), as the scheduler reads them back; a mixed-dtype
-    bucket of the same tensors fails to rebuild."""
-    from sglang.srt.utils import MultiprocessingSerializer
+    first: SGLang's patched reducer takes CUDA tensors only), read back in another process as the scheduler
+    reads them; a mixed-dtype bucket of the same tensors fails to rebuild."""
+    import subprocess
+    import sys
+
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     from rlcore_sglang.weights import bucket_payload
 
-    for group in by_dtype(mixed_chunk()):
-        payloads, _ = bucket_payload(group, tp_size=2)
-        assert len(payloads) == 2
-        data = MultiprocessingSerializer.deserialize(payloads[1])
-        bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
-        rebuilt = bucket.reconstruct_tensors()
-        assert [n for n, _ in rebuilt] == [n for n, _ in group]
-        assert all(got.is_cuda and torch.equal(got.cpu(), want) for (_, got), (_, want) in zip(rebuilt, group))
+    for i, group in enumerate(by_dtype(mixed_chunk())):
+        payloads, buffer = bucket_payload(group, tp_size=2)  # the buffer stays alive while the reader opens it
+        assert len(payloads) == 2 and buffer.is_cuda
+        sent, got = tmp_path / f"payload-{i}", tmp_path / f"rebuilt-{i}.pt"
+        sent.write_bytes(payloads[1])
+        done = subprocess.run([sys.executable, "-c", READ_BACK, str(sent), str(got)], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rebuilt = torch.load(got)
+        assert [n for n, _, _ in rebuilt] == [n for n, _ in group]
+        assert all(on_gpu and torch.equal(tensor, want) for (_, on_gpu, tensor), (_, want) in zip(rebuilt, group))
     mixed = FlattenedTensorBucket(named_tensors=mixed_chunk())
     with pytest.raises(RuntimeError, match="must be divisible"):
         FlattenedTensorBucket(flattened_tensor=mixed.get_flattened_tensor(), metadata=mixed.get_metadata()).reconstruct_tensors()
