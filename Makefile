@@ -37,10 +37,10 @@ demo: install
 
 # Two pytest workers, each taking a whole test file at a time (its module fixtures stay in one
 # process): one at a time, the suite leaves the two cores idle nearly half the time (engines
-# starting, subprocesses waited on). Tests that bound real work by seconds of wall clock run
-# afterwards, alone.
+# starting, subprocesses waited on). Files with slow tests are handed out first (conftest.py).
+# Tests that bound real work by seconds of wall clock run afterwards, alone.
 test: install
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not wall_clock"
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not wall_clock"
 	$(BIN)/python -m pytest -m wall_clock
 
 # The newest set that resolves, beside the oldest one in .venv: Python 3.12 and each range's newest
@@ -98,7 +98,7 @@ test-newest: install-newest
 	$(MAKE) --no-print-directory wheels DIST=$(NEWEST_DIST) WHEEL_PYTHON=$(NEWEST)/bin/python
 	$(NEWEST)/bin/python -m pip install -q --no-deps --force-reinstall $(NEWEST_DIST)/*.whl
 	$(NEWEST)/bin/rlcore doctor
-	$(NEWEST)/bin/python -m pytest -n 2 --dist loadfile -m "not wall_clock" $(NEWEST_TESTS)
+	$(NEWEST)/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not wall_clock" $(NEWEST_TESTS)
 	rm -rf runs/demo-newest
 	$(NEWEST)/bin/python -m rlcore.cli.demo $(NEWEST_DEMO)
 

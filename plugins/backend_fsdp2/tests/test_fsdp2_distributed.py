@@ -28,7 +28,7 @@ import torch
 from _fsdp2_common import algorithm, hf_logprobs, hf_state, load_hf, make_batch, max_diff, reference_train
 from rlcore.utils import free_port
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = Path(__file__).with_name("_fsdp2_worker.py")
 TOL = 1e-5
 

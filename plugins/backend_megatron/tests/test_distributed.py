@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from rlcore.testing.ranks import rank_results
 
+pytestmark = pytest.mark.slow
+
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 WORKER = Path(__file__).with_name("dist_worker.py")
 

@@ -13,6 +13,8 @@ import pytest
 from rlcore.config import ConfigError
 from rlcore.interfaces import Placement
 
+pytestmark = pytest.mark.slow
+
 
 def _torchvision_imports() -> bool:
     try:
