@@ -185,6 +185,17 @@ def host_speed_us() -> float:
     return statistics.median(rounds)
 
 
+def memory_fields(device: str) -> dict:
+    """The allocator's view of the steps just run (GiB): ``peak_mem_gib`` the tensors' peak, ``peak_reserved_gib``
+    what the allocator held from the device at its peak (the tensors plus cached blocks none of them could reuse),
+    ``state_mem_gib`` the tensors still allocated after the last step (weights, gradients, optimizer state)."""
+    if device != "cuda":
+        return {"peak_mem_gib": float("nan"), "peak_reserved_gib": float("nan"), "state_mem_gib": float("nan")}
+    return {"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "state_mem_gib": torch.cuda.memory_allocated() / 2**30}
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -224,7 +235,7 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
         "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
         "tflops": statistics.median(f / s for f, s in zip(flops, times)) / 1e12,
         "micro_batches": statistics.median(mbs),
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
+        **memory_fields(device),
         "last_loss": metrics["loss"],
     }
     result["mfu"] = result["tflops"] / args.peak_tflops

@@ -308,7 +308,7 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
         "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
         "tflops": statistics.median(f / s for f, s in zip(flops, times)) / 1e12,
         "micro_batches": statistics.median(mbs),
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
+        **common.memory_fields(device),
         "last_loss": metrics["loss"],
     }
     graphs = getattr(backend, "graphs", None)
