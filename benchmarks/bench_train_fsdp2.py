@@ -44,6 +44,9 @@ import torch
 import torch.distributed as dist
 from rlcore.utils import free_port
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory_peak  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -62,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny shape on CPU in fp32 (smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", metavar="DIR", help="profile 2 more steps: print tables, write DIR/<variant>.json.gz")
+    p.add_argument("--memory-report", action="store_true",
+                   help="one more step with the allocator's history recorded: print the tensors alive at its peak, by site")
     p.add_argument("--profile-no-stack", action="store_true",
                    help="profile without Python stacks: host timings closer to unprofiled ones, no 'host in' frames")
     return p.parse_args(argv)
@@ -228,6 +233,8 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
     if args.profile:
         profile_steps(lambda: backend.train(make_batch(args, hf_config.vocab_size, gen), algo), 2, args.profile, name, device,
                       with_stack=not args.profile_no_stack)
+    if args.memory_report and device == "cuda":
+        print(f"[memory {name}]\n" + memory_peak.record(lambda: backend.train(make_batch(args, hf_config.vocab_size, gen), algo)))
     med = statistics.median(times)
     i = times.index(med) if med in times else 0
     result = {

@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train_fsdp2 as common  # noqa: E402  (model shapes, FLOP formula, batch maker)
+import memory_peak  # noqa: E402
 import moe_shapes  # noqa: E402
 import results_log  # noqa: E402
 from rlcore.utils import free_port  # noqa: E402
@@ -120,6 +121,8 @@ def parse_args(argv=None):
                    help="each variant in a fresh process (default: on GPU for qwen3moe, where one variant's "
                         "memory is not all returned before the next one builds, and with CUDA-graph variants)")
     p.add_argument("--profile", metavar="DIR", help="profile 2 more steps (rank 0): print tables, write DIR/<variant>.json.gz")
+    p.add_argument("--memory-report", action="store_true",
+                   help="one more step with the allocator's history recorded (rank 0): the tensors alive at its peak, by site")
     p.add_argument("--profile-stack", action="store_true", help="record Python stacks too (host frames in trace_summary.py)")
     return p.parse_args(argv)
 
@@ -299,6 +302,12 @@ def run_variant(args, name: str, hf_config, device: str) -> dict:
     elif args.profile:  # the other ranks take the same steps, unprofiled
         for _ in range(2):
             backend.train(make_batch(args, hf_config.vocab_size, gen, dp), algo)
+    if args.memory_report and device == "cuda":
+        step = lambda: backend.train(make_batch(args, hf_config.vocab_size, gen, dp), algo)  # noqa: E731
+        if dist.get_rank() == 0:
+            print(f"[memory {name}]\n" + memory_peak.record(step))
+        else:
+            step()
     gpus = dist.get_world_size()
     med = statistics.median(times)
     layout = (f"TP={args.tp}{' SP' if args.sp else ''}, DP={gpus // args.tp}" if name in MEGATRON_VARIANTS else f"FSDP={gpus}")
