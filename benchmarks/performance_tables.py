@@ -131,6 +131,39 @@ def engine_pairs(steps: list[dict], rows: list[dict]) -> list[dict]:
     return out
 
 
+MEMORY_KEYS = ("gpu_memory_utilization", "empty_unused_memory_level", "offload_trainer_state", "release_trainer_state")
+
+
+def hand_set_pairs(steps: list[dict], rows: list[dict]) -> list[tuple[dict, dict]]:
+    """Each row run with hand-set memory settings (``--set`` of memory keys only: ``fits_pair`` in
+    ``benchmarks/gpu/fits.sh``), with the row of the same configuration and no key that ran just before it on the
+    same machine (the pair runs back to back in one call)."""
+    out = []
+    for hand in steps:
+        name, _, rest = hand["variant"].partition(" [")
+        settings = [item.rstrip("]") for item in rest.split(" [")] if rest else []
+        if not settings or not all("=" in s and any(k in s.split("=")[0] for k in MEMORY_KEYS) for s in settings):
+            continue
+        before = [r for r in rows if r.get("bench") == "bench_grpo_step" and r.get("variant") == name
+                  and r.get("machine") == hand["machine"] and r["date"] < hand["date"]]
+        if before:
+            out.append((max(before, key=lambda r: r["date"]), hand))
+    return out
+
+
+def hand_set_table(pairs: list[tuple[dict, dict]]) -> str:
+    """No memory key (the run's plan chooses) beside hand-set memory settings, step and generation per pair."""
+    lines = ["| Config | Machine | No key: engine share | Step (s) | Generation | Hand-set | Step (s) | Generation | "
+             "No key / hand-set | Date | Commit |", "|---|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+    for auto, hand in pairs:
+        settings = ", ".join(f"`{s.rstrip(']')}`" for s in hand["variant"].split(" [")[1:])
+        lines.append(f"| `{auto['variant']}` | {machine(auto)} | {_f(auto.get('memory_plan/engine_fraction'))} | "
+                     f"**{_f(auto['step_s'])}** | {_f(auto.get('generation_s'))} | {settings} | **{_f(hand['step_s'])}** | "
+                     f"{_f(hand.get('generation_s'))} | {auto['step_s'] / hand['step_s']:.2f} | {hand['date'][:10]} | "
+                     f"`{str(hand['commit'])[:7]}` |")
+    return "\n".join(lines)
+
+
 def memory_table(rows: list[dict]) -> str:
     """Rows with the run's memory plan: the engine's share and the release the plan chose, the step, and each
     phase's predicted peak beside the device's measured one (NVML; torch's allocator in parentheses): training
@@ -290,10 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     if planned:
         print("### Memory: the run's plan against the measured peaks\n\n" + memory_table(planned) + "\n")
     print("### PPO step (a critic beside the policy)\n\n" + grpo_table(ppo) + "\n")
+    hand_set = hand_set_pairs(gpu + ppo, rows)
+    if hand_set:
+        print("### Memory: no key beside hand-set settings\n\n" + hand_set_table(hand_set) + "\n")
     pairs = engine_pairs(gpu, rows)
     if pairs:
         print("### GRPO step, GPU: SGLang beside vLLM\n\n" + grpo_table(pairs) + "\n")
-    print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain + pairs]) + "\n")
+    print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain + pairs + [h for _, h in hand_set]]) + "\n")
     print("### GRPO step, CPU (tiny shapes)\n\n" + grpo_table([r for r in steps if r not in gpu]) + "\n")
     endpoint = endpoint_table(steps)
     if endpoint:
