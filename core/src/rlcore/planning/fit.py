@@ -78,8 +78,10 @@ HELD_OUT = frozenset({
     # a shape no calibration read: rank-16 LoRA on a 3B Llama (H100, no memory key set)
     ("bench_grpo_step", "llama3b-megatron-lora", "20261206T162137-ec0ce7"),
     ("bench_grpo_step", "llama3b-fsdp2-lora", "20261206T162456-4a2e1f"),
-    # a fitted configuration measured again after the fit, in another call (the vLLM half of the SGLang pair)
+    # a fitted configuration measured again after the fit, in other calls (the vLLM half of the SGLang pair; the
+    # run that recorded each phase's memory growth)
     ("bench_grpo_step", "llama1b-fsdp2", "20261206T190757-6ea32a"),
+    ("bench_grpo_step", "llama1b-fsdp2", "20261206T224004-d8361c"),
 })
 # the training benchmark's packed lengths: uniform in [256, 2048]
 TRAIN_MEAN, TRAIN_SQ_MEAN = 1152.0, (2048**3 - 256**3) / (3 * 1792)
