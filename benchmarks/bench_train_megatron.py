@@ -6,6 +6,7 @@
     python benchmarks/bench_train_megatron.py --shape 8b --tp 2 --with-fsdp2 --steps 5   # 2 GPUs
     python benchmarks/bench_train_megatron.py --shape 8b --gpus 2 --with-fsdp2           # Megatron DP=2, as fsdp2
     python benchmarks/bench_train_megatron.py --tiny --steps 3              # CPU smoke run (tiny shape, fp32)
+    python benchmarks/bench_train_megatron.py --variants megatron,fsdp2 --mb-tokens 8192 --memory-report  # tensors at the peak
     python benchmarks/bench_train_megatron.py --shape qwen3moe --variants megatron,megatron-moe-loop,fsdp2 --mb-tokens 8192
     python benchmarks/bench_train_megatron.py --shape qwen3moe --variants megatron,megatron-moe-te-grouped,fsdp2 --mb-tokens 8192
     python benchmarks/bench_train_megatron.py --shape qwen3moe --tiny --variants megatron,fsdp2 --steps 2  # CPU smoke

@@ -39,10 +39,10 @@ def peak_table(snapshot: dict, device: int, held_before: int, top: int = 12) -> 
     live: dict[int, tuple[int, str]] = {}
     held, freed_before = held_before, 0
     current = peak = held
-    reserved = peak_reserved = sum(s["total_size"] for s in snapshot["segments"] if s["device"] == device)
-    at_peak: dict[int, tuple[int, str]] = dict(live)
+    at_peak: dict[int, tuple[int, str]] = {}
     held_at_peak = held
     # the segments mapped when the recording began: what is mapped at the end, less the mapping the trace did
+    reserved = sum(s["total_size"] for s in snapshot["segments"] if s["device"] == device)
     for event in events:
         if event["action"] in ("segment_alloc", "segment_map"):
             reserved -= event["size"]

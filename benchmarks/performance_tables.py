@@ -131,7 +131,7 @@ def engine_pairs(steps: list[dict], rows: list[dict]) -> list[dict]:
     return out
 
 
-MEMORY_KEYS = ("gpu_memory_utilization", "empty_unused_memory_level", "offload_trainer_state", "release_trainer_state")
+MEMORY_KEYS = ("gpu_memory_utilization", "empty_unused_memory_level", "offload_trainer_state")
 
 
 def hand_set_pairs(steps: list[dict], rows: list[dict]) -> list[tuple[dict, dict]]:

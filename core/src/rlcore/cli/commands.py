@@ -403,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
             start_exit_watchdog(args.exit_timeout_s, status)
         if argv is None:
             # What is left is the interpreter's exit, whose final garbage collection walks every object of
-            # torch, transformers and vLLM for nothing (2.3 s of a CPU GRPO run's exit; 0.3 s without it).
-            # The run's files are closed by now; only the program's own command line skips it.
+            # torch, transformers and vLLM for nothing (seconds, for a process about to end). The run's files
+            # are closed by now; only the program's own command line skips it, an in-process caller goes on.
             gc.freeze()
 
 
