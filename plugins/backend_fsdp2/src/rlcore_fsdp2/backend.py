@@ -31,7 +31,7 @@ from rlcore.data.multimodal import (ImageInputs, encoding_shared_images_once, is
                                uses_multimodal_rope, vision_modules)
 from rlcore.training.ops import selected_token_logprobs, token_logprobs
 from rlcore.data.packing import MicroBatch, make_micro_batches, step_totals, unpack
-from rlcore_fsdp2 import attention, checkpoint, lora, one_rank
+from rlcore_fsdp2 import accumulators, attention, checkpoint, lora, one_rank
 from rlcore_fsdp2.config import DTensorConfig, apply_auto_layout
 from rlcore_fsdp2.optim import ShardLocalAdamW
 from rlcore_fsdp2.parallel_dims import ParallelDims
@@ -237,6 +237,8 @@ class FSDP2Backend:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         metrics: dict[str, Any] = {}
         defer = defer_grad_sync(self.cfg, self.dims)
+        if defer and self.cfg.experimental.preallocate_grad_accumulators:
+            accumulators.preallocate(self.fsdp_modules)
         for index, mb in enumerate(micro_batches):
             if defer:  # reduce (and reshard) once, after the last micro-batch's backward
                 self._set_grad_sync(index == len(micro_batches) - 1)

@@ -32,6 +32,11 @@ class DTensorExperimentalConfig:
         "with one data-parallel rank, replace two private FSDP2 functions (the reduce buffer's copy-in and the "
         "per-group post-backward accumulation) with cheaper equivalents (rlcore_fsdp2.one_rank) while the backend "
         "lives; its shutdown restores them. false leaves FSDP2 as it is"))
+    preallocate_grad_accumulators: bool = field(default=False, metadata=doc(
+        "with the gradient sync deferred (defer_grad_sync), allocate FSDP2's float32 gradient accumulators at the "
+        "start of each step from the second on, before any activation, rather than among the activations' blocks "
+        "during the first backward (rlcore_fsdp2.accumulators): measures whether the allocator then reserves no "
+        "more than the step's tensors need"))
 
 
 @frozen
