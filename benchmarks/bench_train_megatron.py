@@ -94,7 +94,9 @@ MEGATRON_VARIANTS = {
     "megatron-cuda-graph-eager": {"cuda_graph": "micro_batch"},
 }
 NO_CAPTURE_VARIANTS = {"megatron-cuda-graph-eager"}  # on CPU every cuda-graph variant runs without capture
-FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True}
+FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True, "fsdp2-prealloc": False}  # name -> torch.compile
+# experimental settings of a variant (rlcore_fsdp2.config.DTensorExperimentalConfig)
+FSDP2_EXPERIMENTAL = {"fsdp2-prealloc": {"preallocate_grad_accumulators": True}}
 
 
 def parse_args(argv=None):
@@ -179,7 +181,8 @@ def build_fsdp2(args, hf_config, device, name: str):
     from rlcore_fsdp2.config import SECTION, DTensorConfig, DTensorExperimentalConfig
 
     cfg = DTensorConfig(activation_checkpointing=args.ac, compile=FSDP2_VARIANTS[name],
-                        experimental=DTensorExperimentalConfig(empty_cache_after_train=False))
+                        experimental=DTensorExperimentalConfig(empty_cache_after_train=False,
+                                                               **FSDP2_EXPERIMENTAL.get(name, {})))
     return FSDP2Backend(run_config(args, SECTION, cfg), cfg, world_info(device), hf_config=hf_config, seed=args.seed)
 
 
