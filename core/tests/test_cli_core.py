@@ -135,24 +135,6 @@ def test_the_exit_watchdog_leaves_a_process_that_exits_alone(run_python):
     assert "did not exit" not in result.stderr
 
 
-def test_the_command_line_exits_without_the_final_collection_and_an_in_process_caller_keeps_it(run_python):
-    """``main`` reading the command line freezes what the interpreter's exit would collect (its objects stay
-    out of every later collection); a caller passing ``argv`` keeps its collector as it was."""
-    result = run_python("""
-        import gc, sys
-        from rlcore.cli.commands import main
-        main(["recipes"])
-        print("in-process", gc.get_freeze_count())
-        sys.argv = ["rlcore", "recipes"]
-        main()
-        print("command line", gc.get_freeze_count())
-    """)
-    assert result.returncode == 0, result.stderr
-    counts = dict(line.rsplit(" ", 1) for line in result.stdout.splitlines() if line.startswith(("in-process", "command line")))
-    assert int(counts["in-process"]) == 0
-    assert int(counts["command line"]) > 1000
-
-
 def test_plugins_table_for_people(run_cli):
     result = run_cli("plugins")
     assert result.returncode == 0, result.stderr

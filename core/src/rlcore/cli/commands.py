@@ -7,7 +7,7 @@ and go on (:func:`install_stack_dump`): how to see where a run that seems hung i
 whose process does not exit after its summary is written (a thread or an atexit handler that never
 returns) is ended after ``cluster.exit_timeout_s`` with its own status, also when the run failed
 (:func:`start_exit_watchdog`; only when ``main`` reads the command line itself, not for in-process
-callers that pass ``argv``), and then exits without the interpreter's final garbage collection.
+callers that pass ``argv``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
-import gc
 import json
 import os
 import shlex
@@ -401,11 +400,6 @@ def main(argv: list[str] | None = None) -> int:
         # a caller that passes argv in-process (a test, a notebook) goes on.
         if argv is None and getattr(args, "exit_timeout_s", None) is not None:
             start_exit_watchdog(args.exit_timeout_s, status)
-        if argv is None:
-            # What is left is the interpreter's exit, whose final garbage collection walks every object of
-            # torch, transformers and vLLM for nothing (seconds, for a process about to end). The run's files
-            # are closed by now; only the program's own command line skips it, an in-process caller goes on.
-            gc.freeze()
 
 
 if __name__ == "__main__":
