@@ -124,11 +124,22 @@ def engine_pairs(steps: list[dict], rows: list[dict]) -> list[dict]:
     on the same machine (``bench_grpo_step.py --generator``: the pair runs back to back in one call)."""
     out = []
     for other in (r for r in steps if r.get("generator") not in (None, "vllm")):
-        name = other["variant"].split(" [")[0]
-        before = [r for r in rows if r.get("bench") == "bench_grpo_step" and r.get("variant") == name
-                  and r.get("machine") == other["machine"] and r["date"] < other["date"]]
-        out += [max(before, key=lambda r: r["date"]), other] if before else [other]
+        before = _run_just_before(rows, _variant_settings(other["variant"])[0], other)
+        out += [before, other] if before else [other]
     return out
+
+
+def _variant_settings(variant: str) -> tuple[str, list[str]]:
+    """A row's configuration and the bracketed items its variant adds (``--set`` settings, the generator)."""
+    name, _, rest = variant.partition(" [")
+    return name, [item.rstrip("]") for item in rest.split(" [")] if rest else []
+
+
+def _run_just_before(rows: list[dict], variant: str, row: dict) -> dict | None:
+    """The newest ``bench_grpo_step`` row of ``variant`` on ``row``'s machine from before ``row``, if any."""
+    before = [r for r in rows if r.get("bench") == "bench_grpo_step" and r.get("variant") == variant
+              and r.get("machine") == row["machine"] and r["date"] < row["date"]]
+    return max(before, key=lambda r: r["date"]) if before else None
 
 
 MEMORY_KEYS = ("gpu_memory_utilization", "empty_unused_memory_level", "offload_trainer_state")
@@ -140,14 +151,12 @@ def hand_set_pairs(steps: list[dict], rows: list[dict]) -> list[tuple[dict, dict
     same machine (the pair runs back to back in one call)."""
     out = []
     for hand in steps:
-        name, _, rest = hand["variant"].partition(" [")
-        settings = [item.rstrip("]") for item in rest.split(" [")] if rest else []
+        name, settings = _variant_settings(hand["variant"])
         if not settings or not all("=" in s and any(k in s.split("=")[0] for k in MEMORY_KEYS) for s in settings):
             continue
-        before = [r for r in rows if r.get("bench") == "bench_grpo_step" and r.get("variant") == name
-                  and r.get("machine") == hand["machine"] and r["date"] < hand["date"]]
+        before = _run_just_before(rows, name, hand)
         if before:
-            out.append((max(before, key=lambda r: r["date"]), hand))
+            out.append((before, hand))
     return out
 
 
@@ -156,7 +165,7 @@ def hand_set_table(pairs: list[tuple[dict, dict]]) -> str:
     lines = ["| Config | Machine | No key: engine share | Step (s) | Generation | Hand-set | Step (s) | Generation | "
              "No key / hand-set | Date | Commit |", "|---|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
     for auto, hand in pairs:
-        settings = ", ".join(f"`{s.rstrip(']')}`" for s in hand["variant"].split(" [")[1:])
+        settings = ", ".join(f"`{s}`" for s in _variant_settings(hand["variant"])[1])
         lines.append(f"| `{auto['variant']}` | {machine(auto)} | {_f(auto.get('memory_plan/engine_fraction'))} | "
                      f"**{_f(auto['step_s'])}** | {_f(auto.get('generation_s'))} | {settings} | **{_f(hand['step_s'])}** | "
                      f"{_f(hand.get('generation_s'))} | {auto['step_s'] / hand['step_s']:.2f} | {hand['date'][:10]} | "

@@ -22,7 +22,7 @@ import torch
 
 def _param_groups(module: Any) -> list[Any]:
     state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; 2.11 has one group per state
+    groups = getattr(state, "_fsdp_param_groups", None)  # a list in the torch read here (2.13); else one group
     if groups is None:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
