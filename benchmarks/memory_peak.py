@@ -36,40 +36,56 @@ def _site(frames: list[dict]) -> str:
 def peak_table(snapshot: dict, device: int, held_before: int, top: int = 12) -> str:
     """The replay of ``snapshot``'s trace for ``device`` (see the module docstring) as a markdown table."""
     events = snapshot["device_traces"][device]
-    live: dict[int, tuple[int, str]] = {}
+    live: dict[int, tuple[int, str, int]] = {}
     held, freed_before = held_before, 0
     current = peak = held
-    at_peak: dict[int, tuple[int, str]] = {}
+    at_peak: dict[int, tuple[int, str, int]] = {}
     held_at_peak = held
     # the segments mapped when the recording began: what is mapped at the end, less the mapping the trace did
-    reserved = sum(s["total_size"] for s in snapshot["segments"] if s["device"] == device)
+    # (per stream too: the caching allocator gives a stream's freed blocks only to that stream's allocations)
+    reserved_by_stream: dict[int, int] = defaultdict(int)
+    for segment in snapshot["segments"]:
+        if segment["device"] == device:
+            reserved_by_stream[segment.get("stream", 0)] += segment["total_size"]
     for event in events:
         if event["action"] in ("segment_alloc", "segment_map"):
-            reserved -= event["size"]
+            reserved_by_stream[event.get("stream", 0)] -= event["size"]
         elif event["action"] in ("segment_free", "segment_unmap"):
-            reserved += event["size"]
+            reserved_by_stream[event.get("stream", 0)] += event["size"]
+    reserved = sum(reserved_by_stream.values())
     peak_reserved = reserved
+    live_by_stream: dict[int, int] = defaultdict(int)  # the step's own tensors, by the stream they were made on
+    streams_at_reserved_peak = streams_at_live_peak = _streams(reserved_by_stream, live_by_stream)
     for event in events:
         action, addr, size = event["action"], event["addr"], event["size"]
+        stream = event.get("stream", 0)
         if action == "alloc":
-            live[addr] = (size, _site(event.get("frames", [])))
+            live[addr] = (size, _site(event.get("frames", [])), stream)
+            live_by_stream[stream] += size
             current += size
         elif action == "free_completed":
             if addr in live:
-                current -= live.pop(addr)[0]
+                size_freed, _, made_on = live.pop(addr)
+                live_by_stream[made_on] -= size_freed
+                current -= size_freed
             else:  # a tensor from before the recording
                 held -= size
                 freed_before += size
                 current -= size
         elif action in ("segment_alloc", "segment_map"):
             reserved += size
-            peak_reserved = max(peak_reserved, reserved)
+            reserved_by_stream[stream] += size
+            if reserved > peak_reserved:
+                peak_reserved = reserved
+                streams_at_reserved_peak = _streams(reserved_by_stream, live_by_stream)
         elif action in ("segment_free", "segment_unmap"):
             reserved -= size
+            reserved_by_stream[stream] -= size
         if current > peak:
             peak, at_peak, held_at_peak = current, dict(live), held
+            streams_at_live_peak = _streams(reserved_by_stream, live_by_stream)
     by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, site in at_peak.values():
+    for size, site, _ in at_peak.values():
         by_site[site][0] += size
         by_site[site][1] += 1
     rows = sorted(by_site.items(), key=lambda kv: -kv[1][0])
@@ -81,7 +97,19 @@ def peak_table(snapshot: dict, device: int, held_before: int, top: int = 12) -> 
     rest = sum(size for _, (size, _) in rows[top:])
     if rest:
         lines.append(f"| {rest / GIB:.2f} | {sum(c for _, (_, c) in rows[top:])} | {len(rows) - top} other sites |")
+    lines.append(f"by stream at the live peak: {streams_at_live_peak}")
+    lines.append(f"by stream at the reserved peak: {streams_at_reserved_peak}")
     return "\n".join(lines)
+
+
+def _streams(reserved_by_stream: dict[int, int], live_by_stream: dict[int, int]) -> str:
+    """Each stream's reserved GiB and the GiB of the step's tensors made on it ("0" is the default stream; tensors
+    from before the step count in no stream's second number)."""
+    streams = sorted(set(reserved_by_stream) | set(live_by_stream), key=lambda s: (s != 0, s))
+    parts = [f"{stream:#x} reserved {reserved_by_stream.get(stream, 0) / GIB:.2f} / step's tensors "
+             f"{live_by_stream.get(stream, 0) / GIB:.2f}" for stream in streams
+             if reserved_by_stream.get(stream, 0) or live_by_stream.get(stream, 0)]
+    return "; ".join(parts) or "none"
 
 
 def record(step, top: int = 12) -> str:

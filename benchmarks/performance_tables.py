@@ -44,7 +44,7 @@ def _warmed(row: dict) -> bool:
 def grpo_command(row: dict) -> str:
     """``bench_grpo_step.py`` arguments that reproduce a row (its variant name and shape string)."""
     name, *extras = re.split(r" \[", str(row["variant"]))
-    args = [f"--config {name}"]
+    args, env = [f"--config {name}"], ""
     m = STEP_RE.match(row["config"])
     if m:
         for flag, value in zip(("--prompts", "--samples", "--max-new-tokens", "--mb-tokens"), m.groups()[:4]):
@@ -58,9 +58,11 @@ def grpo_command(row: dict) -> str:
             args.append(f"--trainer-sm-margin {extra.split()[3]}")
         elif extra.endswith(" generator"):
             args.append(f"--generator {extra.split()[0]}")
+        elif extra.startswith("PYTORCH_CUDA_ALLOC_CONF="):
+            env = f"{extra} "
         else:
             args.append(f"--set {extra}")
-    return "python benchmarks/bench_grpo_step.py " + " ".join(args)
+    return f"{env}python benchmarks/bench_grpo_step.py " + " ".join(args)
 
 
 TRAIN_RE = re.compile(r"(\w+)[^,]*, (\d+) x (\d+) tokens/step/DP rank, lengths \[(\d+), (\d+)\], steps (\d+) \(\+(\d+) warm-up\)")
@@ -72,14 +74,16 @@ def train_command(row: dict) -> str:
     if not m:
         return ""
     shape, mbs, tokens, lo, hi, steps, warmup = m.groups()
-    args = [f"--shape {shape}", f"--variants {row['variant']}", f"--micro-batches {mbs}", f"--mb-tokens {tokens}",
+    variant, *extras = re.split(r" \[", str(row["variant"]))
+    env = "".join(f"{e.rstrip(']')} " for e in extras if e.startswith("PYTORCH_CUDA_ALLOC_CONF="))
+    args = [f"--shape {shape}", f"--variants {variant}", f"--micro-batches {mbs}", f"--mb-tokens {tokens}",
             f"--min-len {lo} --max-len {hi}", f"--steps {steps} --warmup {warmup}"]
     tp = re.search(r"TP=(\d+)", str(row.get("layout", "")))
     if tp and tp.group(1) != "1":
         args.append(f"--tp {tp.group(1)}")
     if row.get("gpus", 1) > 1:
         args.append(f"--gpus {row['gpus']}")
-    return "python benchmarks/bench_train_megatron.py " + " ".join(args)
+    return f"{env}python benchmarks/bench_train_megatron.py " + " ".join(args)
 
 
 def machine(row: dict) -> str:

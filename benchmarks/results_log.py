@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 RUN_ID = os.environ.get("RLCORE_RUN_ID") or f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 DEFAULT_PATH = Path(__file__).resolve().parent / "results.jsonl"
 
 
@@ -47,8 +48,12 @@ def append(rows: list[dict], *, bench: str, config: str, gpus: int) -> Path:
     path = Path(os.environ.get("RLCORE_RESULTS") or DEFAULT_PATH)
     stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
              "commit": commit(), "bench": bench, "config": config, "gpus": gpus, "run_id": RUN_ID}
+    allocator_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     with path.open("a") as f:
         for row in rows:
+            if allocator_conf:  # torch's allocator settings change a run's memory: a row names them in its variant
+                row = {**row, "variant": f"{row['variant']} [{ALLOCATOR_ENV}={allocator_conf}]",
+                       "allocator_conf": allocator_conf}
             clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
             f.write(json.dumps({**stamp, **clean}, default=str) + "\n")
     return path
