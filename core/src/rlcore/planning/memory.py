@@ -113,6 +113,11 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
         weights = gathered + (0 if lay.offload else (local + adapters) * 4 / shard)
         grads = 0 if lay.offload else trained * 4 / shard
         optimizer = 0 if lay.offload else trained * 4 * work.optimizer_states / shard
+        # FSDP2 reduces the float32 gradients on a stream of its own, one parameter group at a time: the whole model
+        # in one group with one shard (no per-layer groups, rlcore_fsdp2.parallelize), else a layer's. The caching
+        # allocator keeps that stream's blocks for that stream alone, beside the blocks the activations leave
+        # cached on the compute stream: measured apart, 4.61 GiB at 1.2B (benchmarks/memory_peak.py's streams).
+        reduce_scatter = trained * 4 if (dp == 1 and not lay.offload) else 2 * trained / shape.layers * 4
     elif work.lora_params:  # a frozen base in the dtype, with no main copy
         weights = (local + adapters) * b
         grads = adapters * work.grad_bytes
@@ -136,6 +141,8 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
         acts = tokens * layers * in_flight * per_layer
     logits = tokens * shape.output_width / lay.tp * cal.logits_bytes if (stage == "last" or lay.pp == 1) else 0.0
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts, "logits": logits}
+    if lay.backend == "fsdp2":
+        parts["reduce_scatter"] = reduce_scatter
     parts = {k: v / GIB for k, v in parts.items()}
     parts["comm_buffers"] = cal.comm_buffer_gib * (1 if world > 1 else 0) + (0.25 if lay.ep > 1 else 0.0)
     parts["other"] = cal.fixed_gib + (cal.engine_asleep_gib if lay.colocated and work.generation else 0.0)
