@@ -253,7 +253,8 @@ def signal_the_group_in(phase: str, step_of_run: int, model_dir: Path, run_dir: 
     return out, err, ended_after, children
 
 
-@pytest.mark.wall_clock
+# Not a wall_clock test: its one bound (the run ends within cluster.timeout_s + EXIT_MARGIN_S of the signal) holds
+# beside the suite's other worker; 7.6-10.5 s from the signal to the end with another test running on the two cores.
 @pytest.mark.timeout(3600)  # five engine starts (a run and four resumes) of up to 8 minutes each on a loaded machine
 def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model_dir, tmp_path):
     """SIGTERM to the whole process group (``timeout``, Slurm, Kubernetes) of a vLLM run while it is in

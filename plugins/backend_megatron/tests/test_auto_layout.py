@@ -1,5 +1,6 @@
 """``layout: auto`` on CPU over gloo: the layouts the planner picks for the tiny dense and MoE models at 2,
-4 and 8 ranks are valid Megatron layouts and train a step equal to one plain PyTorch step.
+4 and 8 ranks are valid Megatron layouts (without processes), and at 2 and 4 ranks train a step equal to one
+plain PyTorch step.
 
 One spawned group per rank count (auto_layout_worker.py). The tiny models have 4 query / 2 key-value
 heads, 2 layers and (MoE) 4 experts, so tensor, pipeline and expert parallelism are all candidates; for
@@ -59,8 +60,10 @@ def _check(data: dict, world: int) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # 2 ranks: about 60 s on 2 loaded cores; 4 and 8 ranks longer
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.slow  # 2 ranks: about 30 s on 2 loaded cores, 4 ranks about 60 s
+# Four ranks put data parallelism beside the third case's TP=2 and EP=2; eight (64-84 s on two cores) only widen that
+# data parallelism, so the planner's choices at 8 are checked without processes (below).
+@pytest.mark.parametrize("world", [2, 4])
 def test_auto_layout_trains(models, tmp_path, world):
     _check(_run(models, tmp_path, world), world)
 
