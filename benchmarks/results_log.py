@@ -48,7 +48,7 @@ def append(rows: list[dict], *, bench: str, config: str, gpus: int) -> Path:
     path = Path(os.environ.get("RLCORE_RESULTS") or DEFAULT_PATH)
     stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
              "commit": commit(), "bench": bench, "config": config, "gpus": gpus, "run_id": RUN_ID}
-    allocator_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    allocator_conf = os.environ.get(ALLOCATOR_ENV)
     with path.open("a") as f:
         for row in rows:
             if allocator_conf:  # torch's allocator settings change a run's memory: a row names them in its variant
