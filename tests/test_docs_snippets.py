@@ -138,3 +138,33 @@ def test_a_recorded_demo_renders_as_the_demo_printed_it(tmp_path):
     assert "│ 2-240 │ 1.20 │  0.60 │  0.10 │ 0.40 │     0.00 │    0.10 │        3.4 │" in block
     assert block.rstrip("`\n").endswith("GRPO took 288s; held-out accuracy 0.422 -> 0.812 (+0.391)")
     assert "| 240 | 200 steps, 44 s | 288 s | **1.20** |" in tables.demo_performance(row)
+
+
+def test_a_row_run_under_allocator_settings_names_them_and_its_command_sets_them(tmp_path, monkeypatch):
+    """torch's allocator settings change a run's memory: ``results_log.append`` puts them in the row's variant, and
+    the tables' commands set the variable again (without it the row would read as the default allocator's)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("results_log", ROOT / "benchmarks" / "results_log.py")
+    results_log = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results_log)
+    monkeypatch.setenv("RLCORE_RESULTS", str(tmp_path / "rows.jsonl"))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    results_log.append([{"variant": "llama1b-fsdp2", "step_s": 1.0}], bench="bench_grpo_step",
+                       config="32 prompts x 8 samples x 1024 new tokens, 8192-token micro-batches, steps 3 (summary after 1)",
+                       gpus=1)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    results_log.append([{"variant": "fsdp2"}], bench="bench_train_megatron",
+                       config="1b, 4 x 8192 tokens/step/DP rank, lengths [1000, 1100], steps 2 (+1 warm-up)", gpus=1)
+    grpo, train = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert grpo["variant"] == "llama1b-fsdp2 [PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True]"
+    assert grpo["allocator_conf"] == "expandable_segments:True"
+    assert train["variant"] == "fsdp2" and "allocator_conf" not in train
+    tables = _performance_tables()
+    assert tables.grpo_command(grpo).startswith(
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --steps 3 --warmup 1")
+    assert tables.train_command({**train, "variant": "fsdp2 [PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True]",
+                                 "layout": "FSDP=1"}).startswith(
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/bench_train_megatron.py --shape 1b --variants fsdp2 ")
+    assert tables.train_command({**train, "layout": "FSDP=1"}).startswith("python benchmarks/bench_train_megatron.py")
