@@ -94,7 +94,10 @@ MEGATRON_VARIANTS = {
     "megatron-cuda-graph-eager": {"cuda_graph": "micro_batch"},
 }
 NO_CAPTURE_VARIANTS = {"megatron-cuda-graph-eager"}  # on CPU every cuda-graph variant runs without capture
-FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True, "fsdp2-prealloc": False}  # name -> torch.compile
+FSDP2_VARIANTS = {"fsdp2": False, "fsdp2-compile": True, "fsdp2-prealloc": False, "fsdp2-reshard": False}  # name -> torch.compile
+# policy.dtensor_cfg keys of a variant: fsdp2-reshard groups the parameters per layer with one rank too and frees a
+# layer's gathered weights after its forward (the reduce-scatter buffer is then a layer's, not the whole model's)
+FSDP2_SETTINGS = {"fsdp2-reshard": {"reshard_after_forward": True}}
 # experimental settings of a variant (rlcore_fsdp2.config.DTensorExperimentalConfig)
 FSDP2_EXPERIMENTAL = {"fsdp2-prealloc": {"preallocate_grad_accumulators": True}}
 
@@ -180,7 +183,7 @@ def build_fsdp2(args, hf_config, device, name: str):
     from rlcore_fsdp2.backend import FSDP2Backend
     from rlcore_fsdp2.config import SECTION, DTensorConfig, DTensorExperimentalConfig
 
-    cfg = DTensorConfig(activation_checkpointing=args.ac, compile=FSDP2_VARIANTS[name],
+    cfg = DTensorConfig(activation_checkpointing=args.ac, compile=FSDP2_VARIANTS[name], **FSDP2_SETTINGS.get(name, {}),
                         experimental=DTensorExperimentalConfig(empty_cache_after_train=False,
                                                                **FSDP2_EXPERIMENTAL.get(name, {})))
     return FSDP2Backend(run_config(args, SECTION, cfg), cfg, world_info(device), hf_config=hf_config, seed=args.seed)
