@@ -43,23 +43,23 @@ def _warmed(row: dict) -> bool:
 
 def grpo_command(row: dict) -> str:
     """``bench_grpo_step.py`` arguments that reproduce a row (its variant name and shape string)."""
-    name, *extras = re.split(r" \[", str(row["variant"]))
-    args, env = [f"--config {name}"], ""
+    name, extras = _variant_settings(str(row["variant"]))
+    args, env = [f"--config {name}"], _allocator_env(extras)
     m = STEP_RE.match(row["config"])
     if m:
         for flag, value in zip(("--prompts", "--samples", "--max-new-tokens", "--mb-tokens"), m.groups()[:4]):
             if DEFAULTS[flag] != value:
                 args.append(f"{flag} {value}")
         args.append(f"--steps {m.group(5)} --warmup {m.group(6)}")
-    for extra in (e.rstrip("]") for e in extras):
+    for extra in extras:
+        if extra.startswith(ALLOCATOR_SETTING):
+            continue
         if extra.startswith("mps trainer "):
             args.append(f"--trainer-mps-priority {extra.split()[-1]}")
         elif extra.startswith("trainer GEMMs leave "):
             args.append(f"--trainer-sm-margin {extra.split()[3]}")
         elif extra.endswith(" generator"):
             args.append(f"--generator {extra.split()[0]}")
-        elif extra.startswith("PYTORCH_CUDA_ALLOC_CONF="):
-            env = f"{extra} "
         else:
             args.append(f"--set {extra}")
     return f"{env}python benchmarks/bench_grpo_step.py " + " ".join(args)
@@ -74,8 +74,8 @@ def train_command(row: dict) -> str:
     if not m:
         return ""
     shape, mbs, tokens, lo, hi, steps, warmup = m.groups()
-    variant, *extras = re.split(r" \[", str(row["variant"]))
-    env = "".join(f"{e.rstrip(']')} " for e in extras if e.startswith("PYTORCH_CUDA_ALLOC_CONF="))
+    variant, extras = _variant_settings(str(row["variant"]))
+    env = _allocator_env(extras)
     args = [f"--shape {shape}", f"--variants {variant}", f"--micro-batches {mbs}", f"--mb-tokens {tokens}",
             f"--min-len {lo} --max-len {hi}", f"--steps {steps} --warmup {warmup}"]
     tp = re.search(r"TP=(\d+)", str(row.get("layout", "")))
@@ -133,8 +133,17 @@ def engine_pairs(steps: list[dict], rows: list[dict]) -> list[dict]:
     return out
 
 
+ALLOCATOR_SETTING = "PYTORCH_CUDA_ALLOC_CONF="  # results_log.py names a row's allocator settings so in its variant
+
+
+def _allocator_env(settings: list[str]) -> str:
+    """The environment prefix of a command that reproduces a row run under torch's allocator settings ("" if none)."""
+    return "".join(f"{s} " for s in settings if s.startswith(ALLOCATOR_SETTING))
+
+
 def _variant_settings(variant: str) -> tuple[str, list[str]]:
-    """A row's configuration and the bracketed items its variant adds (``--set`` settings, the generator)."""
+    """A row's configuration and the bracketed items its variant adds (``--set`` settings, the generator, torch's
+    allocator settings)."""
     name, _, rest = variant.partition(" [")
     return name, [item.rstrip("]") for item in rest.split(" [")] if rest else []
 
