@@ -65,6 +65,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rlcore.controller.allocator import use_expandable_segments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train_fsdp2 as common  # noqa: E402  (model shapes, FLOP formula, batch maker)
@@ -394,6 +395,7 @@ def _spawned(rank: int, world: int, port: int, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    use_expandable_segments()  # torch's allocator as rlcore.run sets it up, before CUDA starts (the ranks inherit it)
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA device: use --tiny for the CPU smoke run", file=sys.stderr)
         return 2

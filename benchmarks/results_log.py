@@ -17,8 +17,9 @@ import subprocess
 import uuid
 from pathlib import Path
 
+from rlcore.controller.allocator import ALLOCATOR_ENV, DEFAULT_ALLOCATOR_CONF  # what rlcore.run sets where nothing did
+
 RUN_ID = os.environ.get("RLCORE_RUN_ID") or f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
-ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 DEFAULT_PATH = Path(__file__).resolve().parent / "results.jsonl"
 
 
@@ -51,9 +52,11 @@ def append(rows: list[dict], *, bench: str, config: str, gpus: int) -> Path:
     allocator_conf = os.environ.get(ALLOCATOR_ENV)
     with path.open("a") as f:
         for row in rows:
-            if allocator_conf:  # torch's allocator settings change a run's memory: a row names them in its variant
-                row = {**row, "variant": f"{row['variant']} [{ALLOCATOR_ENV}={allocator_conf}]",
-                       "allocator_conf": allocator_conf}
+            if allocator_conf is not None:  # the settings torch's allocator ran with ("": torch's own defaults)
+                row = {**row, "allocator_conf": allocator_conf}
+            if allocator_conf is not None and allocator_conf != DEFAULT_ALLOCATOR_CONF:
+                # other settings than the run's default change its memory: the row names them in its variant
+                row = {**row, "variant": f"{row['variant']} [{ALLOCATOR_ENV}={allocator_conf}]"}
             clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
             f.write(json.dumps({**stamp, **clean}, default=str) + "\n")
     return path

@@ -141,8 +141,8 @@ def test_a_recorded_demo_renders_as_the_demo_printed_it(tmp_path):
 
 
 def test_a_row_run_under_allocator_settings_names_them_and_its_command_sets_them(tmp_path, monkeypatch):
-    """torch's allocator settings change a run's memory: ``results_log.append`` puts them in the row's variant, and
-    the tables' commands set the variable again (without it the row would read as the default allocator's)."""
+    """torch's allocator settings change a run's memory: a row carries the settings it ran with, its variant names
+    those other than rlcore.run's default (expandable segments), and the tables' commands set them again."""
     import importlib.util
     import json
 
@@ -150,21 +150,26 @@ def test_a_row_run_under_allocator_settings_names_them_and_its_command_sets_them
     results_log = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(results_log)
     monkeypatch.setenv("RLCORE_RESULTS", str(tmp_path / "rows.jsonl"))
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    results_log.append([{"variant": "llama1b-fsdp2", "step_s": 1.0}], bench="bench_grpo_step",
-                       config="32 prompts x 8 samples x 1024 new tokens, 8192-token micro-batches, steps 3 (summary after 1)",
-                       gpus=1)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    results_log.append([{"variant": "fsdp2"}], bench="bench_train_megatron",
-                       config="1b, 4 x 8192 tokens/step/DP rank, lengths [1000, 1100], steps 2 (+1 warm-up)", gpus=1)
-    grpo, train = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
-    assert grpo["variant"] == "llama1b-fsdp2 [PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True]"
-    assert grpo["allocator_conf"] == "expandable_segments:True"
-    assert train["variant"] == "fsdp2" and "allocator_conf" not in train
+    grpo_config = "32 prompts x 8 samples x 1024 new tokens, 8192-token micro-batches, steps 3 (summary after 1)"
+    train_config = "1b, 4 x 8192 tokens/step/DP rank, lengths [1000, 1100], steps 2 (+1 warm-up)"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the default, as rlcore.run sets it
+    results_log.append([{"variant": "llama1b-fsdp2", "step_s": 1.0}], bench="bench_grpo_step", config=grpo_config, gpus=1)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # torch's own defaults, asked for
+    results_log.append([{"variant": "llama1b-fsdp2", "step_s": 1.0}], bench="bench_grpo_step", config=grpo_config, gpus=1)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8")
+    results_log.append([{"variant": "fsdp2"}], bench="bench_train_megatron", config=train_config, gpus=1)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")  # a row of a process that set nothing (before the default)
+    results_log.append([{"variant": "fsdp2"}], bench="bench_train_megatron", config=train_config, gpus=1)
+    default, torch_default, train, unset = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert default["variant"] == "llama1b-fsdp2" and default["allocator_conf"] == "expandable_segments:True"
+    assert torch_default["variant"] == "llama1b-fsdp2 [PYTORCH_CUDA_ALLOC_CONF=]" and torch_default["allocator_conf"] == ""
+    assert train["variant"] == "fsdp2 [PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.8]"
+    assert unset["variant"] == "fsdp2" and "allocator_conf" not in unset
     tables = _performance_tables()
-    assert tables.grpo_command(grpo).startswith(
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --steps 3 --warmup 1")
-    assert tables.train_command({**train, "variant": "fsdp2 [PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True]",
-                                 "layout": "FSDP=1"}).startswith(
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/bench_train_megatron.py --shape 1b --variants fsdp2 ")
-    assert tables.train_command({**train, "layout": "FSDP=1"}).startswith("python benchmarks/bench_train_megatron.py")
+    assert tables.grpo_command(default).startswith("python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --steps 3")
+    assert tables.grpo_command(torch_default).startswith(
+        "PYTORCH_CUDA_ALLOC_CONF= python benchmarks/bench_grpo_step.py --config llama1b-fsdp2 --steps 3 --warmup 1")
+    assert tables.train_command({**train, "layout": "FSDP=1"}).startswith(
+        "PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.8 python benchmarks/bench_train_megatron.py --shape 1b "
+        "--variants fsdp2 ")
+    assert tables.train_command({**unset, "layout": "FSDP=1"}).startswith("python benchmarks/bench_train_megatron.py")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlcore.controller.allocator import use_expandable_segments
 from rlcore.controller.checks import check_before_start
 from rlcore.config import ConfigError, RunConfig
 from rlcore.controller.engines import seed_everything
@@ -40,6 +41,7 @@ def run(config: RunConfig, **given) -> dict:
     given = as_environment(given)  # reward_fn=fn: a plain function scores the rollouts
     check_given(given)  # before the run directory is claimed: a wrong object fails at once
     apply_verbosity(config.logger.verbosity)  # before vLLM, transformers or Ray is imported
+    use_expandable_segments()  # before this process or any it starts initializes CUDA
     check_before_start(config, given)  # names, env.reward_fn, the enabled loggers' packages
     seed_everything(config.train.seed, config.train.deterministic)
     run_dir = Path(config.logger.log_dir)
