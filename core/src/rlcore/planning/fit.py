@@ -86,6 +86,10 @@ HELD_OUT = frozenset({
     ("bench_grpo_step", "llama1b-fsdp2 [PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True]", "20261207T014803-e4dba0"),
     ("bench_grpo_step", "llama1b-megatron-cuda-graph [PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True]",
      "20261207T015051-ad10e1"),
+    # the same, now rlcore.run's default (no variable set by hand)
+    ("bench_grpo_step", "llama1b-fsdp2", "20261207T051427-f51d6a"),
+    ("bench_grpo_step", "llama1b-megatron-cuda-graph", "20261207T051714-1c697a"),
+    ("bench_grpo_step", "llama1b-megatron", "20261207T051930-a212f3"),
 })
 # the training benchmark's packed lengths: uniform in [256, 2048]
 TRAIN_MEAN, TRAIN_SQ_MEAN = 1152.0, (2048**3 - 256**3) / (3 * 1792)
