@@ -33,3 +33,19 @@ def test_a_process_that_started_cuda_keeps_torchs_settings_and_is_told(monkeypat
     assert allocator.use_expandable_segments() is None
     assert allocator.ALLOCATOR_ENV not in os.environ
     assert "CUDA started before the run" in capsys.readouterr().out
+
+
+def test_a_ray_rank_takes_the_default_where_its_node_set_nothing(monkeypatch):
+    """A trainer rank on a Ray cluster the run joined does not inherit the driver's environment."""
+    from rlcore.controller.workers import _TrainerActor
+    from rlcore.interfaces import Placement
+
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the rank's thread count is not this process's
+    monkeypatch.delenv(allocator.ALLOCATOR_ENV, raising=False)
+    _TrainerActor(None, None, None, 0, Placement(trainer_ranks=2, use_ray=True))
+    assert os.environ[allocator.ALLOCATOR_ENV] == "expandable_segments:True"
+    monkeypatch.setenv(allocator.ALLOCATOR_ENV, "garbage_collection_threshold:0.8")  # the node's (or the driver's)
+    _TrainerActor(None, None, None, 1, Placement(trainer_ranks=2, use_ray=True))
+    assert os.environ[allocator.ALLOCATOR_ENV] == "garbage_collection_threshold:0.8"

@@ -19,6 +19,7 @@ import os
 import socket
 import time
 
+from rlcore.controller.allocator import use_expandable_segments
 from rlcore.interfaces import OffloadingBackend, Placement, WorldInfo
 from rlcore.utils import free_port, resolve
 
@@ -140,6 +141,9 @@ class _TrainerActor:
     landed on, and for rank 0 a free port there), then :meth:`start` with rank 0's address."""
 
     def __init__(self, registration, config, section_config, rank: int, placement: Placement):
+        # the driver's allocator settings reach a rank of the local Ray instance through its environment; a rank on a
+        # cluster the run joined has its node's, or rlcore's default where the node set none (before CUDA starts)
+        use_expandable_segments()
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("RLCORE_THREADS_PER_RANK", "1"))))
