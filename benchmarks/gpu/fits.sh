@@ -45,3 +45,19 @@ fits_pair() {
   grep -q '^'"$config"'-hand-set: rc=0' "$OUT/jobs.txt" && grep -q '^'"$config"': rc=0' "$OUT/jobs.txt" && touch "$marker"
   cp benchmarks/results.jsonl "$OUT/results.jsonl"
 }
+
+# A configuration under rlcore.run's allocator default (expandable segments) beside the same one under torch's own
+# defaults (PYTORCH_CUDA_ALLOC_CONF set empty; its row's variant names it), back to back in one call:
+#   fits_allocator CONFIG
+fits_allocator() {
+  local config=$1 steps="--steps 2 --warmup 1" marker="$FITS_DONE/allocator-$1"
+  mkdir -p "$FITS_DONE"
+  [ -e "$marker" ] && return
+  case $config in *multiturn*) steps="--steps 1 --warmup 0" ;; esac
+  # shellcheck disable=SC2086
+  job "$config" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
+  # shellcheck disable=SC2086
+  PYTORCH_CUDA_ALLOC_CONF= job "$config-torch-allocator" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
+  grep -q '^'"$config"'-torch-allocator: rc=0' "$OUT/jobs.txt" && grep -q '^'"$config"': rc=0' "$OUT/jobs.txt" && touch "$marker"
+  cp benchmarks/results.jsonl "$OUT/results.jsonl"
+}
