@@ -30,34 +30,22 @@ fits() {
 # A configuration with no memory key beside the same one with hand-set memory settings, back to back in one call
 # (generation varies by tens of percent from call to call, so only a pair from one call compares):
 #   fits_pair CONFIG KEY=VALUE...     e.g. fits_pair llama1b-megatron policy.generation.gpu_memory_utilization=0.5
-# The hand-set row's variant names its settings ([key=value]); a pair done in an earlier call is not run again.
+# A setting PYTORCH_CUDA_ALLOC_CONF=... goes to the environment instead (fits_pair CONFIG PYTORCH_CUDA_ALLOC_CONF=:
+# rlcore.run's allocator default beside torch's own defaults). The hand-set row's variant names its settings
+# ([key=value]); a pair done in an earlier call is not run again.
 fits_pair() {
-  local config=$1 steps="--steps 2 --warmup 1" marker sets=() setting; shift
+  local config=$1 steps="--steps 2 --warmup 1" marker sets=() envs=() setting; shift
   marker="$FITS_DONE/pair-$config-$(echo "$*" | md5sum | cut -c1-8)"
   mkdir -p "$FITS_DONE"
   [ -e "$marker" ] && return
   case $config in *multiturn*) steps="--steps 1 --warmup 0" ;; esac
-  for setting in "$@"; do sets+=(--set "$setting"); done
+  for setting in "$@"; do
+    case $setting in PYTORCH_CUDA_ALLOC_CONF=*) envs+=("$setting") ;; *) sets+=(--set "$setting") ;; esac
+  done
   # shellcheck disable=SC2086
   job "$config" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
   # shellcheck disable=SC2086
-  job "$config-hand-set" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps "${sets[@]}"
+  job "$config-hand-set" 300 150 env "${envs[@]}" python3 benchmarks/bench_grpo_step.py --config "$config" $steps "${sets[@]}"
   grep -q '^'"$config"'-hand-set: rc=0' "$OUT/jobs.txt" && grep -q '^'"$config"': rc=0' "$OUT/jobs.txt" && touch "$marker"
-  cp benchmarks/results.jsonl "$OUT/results.jsonl"
-}
-
-# A configuration under rlcore.run's allocator default (expandable segments) beside the same one under torch's own
-# defaults (PYTORCH_CUDA_ALLOC_CONF set empty; its row's variant names it), back to back in one call:
-#   fits_allocator CONFIG
-fits_allocator() {
-  local config=$1 steps="--steps 2 --warmup 1" marker="$FITS_DONE/allocator-$1"
-  mkdir -p "$FITS_DONE"
-  [ -e "$marker" ] && return
-  case $config in *multiturn*) steps="--steps 1 --warmup 0" ;; esac
-  # shellcheck disable=SC2086
-  job "$config" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
-  # shellcheck disable=SC2086
-  PYTORCH_CUDA_ALLOC_CONF= job "$config-torch-allocator" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
-  grep -q '^'"$config"'-torch-allocator: rc=0' "$OUT/jobs.txt" && grep -q '^'"$config"': rc=0' "$OUT/jobs.txt" && touch "$marker"
   cp benchmarks/results.jsonl "$OUT/results.jsonl"
 }
