@@ -16,6 +16,8 @@ import json
 import re
 from pathlib import Path
 
+from rlcore.controller.allocator import ALLOCATOR_ENV
+
 HERE = Path(__file__).resolve().parent
 STEP_RE = re.compile(r"(\d+) prompts x (\d+) samples x (\d+) new tokens, (\d+)-token micro-batches, steps (\d+) \(summary after (\d+)\)")
 DEFAULTS = {"--prompts": "32", "--samples": "8", "--max-new-tokens": "1024", "--mb-tokens": "8192"}
@@ -133,7 +135,7 @@ def engine_pairs(steps: list[dict], rows: list[dict]) -> list[dict]:
     return out
 
 
-ALLOCATOR_SETTING = "PYTORCH_CUDA_ALLOC_CONF="  # results_log.py names a row's allocator settings so in its variant
+ALLOCATOR_SETTING = f"{ALLOCATOR_ENV}="  # results_log.py names a row's allocator settings so in its variant
 
 
 def _allocator_env(settings: list[str]) -> str:
