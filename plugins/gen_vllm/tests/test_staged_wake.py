@@ -155,3 +155,50 @@ def test_the_whole_wake_up_refused_before_anything_is_mapped(colocated):
     with pytest.raises(MemoryError, match=r"its weights and KV cache need 50\.0 GiB"):
         gen.wake_up()
     assert gen.engine.asleep == {"weights", "kv_cache"} and gen.sleeping
+
+
+def _shut_down_as(gen):
+    """The engine's state when the generator shuts it down."""
+    seen, engine = {}, gen.engine
+    engine.shutdown = lambda: seen.setdefault("asleep", set(engine.asleep))
+    gen.shutdown()
+    return seen["asleep"]
+
+
+def test_an_engine_asleep_at_the_end_is_woken_then_shut_down(colocated):
+    """vLLM's pool freed asleep unmaps again what its sleep unmapped (a CUDA error as every run ends): the
+    generator wakes both halves first, once the trainer has shut down and given its memory back."""
+    gen, device = colocated
+    gen.sleep()
+    assert _shut_down_as(gen) == set() and gen.engine is None
+    assert device.events[-3:] == ["wake weights", "empty_cache", "wake kv_cache"]
+
+
+def test_an_engine_half_awake_at_the_end_maps_its_cache_then_shuts_down(colocated):
+    gen, device = colocated
+    gen.sleep()
+    gen.wake_up()  # weights only: a refit that never came
+    assert _shut_down_as(gen) == set()
+
+
+def test_an_engine_with_no_room_to_wake_is_shut_down_asleep(colocated):
+    gen, device = colocated
+    gen.sleep()
+    device.free -= 40 * GIB  # the trainer still holds its memory: 40 free < 50
+    assert _shut_down_as(gen) == {"weights", "kv_cache"}
+
+
+def test_an_engine_that_cannot_wake_at_all_is_still_shut_down(colocated):
+    gen, device = colocated
+    gen.sleep()
+
+    def dead(tags=None):
+        raise RuntimeError("EngineCore encountered an issue")
+
+    gen.engine.wake_up = dead
+    assert _shut_down_as(gen) == {"weights", "kv_cache"}
+
+
+def test_an_awake_engine_is_shut_down_with_no_wake_up(colocated):
+    gen, device = colocated
+    assert _shut_down_as(gen) == set() and device.events == []
