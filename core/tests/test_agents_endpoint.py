@@ -429,3 +429,25 @@ def test_an_unknown_model_is_a_404_and_models_are_listed_to_a_trajectory_only(ge
     assert "'gpt-4o' does not exist" in error.message and "'policy' and 'tiny/llama'" in error.message
     assert seen["anonymous"] == 401
     assert [m["id"] for m in seen["models"]["data"]] == ["policy", "tiny/llama"] == [m["id"] for m in seen["models_at"]["data"]]
+
+
+def test_an_agents_rollout_reports_its_model_tokens_and_critical_path_as_a_native_one_does(generator):
+    """The planner bounds decode by the longest trajectory and the benchmark's multi-turn table reads the same keys:
+    an agent's tool seconds are its attempt's time outside its model requests."""
+    tool_s = 0.3
+
+    async def two_turns_and_a_tool(client, sample):
+        await ask(client, sample)
+        await asyncio.sleep(tool_s)  # the agent's tool: no model request open
+        await ask(client, sample)
+        return 1.0
+
+    runner = runner_for(generator, two_turns_and_a_tool)
+    runner(samples(2), PARAMS)
+    flat = [t for g in runner.last_trajectories for t in g]
+    tokens = [sum(t.result.response_mask) for t in flat]
+    metrics = runner.metrics()
+    assert metrics["rollout/generated_tokens"] == sum(tokens) > 0
+    assert metrics["rollout/longest_trajectory_model_tokens"] == max(tokens)
+    assert all(t.env_s >= tool_s for t in flat)  # the requests' seconds are not counted: the sleep's are
+    assert metrics["rollout/max_trajectory_env_s"] == max(t.env_s for t in flat) >= metrics["rollout/longest_trajectory_env_s"] >= tool_s

@@ -30,6 +30,7 @@ import inspect
 import math
 import secrets
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +44,7 @@ from rlcore.config import ConfigError
 from rlcore.deadlines import DaemonThreads, GenerationTimeout, batch_margin_s
 from rlcore.errors import RolloutError
 from rlcore.interfaces import GenerationResult, Sample, SamplingParams
-from rlcore.generation.rollout import make_multi_turn_runner
+from rlcore.generation.rollout import critical_path_metrics, make_multi_turn_runner
 
 
 class AgentTimeout(GenerationTimeout, RolloutError):
@@ -67,6 +68,7 @@ class AgentTrajectory:
     env_metrics: dict[str, float]
     key: str
     attempts: int
+    env_s: float = 0.0  # the agent's own seconds (its tools and logic): the attempt's wall time less its model requests'
 
 
 def resolve_agent(spec: str) -> Callable:
@@ -165,6 +167,7 @@ class AgentRunner:
         key = f"{name.replace(' ', '').replace(',', '-')}-{secrets.token_hex(6)}"
         traj = self.endpoint.open(key, seed)
         self._open[key] = name
+        began = time.perf_counter()
         try:
             try:
                 value = await asyncio.wait_for(self._call_agent(key, sample, http), self.cfg.attempt_timeout_s)
@@ -188,7 +191,8 @@ class AgentRunner:
         calls = sum(len(turn.get("tool_calls") or ()) for seg in traj.recorder.segments for turn in seg.turns)
         metrics.update({"agent_requests": float(traj.recorder.requests), "agent_segments": float(1 + len(result.segments or ())),
                         "agent_tool_calls": float(calls)})
-        return AgentTrajectory(sample, result, reward, metrics, key, 1)
+        env_s = max(0.0, time.perf_counter() - began - traj.serving_s)
+        return AgentTrajectory(sample, result, reward, metrics, key, 1, env_s)
 
     async def _trajectory(self, sample: Sample, seed: int | None, name: str) -> AgentTrajectory | AgentFailure:
         failure = None
@@ -264,9 +268,12 @@ class AgentRunner:
         return [[t.result for t in group] for group in self.last_trajectories]
 
     def metrics(self) -> dict[str, float]:
-        """The last call's failure counters (``rollout/infra_failures[/<cause>]``, ``rollout/dropped_groups``, ...)."""
+        """The last call's failure counters (``rollout/infra_failures[/<cause>]``, ``rollout/dropped_groups``, ...) and
+        its model tokens and critical path (:func:`rlcore.generation.rollout.critical_path_metrics`, as a native
+        multi-turn rollout reports them; an agent's tool seconds are its attempt's time outside its model requests)."""
         base = {"rollout/infra_failures": 0.0, "rollout/dropped_groups": 0.0}
-        return {**base, **{k: float(v) for k, v in self.counts.items()}}
+        return {**base, **{k: float(v) for k, v in self.counts.items()},
+                **critical_path_metrics(self.last_trajectories)}
 
 
 def build_multi_turn_runner(generator, environment, tokenizer, config):

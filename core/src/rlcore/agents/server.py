@@ -57,6 +57,7 @@ class OpenTrajectory:
     waiting: int = 0
     errors: list[str] = attrs.field(factory=list)  # what the endpoint refused or failed on, for the failure's cause
     causes: list[str] = attrs.field(factory=list)
+    serving_s: float = 0.0  # wall seconds of this trajectory's requests, from arrival to reply (the agent waits on them)
 
 
 class Endpoint:
@@ -130,6 +131,7 @@ class Endpoint:
             raise LimitError(429, f"trajectory {rec.key}: more than {self.max_concurrent} requests at once "
                                   "(env.agent.max_concurrent_requests)")
         traj.waiting += 1
+        arrived = time.perf_counter()
         try:
             async with traj.lock:
                 if rec.requests >= self.max_turns:
@@ -137,6 +139,7 @@ class Endpoint:
                 return await (self._chat(traj, body) if chat else self._completion(traj, body))
         finally:
             traj.waiting -= 1
+            traj.serving_s += time.perf_counter() - arrived
 
     def _params(self, traj: OpenTrajectory, body: dict, room: int) -> SamplingParams:
         asked = body.get("max_completion_tokens") or body.get("max_tokens")

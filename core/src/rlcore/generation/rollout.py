@@ -285,25 +285,31 @@ class MultiTurnRunner:
         return [list(flat[i * params.n : (i + 1) * params.n]) for i in range(len(samples))]
 
     def metrics(self) -> dict[str, float]:
-        """Merged into the step's metrics: the last call's model tokens, its critical path (the model tokens and tool seconds of
-        the trajectory with the most model tokens, the most tool seconds of any trajectory) and the turn
-        barrier's rounds."""
-        flat = [t for group in self.last_trajectories for t in group if t.result is not None]
-        if not flat:
-            return {}
-        tokens = [sum(t.result.response_mask or ()) for t in flat]
-        longest = max(range(len(flat)), key=tokens.__getitem__)
-        return {"rollout/generated_tokens": float(sum(tokens)),
-                "rollout/longest_trajectory_model_tokens": float(tokens[longest]),
-                "rollout/longest_trajectory_env_s": flat[longest].env_s,
-                "rollout/max_trajectory_env_s": max(t.env_s for t in flat),
-                "rollout/turn_barrier_rounds": float(self.last_barrier_rounds)}
+        """Merged into the step's metrics: the last call's :func:`critical_path_metrics` and the turn barrier's rounds."""
+        out = critical_path_metrics(self.last_trajectories)
+        return {**out, "rollout/turn_barrier_rounds": float(self.last_barrier_rounds)} if out else {}
 
     def __call__(self, samples: Sequence[Sample], params: SamplingParams) -> list[list[GenerationResult]]:
         """``params.n`` results per sample (the loop's contract); trajectories with rewards are kept
         in ``last_trajectories``."""
         self.last_trajectories = asyncio.run(self.arun(samples, params))
         return [[t.result for t in group] for group in self.last_trajectories]
+
+
+def critical_path_metrics(groups) -> dict[str, float]:
+    """A multi-turn call's model tokens and its critical path, from its trajectories (each with a ``result`` and the
+    ``env_s`` its tools took; a native multi-turn rollout's or an agent's): the model tokens and tool seconds of the
+    trajectory with the most model tokens, and the most tool seconds of any trajectory. The planner bounds decode
+    by the longest trajectory (``rlcore plan``'s response tail); the benchmark's multi-turn table reads them too."""
+    flat = [t for group in groups for t in group if t.result is not None]
+    if not flat:
+        return {}
+    tokens = [sum(t.result.response_mask or ()) for t in flat]
+    longest = max(range(len(flat)), key=tokens.__getitem__)
+    return {"rollout/generated_tokens": float(sum(tokens)),
+            "rollout/longest_trajectory_model_tokens": float(tokens[longest]),
+            "rollout/longest_trajectory_env_s": flat[longest].env_s,
+            "rollout/max_trajectory_env_s": max(t.env_s for t in flat)}
 
 
 def make_multi_turn_runner(generator, environment, tokenizer, config: Any) -> MultiTurnRunner:
