@@ -11,15 +11,20 @@ planner refuses FP8); a logprob phase under 0.05 s is a step that ran no logprob
 
 Known misses (:data:`KNOWN_MISSES`, each asserted to be still outside its bound, so a fix shows here): the H200
 PPO rows' refit, whose weight transfer ran at 61 GB/s where the H200 rows the refit rate is fitted to (earlier
-commits) moved weights at 15-45 GB/s.
+commits) moved weights at 15-45 GB/s; the 0.5B Megatron row measured under the allocator default, whose training
+(3.53 s) and refit (0.29 s) took 28% and 73% longer than the fitted rows of that configuration under torch's own
+allocator, in other calls (not yet compared in one call); the tool-calling agent's row, which predates the agent
+path's critical-path metrics, so it is planned at its mean length with no decode tail (the native tool row of the
+same call, which records its longest trajectory, is within bounds).
 
 Memory (``memory/<phase>_device_gib``, NVML's peak over every process, against the run's own memory plan with the
 engine share and release it ran with, within 10%), on the held-out rows and the H100 rows the fit reads for their
-time alone (no calibration reads an H100 row's memory): generation on every row; training misses low on FSDP2 (-16%,
-compiled or not), the graphed Megatron path (-10%), Megatron's 0.5B and 3B LoRA rows (-14%, -10%) and the multi-turn
-row (-34%), whose allocators keep blocks cached between micro-batches of different lengths that the planner,
-counting tensors, does not price. A row run with torch's expandable segments (``allocator_conf``) has no known miss:
-it measures the plan's tensors without that cache.
+time alone (no calibration reads an H100 row's memory): the engine-awake phase (refit and generation) on every row;
+training misses low on FSDP2 (-16%, compiled or not), the graphed Megatron path (-10%) and Megatron's 0.5B and 3B
+LoRA rows (-14%, -10%), whose allocators keep blocks cached between micro-batches of different lengths that the
+planner, counting tensors, does not price; under that allocator the plan is 12% short of the multi-turn row's refit
+peak. A row run with torch's expandable segments (``allocator_conf``) has no known miss: it measures the plan's
+tensors without that cache. The probe's sequences are priced at the row's lengths (the run's plan takes the limit).
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ import re
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
-from rlcore.loading.loader import build_config
+from rlcore.loading.loader import build_config, to_dict
 from rlcore.planning import fit, plan
 from rlcore.planning.calibration import load_calibration
 from rlcore.planning.hardware import GPUS
+from rlcore.planning.memory import refit_transient_gib
 from rlcore.planning.run_memory import plan_run_memory
 from rlcore.planning.bench_shapes import bench_shape
 
@@ -46,11 +53,13 @@ PHASES = {"train_s": "training", "refit_s": "refit", "generation_s": "generation
 MACHINE_GPU = {machine: name for name, machine in fit.MACHINES.items()}
 # the environment's time, and FP8 rollouts (see above)
 NOT_MODELLED = {"llama1b-multiturn-async": ("generation_s", "step_s"), "llama1b-megatron-fp8gen": ("generation_s", "step_s")}
-KNOWN_MISSES = {("llama1b-fsdp2-ppo", "h200"): ("refit_s",), ("llama1b-megatron-ppo", "h200"): ("refit_s",)}
+KNOWN_MISSES = {("llama1b-fsdp2-ppo", "h200"): ("refit_s",), ("llama1b-megatron-ppo", "h200"): ("refit_s",),
+                ("llama0.5b-megatron", "h100"): ("train_s", "refit_s"),
+                ("llama1b-tool-agent", "h100"): ("refit_s", "generation_s", "step_s")}
 # Per-phase device memory (``memory/<phase>_device_gib``) held to 10%, and the known misses (see the module's text)
 MEMORY_PHASES = ("training", "generation")
 MEMORY_KNOWN_MISSES = {"llama1b-fsdp2-compile": ("training",), "llama1b-megatron-cuda-graph": ("training",),
-                       "llama1b-multiturn-async": ("training",), "llama3b-megatron-lora": ("training",),
+                       "llama1b-multiturn-async": ("generation",), "llama3b-megatron-lora": ("training",),
                        "llama1b-fsdp2": ("training",), "llama0.5b-fsdp2": ("training",), "llama0.5b-megatron": ("training",)}
 
 pytestmark = pytest.mark.skipif(not RESULTS.is_file(), reason="benchmarks/results.jsonl is not in this checkout")
@@ -109,10 +118,13 @@ def _row_run(r: dict, *, as_ran: bool = False):
     return build_config(tree), model, MACHINE_GPU[r["machine"]], mean, longest
 
 
+PROMPT_TOKENS = 16  # the benchmark's prompts, tokenized
+
+
 def plan_row(r: dict):
     """The row's run as ``rlcore plan`` sees it, with the response lengths the row records."""
     config, model, gpu_name, mean, longest = _row_run(r)
-    inp = plan.inputs(config, world=1, gpu_name=gpu_name, model=model, prompt_tokens=16, response_tokens=mean,
+    inp = plan.inputs(config, world=1, gpu_name=gpu_name, model=model, prompt_tokens=PROMPT_TOKENS, response_tokens=mean,
                       response_max=longest, calibration=load_calibration(gpu_name, user_file=Path(os.devnull)))
     return plan.evaluate_recipe(inp)
 
@@ -161,8 +173,9 @@ def test_a_held_out_grpo_step_is_predicted_within_bounds(key):
                           + (" (a known miss now within bounds: take it off KNOWN_MISSES)" if field in known else ""))
     if "step_s" not in skip:
         compared.append("step_s")
-        if abs(est.step_s / r["step_s"] - 1) > 0.20:
-            misses.append(f"step_s: predicted {est.step_s:.3f} measured {r['step_s']:.3f}")
+        if (abs(est.step_s / r["step_s"] - 1) > 0.20) != ("step_s" in known):
+            misses.append(f"step_s: predicted {est.step_s:.3f} measured {r['step_s']:.3f}"
+                          + (" (a known miss now within bounds: take it off KNOWN_MISSES)" if "step_s" in known else ""))
     assert not misses, f"row {number} {r['variant']} on {r['machine']}: " + "; ".join(misses)
     assert {"train_s", "refit_s"} <= set(compared)  # the test compares something on every row
 
@@ -188,17 +201,41 @@ def _memory_rows() -> list[tuple]:
 MEMORY_ROWS = _memory_rows() if RESULTS.is_file() else []
 
 
+def probe_at_row_lengths_gib(r: dict) -> float:
+    """The plan's refit transient (a staged chunk and the probe's logprob pass) with the probe's sequences at the row's
+    prompt and mean response, where the run's plan prices them at the length limit (the probe takes the step's first
+    sequences, which a run may fill to the limit): the workload that ran, as the time test plans it."""
+    config, model, gpu_name, mean, _ = _row_run(r, as_ran=True)
+    layout, work = plan.recipe_work(config, to_dict(config))
+    seq = min(config.policy.max_total_sequence_length, PROMPT_TOKENS + mean)
+    work = attrs.evolve(work, refit_chunk_bytes=config.generation.refit.chunk_bytes,
+                        probe_tokens=config.generation.refit.probe_num_sequences * seq)
+    return refit_transient_gib(model, work, layout, load_calibration(gpu_name, user_file=Path(os.devnull)))
+
+
 @pytest.mark.parametrize("key", MEMORY_ROWS, ids=lambda k: f"{k[1].split(' [')[0]}-{k[2][:15]}")
 def test_a_held_out_rows_memory_per_phase_is_predicted_within_10_percent(key):
-    """The run's own memory plan, with the engine share and release it ran with, against the device's peak in each phase."""
+    """The run's own memory plan, with the engine share and release it ran with, against the device's peak in each
+    phase. The plan's generation phase is the engine awake: the refit (from the weights' wake-up) and generation, so the
+    higher of the two measured peaks. A row of one step measures its first, whose training and generation come before
+    the optimizer's first step creates its state (Megatron's Adam moments: 11 GiB at 1.2B): its training is not compared,
+    and its engine-awake peak is the refit's, which follows that step."""
     number, r = _rows()[key]
     mem = run_memory_plan(r).memory
-    predicted = {"training": sum(mem.train_parts.values()), "generation": sum(mem.gen_parts.values())}
+    gen = sum(mem.gen_parts.values())
+    if "refit" in mem.gen_parts:
+        gen += probe_at_row_lengths_gib(r) - mem.gen_parts["refit"]
+    predicted = {"training": sum(mem.train_parts.values()), "generation": gen}
+    measured_by_phase = {"training": r["memory/training_device_gib"],
+                         "generation": max(r["memory/generation_device_gib"], r.get("memory/refit_device_gib") or 0.0)}
+    one_step = "(summary after 0)" in r["config"]
+    if one_step:
+        measured_by_phase = {"generation": r.get("memory/refit_device_gib") or r["memory/generation_device_gib"]}
     # a known miss is the caching allocator's; a row run with expandable segments has none
     known = () if r.get("allocator_conf") else MEMORY_KNOWN_MISSES.get(r["variant"].split(" [")[0], ())
     misses = []
-    for phase in MEMORY_PHASES:
-        measured = r[f"memory/{phase}_device_gib"]
+    for phase in measured_by_phase:
+        measured = measured_by_phase[phase]
         if (abs(predicted[phase] / measured - 1) > 0.10) != (phase in known):
             misses.append(f"{phase}: predicted {predicted[phase]:.1f} GiB measured {measured:.1f} GiB"
                           + (" (a known miss now within bounds: take it off MEMORY_KNOWN_MISSES)" if phase in known else ""))

@@ -90,6 +90,17 @@ HELD_OUT = frozenset({
     ("bench_grpo_step", "llama1b-fsdp2", "20261207T051427-f51d6a"),
     ("bench_grpo_step", "llama1b-megatron-cuda-graph", "20261207T051714-1c697a"),
     ("bench_grpo_step", "llama1b-megatron", "20261207T051930-a212f3"),
+    # the list under the allocator default, with the engine shut down awake; each allocator pair from one call
+    ("bench_grpo_step", "llama1b-megatron", "20261207T065007-2872f3"),
+    ("bench_grpo_step", "llama1b-megatron [PYTORCH_CUDA_ALLOC_CONF=]", "20261207T065303-4bbcc9"),
+    ("bench_grpo_step", "llama1b-tool-agent", "20261207T065511-9c4919"),
+    ("bench_grpo_step", "llama1b-multiturn-sync-barrier", "20261207T065808-011cce"),
+    ("bench_grpo_step", "llama1b-multiturn-async", "20261207T070209-3fb847"),
+    ("bench_grpo_step", "llama1b-fsdp2-compile", "20261207T070434-a5f74a"),
+    ("bench_grpo_step", "llama1b-tool-async", "20261207T070703-0a4b07"),
+    ("bench_grpo_step", "llama1b-fsdp2", "20261207T070926-1062ac"),
+    ("bench_grpo_step", "llama1b-fsdp2 [PYTORCH_CUDA_ALLOC_CONF=]", "20261207T071124-2c501e"),
+    ("bench_grpo_step", "llama0.5b-megatron", "20261207T071311-1e5a75"),
 })
 # the training benchmark's packed lengths: uniform in [256, 2048]
 TRAIN_MEAN, TRAIN_SQ_MEAN = 1152.0, (2048**3 - 256**3) / (3 * 1792)
