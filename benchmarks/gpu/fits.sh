@@ -13,13 +13,19 @@ FITS=(llama1b-megatron llama1b-fsdp2 llama1b-megatron-cuda-graph llama1b-fsdp2-c
 HELD_OUT_SHAPES=(llama0.5b-megatron llama0.5b-fsdp2 llama3b-megatron-lora llama3b-fsdp2-lora)
 FITS_DONE=${FITS_DONE:-/root/fits-done}
 
+# Two steps, the first a warm-up: the second is the steady state (the first trains and generates before the
+# optimizer's first step creates its state, so its memory is not the plan's). The turn barrier's step is two minutes
+# of simulated tool latency: one step, its first, compared for its engine-awake memory (the refit follows the step).
+fits_steps() {
+  case $1 in *multiturn-sync*) echo "--steps 1 --warmup 0" ;; *) echo "--steps 2 --warmup 1" ;; esac
+}
+
 fits() {
   local config steps
   mkdir -p "$FITS_DONE"
   for config in "${@:-${FITS[@]}}"; do
     [ -e "$FITS_DONE/$config" ] && continue
-    steps="--steps 2 --warmup 1"
-    case $config in *multiturn*) steps="--steps 1 --warmup 0" ;; esac  # one step is minutes of tool latency
+    steps=$(fits_steps "$config")
     # shellcheck disable=SC2086
     job "$config" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
     grep -q '^'"$config"': rc=0' "$OUT/jobs.txt" && touch "$FITS_DONE/$config"
@@ -34,11 +40,11 @@ fits() {
 # rlcore.run's allocator default beside torch's own defaults). The hand-set row's variant names its settings
 # ([key=value]); a pair done in an earlier call is not run again.
 fits_pair() {
-  local config=$1 steps="--steps 2 --warmup 1" marker sets=() envs=() setting; shift
+  local config=$1 steps marker sets=() envs=() setting; shift
+  steps=$(fits_steps "$config")
   marker="$FITS_DONE/pair-$config-$(echo "$*" | md5sum | cut -c1-8)"
   mkdir -p "$FITS_DONE"
   [ -e "$marker" ] && return
-  case $config in *multiturn*) steps="--steps 1 --warmup 0" ;; esac
   for setting in "$@"; do
     case $setting in PYTORCH_CUDA_ALLOC_CONF=*) envs+=("$setting") ;; *) sets+=(--set "$setting") ;; esac
   done
