@@ -38,20 +38,31 @@ fits() {
 #   fits_pair CONFIG KEY=VALUE...     e.g. fits_pair llama1b-megatron policy.generation.gpu_memory_utilization=0.5
 # A setting PYTORCH_CUDA_ALLOC_CONF=... goes to the environment instead (fits_pair CONFIG PYTORCH_CUDA_ALLOC_CONF=:
 # rlcore.run's allocator default beside torch's own defaults). The hand-set row's variant names its settings
-# ([key=value]); a pair done in an earlier call is not run again.
+# ([key=value]); a pair done in an earlier call is not run again. FITS_PAIR_ORDER (A: no memory key, B: hand-set;
+# default AB) repeats them: ABBA gives each side a first and a second place, so a drift over the call (the host's
+# load, the GPU's clock) falls on both; one run's generation alone varies by 20-25% within a call.
 fits_pair() {
-  local config=$1 steps marker sets=() envs=() setting; shift
+  local config=$1 steps marker sets=() envs=() setting order=${FITS_PAIR_ORDER:-AB} which name i=0 ok=1; shift
   steps=$(fits_steps "$config")
-  marker="$FITS_DONE/pair-$config-$(echo "$*" | md5sum | cut -c1-8)"
+  marker="$FITS_DONE/pair-$config-$order-$(echo "$*" | md5sum | cut -c1-8)"
   mkdir -p "$FITS_DONE"
   [ -e "$marker" ] && return
   for setting in "$@"; do
     case $setting in PYTORCH_CUDA_ALLOC_CONF=*) envs+=("$setting") ;; *) sets+=(--set "$setting") ;; esac
   done
-  # shellcheck disable=SC2086
-  job "$config" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
-  # shellcheck disable=SC2086
-  job "$config-hand-set" 300 150 env "${envs[@]}" python3 benchmarks/bench_grpo_step.py --config "$config" $steps "${sets[@]}"
-  grep -q '^'"$config"'-hand-set: rc=0' "$OUT/jobs.txt" && grep -q '^'"$config"': rc=0' "$OUT/jobs.txt" && touch "$marker"
-  cp benchmarks/results.jsonl "$OUT/results.jsonl"
+  for which in $(echo "$order" | grep -o .); do
+    i=$((i + 1))
+    name=$config; [ "$which" = B ] && name=$config-hand-set
+    [ $i -gt 2 ] && name=$name-$i
+    if [ "$which" = A ]; then
+      # shellcheck disable=SC2086
+      job "$name" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
+    else
+      # shellcheck disable=SC2086
+      job "$name" 300 150 env "${envs[@]}" python3 benchmarks/bench_grpo_step.py --config "$config" $steps "${sets[@]}"
+    fi
+    grep -q '^'"$name"': rc=0' "$OUT/jobs.txt" || ok=0
+    cp benchmarks/results.jsonl "$OUT/results.jsonl"
+  done
+  [ $ok = 1 ] && touch "$marker"
 }
