@@ -54,9 +54,8 @@ def append(rows: list[dict], *, bench: str, config: str, gpus: int) -> Path:
         for row in rows:
             if allocator_conf is not None:  # the settings torch's allocator ran with ("": torch's own defaults)
                 row = {**row, "allocator_conf": allocator_conf}
-            if allocator_conf is not None and allocator_conf != DEFAULT_ALLOCATOR_CONF:
-                # other settings than the run's default change its memory: the row names them in its variant
-                row = {**row, "variant": f"{row['variant']} [{ALLOCATOR_ENV}={allocator_conf}]"}
+                if allocator_conf != DEFAULT_ALLOCATOR_CONF:  # they change its memory: the variant names them
+                    row["variant"] = f"{row['variant']} [{ALLOCATOR_ENV}={allocator_conf}]"
             clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
             f.write(json.dumps({**stamp, **clean}, default=str) + "\n")
     return path

@@ -20,14 +20,23 @@ fits_steps() {
   case $1 in *multiturn-sync*) echo "--steps 1 --warmup 0" ;; *) echo "--steps 2 --warmup 1" ;; esac
 }
 
+# One GRPO step benchmark of CONFIG as job NAME: settings PYTORCH_CUDA_ALLOC_CONF=... go to its environment, the
+# others (KEY=VALUE) to --set.
+fits_job() {
+  local name=$1 config=$2 envs=() sets=() setting; shift 2
+  for setting in "$@"; do
+    case $setting in PYTORCH_CUDA_ALLOC_CONF=*) envs+=("$setting") ;; *) sets+=(--set "$setting") ;; esac
+  done
+  # shellcheck disable=SC2046
+  job "$name" 300 150 env "${envs[@]}" python3 benchmarks/bench_grpo_step.py --config "$config" $(fits_steps "$config") "${sets[@]}"
+}
+
 fits() {
-  local config steps
+  local config
   mkdir -p "$FITS_DONE"
   for config in "${@:-${FITS[@]}}"; do
     [ -e "$FITS_DONE/$config" ] && continue
-    steps=$(fits_steps "$config")
-    # shellcheck disable=SC2086
-    job "$config" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
+    fits_job "$config" "$config"
     grep -q '^'"$config"': rc=0' "$OUT/jobs.txt" && touch "$FITS_DONE/$config"
     cp benchmarks/results.jsonl "$OUT/results.jsonl"
   done
@@ -42,25 +51,15 @@ fits() {
 # default AB) repeats them: ABBA gives each side a first and a second place, so a drift over the call (the host's
 # load, the GPU's clock) falls on both; one run's generation alone varies by 20-25% within a call.
 fits_pair() {
-  local config=$1 steps marker sets=() envs=() setting order=${FITS_PAIR_ORDER:-AB} which name i=0 ok=1; shift
-  steps=$(fits_steps "$config")
+  local config=$1 marker order=${FITS_PAIR_ORDER:-AB} which name i=0 ok=1; shift
   marker="$FITS_DONE/pair-$config-$order-$(echo "$*" | md5sum | cut -c1-8)"
   mkdir -p "$FITS_DONE"
   [ -e "$marker" ] && return
-  for setting in "$@"; do
-    case $setting in PYTORCH_CUDA_ALLOC_CONF=*) envs+=("$setting") ;; *) sets+=(--set "$setting") ;; esac
-  done
   for which in $(echo "$order" | grep -o .); do
     i=$((i + 1))
     name=$config; [ "$which" = B ] && name=$config-hand-set
     [ $i -gt 2 ] && name=$name-$i
-    if [ "$which" = A ]; then
-      # shellcheck disable=SC2086
-      job "$name" 300 150 python3 benchmarks/bench_grpo_step.py --config "$config" $steps
-    else
-      # shellcheck disable=SC2086
-      job "$name" 300 150 env "${envs[@]}" python3 benchmarks/bench_grpo_step.py --config "$config" $steps "${sets[@]}"
-    fi
+    if [ "$which" = A ]; then fits_job "$name" "$config"; else fits_job "$name" "$config" "$@"; fi
     grep -q '^'"$name"': rc=0' "$OUT/jobs.txt" || ok=0
     cp benchmarks/results.jsonl "$OUT/results.jsonl"
   done

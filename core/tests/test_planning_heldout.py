@@ -56,8 +56,7 @@ NOT_MODELLED = {"llama1b-multiturn-async": ("generation_s", "step_s"), "llama1b-
 KNOWN_MISSES = {("llama1b-fsdp2-ppo", "h200"): ("refit_s",), ("llama1b-megatron-ppo", "h200"): ("refit_s",),
                 ("llama0.5b-megatron", "h100"): ("train_s", "refit_s"),
                 ("llama1b-tool-agent", "h100"): ("refit_s", "generation_s", "step_s")}
-# Per-phase device memory (``memory/<phase>_device_gib``) held to 10%, and the known misses (see the module's text)
-MEMORY_PHASES = ("training", "generation")
+# Per-phase device memory (``memory/<phase>_device_gib``) held to 10%: the known misses (see the module's text)
 MEMORY_KNOWN_MISSES = {"llama1b-fsdp2-compile": ("training",), "llama1b-megatron-cuda-graph": ("training",),
                        "llama1b-multiturn-async": ("generation",), "llama3b-megatron-lora": ("training",),
                        "llama1b-fsdp2": ("training",), "llama0.5b-fsdp2": ("training",), "llama0.5b-megatron": ("training",)}
@@ -131,9 +130,18 @@ def plan_row(r: dict):
 
 def run_memory_plan(r: dict):
     """The memory plan the row's run makes before it loads (:func:`rlcore.planning.run_memory.plan_run_memory`: its
-    lengths at the recipe's limits, the refit's staged chunk and probe pass), with the engine's share and release it ran with."""
-    config, model, gpu_name, _, _ = _row_run(r, as_ran=True)
-    return plan_run_memory(config, model, GPUS[gpu_name], 1, critic="-ppo" in r["variant"])
+    lengths at the recipe's limits, the refit's staged chunk and probe pass), with the engine's share and release it
+    ran with; and that plan's refit transient (the staged chunk and the probe's logprob pass) with the probe's
+    sequences at the row's prompt and mean response, where the run's plan prices them at the length limit (the probe
+    takes the step's first sequences, which a run may fill to the limit): the workload that ran, as the time test
+    plans it."""
+    config, model, gpu_name, mean, _ = _row_run(r, as_ran=True)
+    run_plan = plan_run_memory(config, model, GPUS[gpu_name], 1, critic="-ppo" in r["variant"])
+    layout, work = plan.recipe_work(config, to_dict(config))
+    seq = min(config.policy.max_total_sequence_length, PROMPT_TOKENS + mean)
+    work = attrs.evolve(work, refit_chunk_bytes=config.generation.refit.chunk_bytes,
+                        probe_tokens=config.generation.refit.probe_num_sequences * seq)
+    return run_plan, refit_transient_gib(model, work, layout, load_calibration(gpu_name, user_file=Path(os.devnull)))
 
 
 GRPO = sorted(k for k in fit.HELD_OUT if k[0] == "bench_grpo_step")
@@ -201,18 +209,6 @@ def _memory_rows() -> list[tuple]:
 MEMORY_ROWS = _memory_rows() if RESULTS.is_file() else []
 
 
-def probe_at_row_lengths_gib(r: dict) -> float:
-    """The plan's refit transient (a staged chunk and the probe's logprob pass) with the probe's sequences at the row's
-    prompt and mean response, where the run's plan prices them at the length limit (the probe takes the step's first
-    sequences, which a run may fill to the limit): the workload that ran, as the time test plans it."""
-    config, model, gpu_name, mean, _ = _row_run(r, as_ran=True)
-    layout, work = plan.recipe_work(config, to_dict(config))
-    seq = min(config.policy.max_total_sequence_length, PROMPT_TOKENS + mean)
-    work = attrs.evolve(work, refit_chunk_bytes=config.generation.refit.chunk_bytes,
-                        probe_tokens=config.generation.refit.probe_num_sequences * seq)
-    return refit_transient_gib(model, work, layout, load_calibration(gpu_name, user_file=Path(os.devnull)))
-
-
 @pytest.mark.parametrize("key", MEMORY_ROWS, ids=lambda k: f"{k[1].split(' [')[0]}-{k[2][:15]}")
 def test_a_held_out_rows_memory_per_phase_is_predicted_within_10_percent(key):
     """The run's own memory plan, with the engine share and release it ran with, against the device's peak in each
@@ -221,16 +217,17 @@ def test_a_held_out_rows_memory_per_phase_is_predicted_within_10_percent(key):
     the optimizer's first step creates its state (Megatron's Adam moments: 11 GiB at 1.2B): its training is not compared,
     and its engine-awake peak is the refit's, which follows that step."""
     number, r = _rows()[key]
-    mem = run_memory_plan(r).memory
+    run_plan, refit_at_row_lengths = run_memory_plan(r)
+    mem = run_plan.memory
     gen = sum(mem.gen_parts.values())
     if "refit" in mem.gen_parts:
-        gen += probe_at_row_lengths_gib(r) - mem.gen_parts["refit"]
+        gen += refit_at_row_lengths - mem.gen_parts["refit"]
     predicted = {"training": sum(mem.train_parts.values()), "generation": gen}
-    measured_by_phase = {"training": r["memory/training_device_gib"],
-                         "generation": max(r["memory/generation_device_gib"], r.get("memory/refit_device_gib") or 0.0)}
-    one_step = "(summary after 0)" in r["config"]
-    if one_step:
+    if "(summary after 0)" in r["config"]:  # one step, its first
         measured_by_phase = {"generation": r.get("memory/refit_device_gib") or r["memory/generation_device_gib"]}
+    else:
+        measured_by_phase = {"training": r["memory/training_device_gib"],
+                             "generation": max(r["memory/generation_device_gib"], r.get("memory/refit_device_gib") or 0.0)}
     # a known miss is the caching allocator's; a row run with expandable segments has none
     known = () if r.get("allocator_conf") else MEMORY_KNOWN_MISSES.get(r["variant"].split(" [")[0], ())
     misses = []

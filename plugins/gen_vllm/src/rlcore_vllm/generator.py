@@ -334,10 +334,10 @@ class VllmGenerator(SleepMode):
     def shutdown(self) -> None:
         """Shut the engine down awake where it sleeps and the GPU has room (the run shuts the trainer down
         first, so its memory is back): see :meth:`SleepMode.wake_to_end`."""
-        if getattr(self, "engine", None) is not None:
-            self.wake_to_end()
-        engine, self.engine = getattr(self, "engine", None), None
+        engine = getattr(self, "engine", None)
         if engine is not None:
+            self.wake_to_end()
+            self.engine = None
             engine.shutdown()
 
 
