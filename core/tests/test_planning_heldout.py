@@ -11,11 +11,12 @@ planner refuses FP8); a logprob phase under 0.05 s is a step that ran no logprob
 
 Known misses (:data:`KNOWN_MISSES`, each asserted to be still outside its bound, so a fix shows here): the H200
 PPO rows' refit, whose weight transfer ran at 61 GB/s where the H200 rows the refit rate is fitted to (earlier
-commits) moved weights at 15-45 GB/s; the 0.5B Megatron row measured under the allocator default, whose training
-(3.53 s) and refit (0.29 s) took 28% and 73% longer than the fitted rows of that configuration under torch's own
-allocator, in other calls (not yet compared in one call); the tool-calling agent's row, which predates the agent
-path's critical-path metrics, so it is planned at its mean length with no decode tail (the native tool row of the
-same call, which records its longest trajectory, is within bounds).
+commits) moved weights at 15-45 GB/s; the tool-calling agent's refit (0.40-0.47 s against 0.24 planned; the native tool
+path's, 0.29-0.31 s, is within bounds), and the generation and step of its first row, which predates the agent path's critical-path
+metrics and so is planned at its mean length with no decode tail (its later row is within bounds); the 0.5B Megatron
+configuration measured again on other hosts. Its step is host-bound: its generation takes as long as the 1.2B
+model's and its training, 2.75 s in the fitted row, took 3.53 and 4.18-4.23 s in later calls while the 1.2B
+model's stayed at 3.9 s; one call's allocator pair (4.18 and 4.23 s) shows the allocator is not the cause.
 
 Memory (``memory/<phase>_device_gib``, NVML's peak over every process, against the run's own memory plan with the
 engine share and release it ran with, within 10%), on the held-out rows and the H100 rows the fit reads for their
@@ -53,9 +54,14 @@ PHASES = {"train_s": "training", "refit_s": "refit", "generation_s": "generation
 MACHINE_GPU = {machine: name for name, machine in fit.MACHINES.items()}
 # the environment's time, and FP8 rollouts (see above)
 NOT_MODELLED = {"llama1b-multiturn-async": ("generation_s", "step_s"), "llama1b-megatron-fp8gen": ("generation_s", "step_s")}
+# keyed by (configuration, GPU) for every row of it, or by a row's run id for that row alone
 KNOWN_MISSES = {("llama1b-fsdp2-ppo", "h200"): ("refit_s",), ("llama1b-megatron-ppo", "h200"): ("refit_s",),
-                ("llama0.5b-megatron", "h100"): ("train_s", "refit_s"),
-                ("llama1b-tool-agent", "h100"): ("refit_s", "generation_s", "step_s")}
+                ("llama1b-tool-agent", "h100"): ("refit_s",),
+                "20261207T065511-9c4919": ("generation_s", "step_s"),  # the agent's row with no longest trajectory
+                # the 0.5B model's host-bound step, on hosts slower than the fitted row's
+                "20261207T071311-1e5a75": ("train_s", "refit_s"),
+                "20261207T090150-07c710": ("train_s", "refit_s", "step_s"),
+                "20261207T090445-77a5aa": ("train_s", "generation_s", "step_s")}
 # Per-phase device memory (``memory/<phase>_device_gib``) held to 10%: the known misses (see the module's text)
 MEMORY_KNOWN_MISSES = {"llama1b-fsdp2-compile": ("training",), "llama1b-megatron-cuda-graph": ("training",),
                        "llama1b-multiturn-async": ("generation",), "llama3b-megatron-lora": ("training",),
@@ -168,7 +174,8 @@ def test_a_held_out_grpo_step_is_predicted_within_bounds(key):
     number, r = _rows()[key]
     est = plan_row(r)
     name = r["variant"].split(" [")[0]
-    skip, known = NOT_MODELLED.get(name, ()), KNOWN_MISSES.get((name, MACHINE_GPU[r["machine"]]), ())
+    skip = NOT_MODELLED.get(name, ())
+    known = KNOWN_MISSES.get((name, MACHINE_GPU[r["machine"]]), ()) + KNOWN_MISSES.get(r.get("run_id"), ())
     compared, misses = [], []
     for field, phase in PHASES.items():
         measured = r.get(field)

@@ -101,6 +101,17 @@ HELD_OUT = frozenset({
     ("bench_grpo_step", "llama1b-fsdp2", "20261207T070926-1062ac"),
     ("bench_grpo_step", "llama1b-fsdp2 [PYTORCH_CUDA_ALLOC_CONF=]", "20261207T071124-2c501e"),
     ("bench_grpo_step", "llama0.5b-megatron", "20261207T071311-1e5a75"),
+    # the hand-set comparison, each side run twice in one call (ABBA), and the agent with its longest trajectory
+    ("bench_grpo_step", "llama1b-fsdp2", "20261207T084248-eaf864"),
+    ("bench_grpo_step", "llama1b-fsdp2 [PYTORCH_CUDA_ALLOC_CONF=]", "20261207T084607-a86c9b"),
+    ("bench_grpo_step", "llama1b-fsdp2 [PYTORCH_CUDA_ALLOC_CONF=]", "20261207T084823-f1b4f2"),
+    ("bench_grpo_step", "llama1b-megatron", "20261207T085025-8d27a7"),
+    ("bench_grpo_step", "llama1b-megatron [PYTORCH_CUDA_ALLOC_CONF=]", "20261207T085218-e0bd1c"),
+    ("bench_grpo_step", "llama1b-megatron [PYTORCH_CUDA_ALLOC_CONF=]", "20261207T085413-878f91"),
+    ("bench_grpo_step", "llama1b-megatron", "20261207T085623-21aa5f"),
+    ("bench_grpo_step", "llama1b-tool-agent", "20261207T085835-e01c8f"),
+    ("bench_grpo_step", "llama0.5b-megatron", "20261207T090150-07c710"),
+    ("bench_grpo_step", "llama0.5b-megatron [PYTORCH_CUDA_ALLOC_CONF=]", "20261207T090445-77a5aa"),
 })
 # the training benchmark's packed lengths: uniform in [256, 2048]
 TRAIN_MEAN, TRAIN_SQ_MEAN = 1152.0, (2048**3 - 256**3) / (3 * 1792)
