@@ -65,3 +65,20 @@ fits_pair() {
   done
   [ $ok = 1 ] && touch "$marker"
 }
+
+# The memory settings each configuration was run with by hand on one GPU before the run's memory plan chose them
+# (the rows of those runs carry them in their variant): `fits_hand_set [CONFIG...]` runs each configuration's pair,
+# no memory key against those settings (FITS_PAIR_ORDER applies; all of them by default).
+declare -gA HAND_SET=(
+  [llama1b-megatron-cuda-graph]="policy.generation.gpu_memory_utilization=0.3"
+  [llama1b-multiturn-async]="policy.generation.gpu_memory_utilization=0.2 policy.megatron_cfg.empty_unused_memory_level=1"
+  [llama1b-megatron-ppo]="policy.generation.gpu_memory_utilization=0.25 policy.megatron_cfg.empty_unused_memory_level=1"
+  [llama1b-fsdp2-ppo]="policy.generation.gpu_memory_utilization=0.25"
+)
+fits_hand_set() {
+  local config
+  for config in "${@:-${!HAND_SET[@]}}"; do
+    # shellcheck disable=SC2086
+    fits_pair "$config" ${HAND_SET[$config]}
+  done
+}
