@@ -9,12 +9,28 @@ job() {
   local name=$1 cap=$2 min=$3; shift 3
   local left=$((DEADLINE - SECONDS))
   if [ "$left" -lt "$min" ]; then echo "$name: skipped ($left s left)" >> "$OUT/jobs.txt"; return; fi
-  local limit=$(( cap < left ? cap : left )) start=$SECONDS rc load cpu_before
+  local limit=$(( cap < left ? cap : left )) start=$SECONDS rc load cpu_before pids_before
   load=$(host_load)
   cpu_before=$(cpu_times)
+  pids_before=$(user_pids)
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
   echo "$name: rc=$rc, limit ${limit}s, took $((SECONDS - start))s; before it: $load; during it: $(cpu_use "$cpu_before")" >> "$OUT/jobs.txt"
+  echo "$name: left running:$(left_running "$pids_before")" >> "$OUT/jobs.txt"
   gpu_clear "$name"
+}
+# A run must leave nothing running when it ends (a Ray daemon, an engine's process, a compile worker): one that did
+# would also slow the next job's host-bound generation. The processes started during a job and still alive after
+# it, with their age (s), lifetime CPU share and command.
+user_pids() {
+  ps -eo pid=,ppid=,stat= | awk '$1 != 2 && $2 != 2 && $3 !~ /^Z/ {print $1}' | sort  # no kernel threads, no zombies
+}
+left_running() {
+  local pid line out=""
+  for pid in $(comm -13 <(echo "$1") <(user_pids)); do
+    line=$(ps -o pid=,stat=,etimes=,pcpu=,args= -p "$pid" 2>/dev/null | awk '$2 !~ /^Z/' | cut -c1-160)
+    [ -n "$line" ] && [ "$pid" != "$$" ] && [ "$pid" != "$BASHPID" ] && out+=" ${line#"${line%%[![:space:]]*}"};"
+  done
+  echo "${out:- none}"
 }
 # The host's load and its busiest processes: the 1.2B engine is host-bound, so a process left busy by an
 # earlier job slows the next one's generation (a 1.2B sync step's generation can grow by half).
