@@ -246,3 +246,49 @@ def test_the_run_plans_with_the_calibration_of_the_gpu_it_is_on(monkeypatch):
                                   "cluster": {"gpus_per_node": 1}})
     run_memory.plan_run_memory(config, resolve_shape("", "llama-3.2-1b"), gpu("h100"), 1, critic=False)
     assert asked == ["h100"]
+
+
+def _one_gpu_recipes() -> list[Path]:
+    import yaml
+
+    out = []
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        cluster = yaml.safe_load(path.read_text()).get("cluster") or {}
+        if cluster.get("gpus_per_node", 0) * cluster.get("num_nodes", 1) == 1:  # a CPU recipe sets 0 or leaves it
+            out.append(path)
+    return out
+
+
+def _demo_shape_dir(tmp_path: Path, preset: str) -> Path:
+    """The ``config.json`` of a ``rlcore.cli.demo --shape`` model (its weights are the demo's SFT warm start)."""
+    from rlcore.cli.demo import MODEL_SHAPES
+    from rlcore.testing.tiny import build_tokenizer, tiny_config
+
+    shape = {k: v for k, v in MODEL_SHAPES[preset].items() if k != "init_std"}
+    tiny_config("llama", vocab_size=len(build_tokenizer()), **shape).save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("gpu_name", ["h100", "h200"])
+@pytest.mark.parametrize("path", _one_gpu_recipes(), ids=lambda p: p.stem)
+def test_every_one_gpu_recipe_fits_an_80_and_a_141_gb_card_as_shipped(path, gpu_name, tmp_path):
+    """The shipped recipes for one GPU, with their own settings and nothing else, are planned to fit both cards, with the
+    KV cache their step needs and the trainer's state kept on the GPU (a hand-set engine share of 0.6, NeMo-RL's, made
+    the 80 GB card's plan send it to host memory and back every step)."""
+    import yaml
+    from rlcore.loading.loader import load_config
+    from rlcore.planning.shapes import resolve_shape
+
+    config = load_config(path)
+    model = config.policy.model_name
+    if model.startswith("runs/"):  # the learning recipe's SFT warm start, made by rlcore.cli.demo --shape llama150m
+        config = load_config(path, [f"policy.model_name={_demo_shape_dir(tmp_path, 'llama150m')}"])
+    critic = (yaml.safe_load(path.read_text()).get("algorithm") or {}).get("name") == "ppo"  # PPO's critic beside the policy
+    run_plan = plan_run_memory(config, resolve_shape(config.policy.model_name), GPUS[gpu_name], 1, critic=critic)
+    assert run_plan.memory.fits and not run_plan.memory.kv_short, (path.stem, run_plan.memory.problem)
+    assert not run_plan.offload_trainer_state, (path.stem, run_plan.engine_fraction)
+
+
+def test_the_one_gpu_recipes_are_the_ones_users_start_from():
+    assert {p.stem for p in _one_gpu_recipes()} >= {"grpo_math_1B", "grpo_math_1B_megatron", "grpo_math_tool_1B",
+                                                    "grpo_arith3_gpu"}
