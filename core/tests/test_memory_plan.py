@@ -289,6 +289,6 @@ def test_every_one_gpu_recipe_fits_an_80_and_a_141_gb_card_as_shipped(path, gpu_
     assert not run_plan.offload_trainer_state, (path.stem, run_plan.engine_fraction)
 
 
-def test_the_one_gpu_recipes_are_the_ones_users_start_from():
+def test_the_one_gpu_recipe_list_holds_the_gsm8k_and_learning_recipes():
     assert {p.stem for p in _one_gpu_recipes()} >= {"grpo_math_1B", "grpo_math_1B_megatron", "grpo_math_tool_1B",
                                                     "grpo_arith3_gpu"}
