@@ -224,9 +224,27 @@ class SglangGenerator:
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
 
+    def wake_to_end(self) -> None:
+        """Map an engine that sleeps back (both halves) before it is shut down, where the GPU has room (the checks
+        of :meth:`wake_up` and :meth:`_wake_cache`): a memory saver that frees an allocation it has paused can release
+        its memory handle a second time (torch_memory_saver before the fix of its issue 92), as vLLM's pool does
+        (:meth:`rlcore_vllm.sleep_mode.SleepMode.wake_to_end`). Where it cannot be woken it is shut down as it is."""
+        if not self._sleeps:
+            return
+        try:
+            if self.sleeping:
+                self.wake_up()
+            self._wake_cache()
+        except Exception:  # noqa: BLE001 - no room beside what the trainer still holds, or a dead engine: shut down anyway
+            pass
+
     def shutdown(self) -> None:
-        engine, self.engine = getattr(self, "engine", None), None
+        """Shut the engine down awake where it sleeps and the GPU has room (the run shuts the trainer down first,
+        so its memory is back): see :meth:`wake_to_end`."""
+        engine = getattr(self, "engine", None)
         if engine is not None:
+            self.wake_to_end()
+            self.engine = None
             engine.shutdown()
 
 
