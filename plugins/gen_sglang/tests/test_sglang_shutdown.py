@@ -10,6 +10,7 @@ import types
 
 import pytest
 
+from rlcore.generation import staged_wake
 from rlcore_sglang import engine as engine_module
 from rlcore_sglang import generator as generator_module
 from rlcore_sglang.config import SglangConfig
@@ -61,7 +62,7 @@ def colocated(monkeypatch):
 
     monkeypatch.setattr(engine_module, "EngineThread", start)
     monkeypatch.setattr(generator_module, "_vocab_size", lambda path: 128)
-    monkeypatch.setattr(generator_module, "free_gpu_bytes", lambda: device.free)
+    monkeypatch.setattr(staged_wake, "free_gpu_bytes", lambda: device.free)
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=types.SimpleNamespace(
         empty_cache=lambda: None, mem_get_info=lambda: (device.free, 80 * GIB),
         memory_allocated=lambda: 0, memory_reserved=lambda: 0)))

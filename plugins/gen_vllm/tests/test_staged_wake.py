@@ -15,7 +15,7 @@ import types
 import pytest
 
 from rlcore.config import structure
-from rlcore_vllm import sleep_mode
+from rlcore.generation import staged_wake
 from rlcore_vllm.config import VllmConfig
 from rlcore_vllm.generator import VllmGenerator
 
@@ -73,7 +73,7 @@ class Engine:
 @pytest.fixture
 def colocated(monkeypatch):
     device = Device(free=80 * GIB)
-    monkeypatch.setattr(sleep_mode, "_free_gpu_bytes", lambda: device.free)
+    monkeypatch.setattr(staged_wake, "free_gpu_bytes", lambda: device.free)
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
         empty_cache=device.empty_cache, mem_get_info=lambda: (device.free, 80 * GIB),
         memory_allocated=lambda: 0, memory_reserved=lambda: device.cached))

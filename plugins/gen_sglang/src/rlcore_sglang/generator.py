@@ -15,16 +15,16 @@ tokens, ``drop`` returns empty responses with ``finish_reason="truncated_prompt"
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterable
 from typing import Any
 
 from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
 from rlcore.data.prompts import answers_in_order, fit_to_context
+from rlcore.generation import staged_wake
+from rlcore.generation.staged_wake import StagedWake
 from rlcore_sglang import translate
 from rlcore_sglang.config import SglangConfig
-from rlcore_sglang.memory import free_gpu_bytes, wake_up_refusal
 
 def server_args(config: SglangConfig, model_path: str, *, tokenizer_path: str | None, max_model_len: int, dtype: str,
                 seed: int, memory_fraction: float) -> dict[str, Any]:
@@ -50,8 +50,10 @@ def _vocab_size(model_path: str) -> int:
     return int(AutoConfig.from_pretrained(model_path).get_text_config().vocab_size)
 
 
-class SglangGenerator:
+class SglangGenerator(StagedWake):
     """A :class:`rlcore.interfaces.Generator` (and :class:`rlcore.interfaces.GeneratorMetrics`) on one SGLang engine."""
+
+    ENGINE_NAME = "SGLang"
 
     def __init__(self, model_path: str, config: SglangConfig | None = None, *, max_model_len: int = 1024,
                  dtype: str = "bfloat16", seed: int = 0, tokenizer_path: str | None = None,
@@ -65,9 +67,7 @@ class SglangGenerator:
         self.vocab_size = _vocab_size(self.model_path)
         self.weights_version = 0
         self.sleeping = False
-        self._cache_asleep = False  # weights awake, KV cache not yet (see wake_up)
-        self._wake_bytes = self._cache_bytes = 0  # what the last sleep gave back; of it, the KV cache's part
-        self._cache_lock = threading.Lock()
+        self._start_staged_wake()
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0,
                          "generation/retractions": 0.0}
         self.memory_fraction = self.config.engine_memory_fraction(memory_fraction)
@@ -164,48 +164,20 @@ class SglangGenerator:
         """Release the weights and the KV cache (see ``_sleeps``), measuring what the GPU got back; otherwise
         only marks the engine asleep, so that generating before ``wake_up`` fails the same way on every placement."""
         if self._sleeps and not self.sleeping:
-            free = free_gpu_bytes()
+            free = staged_wake.free_gpu_bytes()
             if self._cache_asleep:
                 # A wake-up that no refit or generation followed left the KV cache released (SGLang's tags are
                 # independent, and resuming one that is not released fails: offload_tags.remove).
                 self._memory("release", ["weights"])
-                self._wake_bytes = self._cache_bytes + max(0, free_gpu_bytes() - free)
+                self._wake_bytes = self._cache_bytes + max(0, staged_wake.free_gpu_bytes() - free)
             else:
                 self._memory("release", ["weights", "kv_cache"])
-                self._wake_bytes = max(0, free_gpu_bytes() - free)
+                self._wake_bytes = max(0, staged_wake.free_gpu_bytes() - free)
             self._cache_asleep = True
         self.sleeping = True
 
-    def wake_up(self) -> None:
-        """Map the engine's weights back; its KV cache follows once the refit that comes next has loaded the
-        new weights and released its chunks (``update_weights``), or at the first generation or scoring
-        call: a colocated refit's chunks never compete with the KV cache (verl's SGLang rollout resumes
-        ``weights``, refits, then resumes ``kv_cache`` the same way). Refused, naming what holds the GPU,
-        when it has less free than the engine gave back at sleep (:mod:`rlcore_sglang.memory`)."""
-        if self._sleeps and self.sleeping:
-            need, free = self._wake_bytes, free_gpu_bytes()
-            if need and free < need:
-                raise MemoryError(wake_up_refusal(need, free, self.memory_fraction))
-            self._memory("resume", ["weights"])
-            self._cache_bytes = max(0, need - max(0, free - free_gpu_bytes()))
-        self.sleeping = False
-
-    def _wake_cache(self) -> None:
-        """The KV cache's half of :meth:`wake_up`, once: callers in several threads (rollouts) may race here,
-        and SGLang fails a resume of a tag that is not released."""
-        with self._cache_lock:
-            if not self._cache_asleep:
-                return
-            import torch
-
-            # The engine maps its cache outside this process's allocator: what the allocator caches
-            # (the refit's freed chunks, the trainer's last activations) goes back to the device first.
-            torch.cuda.empty_cache()
-            need, free = self._cache_bytes, free_gpu_bytes()
-            if free < need:
-                raise MemoryError(wake_up_refusal(need, free, self.memory_fraction, part="KV cache"))
-            self._memory("resume", ["kv_cache"])
-            self._cache_asleep = False
+    def _resume(self, tags: list[str]) -> None:
+        self._memory("resume", tags)  # SGLang's tags are independent: weights before a refit, the KV cache after it
 
     def _memory(self, action: str, tags: list[str]) -> None:
         from sglang.srt.managers import io_struct
@@ -216,31 +188,12 @@ class SglangGenerator:
         else:
             self.engine.call(manager.resume_memory_occupation(io_struct.ResumeMemoryOccupationReqInput(tags=tags), None))
 
-    def _check_awake(self) -> None:
-        if self.sleeping:
-            raise RuntimeError("the SGLang generator is asleep; call wake_up() before generating")
-        self._wake_cache()
-
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
 
-    def wake_to_end(self) -> None:
-        """Map an engine that sleeps back (both halves) before it is shut down, where the GPU has room (the checks
-        of :meth:`wake_up` and :meth:`_wake_cache`): a memory saver that frees an allocation it has paused can release
-        its memory handle a second time (torch_memory_saver before the fix of its issue 92), as vLLM's pool does
-        (:meth:`rlcore_vllm.sleep_mode.SleepMode.wake_to_end`). Where it cannot be woken it is shut down as it is."""
-        if not self._sleeps:
-            return
-        try:
-            if self.sleeping:
-                self.wake_up()
-            self._wake_cache()
-        except Exception:  # noqa: BLE001 - no room beside what the trainer still holds, or a dead engine: shut down anyway
-            pass
-
     def shutdown(self) -> None:
         """Shut the engine down awake where it sleeps and the GPU has room (the run shuts the trainer down first,
-        so its memory is back): see :meth:`wake_to_end`."""
+        so its memory is back): see :meth:`~rlcore.generation.staged_wake.StagedWake.wake_to_end`."""
         engine = getattr(self, "engine", None)
         if engine is not None:
             self.wake_to_end()
