@@ -9,8 +9,9 @@ refused, naming what holds the GPU, when less is free than the engine gave back 
 memory outside torch's allocator, and their own out-of-memory error would end the run midway.
 
 Before an engine is shut down it is woken where there is room (:meth:`StagedWake.wake_to_end`): both engines'
-pools, freeing memory they released at sleep, release it a second time (vLLM prints ``CUDA Error: invalid
-argument`` as the run ends; torch_memory_saver, SGLang's, releases a paused allocation's handle twice).
+pools, freeing memory they released at sleep, can release it a second time (vLLM's prints ``CUDA Error: invalid
+argument`` as the run ends; torch_memory_saver, SGLang's, released a paused allocation's handle twice before the
+fix of its issue 92).
 """
 
 from __future__ import annotations
