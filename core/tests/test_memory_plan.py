@@ -275,16 +275,16 @@ def test_every_one_gpu_recipe_fits_an_80_and_a_141_gb_card_as_shipped(path, gpu_
     """The shipped recipes for one GPU, with their own settings and nothing else, are planned to fit both cards, with the
     KV cache their step needs and the trainer's state kept on the GPU (a hand-set engine share of 0.6, NeMo-RL's, made
     the 80 GB card's plan send it to host memory and back every step)."""
-    import yaml
-    from rlcore.loading.loader import load_config
+    from rlcore.loading.loader import load_config, to_dict
+    from rlcore.planning.plan import critic_shape
     from rlcore.planning.shapes import resolve_shape
 
     config = load_config(path)
-    model = config.policy.model_name
-    if model.startswith("runs/"):  # the learning recipe's SFT warm start, made by rlcore.cli.demo --shape llama150m
+    if config.policy.model_name.startswith("runs/"):  # the learning recipe's SFT warm start (rlcore.cli.demo --shape llama150m)
         config = load_config(path, [f"policy.model_name={_demo_shape_dir(tmp_path, 'llama150m')}"])
-    critic = (yaml.safe_load(path.read_text()).get("algorithm") or {}).get("name") == "ppo"  # PPO's critic beside the policy
-    run_plan = plan_run_memory(config, resolve_shape(config.policy.model_name), GPUS[gpu_name], 1, critic=critic)
+    shape = resolve_shape(config.policy.model_name)
+    critic = critic_shape(to_dict(config), shape) is not None  # PPO's critic beside the policy, as `rlcore plan` decides
+    run_plan = plan_run_memory(config, shape, GPUS[gpu_name], 1, critic=critic)
     assert run_plan.memory.fits and not run_plan.memory.kv_short, (path.stem, run_plan.memory.problem)
     assert not run_plan.offload_trainer_state, (path.stem, run_plan.engine_fraction)
 
