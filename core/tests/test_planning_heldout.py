@@ -142,8 +142,9 @@ def run_memory_plan(r: dict):
     takes the step's first sequences, which a run may fill to the limit): the workload that ran, as the time test
     plans it."""
     config, model, gpu_name, mean, _ = _row_run(r, as_ran=True)
-    run_plan = plan_run_memory(config, model, GPUS[gpu_name], 1, critic="-ppo" in r["variant"])
-    layout, work = plan.recipe_work(config, to_dict(config))
+    tree = to_dict(config)
+    run_plan = plan_run_memory(config, model, GPUS[gpu_name], 1, critic=plan.critic_shape(tree, model) is not None)
+    layout, work = plan.recipe_work(config, tree)
     seq = min(config.policy.max_total_sequence_length, PROMPT_TOKENS + mean)
     work = attrs.evolve(work, refit_chunk_bytes=config.generation.refit.chunk_bytes,
                         probe_tokens=config.generation.refit.probe_num_sequences * seq)
