@@ -36,7 +36,6 @@ import re
 import sys
 from pathlib import Path
 
-import attrs
 import pytest
 
 from rlcore.loading.loader import build_config, to_dict
@@ -44,7 +43,7 @@ from rlcore.planning import fit, plan
 from rlcore.planning.calibration import load_calibration
 from rlcore.planning.hardware import GPUS
 from rlcore.planning.memory import refit_transient_gib
-from rlcore.planning.run_memory import plan_run_memory
+from rlcore.planning.run_memory import plan_run_memory, with_refit
 from rlcore.planning.bench_shapes import bench_shape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,8 +145,7 @@ def run_memory_plan(r: dict):
     run_plan = plan_run_memory(config, model, GPUS[gpu_name], 1, critic=plan.critic_shape(tree, model) is not None)
     layout, work = plan.recipe_work(config, tree)
     seq = min(config.policy.max_total_sequence_length, PROMPT_TOKENS + mean)
-    work = attrs.evolve(work, refit_chunk_bytes=config.generation.refit.chunk_bytes,
-                        probe_tokens=config.generation.refit.probe_num_sequences * seq)
+    work = with_refit(work, config, seq)
     return run_plan, refit_transient_gib(model, work, layout, load_calibration(gpu_name, user_file=Path(os.devnull)))
 
 

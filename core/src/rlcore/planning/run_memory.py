@@ -28,7 +28,7 @@ from rlcore.planning import plan as planning
 from rlcore.planning.calibration import load_calibration
 from rlcore.loading.loader import to_dict
 from rlcore.planning.hardware import GPU, Cluster
-from rlcore.planning.layout import Layout
+from rlcore.planning.layout import Layout, Workload
 from rlcore.planning.memory import ENGINE_CAP, Memory, estimate
 from rlcore.planning.shapes import ModelShape
 
@@ -82,6 +82,14 @@ class RunMemoryPlan:
         return text
 
 
+def with_refit(work: Workload, config: RunConfig, probe_sequence_tokens: int) -> Workload:
+    """``work`` with the refit's part of the engine-awake phase: the staged chunk, and the probe's sequences at
+    ``probe_sequence_tokens`` each (a run plans them at the length limit: the probe takes the step's first
+    sequences, which may fill it)."""
+    refit = config.generation.refit
+    return attrs.evolve(work, refit_chunk_bytes=refit.chunk_bytes, probe_tokens=refit.probe_num_sequences * probe_sequence_tokens)
+
+
 def plan_run_memory(config: RunConfig, shape: ModelShape, gpu: GPU, world: int, *, critic: bool, cpu: bool = False) -> RunMemoryPlan:
     """The plan for ``world`` trainer ranks on ``gpu`` (on CPU: host memory a rank); raises :class:`PlanRefused`.
 
@@ -95,8 +103,8 @@ def plan_run_memory(config: RunConfig, shape: ModelShape, gpu: GPU, world: int, 
     layout, work = planning.recipe_work(config, tree)
     if config.policy.lora.enabled:
         work = attrs.evolve(work, lora_params=shape.lora_params(config.policy.lora.rank, config.policy.lora.target_modules))
-    work = attrs.evolve(work, critic=critic, generation=work.generation and not cpu, refit_chunk_bytes=gen.refit.chunk_bytes,
-                        probe_tokens=gen.refit.probe_num_sequences * config.policy.max_total_sequence_length)
+    work = with_refit(attrs.evolve(work, critic=critic, generation=work.generation and not cpu), config,
+                      config.policy.max_total_sequence_length)
     # the calibration of the GPU the run is on (the shipped H200 one for a GPU without its own)
     cal, cluster = load_calibration(gpu.name), Cluster(gpu, 1, world + layout.gen_gpus)
     release = offload_key is True
