@@ -279,6 +279,26 @@ def make_trainer_mps_context(percent: int, priority: str | None) -> None:
     create_context_with(variables)
 
 
+def size_for_turns(tree: dict, args) -> None:
+    """A multi-turn environment's length limit (every turn at its token limit, with the tool's reply) and
+    micro-batches that hold its longest trajectory; the CPU check's short turns (``args.tiny``). The planner's
+    held-out test sizes a row's run with it too (core/tests/test_planning_heldout.py)."""
+    if tree["env"]["name"] == "bench_tool":
+        turns = tree["env"]["bench_tool"]["max_turns"]
+        turn_tokens = tree["policy"]["generation"]["max_new_tokens"]
+        if args.tiny:  # the CPU check: short turns
+            turn_tokens = tree["policy"]["generation"]["max_new_tokens"] = args.max_new_tokens
+            if tree["env"]["bench_tool"].get("workload") == "heavy_tailed":
+                tree["env"]["bench_tool"].update(turn_tokens_median=8, turn_tokens_range=[4, args.max_new_tokens],
+                                                 latency_median_s=0.01, latency_p99_s=0.1)
+        longest = tree["policy"]["max_total_sequence_length"] = turns * (turn_tokens + 64) + 64
+        packing = tree["policy"]["sequence_packing"]  # a micro-batch holds at least the longest trajectory
+        packing["train_mb_tokens"] = max(packing["train_mb_tokens"], longest)
+        packing["logprob_mb_tokens"] = max(packing["logprob_mb_tokens"], longest)
+    if tree["env"]["name"] == "agent":
+        tree["policy"]["max_total_sequence_length"] = tree["env"]["agent"]["max_turns"] * (args.max_new_tokens + 64) + 64
+
+
 def recipe(model: Path, backend: str, run_dir: Path, args, gpu: bool) -> dict:
     shape_tokens = args.max_new_tokens
     return {
@@ -445,19 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             import bench_multiturn_env
 
             get_plugin_manager().register_module(bench_multiturn_env)
-            turns = tree["env"]["bench_tool"]["max_turns"]
-            turn_tokens = tree["policy"]["generation"]["max_new_tokens"]
-            if args.tiny:  # the CPU check: short turns
-                turn_tokens = tree["policy"]["generation"]["max_new_tokens"] = args.max_new_tokens
-                if tree["env"]["bench_tool"].get("workload") == "heavy_tailed":
-                    tree["env"]["bench_tool"].update(turn_tokens_median=8, turn_tokens_range=[4, args.max_new_tokens],
-                                                     latency_median_s=0.01, latency_p99_s=0.1)
-            longest = tree["policy"]["max_total_sequence_length"] = turns * (turn_tokens + 64) + 64
-            packing = tree["policy"]["sequence_packing"]  # a micro-batch holds at least the longest trajectory
-            packing["train_mb_tokens"] = max(packing["train_mb_tokens"], longest)
-            packing["logprob_mb_tokens"] = max(packing["logprob_mb_tokens"], longest)
-        if tree["env"]["name"] == "agent":
-            tree["policy"]["max_total_sequence_length"] = tree["env"]["agent"]["max_turns"] * (args.max_new_tokens + 64) + 64
+        size_for_turns(tree, args)
         # A run directory holds one run (rlcore refuses to mix a second one in): each call is new.
         shutil.rmtree(tree["logger"]["log_dir"], ignore_errors=True)
         gpus = tree["cluster"]["gpus_per_node"] or 1

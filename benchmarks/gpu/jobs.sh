@@ -20,12 +20,15 @@ job() {
 }
 # A run must leave nothing running when it ends (a Ray daemon, an engine's process, a compile worker): one that did
 # would also slow the next job's host-bound generation. The processes started during a job and still alive after
-# it, with their age (s), lifetime CPU share and command.
+# it, with their age (s), lifetime CPU share and command; asked again each second for up to 5 s while any is left,
+# since a run's own clean-up may outlive it by seconds (rlcore.controller.ray_local's reaper notices its driver's
+# end within half a second, then gives what is left 3 s to end).
 user_pids() {
   ps -eo pid=,ppid=,stat= | awk '$1 != 2 && $2 != 2 && $3 !~ /^Z/ {print $1}' | sort  # no kernel threads, no zombies
 }
 left_running() {
-  local pid line out=""
+  local pid line out="" tries=0
+  while [ -n "$(comm -13 <(echo "$1") <(user_pids))" ] && [ $tries -lt 5 ]; do sleep 1; tries=$((tries + 1)); done
   for pid in $(comm -13 <(echo "$1") <(user_pids)); do
     line=$(ps -o pid=,stat=,etimes=,pcpu=,args= -p "$pid" 2>/dev/null | awk '$2 !~ /^Z/' | cut -c1-160)
     [ -n "$line" ] && [ "$pid" != "$$" ] && [ "$pid" != "$BASHPID" ] && out+=" ${line#"${line%%[![:space:]]*}"};"

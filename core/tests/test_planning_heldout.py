@@ -12,7 +12,8 @@ planner refuses FP8); a logprob phase under 0.05 s is a step that ran no logprob
 Known misses (:data:`KNOWN_MISSES`, each asserted to be still outside its bound, so a fix shows here): the H200
 PPO rows' refit, whose weight transfer ran at 61 GB/s where the H200 rows the refit rate is fitted to (earlier
 commits) moved weights at 15-45 GB/s; the tool-calling agent's refit (0.40-0.47 s against 0.24 planned; the native tool
-path's, 0.29-0.31 s, is within bounds), and the generation and step of its first row, which predates the agent path's critical-path
+path's, 0.29-0.31 s, is within bounds) and the async-engine multi-turn rows' (0.33-0.36 s against 0.22), and the
+generation and step of the agent's first row, which predates the agent path's critical-path
 metrics and so is planned at its mean length with no decode tail (its later row is within bounds); the 0.5B Megatron
 configuration measured again on other hosts. Its step is host-bound: its generation takes as long as the 1.2B
 model's and its training, 2.75 s in the fitted row, took 3.53 and 4.18-4.23 s in later calls while the 1.2B
@@ -24,8 +25,13 @@ time alone (no calibration reads an H100 row's memory): the engine-awake phase (
 training misses low on FSDP2 (-16%, compiled or not), the graphed Megatron path (-10%) and Megatron's 0.5B and 3B
 LoRA rows (-14%, -10%), whose allocators keep blocks cached between micro-batches of different lengths that the
 planner, counting tensors, does not price; under that allocator the plan is 12% short of the multi-turn row's refit
-peak. A row run with torch's expandable segments (``allocator_conf``) has no known miss: it measures the plan's
-tensors without that cache. The probe's sequences are priced at the row's lengths (the run's plan takes the limit).
+peak. A row run with torch's expandable segments (``allocator_conf``) has no known miss by configuration: it measures
+the plan's tensors without that cache. By row (:data:`MEMORY_KNOWN_MISSES_BY_ROW`): the async-engine multi-turn rows
+at two steps, training 46.2 GiB against the plan's 41.2 (-11%); the trainer's own peak (torch's, 42.5 GiB) is within
+3% of the plan, and the device also counts the engine's own process asleep (its CUDA context and what vLLM keeps
+outside its sleep pool) and the trainer's context: 3.7 GiB above the trainer's torch peak on every row whose engine
+runs in a process of its own (tool calls, the agent, multi-turn), where the plan counts 0.5 GiB for a sleeping engine
+and 0.75 for the trainer's workspace and context. The probe's sequences are priced at the row's lengths (the run's plan takes the limit).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ MACHINE_GPU = {machine: name for name, machine in fit.MACHINES.items()}
 NOT_MODELLED = {"llama1b-multiturn-async": ("generation_s", "step_s"), "llama1b-megatron-fp8gen": ("generation_s", "step_s")}
 # keyed by (configuration, GPU) for every row of it, or by a row's run id for that row alone
 KNOWN_MISSES = {("llama1b-fsdp2-ppo", "h200"): ("refit_s",), ("llama1b-megatron-ppo", "h200"): ("refit_s",),
-                ("llama1b-tool-agent", "h100"): ("refit_s",),
+                ("llama1b-tool-agent", "h100"): ("refit_s",), ("llama1b-multiturn-async", "h100"): ("refit_s",),
                 "20261207T065511-9c4919": ("generation_s", "step_s"),  # the agent's row with no longest trajectory
                 # the 0.5B model's host-bound step, on hosts slower than the fitted row's
                 "20261207T071311-1e5a75": ("train_s", "refit_s"),
@@ -65,6 +71,9 @@ KNOWN_MISSES = {("llama1b-fsdp2-ppo", "h200"): ("refit_s",), ("llama1b-megatron-
 MEMORY_KNOWN_MISSES = {"llama1b-fsdp2-compile": ("training",), "llama1b-megatron-cuda-graph": ("training",),
                        "llama1b-multiturn-async": ("generation",), "llama3b-megatron-lora": ("training",),
                        "llama1b-fsdp2": ("training",), "llama0.5b-fsdp2": ("training",), "llama0.5b-megatron": ("training",)}
+# ... and by run id, whatever the allocator: multi-turn with the async engine at two steps, whose training peak
+# counts the engine's own process asleep (see the module's text)
+MEMORY_KNOWN_MISSES_BY_ROW = {"20261207T125940-92697c": ("training",), "20261207T130407-1ae12e": ("training",)}
 
 pytestmark = pytest.mark.skipif(not RESULTS.is_file(), reason="benchmarks/results.jsonl is not in this checkout")
 
@@ -103,11 +112,14 @@ def _row_run(r: dict, *, as_ran: bool = False):
     settings = [(k, v) for k, v in re.findall(r"\[([\w.]+)=([^\]]+)\]", r["variant"]) if k != "PYTORCH_CUDA_ALLOC_CONF"]
     shape, backend, overrides = bench.CONFIGS[name]
     args = type("Args", (), {"max_new_tokens": r["max_new_tokens"], "mb_tokens": 8192, "prompts": 32, "kl_coef": 0.0,
-                             "samples": r["samples"] // 32, "generator": "vllm", "steps": 2, "warmup": 1})
+                             "samples": r["samples"] // 32, "generator": "vllm", "steps": 2, "warmup": 1, "tiny": False})
     tree = bench.recipe(Path("model"), backend, Path("run"), args, True)
+    recipe_env = tree["env"]
     for key, value in overrides.items():
-        if not key.startswith("env"):  # the planner reads no environment (a benchmark's own is not registered here)
-            _set(tree, key, value)
+        _set(tree, key, value)
+    bench.size_for_turns(tree, args)  # the length limit and micro-batches the run had for its turns
+    # the planner reads no environment (a benchmark's own is not registered here)
+    tree["env"] = recipe_env
     for key, value in settings:
         _set(tree, key, json.loads(value))
     if as_ran:
@@ -236,6 +248,7 @@ def test_a_held_out_rows_memory_per_phase_is_predicted_within_10_percent(key):
                              "generation": max(r["memory/generation_device_gib"], r.get("memory/refit_device_gib") or 0.0)}
     # a known miss is the caching allocator's; a row run with expandable segments has none
     known = () if r.get("allocator_conf") else MEMORY_KNOWN_MISSES.get(r["variant"].split(" [")[0], ())
+    known = MEMORY_KNOWN_MISSES_BY_ROW.get(r.get("run_id"), known)
     misses = []
     for phase in measured_by_phase:
         measured = measured_by_phase[phase]
