@@ -83,7 +83,7 @@ def colocated(monkeypatch):
     gen.device, gen.model_path, gen.max_model_len, gen.image_token = "cuda", "/model", 64, None
     gen.memory_fraction = gen.config.engine_memory_fraction(None)
     gen.sleeping, gen.weights_version = False, 0
-    gen._start_sleep_mode()
+    gen._start_staged_wake()
     device.free -= 50 * GIB  # the engine: 16 GiB of weights, 34 of KV cache
     gen.engine = Engine(device, weights=16 * GIB, cache=34 * GIB)
     return gen, device

@@ -17,6 +17,7 @@ fix of its issue 92).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 GIB = float(1 << 30)
 
@@ -47,7 +48,7 @@ class StagedWake:
     """The wake-up half of a generator whose engine sleeps. The generator has ``sleeping``, ``memory_fraction``,
     ``_sleeps`` (whether its engine gives memory back), ``ENGINE_NAME``, and ``_resume(tags)`` (map the named halves,
     ``"weights"`` or ``"kv_cache"``, back); its own ``sleep`` releases both halves and records what the GPU got back
-    in ``_wake_bytes``. :meth:`_start_staged_wake` in its constructor."""
+    (:meth:`_released_bytes`) in ``_wake_bytes``. :meth:`_start_staged_wake` in its constructor."""
 
     ENGINE_NAME = "the engine"
 
@@ -59,6 +60,13 @@ class StagedWake:
 
     def _resume(self, tags: list[str]) -> None:
         raise NotImplementedError
+
+    @staticmethod
+    def _released_bytes(release: Callable[[], None]) -> int:
+        """Run the engine's ``release``; what the GPU got back (the engine's memory may be another process's)."""
+        free = free_gpu_bytes()
+        release()
+        return max(0, free_gpu_bytes() - free)
 
     def wake_up(self) -> None:
         """Map the engine's weights back; its KV cache follows once the refit that comes next has loaded the new

@@ -21,7 +21,6 @@ from typing import Any
 from rlcore.config import ConfigError
 from rlcore.interfaces import GenerationResult, NamedTensors, Placement, SamplingParams
 from rlcore.data.prompts import answers_in_order, fit_to_context
-from rlcore.generation import staged_wake
 from rlcore.generation.staged_wake import StagedWake
 from rlcore_sglang import translate
 from rlcore_sglang.config import SglangConfig
@@ -164,15 +163,12 @@ class SglangGenerator(StagedWake):
         """Release the weights and the KV cache (see ``_sleeps``), measuring what the GPU got back; otherwise
         only marks the engine asleep, so that generating before ``wake_up`` fails the same way on every placement."""
         if self._sleeps and not self.sleeping:
-            free = staged_wake.free_gpu_bytes()
             if self._cache_asleep:
                 # A wake-up that no refit or generation followed left the KV cache released (SGLang's tags are
                 # independent, and resuming one that is not released fails: offload_tags.remove).
-                self._memory("release", ["weights"])
-                self._wake_bytes = self._cache_bytes + max(0, staged_wake.free_gpu_bytes() - free)
+                self._wake_bytes = self._cache_bytes + self._released_bytes(lambda: self._memory("release", ["weights"]))
             else:
-                self._memory("release", ["weights", "kv_cache"])
-                self._wake_bytes = max(0, staged_wake.free_gpu_bytes() - free)
+                self._wake_bytes = self._released_bytes(lambda: self._memory("release", ["weights", "kv_cache"]))
             self._cache_asleep = True
         self.sleeping = True
 

@@ -64,7 +64,7 @@ class VllmGenerator(SleepMode):
         self.weights_version = 0
         self.sleeping = False
         self.memory_fraction = self.config.engine_memory_fraction(memory_fraction)
-        self._start_sleep_mode()
+        self._start_staged_wake()
         self._metrics = {"generation/truncated_prompts": 0.0, "generation/dropped_prompts": 0.0}
         self.image_token, self.model_impl, vocab_size = self._vision_family()
         kwargs = self._engine_kwargs(dtype, seed, tokenizer_path)

@@ -3,7 +3,6 @@ weights before the refit and the KV cache after it, is :class:`rlcore.generation
 
 from __future__ import annotations
 
-from rlcore.generation import staged_wake
 from rlcore.generation.staged_wake import StagedWake
 
 
@@ -12,9 +11,6 @@ class SleepMode(StagedWake):
     ``engine``, ``memory_fraction`` and ``sleeping``)."""
 
     ENGINE_NAME = "vLLM"
-
-    def _start_sleep_mode(self) -> None:
-        self._start_staged_wake()
 
     @property
     def _sleeps(self) -> bool:
@@ -28,9 +24,8 @@ class SleepMode(StagedWake):
         generating before ``wake_up`` fails the same way on every placement."""
         if self._sleeps and not self.sleeping:
             self._wake_cache()  # a wake-up no generation followed: vLLM sleeps only a whole engine
-            free_before = staged_wake.free_gpu_bytes()
-            self.engine.sleep(level=self.config.colocated.sleep_level)
-            self._wake_bytes = max(0, staged_wake.free_gpu_bytes() - free_before)  # what the wake-up maps back
+            # what the wake-up maps back
+            self._wake_bytes = self._released_bytes(lambda: self.engine.sleep(level=self.config.colocated.sleep_level))
         self.sleeping = True
 
     def _resume(self, tags: list[str]) -> None:
