@@ -117,6 +117,8 @@ HELD_OUT = frozenset({
     ("bench_grpo_step", "llama1b-multiturn-async", "20261207T125940-92697c"),
     ("bench_grpo_step", "llama1b-multiturn-async [policy.generation.gpu_memory_utilization=0.2] "
      "[policy.megatron_cfg.empty_unused_memory_level=1]", "20261207T130407-1ae12e"),
+    # PPO under the allocator default (expandable segments), no memory key
+    ("bench_grpo_step", "llama1b-megatron-ppo", "20261207T155852-afdb85"),
 })
 # the training benchmark's packed lengths: uniform in [256, 2048]
 TRAIN_MEAN, TRAIN_SQ_MEAN = 1152.0, (2048**3 - 256**3) / (3 * 1792)
