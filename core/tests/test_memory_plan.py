@@ -99,6 +99,34 @@ def test_a_critic_keeps_its_state_beside_the_policys():
         ppo.memory.gen_parts["critic_state"])
 
 
+@pytest.mark.parametrize("overrides", [{"policy.generation.async_engine": "true"}, {"grpo.async_grpo.enabled": "true"},
+                                       {"policy.generation.experimental.engine_process": "true"},
+                                       {"policy.generation.tensor_parallel_size": "2", "cluster.gpus_per_node": "2"}],
+                         ids=["async-engine", "one-step-off", "engine-process-key", "engine-tp2"])
+def test_an_engine_in_a_process_of_its_own_keeps_that_processs_context_while_it_sleeps(overrides):
+    """The trainer's phases on a GPU a colocated engine sleeps on: an engine core (or TP worker) in a process of
+    its own holds that process's CUDA context and workspace there too (the calibration's ``fixed_gib``); an
+    in-process one shares the trainer's. The engine awake is unchanged: its share counts its own process."""
+    from rlcore.planning.calibration import load_calibration
+
+    fixed = load_calibration("h100").fixed_gib
+    world = int(overrides.get("cluster.gpus_per_node", 1))
+    in_process = plan_run_memory(config(**({"cluster.gpus_per_node": "2"} if world == 2 else {})), from_hf_config("m", LLAMA_1B),
+                                 H100, world, critic=False)
+    own = plan_run_memory(config(**overrides), from_hf_config("m", LLAMA_1B), H100, world, critic=False)
+    assert own.memory.train_parts["other"] == pytest.approx(in_process.memory.train_parts["other"] + fixed)
+    assert own.memory.gen_parts["other"] == in_process.memory.gen_parts["other"]
+    # on CUDA, rlcore_vllm starts the engine where the planner says it is
+    from rlcore.planning.plan import engine_in_own_process
+    from rlcore_vllm.generator import engine_in_own_process as vllm_choice
+
+    for async_engine, async_grpo, key in [(False, False, None), (False, True, None), (False, False, True), (False, True, False)]:
+        gen = {"backend": "vllm", "async_engine": async_engine, "experimental": {"engine_process": key}}
+        assert engine_in_own_process(gen, async_grpo) == vllm_choice(key, device="cuda", colocated=True, async_grpo=async_grpo)
+    assert engine_in_own_process({"backend": "vllm", "async_engine": True, "experimental": {"engine_process": False}}, False)
+    assert engine_in_own_process({"backend": "sglang"}, False)
+
+
 def test_auto_releases_the_trainer_state_when_it_would_crowd_the_engine():
     # 3.2B: weights, fp32 gradients and Adam state are about 55 GiB; kept, the engine's KV cache holds
     # fewer sequences than the step's 256 decode at once

@@ -40,6 +40,8 @@ class Workload:
     probe_tokens: int = 0  # tokens the refit probe's logprob pass scores while the engine is awake
     graph_pool: bool = False  # training micro-batches replayed as CUDA graphs: their memory pool stays between steps
     one_step_off: bool = False  # asynchronous GRPO: step k+1 generates while step k trains
+    # the engine runs in processes of its own (vLLM's async engine or one step off, SGLang); engine TP > 1 does too
+    engine_process: bool = False
     compiled: bool = False  # FSDP2's torch.compile: fused layers keep Megatron's activation count, not eager modules'
     lora_params: int = 0  # LoRA: the adapters' weights, the only ones trained (the base frozen); 0: every weight trains
 

@@ -145,8 +145,17 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
         parts["reduce_scatter"] = reduce_scatter
     parts = {k: v / GIB for k, v in parts.items()}
     parts["comm_buffers"] = cal.comm_buffer_gib * (1 if world > 1 else 0) + (0.25 if lay.ep > 1 else 0.0)
-    parts["other"] = cal.fixed_gib + (cal.engine_asleep_gib if lay.colocated and work.generation else 0.0)
+    parts["other"] = cal.fixed_gib + (asleep_engine_gib(work, lay, cal) if lay.colocated and work.generation else 0.0)
     return parts
+
+
+def asleep_engine_gib(work: Workload, lay: Layout, cal: Calibration) -> float:
+    """What a colocated engine keeps on a trainer GPU while it sleeps: what its sleep leaves, and where it runs in a
+    process of its own (:attr:`Workload.engine_process`, or engine TP > 1: a worker process a GPU) that process's own
+    CUDA context, workspace and allocator slack, which an in-process engine shares with the trainer (``fixed_gib``,
+    the calibration's part of any process on a GPU)."""
+    own_process = work.engine_process or lay.gen_tp > 1
+    return cal.engine_asleep_gib + (cal.fixed_gib if own_process else 0.0)
 
 
 def kv_bytes_per_gpu(shape: ModelShape, work: Workload, gen_tp: int) -> float:

@@ -174,12 +174,23 @@ def workload(config: RunConfig, tree: dict, prompt_tokens: int | None, response_
         packing=policy.sequence_packing.enabled, micro_batch_size=policy.train_micro_batch_size, logprob_passes=passes,
         generation=has_generator, max_num_seqs=int(gen.get("max_num_seqs", 256)),
         uniform_lengths=longest == response, one_step_off=config.grpo.async_grpo.enabled, seq_sq_mean=sq_mean,
+        engine_process=engine_in_own_process(gen, config.grpo.async_grpo.enabled),
         dtype_bytes=4 if policy.precision in ("float32", "float64") else 2,
         grad_bytes=4 if (not megatron or ddp.get("grad_reduce_in_fp32", True)) else 2,
         overlap_grad_reduce=bool(ddp.get("overlap_grad_reduce")) if megatron else False,
         graph_pool=megatron and mcfg.get("cuda_graph", "none") != "none",
         compiled=not megatron and bool((tree["policy"].get("dtensor_cfg") or {}).get("compile")),
     )
+
+
+def engine_in_own_process(gen: dict, async_grpo: bool) -> bool:
+    """Whether a colocated engine on CUDA runs in a process of its own: SGLang's always does (its scheduler); vLLM's
+    with its async engine (AsyncLLM) or one step off, or where ``experimental.engine_process`` says so (rlcore_vllm's
+    ``engine_in_own_process``; a sync colocated engine shares the trainer's process)."""
+    if gen.get("backend") == "sglang" or gen.get("async_engine"):  # AsyncLLM's engine core is always a process of its own
+        return True
+    choice = (gen.get("experimental") or {}).get("engine_process")
+    return async_grpo if choice is None else bool(choice)
 
 
 def recipe_layout(tree: dict, backend: str, section: dict, gen: dict) -> Layout:
