@@ -18,6 +18,8 @@ from rlcore.planning.calibration import Calibration, load_calibration
 from rlcore.planning.hardware import Cluster, gpu
 from rlcore.planning.layout import Layout, Workload
 from rlcore.planning.shapes import ModelShape, resolve_shape
+from rlcore.plugins import get_plugin_manager
+from rlcore.utils import resolve
 
 MEGATRON = "policy.megatron_cfg"
 DTENSOR = "policy.dtensor_cfg"
@@ -184,13 +186,13 @@ def workload(config: RunConfig, tree: dict, prompt_tokens: int | None, response_
 
 
 def engine_in_own_process(gen: dict, async_grpo: bool) -> bool:
-    """Whether a colocated engine on CUDA runs in a process of its own: SGLang's always does (its scheduler); vLLM's
-    with its async engine (AsyncLLM) or one step off, or where ``experimental.engine_process`` says so (rlcore_vllm's
-    ``engine_in_own_process``; a sync colocated engine shares the trainer's process)."""
-    if gen.get("backend") == "sglang" or gen.get("async_engine"):  # AsyncLLM's engine core is always a process of its own
-        return True
-    choice = (gen.get("experimental") or {}).get("engine_process")
-    return async_grpo if choice is None else bool(choice)
+    """Whether the recipe's colocated engine runs in a process of its own on CUDA: its generator's
+    ``engine_process`` capability (:func:`rlcore.hookspecs.rlcore_generators`), false where it has none."""
+    backend = gen.get("backend")
+    if not backend:
+        return False
+    rule = get_plugin_manager().get("generator", backend).capabilities.get("engine_process", False)
+    return bool(resolve(rule)(gen, async_grpo)) if isinstance(rule, str) else bool(rule)
 
 
 def recipe_layout(tree: dict, backend: str, section: dict, gen: dict) -> Layout:
