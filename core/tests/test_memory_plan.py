@@ -116,17 +116,17 @@ def test_an_engine_in_a_process_of_its_own_keeps_that_processs_context_while_it_
     own = plan_run_memory(config(**overrides), from_hf_config("m", LLAMA_1B), H100, world, critic=False)
     assert own.memory.train_parts["other"] == pytest.approx(in_process.memory.train_parts["other"] + fixed)
     assert own.memory.gen_parts["other"] == in_process.memory.gen_parts["other"]
-    # the generator's `engine_process` capability decides: on CUDA, rlcore_vllm starts the engine where the planner
-    # says it is; SGLang's scheduler always has its own process; a generator without the capability shares the trainer's
-    from rlcore.planning.plan import engine_in_own_process
+    # the generation section's schema decides: on CUDA, rlcore_vllm starts the engine where the planner says it is
     from rlcore_vllm.generator import engine_in_own_process as vllm_choice
 
     for async_grpo, key in [(False, None), (True, None), (False, True), (True, False)]:
-        gen = {"backend": "vllm", "async_engine": False, "experimental": {"engine_process": key}}
-        assert engine_in_own_process(gen, async_grpo) == vllm_choice(key, device="cuda", colocated=True, async_grpo=async_grpo)
-    assert engine_in_own_process({"backend": "vllm", "async_engine": True, "experimental": {"engine_process": False}}, False)
-    assert engine_in_own_process({"backend": "sglang"}, False)
-    assert not engine_in_own_process({"backend": "hf"}, True)
+        gen = config(**({} if key is None else {"policy.generation.experimental.engine_process": str(key).lower()})).generation
+        assert gen.engine_in_own_process(async_grpo) == vllm_choice(key, device="cuda", colocated=True, async_grpo=async_grpo)
+    assert config(**{"policy.generation.async_engine": "true",
+                     "policy.generation.experimental.engine_process": "false"}).generation.engine_in_own_process(False)
+    from rlcore.config import GenerationConfig
+
+    assert not GenerationConfig().engine_in_own_process(True)  # a generator that says nothing shares the trainer's
 
 
 def test_auto_releases_the_trainer_state_when_it_would_crowd_the_engine():

@@ -60,12 +60,9 @@ def rlcore_generators(register):
     ``colocated`` and ``refit``, all that core reads of the section); none given means that base.
     A generator plugin that moves weights its own way also implements
     :func:`rlcore_weight_transport` (example: ``examples/hf_static_generator_plugin``).
-
-    Capability ``engine_process``: whether a colocated engine on CUDA runs in a process of its own,
-    whose CUDA context and workspace stay on the trainer's GPU while the engine sleeps (the run's memory
-    plan counts them): a boolean, or ``"module:attr"`` naming ``fn(section: dict, async_grpo: bool) ->
-    bool`` that decides from the section as plain data. Absent: false (the engine shares the trainer's
-    process).
+    A generator whose engine runs in a process of its own overrides the schema's
+    :meth:`rlcore.config.GenerationConfig.engine_in_own_process` (the run's memory plan counts that
+    process's CUDA context on the trainer's GPU while the engine sleeps).
     """
 
 

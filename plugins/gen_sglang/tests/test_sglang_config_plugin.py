@@ -42,6 +42,7 @@ def test_a_recipe_selects_the_schema_and_keeps_the_vllm_key_names(sglang_plugin_
     gen = config.generation
     assert isinstance(gen, SglangConfig) and gen.enforce_eager and gen.stop_strings == ("</answer>",)
     assert gen.colocated.sleep_level == 2 and gen.refit.chunk_bytes == 1024 and gen.gpu_memory_utilization == 0.4
+    assert gen.engine_in_own_process(async_grpo=False)  # its scheduler's process: the memory plan counts its context
     with pytest.raises(ConfigError) as err:  # a vLLM-only key: the message names it and where it is
         rlcore.build_config({"policy": {"model_name": "/model", "generation": {"backend": "sglang", "async_engine": True}}},
                             manager=sglang_plugin_manager)

@@ -102,6 +102,12 @@ class GenerationConfig:
     colocated: ColocatedConfig = field(factory=ColocatedConfig, metadata=doc("placement"))
     refit: RefitConfig = field(factory=RefitConfig, metadata=doc("weight updates and their verification"))
 
+    def engine_in_own_process(self, async_grpo: bool) -> bool:
+        """Whether a colocated engine on CUDA runs in a process of its own (``async_grpo``: the one-step-off loop),
+        whose CUDA context and workspace then stay on the trainer's GPU while the engine sleeps: the run's memory plan
+        counts them. A generator whose engine does overrides this; here, the engine shares the trainer's process."""
+        return False
+
     def engine_memory_fraction(self, planned: float | None) -> float:
         """The engine's share of a GPU: the recipe's ``gpu_memory_utilization``, else the run's plan (``planned``),
         else :data:`UNPLANNED_ENGINE_FRACTION`; every generator that sizes an engine reads it so."""

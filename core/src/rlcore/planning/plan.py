@@ -18,8 +18,6 @@ from rlcore.planning.calibration import Calibration, load_calibration
 from rlcore.planning.hardware import Cluster, gpu
 from rlcore.planning.layout import Layout, Workload
 from rlcore.planning.shapes import ModelShape, resolve_shape
-from rlcore.plugins import get_plugin_manager
-from rlcore.utils import resolve
 
 MEGATRON = "policy.megatron_cfg"
 DTENSOR = "policy.dtensor_cfg"
@@ -176,23 +174,13 @@ def workload(config: RunConfig, tree: dict, prompt_tokens: int | None, response_
         packing=policy.sequence_packing.enabled, micro_batch_size=policy.train_micro_batch_size, logprob_passes=passes,
         generation=has_generator, max_num_seqs=int(gen.get("max_num_seqs", 256)),
         uniform_lengths=longest == response, one_step_off=config.grpo.async_grpo.enabled, seq_sq_mean=sq_mean,
-        engine_process=engine_in_own_process(gen, config.grpo.async_grpo.enabled),
+        engine_process=has_generator and config.generation.engine_in_own_process(config.grpo.async_grpo.enabled),
         dtype_bytes=4 if policy.precision in ("float32", "float64") else 2,
         grad_bytes=4 if (not megatron or ddp.get("grad_reduce_in_fp32", True)) else 2,
         overlap_grad_reduce=bool(ddp.get("overlap_grad_reduce")) if megatron else False,
         graph_pool=megatron and mcfg.get("cuda_graph", "none") != "none",
         compiled=not megatron and bool((tree["policy"].get("dtensor_cfg") or {}).get("compile")),
     )
-
-
-def engine_in_own_process(gen: dict, async_grpo: bool) -> bool:
-    """Whether the recipe's colocated engine runs in a process of its own on CUDA: its generator's
-    ``engine_process`` capability (:func:`rlcore.hookspecs.rlcore_generators`), false where it has none."""
-    backend = gen.get("backend")
-    if not backend:
-        return False
-    rule = get_plugin_manager().get("generator", backend).capabilities.get("engine_process", False)
-    return bool(resolve(rule)(gen, async_grpo)) if isinstance(rule, str) else bool(rule)
 
 
 def recipe_layout(tree: dict, backend: str, section: dict, gen: dict) -> Layout:

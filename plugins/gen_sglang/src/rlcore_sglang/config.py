@@ -55,6 +55,9 @@ class SglangConfig(GenerationConfig):
         "SGLang's own logging level (its processes included)"))
     colocated: ColocatedConfig = field(factory=ColocatedConfig, metadata=doc("placement"))
 
+    def engine_in_own_process(self, async_grpo: bool) -> bool:
+        return True  # SGLang's scheduler runs in a process of its own
+
     def __attrs_post_init__(self):
         if self.backend != "sglang":
             raise ValueError(f"backend must be 'sglang' for this schema, got {self.backend!r}")

@@ -12,7 +12,6 @@ def rlcore_generators(register):
         "sglang", "rlcore_sglang.generator:factory", SglangConfig,
         devices=("cuda",), engines=("sync", "async"), placement=("colocated", "non_colocated"),
         parallelism=("tp",), multi_turn=True, requires=("sglang",),
-        engine_process=True,  # the scheduler runs in a process of its own
     )
 
 

@@ -104,6 +104,14 @@ class VllmConfig(GenerationConfig):
     experimental: VllmExperimentalConfig = field(factory=VllmExperimentalConfig, metadata=doc(
         "experimental: switches kept to measure alternatives; the defaults are the measured best"))
 
+    def engine_in_own_process(self, async_grpo: bool) -> bool:
+        """AsyncLLM's engine core always runs in a process of its own; the sync engine's process is
+        :func:`rlcore_vllm.generator.engine_in_own_process`'s choice, as the generator starts it."""
+        from rlcore_vllm.generator import engine_in_own_process
+
+        return self.async_engine or bool(engine_in_own_process(self.experimental.engine_process, device="cuda",
+                                                                colocated=True, async_grpo=async_grpo))
+
     def __attrs_post_init__(self):
         if self.backend != "vllm":
             raise ValueError(f"backend must be 'vllm' for this schema, got {self.backend!r}")

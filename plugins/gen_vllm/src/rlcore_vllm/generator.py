@@ -417,15 +417,6 @@ def factory(config, section_config: VllmConfig, placement: Placement) -> VllmGen
     )
 
 
-def planned_engine_process(section: dict, async_grpo: bool) -> bool:
-    """The ``engine_process`` capability (the run's memory plan): whether a colocated engine on CUDA runs in a
-    process of its own, from ``policy.generation`` as plain data. AsyncLLM's engine core always does."""
-    if section.get("async_engine"):
-        return True
-    choice = (section.get("experimental") or {}).get("engine_process")
-    return bool(engine_in_own_process(choice, device="cuda", colocated=True, async_grpo=async_grpo))
-
-
 def engine_in_own_process(choice: bool | None, *, device: str, colocated: bool, async_grpo: bool) -> bool | None:
     """Whether vLLM's engine core gets its own process (``policy.generation.experimental.engine_process``); None
     leaves vLLM's setting (``VLLM_ENABLE_V1_MULTIPROCESSING``) as it is."""

@@ -12,7 +12,6 @@ def rlcore_generators(register):
         "vllm", "rlcore_vllm.generator:factory", VllmConfig,
         devices=("cpu", "cuda"), engines=("sync", "async"), placement=("colocated", "non_colocated"),
         parallelism=("tp", "dp"), multi_turn=True, requires=("vllm",),
-        engine_process="rlcore_vllm.generator:planned_engine_process",
     )
 
 
