@@ -111,8 +111,8 @@ def test_an_engine_in_a_process_of_its_own_keeps_that_processs_context_while_it_
 
     fixed = load_calibration("h100").fixed_gib
     world = int(overrides.get("cluster.gpus_per_node", 1))
-    in_process = plan_run_memory(config(**({"cluster.gpus_per_node": "2"} if world == 2 else {})), from_hf_config("m", LLAMA_1B),
-                                 H100, world, critic=False)
+    same_cluster = {key: value for key, value in overrides.items() if key.startswith("cluster.")}
+    in_process = plan_run_memory(config(**same_cluster), from_hf_config("m", LLAMA_1B), H100, world, critic=False)
     own = plan_run_memory(config(**overrides), from_hf_config("m", LLAMA_1B), H100, world, critic=False)
     assert own.memory.train_parts["other"] == pytest.approx(in_process.memory.train_parts["other"] + fixed)
     assert own.memory.gen_parts["other"] == in_process.memory.gen_parts["other"]
