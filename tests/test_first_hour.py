@@ -3,8 +3,8 @@
 One 3-step ``rlcore run`` of the tiny recipe (its vLLM generator, a plain reward function from
 ``env.reward_fn``, checkpoints every 2 steps, TensorBoard on) is shared by the tests below: its
 console, its final model and last-step checkpoint, then ``rlcore export`` and ``rlcore eval`` on
-its run directory. Ctrl-C has its own run; SIGTERM at each phase of a step, a chain of runs that
-each resume the one before.
+its run directory. SIGTERM at each phase of a step is a chain of runs that each resume the one
+before; the chain's last run, resumed once more, ends by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -135,15 +135,16 @@ def test_export_and_eval_work_on_the_run_directory(tiny_run, tmp_path):
     assert "Loading weights" not in evaluated.stderr  # transformers' progress bar: off unless --verbose
 
 
-def start_in_own_group(model_dir: Path, run_dir: Path, launcher: list[str] | None = None, **extra) -> subprocess.Popen:
+def start_in_own_group(model_dir: Path, run_dir: Path, launcher: list[str] | None = None, flags: tuple[str, ...] = (),
+                       **extra) -> subprocess.Popen:
     """``rlcore run`` of the recipe with its vLLM generator for up to 500 steps, checkpointing, in a process
     group of its own (as a terminal's job, or a scheduler's). ``launcher``: the command that stands for
-    the ``rlcore`` script (it takes the same arguments after it)."""
+    the ``rlcore`` script (it takes the same arguments after it); ``flags``: options after the overrides."""
     script = Path(sys.executable).parent / "rlcore"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RLCORE_", "VLLM_LOGGING", "VLLM_ENABLE_V1_MULTI"))},
            "COLUMNS": "200"}
-    return subprocess.Popen([*(launcher or [str(script)]), "run", str(RECIPE), *group_run_args(model_dir, run_dir, **extra)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    argv = [*(launcher or [str(script)]), "run", str(RECIPE), *group_run_args(model_dir, run_dir, **extra), *flags]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 
 def group_run_args(model_dir: Path, run_dir: Path, **extra) -> list[str]:
@@ -154,24 +155,32 @@ def group_run_args(model_dir: Path, run_dir: Path, **extra) -> list[str]:
         "policy.generation.enforce_eager": "true", **extra})
 
 
-def children_once_a_step_is_recorded(proc: subprocess.Popen, run_dir: Path, psutil) -> list:
-    """Waits for the run's first metrics record; its processes then (the engine's among them)."""
+def recorded_steps(run_dir: Path) -> list[int]:
+    """The steps of the run's whole metrics records so far (a line still being written is left out)."""
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().split("\n")[:-1] if metrics.exists() else []
+    return [json.loads(line)["step"] for line in lines]
+
+
+def children_once_a_step_is_recorded(proc: subprocess.Popen, run_dir: Path, psutil, after: int) -> list:
+    """Waits for the run's first metrics record of a step past ``after``; its processes then (the engine's among them)."""
     deadline = time.monotonic() + 480
-    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+    while not any(step > after for step in recorded_steps(run_dir)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     return psutil.Process(proc.pid).children(recursive=True)
 
 
-def test_ctrl_c_ends_the_step_and_says_how_to_resume(tiny_model_dir, tmp_path):
-    """A terminal's Ctrl-C: SIGINT to the whole foreground process group, here rlcore and the
-    processes of the recipe's vLLM engine. The engine takes no part in it: the step ends, its
-    checkpoint is written, one line says how to resume, and the engine's processes end with the run."""
-    psutil = pytest.importorskip("psutil")
-    run_dir = tmp_path / "run"
-    proc = start_in_own_group(tiny_model_dir, run_dir, **{"checkpointing.save_period": 1000})
+def ctrl_c_the_group(model_dir: Path, run_dir: Path, settings: dict, resumed_at: int, psutil) -> int:
+    """A terminal's Ctrl-C: SIGINT to the whole foreground process group, here ``rlcore run --resume`` (from
+    step ``resumed_at``, checkpointing only when it stops) and the processes of the recipe's vLLM
+    engine, once the run has recorded a step. The engine takes no part in it: the step ends, its
+    checkpoint is written, one line says how to resume, and the engine's processes end with the run.
+    Returns the step the run stopped after."""
+    settings = {**settings, "checkpointing.save_period": 1000}  # the checkpoint below is the stop's own
+    proc = start_in_own_group(model_dir, run_dir, flags=("--resume",), **settings)
     try:
-        children = children_once_a_step_is_recorded(proc, run_dir, psutil)
+        children = children_once_a_step_is_recorded(proc, run_dir, psutil, after=resumed_at)
         assert any(p.name().startswith("VLLM::") for p in children), [p.name() for p in children]  # the engine's own
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=240)
@@ -180,13 +189,15 @@ def test_ctrl_c_ends_the_step_and_says_how_to_resume(tiny_model_dir, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGINT, out[-2000:] + err[-3000:]
     assert "Traceback" not in out + err, err[-3000:]
+    assert re.search(rf"resumed from \S+ at step {resumed_at}\b", out), out[-2000:]
     match = re.search(r"SIGINT received: stopped after step (\d+), checkpoint of step \1 in (\S+); the same command resumes", out)
     assert match, out[-2000:]
     step = int(match.group(1))
-    assert step < 500 and (run_dir / "checkpoints" / f"step_{step:06d}" / "loop_state.pt").is_file()
+    assert resumed_at < step < 500 and (run_dir / "checkpoints" / f"step_{step:06d}" / "loop_state.pt").is_file()
     assert "Ctrl-C: stopping after step" in out
     _, alive = psutil.wait_procs(children, timeout=60)
     assert not alive, [(p.pid, p.name()) for p in alive]
+    return step
 
 
 PHASE_LAUNCHER = Path(__file__).with_name("_phase_signal.py")
@@ -256,22 +267,18 @@ def signal_the_group_in(phase: str, step_of_run: int, model_dir: Path, run_dir: 
 # Not a wall_clock test: its one bound (the run ends within cluster.timeout_s + EXIT_MARGIN_S of the signal) holds
 # beside the suite's other worker; 7.6-10.5 s from the signal to the end with another test running on the two cores.
 @pytest.mark.timeout(3600)  # five engine starts (a run and four resumes) of up to 8 minutes each on a loaded machine
-def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model_dir, tmp_path):
+def test_a_process_group_sigterm_at_each_phase_then_ctrl_c_end_the_run_resumably(tiny_model_dir, tmp_path):
     """SIGTERM to the whole process group (``timeout``, Slurm, Kubernetes) of a vLLM run while it is in
     each phase of a step (the step timer's: the launcher holds there until the signal has arrived),
     one phase a run: a run, then the same command again each time (it resumes). vLLM's engine dies with it.
     The run ends within cluster.timeout_s of the signal, exit 143, with the checkpoint of that step
     once its training has begun (the refit its weights were for is skipped: no step follows), else
     of the step before; nothing of its process group is left; the next run goes on from that
-    checkpoint, and a last ``--resume`` ends the run with each step's record once."""
+    checkpoint. A last run resumes once more and ends by Ctrl-C (:func:`ctrl_c_the_group`), with each
+    step's record once."""
     psutil = pytest.importorskip("psutil")
     run_dir, marker = tmp_path / "run", tmp_path / "in-phase"
-    last_step = 0
-    for phase, step_of_run in PHASES:
-        last_step = checkpoint_kept(phase, last_step, step_of_run)
-    last_step += 1  # the last resume's own step
-    settings = {"checkpointing.save_period": 1, "cluster.timeout_s": GROUP_TIMEOUT_S, "train.val_at_start": "false",
-                "train.max_num_steps": last_step}
+    settings = {"checkpointing.save_period": 1, "cluster.timeout_s": GROUP_TIMEOUT_S, "train.val_at_start": "false"}
     kept = 0  # the checkpoint each run resumes from (none for the first)
     for phase, step_of_run in PHASES:
         out, err, ended_after, children = signal_the_group_in(phase, step_of_run, tiny_model_dir, run_dir, marker,
@@ -290,10 +297,6 @@ def test_a_process_group_sigterm_at_each_phase_ends_the_run_resumably(tiny_model
         print(phase, steps, f"{ended_after:.1f}s", out[-1500:], "\n".join(ours)[-3000:], sep="\n")
         newest = run_dir / "checkpoints" / steps[-1]
         assert steps[-1] == f"step_{kept:06d}" and (newest / "loop_state.pt").is_file(), (phase, steps)
-        recorded = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert recorded == list(range(1, kept + 1)), (phase, recorded)
-    resumed = rlcore("run", RECIPE, *group_run_args(tiny_model_dir, run_dir, **settings), "--resume", timeout=900)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    assert re.search(rf"resumed from \S+ at step {kept}\b", resumed.stdout), resumed.stdout[-2000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, last_step + 1)), [r["step"] for r in records]
+        assert recorded_steps(run_dir) == list(range(1, kept + 1)), (phase, recorded_steps(run_dir))
+    last_step = ctrl_c_the_group(tiny_model_dir, run_dir, settings, kept, psutil)
+    assert recorded_steps(run_dir) == list(range(1, last_step + 1)), recorded_steps(run_dir)
