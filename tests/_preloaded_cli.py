@@ -22,12 +22,15 @@ PRELOAD = ["torch", "torch._inductor.config", "transformers", "transformers.mode
            "rlcore.controller.run", "rlcore.controller.grpo_run", "rlcore_fsdp2.backend", "rlcore_math.envs", "math_verify"]
 
 
-def _redirect(env: dict[str, str], stdout: str, stderr: str) -> None:
-    """In the forked child: the caller's environment, and stdout and stderr to these files. What is read
-    at interpreter start or at import (PYTHONWARNINGS, OMP_NUM_THREADS for torch) is the server's, which
-    has this process's environment: a caller passes only variables read while the run runs."""
+def _redirect(env: dict[str, str], stdout: str, stderr: str, cwd: str | None = None) -> None:
+    """In the forked child: the caller's environment and working directory (``cwd``, when given), and
+    stdout and stderr to these files. What is read at interpreter start or at import (PYTHONWARNINGS,
+    OMP_NUM_THREADS for torch) is the server's, which has this process's environment: a caller passes
+    only variables read while the run runs."""
     os.environ.clear()
     os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     for fd, path in ((1, stdout), (2, stderr)):
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(file, fd)
@@ -36,16 +39,16 @@ def _redirect(env: dict[str, str], stdout: str, stderr: str) -> None:
     sys.stderr = sys.__stderr__ = open(2, "w", closefd=False)  # noqa: SIM115
 
 
-def _cli_main(argv: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
-    _redirect(env, stdout, stderr)
+def _cli_main(argv: list[str], env: dict[str, str], stdout: str, stderr: str, cwd: str | None = None) -> None:
+    _redirect(env, stdout, stderr, cwd)
     sys.argv = ["rlcore", *argv]
     from rlcore.cli.commands import main
 
     sys.exit(main())
 
 
-def _script(code: str, env: dict[str, str], stdout: str, stderr: str) -> None:
-    _redirect(env, stdout, stderr)
+def _script(code: str, env: dict[str, str], stdout: str, stderr: str, cwd: str | None = None) -> None:
+    _redirect(env, stdout, stderr, cwd)
     sys.argv = ["-c"]
     exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 - the test's own script
 
@@ -83,18 +86,21 @@ class PreloadedCli:
     def run_script(self, code: str, env: dict[str, str], tmp: Path, timeout: float) -> subprocess.CompletedProcess:
         return self._run(_script, code, env, tmp, timeout, ["-c", code])
 
-    def run_cli(self, argv: list[str], env: dict[str, str], tmp: Path, timeout: float) -> subprocess.CompletedProcess:
-        """What ``subprocess.run(["rlcore", *argv], capture_output=True, text=True)`` returns."""
-        return self._run(_cli_main, list(argv), env, tmp, timeout, ["rlcore", *argv])
+    def run_cli(self, argv: list[str], env: dict[str, str], tmp: Path, timeout: float,
+                cwd: Path | None = None) -> subprocess.CompletedProcess:
+        """What ``subprocess.run(["rlcore", *argv], capture_output=True, text=True, cwd=cwd)`` returns."""
+        return self._run(_cli_main, list(argv), env, tmp, timeout, ["rlcore", *argv], cwd)
 
-    def _run(self, target, what, env: dict[str, str], tmp: Path, timeout: float, args: list[str]) -> subprocess.CompletedProcess:
+    def _run(self, target, what, env: dict[str, str], tmp: Path, timeout: float, args: list[str],
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
         if not self.forked:
             argv = [sys.executable, "-c", what] if target is _script else [sys.executable, "-m", "rlcore.cli", *what]
-            return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+            return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
         out, err = (tmp / f"process-{os.urandom(3).hex()}.{name}" for name in ("out", "err"))
         out.touch()
         err.touch()
-        process = self.context.Process(target=target, args=(what, dict(env), str(out), str(err)), daemon=False)
+        cwd = None if cwd is None else str(cwd)
+        process = self.context.Process(target=target, args=(what, dict(env), str(out), str(err), cwd), daemon=False)
         process.start()
         process.join(timeout)
         if process.exitcode is None:

@@ -10,7 +10,8 @@ repository's ``recipes/`` and ``examples/`` and a ``runs/demo/sft`` model of the
 ``rlcore run`` gets the overrides in ``SMALL`` appended (later overrides win), and a ``python``
 block's ``rlcore.load_config`` calls get them too (a two-line shim put before the block), so a run
 takes one small step without validation; the README's own commands pick the ``hf`` generator, the
-getting-started page's get it appended (``PAGE_SMALL``).
+getting-started page's get it appended (``PAGE_SMALL``). The ``rlcore`` commands run in processes forked
+from a server that imported the libraries once (``_preloaded_cli``), each with its own exit status.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _preloaded_cli import PreloadedCli
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +91,15 @@ def workdir(tmp_path_factory):
     return work
 
 
-def _run(argv: list[str], cwd: Path) -> None:
+@pytest.fixture(scope="module")
+def preloaded(tmp_path_factory):
+    """The fork server the ``rlcore`` commands run from, and a directory for their output."""
+    cli = PreloadedCli()
+    yield cli, tmp_path_factory.mktemp("readme-output")
+    cli.close()
+
+
+def _run(argv: list[str], cwd: Path, preloaded) -> None:
     bin_dir = str(Path(sys.executable).parent)
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), PYTHONWARNINGS="ignore",
                RLCORE_DISABLE_PLUGINS=os.environ.get("RLCORE_DISABLE_PLUGINS", ""))
@@ -98,7 +108,11 @@ def _run(argv: list[str], cwd: Path) -> None:
         env[name] = value
     if argv and argv[0] == "python":  # the reader's python is the environment's
         argv = [sys.executable, *argv[1:]]
-    result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    if argv and argv[0] == "rlcore":  # the environment's script: the CLI's main on this command line
+        cli, output = preloaded
+        result = cli.run_cli(argv[1:], env, output, timeout=300, cwd=cwd)
+    else:
+        result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{shlex.join(argv)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
 
@@ -109,17 +123,17 @@ def test_readme_is_short_and_has_runnable_blocks():
 
 @pytest.mark.parametrize("page, language, body, reason", PAGE_BLOCKS,
                          ids=[f"{p.stem}-block{i}-{lang}" for i, (p, lang, _, _) in enumerate(PAGE_BLOCKS)])
-def test_readme_block_runs(page, language, body, reason, workdir):
+def test_readme_block_runs(page, language, body, reason, workdir, preloaded):
     if reason is not None:
         pytest.skip(f"{page.name} marks it: {reason}")
     small = PAGE_SMALL[page.stem]
     if language == "python":
         script = workdir / "readme_block.py"
         script.write_text(shim(small) + body)
-        _run([sys.executable, str(script)], workdir)
+        _run([sys.executable, str(script)], workdir, preloaded)
         return
     for command in commands(body):
         argv = shlex.split(command)
         if argv[:2] == ["rlcore", "run"]:
             argv += small
-        _run(argv, workdir)
+        _run(argv, workdir, preloaded)
