@@ -6,12 +6,13 @@ One launch of two processes (``_export_worker.py``) covers every layout: imports
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _preloaded_cli import PreloadedCli
 
 from rlcore.cli.commands import main as rlcore_main
 from rlcore.testing.ranks import rank_results
@@ -52,9 +53,22 @@ def test_export_refuses_a_directory_without_checkpoints(tmp_path, capsys):
     assert "holds no complete rlcore checkpoint" in capsys.readouterr().err
 
 
-def test_export_to_a_full_disk_is_one_line_and_leaves_no_part(tiny_model_dir, tmp_path, small_disk):
+@pytest.fixture(scope="module")
+def export_cli(tmp_path_factory):
+    """``rlcore export SOURCE OUT`` in a process of its own, forked from a server that imported the
+    libraries once (``_preloaded_cli``): its exit status, stdout and stderr as ``subprocess.run`` gives them."""
+    cli, outputs = PreloadedCli(), tmp_path_factory.mktemp("export-cli")
+
+    def export(source: Path, out: Path) -> subprocess.CompletedProcess:
+        return cli.run_cli(["export", str(source), str(out)], dict(os.environ), outputs, timeout=120)
+
+    yield export
+    cli.close()
+
+
+def test_export_to_a_full_disk_is_one_line_and_leaves_no_part(export_cli, tiny_model_dir, tmp_path, small_disk):
     run = _run_with_model(tiny_model_dir, tmp_path)
-    done = _export_cli(run, small_disk / "out")
+    done = export_cli(run, small_disk / "out")
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.startswith("error: no space left on device: the export could not be written to "), done.stderr
     assert str(small_disk / "out") in done.stderr and "needs at least 1.3 MiB" in done.stderr, done.stderr
@@ -62,11 +76,6 @@ def test_export_to_a_full_disk_is_one_line_and_leaves_no_part(tiny_model_dir, tm
 
 
 # ---- what export copies stays inside the run directory -------------------------------------------
-def _export_cli(source: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlcore.cli", "export", str(source), str(out)],
-                          capture_output=True, text=True, timeout=120)
-
-
 def _run_with_model(tiny_model_dir: Path, tmp_path: Path) -> Path:
     """A run directory as a run without checkpoints leaves it: its final model in ``model/``."""
     run = tmp_path / "run"
@@ -75,7 +84,7 @@ def _run_with_model(tiny_model_dir: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("link", ["file_outside", "dir_outside", "model_dir_outside", "loop"])
-def test_export_refuses_a_link_that_leaves_the_run_directory(tiny_model_dir, tmp_path, link):
+def test_export_refuses_a_link_that_leaves_the_run_directory(export_cli, tiny_model_dir, tmp_path, link):
     run = _run_with_model(tiny_model_dir, tmp_path)
     secret = tmp_path / "elsewhere"
     secret.mkdir()
@@ -91,7 +100,7 @@ def test_export_refuses_a_link_that_leaves_the_run_directory(tiny_model_dir, tmp
         (run / "model").symlink_to(secret / "model")
     else:
         (run / "model" / "again").symlink_to("..")  # inside, but a copy would follow it forever
-    done = _export_cli(run, tmp_path / "out")
+    done = export_cli(run, tmp_path / "out")
     assert done.returncode == 2, done.stderr[-2000:]
     error = done.stderr.strip().splitlines()
     assert len(error) <= 3 and "symbolic link" in done.stderr and "nothing was copied" in done.stderr, done.stderr
@@ -99,22 +108,22 @@ def test_export_refuses_a_link_that_leaves_the_run_directory(tiny_model_dir, tmp
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
-def test_export_copies_what_a_link_inside_the_run_directory_holds(tiny_model_dir, tmp_path):
+def test_export_copies_what_a_link_inside_the_run_directory_holds(export_cli, tiny_model_dir, tmp_path):
     run = _run_with_model(tiny_model_dir, tmp_path)
     (run / "notes.txt").write_text("run notes")
     (run / "model" / "notes.txt").symlink_to("../notes.txt")
-    done = _export_cli(run, tmp_path / "out")
+    done = export_cli(run, tmp_path / "out")
     assert done.returncode == 0, done.stderr[-2000:]
     copied = tmp_path / "out" / "notes.txt"
     assert not copied.is_symlink() and copied.read_text() == "run notes"
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
 
 
-def test_export_refuses_a_checkpoint_holding_a_link_out_before_reading_it(tmp_path):
+def test_export_refuses_a_checkpoint_holding_a_link_out_before_reading_it(export_cli, tmp_path):
     step = tmp_path / "run" / "checkpoints" / "step_000001"
     (step / "backend").mkdir(parents=True)
     (step / "loop_state.pt").write_bytes(b"")
     (step / "backend" / "__0_0.distcp").symlink_to("/etc/passwd")
-    done = _export_cli(tmp_path / "run", tmp_path / "out")
+    done = export_cli(tmp_path / "run", tmp_path / "out")
     assert done.returncode == 2 and f"{step / 'backend' / '__0_0.distcp'} -> /etc/passwd" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "out").exists()
