@@ -1,15 +1,16 @@
 """The tiny CPU recipes of the other post-training families, each run as written (from the
-repository root, through ``rlcore run``) for two steps on a random-init tiny Llama."""
+repository root, through ``rlcore run``) for two steps on a random-init tiny Llama. The ``rlcore run``
+processes are forked from a server that imported the libraries once (``_preloaded_cli``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _preloaded_cli import PreloadedCli
 
 pytestmark = pytest.mark.slow
 
@@ -20,20 +21,26 @@ def _records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def _run_recipe(recipe: str, *overrides: str) -> subprocess.CompletedProcess:
-    rlcore = Path(sys.executable).with_name("rlcore")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLCORE_")}
-    result = subprocess.run([str(rlcore), "run", recipe, *overrides], cwd=ROOT, env=dict(env, PYTHONWARNINGS="ignore"),
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+@pytest.fixture(scope="module")
+def run_recipe(tmp_path_factory):
+    """``rlcore run RECIPE OVERRIDE...`` from the repository root, in a process of its own; fails unless it exits 0."""
+    cli, output = PreloadedCli(), tmp_path_factory.mktemp("cli-output")
+
+    def run(recipe: str, *overrides: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RLCORE_")}
+        result = cli.run_cli(["run", recipe, *overrides], env, output, timeout=240, cwd=ROOT)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result
+
+    yield run
+    cli.close()
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
-def test_dpo_recipe_raises_held_out_margin(tiny_model_dir, tmp_path, backend):
+def test_dpo_recipe_raises_held_out_margin(run_recipe, tiny_model_dir, tmp_path, backend):
     """recipes/dpo_tiny_cpu.yaml, two steps: held-out margin 0 (policy = reference) -> positive."""
     switch = (["policy.megatron_cfg.enabled=true", "policy.dtensor_cfg.enabled=false"] if backend == "megatron" else [])
-    result = _run_recipe("recipes/dpo_tiny_cpu.yaml", f"policy.model_name={tiny_model_dir}",
+    result = run_recipe("recipes/dpo_tiny_cpu.yaml", f"policy.model_name={tiny_model_dir}",
                          f"logger.log_dir={tmp_path / 'run'}", "train.max_num_steps=2", "train.val_period=2", *switch)
     assert f"training backend: {backend}" in result.stdout
     records = _records(tmp_path / "run")
@@ -85,11 +92,11 @@ def test_reward_model_environment_scores_trajectories(trained_reward_model, tiny
         build_config({"policy": {"model_name": model_dir}, "env": {"name": "reward_model", "reward_model": {"modle": "x"}}})
 
 
-def test_distill_recipe_lowers_held_out_reverse_kl(tiny_model_dir, tiny_model_factory, tmp_path):
+def test_distill_recipe_lowers_held_out_reverse_kl(run_recipe, tiny_model_dir, tiny_model_factory, tmp_path):
     """recipes/distill_tiny_cpu.yaml, two steps: a random-init student distilled from another
     random-init model; held-out reverse KL to the teacher drops, and the refit probe passes."""
     teacher = tiny_model_factory("llama", seed=1)
-    _run_recipe("recipes/distill_tiny_cpu.yaml", f"policy.model_name={tiny_model_dir}", f"algorithm.teacher_model={teacher}",
+    run_recipe("recipes/distill_tiny_cpu.yaml", f"policy.model_name={tiny_model_dir}", f"algorithm.teacher_model={teacher}",
                 f"logger.log_dir={tmp_path / 'run'}", "train.max_num_steps=2", "train.val_period=2", "train.max_val_samples=32",
                 "train.num_prompts_per_step=8")
     records = _records(tmp_path / "run")
