@@ -4,10 +4,13 @@ written by export_hf gives the same logprobs through peft."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-pytest.importorskip("peft")
+# Found, not imported, at collection: importing peft takes seconds, paid by the tests that run here.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed (rlcore-fsdp2[lora])")
 
 
 @pytest.fixture(scope="module")
