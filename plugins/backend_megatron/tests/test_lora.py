@@ -8,7 +8,8 @@ import importlib.util
 import pytest
 
 # Found, not imported, at collection: importing megatron.core takes seconds, paid by the tests that run here.
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+                                reason="megatron-core is not installed")
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

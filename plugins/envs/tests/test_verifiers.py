@@ -14,7 +14,8 @@ from rlcore_envs.config import VerifiersEnvConfig
 from rlcore_envs.verifiers_env import VerifiersEnvironment
 
 # Found, not imported, at collection: importing verifiers.v1 takes seconds, paid by the tests that run here.
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("verifiers.v1") is None, reason="verifiers 0.4 is not installed")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("verifiers") is None or importlib.util.find_spec("verifiers.v1") is None,
+                                reason="verifiers 0.4 is not installed")
 
 TASKSET = "rlcore_envs.examples.say_taskset:SayTaskset"
 RETRY = "rlcore_envs.examples.say_taskset:RetryEnv"
