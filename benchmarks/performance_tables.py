@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 
 from rlcore.controller.allocator import ALLOCATOR_ENV
@@ -160,31 +161,54 @@ def _run_just_before(rows: list[dict], variant: str, row: dict) -> dict | None:
 MEMORY_KEYS = ("gpu_memory_utilization", "empty_unused_memory_level", "offload_trainer_state")
 
 
-def hand_set_pairs(steps: list[dict], rows: list[dict]) -> list[tuple[dict, dict]]:
+SESSION_S = 2 * 3600  # the runs of a pair's sides: the same machine and commit, within this of the hand-set side's newest
+
+
+def hand_set_pairs(steps: list[dict], rows: list[dict]) -> list[tuple[list[dict], list[dict]]]:
     """Each row run with hand-set memory settings (``--set`` of memory keys only: ``fits_pair`` in
-    ``benchmarks/gpu/fits.sh``), with the row of the same configuration and no key that ran just before it on the
-    same machine (the pair runs back to back in one call)."""
+    ``benchmarks/gpu/fits.sh``), with the rows of the same configuration and no key that ran on the same machine and
+    commit (the pair runs back to back in one call; ``FITS_PAIR_ORDER=ABBA`` repeats each side): (no key, hand-set)
+    rows, oldest first."""
     out = []
     for hand in steps:
         name, settings = _variant_settings(hand["variant"])
         if not settings or not all("=" in s and any(k in s.split("=")[0] for k in MEMORY_KEYS) for s in settings):
             continue
-        before = _run_just_before(rows, name, hand)
-        if before:
-            out.append((before, hand))
+        if _run_just_before(rows, name, hand):
+            out.append((_session_runs(rows, name, hand), _session_runs(rows, hand["variant"], hand)))
     return out
 
 
-def hand_set_table(pairs: list[tuple[dict, dict]]) -> str:
-    """No memory key (the run's plan chooses) beside hand-set memory settings, step and generation per pair."""
+def _session_runs(rows: list[dict], variant: str, newest_row: dict) -> list[dict]:
+    """The ``bench_grpo_step`` rows of ``variant`` on ``newest_row``'s machine and commit, within :data:`SESSION_S`
+    of it, oldest first."""
+    end = datetime.fromisoformat(newest_row["date"])
+    return sorted((r for r in rows if r.get("bench") == "bench_grpo_step" and r.get("variant") == variant
+                   and r.get("machine") == newest_row["machine"] and r.get("commit") == newest_row.get("commit")
+                   and abs((end - datetime.fromisoformat(r["date"])).total_seconds()) <= SESSION_S),
+                  key=lambda r: r["date"])
+
+
+def hand_set_table(pairs: list[tuple[list[dict], list[dict]]]) -> str:
+    """No memory key (the run's plan chooses) beside hand-set memory settings: each side's mean step (each run's in
+    parentheses where it ran more than once) and mean generation."""
     lines = ["| Config | Machine | No key: engine share | Step (s) | Generation | Hand-set | Step (s) | Generation | "
              "No key / hand-set | Date | Commit |", "|---|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+
+    def mean(side: list[dict], key: str) -> float | None:
+        values = [r[key] for r in side if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    def step(side: list[dict]) -> str:
+        each = f" ({', '.join(_f(r['step_s']) for r in side)})" if len(side) > 1 else ""
+        return f"**{_f(mean(side, 'step_s'))}**{each}"
+
     for auto, hand in pairs:
-        settings = ", ".join(f"`{s}`" for s in _variant_settings(hand["variant"])[1])
-        lines.append(f"| `{auto['variant']}` | {machine(auto)} | {_f(auto.get('memory_plan/engine_fraction'))} | "
-                     f"**{_f(auto['step_s'])}** | {_f(auto.get('generation_s'))} | {settings} | **{_f(hand['step_s'])}** | "
-                     f"{_f(hand.get('generation_s'))} | {auto['step_s'] / hand['step_s']:.2f} | {hand['date'][:10]} | "
-                     f"`{str(hand['commit'])[:7]}` |")
+        settings = ", ".join(f"`{s}`" for s in _variant_settings(hand[-1]["variant"])[1])
+        lines.append(f"| `{auto[-1]['variant']}` | {machine(auto[-1])} | {_f(auto[-1].get('memory_plan/engine_fraction'))} | "
+                     f"{step(auto)} | {_f(mean(auto, 'generation_s'))} | {settings} | {step(hand)} | "
+                     f"{_f(mean(hand, 'generation_s'))} | {mean(auto, 'step_s') / mean(hand, 'step_s'):.2f} | "
+                     f"{hand[-1]['date'][:10]} | `{str(hand[-1]['commit'])[:7]}` |")
     return "\n".join(lines)
 
 
@@ -353,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = engine_pairs(gpu, rows)
     if pairs:
         print("### GRPO step, GPU: SGLang beside vLLM\n\n" + grpo_table(pairs) + "\n")
-    print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain + pairs + [h for _, h in hand_set]]) + "\n")
+    print("### GRPO step, GPU, with experimental settings\n\n" + grpo_table([r for r in gpu if r not in plain + pairs + [h[-1] for _, h in hand_set]]) + "\n")
     print("### GRPO step, CPU (tiny shapes)\n\n" + grpo_table([r for r in steps if r not in gpu]) + "\n")
     endpoint = endpoint_table(steps)
     if endpoint:

@@ -173,3 +173,24 @@ def test_a_row_run_under_allocator_settings_names_them_and_its_command_sets_them
         "PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.8 python benchmarks/bench_train_megatron.py --shape 1b "
         "--variants fsdp2 ")
     assert tables.train_command({**unset, "layout": "FSDP=1"}).startswith("python benchmarks/bench_train_megatron.py")
+
+
+def test_a_repeated_hand_set_pair_shows_each_sides_mean_and_runs():
+    """``FITS_PAIR_ORDER=ABBA``: the no-key side and the hand-set side each ran twice in one machine's calls; the pairs'
+    table compares the means and lists each run. A run of the same configuration at another commit, or hours away,
+    is not part of the pair."""
+    tables = _performance_tables()
+    hand_variant = "llama1b-fsdp2-ppo [policy.generation.gpu_memory_utilization=0.25]"
+
+    def row(variant, minute, step, commit="abc1234", hour=22):
+        return {"bench": "bench_grpo_step", "variant": variant, "machine": "1x NVIDIA H100 80GB HBM3", "commit": commit,
+                "date": f"2026-12-07T{hour:02d}:{minute:02d}:00+00:00", "step_s": step, "generation_s": step / 2,
+                "memory_plan/engine_fraction": 0.299}
+
+    rows = [row("llama1b-fsdp2-ppo", 0, 30.0, commit="0ld0000"), row("llama1b-fsdp2-ppo", 0, 40.0, hour=18),
+            row("llama1b-fsdp2-ppo", 1, 25.0), row(hand_variant, 5, 21.0), row(hand_variant, 9, 23.0),
+            row("llama1b-fsdp2-ppo", 12, 19.0)]
+    pairs = tables.hand_set_pairs([rows[4]], rows)
+    assert pairs == [([rows[2], rows[5]], [rows[3], rows[4]])]
+    line = tables.hand_set_table(pairs).splitlines()[-1]
+    assert "| **22.00** (25.00, 19.00) | 11.00 |" in line and "| **22.00** (21.00, 23.00) | 11.00 | 1.00 |" in line

@@ -24,6 +24,7 @@ LLAMA_3B = {**LLAMA_1B, "hidden_size": 3072, "num_hidden_layers": 28, "num_atten
             "intermediate_size": 8192}
 LLAMA_8B = {**LLAMA_1B, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "head_dim": 128,
             "intermediate_size": 14336, "tie_word_embeddings": False}
+LLAMA_1B_PARAMS = 1_235_814_400  # Llama 3.2 1B: 16 layers of 60.8M, the tied 262.7M embedding
 H100 = GPUS["h100"]
 # two sequences a micro-batch: a 3.2B full fine-tune's 8192-token micro-batch (19 GiB of activations) does not fit
 # beside its 54 GiB of weights, gradients and Adam state on an 80 GB card
@@ -97,6 +98,23 @@ def test_a_critic_keeps_its_state_beside_the_policys():
     assert ppo.engine_fraction == alone.engine_fraction
     assert sum(ppo.memory.gen_parts.values()) - sum(alone.memory.gen_parts.values()) == pytest.approx(
         ppo.memory.gen_parts["critic_state"])
+
+
+def test_an_fsdp2_critic_keeps_its_float32_shards_and_adam_state_between_its_passes():
+    """FSDP2 frees the copy its passes gather when each ends, and its optimizer step sets the gradients to None: the
+    critic's state beside the training policy and the awake engine is its float32 weights and Adam's two moments
+    (12 bytes a parameter), where Megatron's keeps its gradient buffers too."""
+    alone, ppo = plan(config("fsdp2")), plan(config("fsdp2"), critic=True)
+    train = alone.memory.train_parts
+    assert train["gathered_weights"] > 0 and train["gradients"] > 0
+    assert ppo.memory.train_parts["critic_state"] == pytest.approx(train["weights"] + train["optimizer"])
+    # to the final norm's 2,048 weights, which the layer count leaves out
+    assert ppo.memory.train_parts["critic_state"] == pytest.approx(LLAMA_1B_PARAMS * 12 / 2**30, rel=1e-5)
+    assert ppo.memory.gen_parts["critic_state"] == pytest.approx(train["weights"] + train["optimizer"])
+    # the policy's own weights while the engine is awake still count its gathered copy (the safe side)
+    assert ppo.memory.gen_parts["weights"] == pytest.approx(train["weights"] + train["gathered_weights"])
+    megatron = plan(config(), critic=True).memory.train_parts
+    assert megatron["critic_state"] == pytest.approx(megatron["weights"] + megatron["gradients"] + megatron["optimizer"])
 
 
 @pytest.mark.parametrize("overrides", [{"policy.generation.async_engine": "true"}, {"grpo.async_grpo.enabled": "true"},

@@ -14,7 +14,9 @@ PPO rows' refit, whose weight transfer ran at 61 GB/s where the H200 rows the re
 commits) moved weights at 15-45 GB/s; the tool-calling agent's refit (0.40-0.47 s against 0.24 planned; the native tool
 path's, 0.29-0.31 s, is within bounds) and the async-engine multi-turn rows' (0.33-0.36 s against 0.22), and the
 generation and step of the agent's first row, which predates the agent path's critical-path
-metrics and so is planned at its mean length with no decode tail (its later row is within bounds); the 0.5B Megatron
+metrics and so is planned at its mean length with no decode tail (its later row is within bounds); the generation
+and refit of the first run in each of two calls that measured the PPO configurations against their hand-set
+settings (the host-bound engine's spread: the same configurations' other runs on that machine are within bounds); the 0.5B Megatron
 configuration measured again on other hosts. Its step is host-bound: its generation takes as long as the 1.2B
 model's and its training, 2.75 s in the fitted row, took 3.53 and 4.18-4.23 s in later calls while the 1.2B
 model's stayed at 3.9 s; one call's allocator pair (4.18 and 4.23 s) shows the allocator is not the cause.
@@ -22,7 +24,7 @@ model's stayed at 3.9 s; one call's allocator pair (4.18 and 4.23 s) shows the a
 Memory (``memory/<phase>_device_gib``, NVML's peak over every process, against the run's own memory plan with the
 engine share and release it ran with, within 10%), on the held-out rows and the H100 rows the fit reads for their
 time alone (no calibration reads an H100 row's memory): the engine-awake phase (refit and generation) on every row;
-training misses low on FSDP2 (-16%, compiled or not), the graphed Megatron path (-10%) and Megatron's 0.5B and 3B
+training misses low on FSDP2 (-16%, compiled or not; -13% with a PPO critic), the graphed Megatron path (-10%) and Megatron's 0.5B and 3B
 LoRA rows (-14%, -10%), whose allocators keep blocks cached between micro-batches of different lengths that the
 planner, counting tensors, does not price; under that allocator the plan is 12% short of the multi-turn row's refit
 peak. A row run with torch's expandable segments (``allocator_conf``) has no known miss by configuration: it measures
@@ -65,11 +67,16 @@ KNOWN_MISSES = {("llama1b-fsdp2-ppo", "h200"): ("refit_s",), ("llama1b-megatron-
                 # the 0.5B model's host-bound step, on hosts slower than the fitted row's
                 "20261207T071311-1e5a75": ("train_s", "refit_s"),
                 "20261207T090150-07c710": ("train_s", "refit_s", "step_s"),
-                "20261207T090445-77a5aa": ("train_s", "generation_s", "step_s")}
+                "20261207T090445-77a5aa": ("train_s", "generation_s", "step_s"),
+                # the first run of each PPO pair's call: its generation and refit slower than the same configuration's
+                # other runs on that machine (12.4 and 12.6 s against 7.3-10.7 s; refit 0.33-0.35 s against 0.24-0.26)
+                "20261207T215322-235228": ("refit_s", "generation_s"),
+                "20261207T220119-05283a": ("refit_s", "generation_s")}
 # Per-phase device memory (``memory/<phase>_device_gib``) held to 10%: the known misses (see the module's text)
 MEMORY_KNOWN_MISSES = {"llama1b-fsdp2-compile": ("training",), "llama1b-megatron-cuda-graph": ("training",),
                        "llama1b-multiturn-async": ("generation",), "llama3b-megatron-lora": ("training",),
-                       "llama1b-fsdp2": ("training",), "llama0.5b-fsdp2": ("training",), "llama0.5b-megatron": ("training",)}
+                       "llama1b-fsdp2": ("training",), "llama0.5b-fsdp2": ("training",), "llama0.5b-megatron": ("training",),
+                       "llama1b-fsdp2-ppo": ("training",)}
 
 pytestmark = pytest.mark.skipif(not RESULTS.is_file(), reason="benchmarks/results.jsonl is not in this checkout")
 

@@ -17,13 +17,11 @@ from rlcore.planning.hardware import Cluster
 from rlcore.planning.layout import Layout, Workload
 from rlcore.planning.shapes import ModelShape
 
-STATE = ("weights", "gradients", "optimizer")
-
-
 def state_gib(model: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration) -> float:
-    """The critic's weights, gradients and optimizer state on its busiest GPU."""
+    """The critic's state between its passes on its busiest GPU (:func:`rlcore.planning.memory.idle_state`)."""
     stages = ["first", "last"] if lay.pp > 1 else ["last"]
-    return max(sum(memory.training_parts(model, work, lay, cluster, cal, s)[k] for k in STATE) for s in stages)
+    return max(sum(memory.idle_state(memory.training_parts(model, work, lay, cluster, cal, s), lay).values())
+               for s in stages)
 
 
 def phases(model: ModelShape, work: Workload, lay: Layout, cluster: Cluster, cal: Calibration, pass_s) -> dict:

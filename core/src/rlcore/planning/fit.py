@@ -119,6 +119,15 @@ HELD_OUT = frozenset({
      "[policy.megatron_cfg.empty_unused_memory_level=1]", "20261207T130407-1ae12e"),
     # PPO under the allocator default (expandable segments), no memory key
     ("bench_grpo_step", "llama1b-megatron-ppo", "20261207T155852-afdb85"),
+    # both PPO configurations with no memory key against the settings they were run with by hand, in one machine's
+    # calls (fsdp2: no key, hand-set, hand-set, no key)
+    ("bench_grpo_step", "llama1b-fsdp2-ppo", "20261207T215322-235228"),
+    ("bench_grpo_step", "llama1b-fsdp2-ppo [policy.generation.gpu_memory_utilization=0.25]", "20261207T215815-34045a"),
+    ("bench_grpo_step", "llama1b-megatron-ppo", "20261207T220119-05283a"),
+    ("bench_grpo_step", "llama1b-megatron-ppo [policy.generation.gpu_memory_utilization=0.25] "
+     "[policy.megatron_cfg.empty_unused_memory_level=1]", "20261207T220410-9f47b1"),
+    ("bench_grpo_step", "llama1b-fsdp2-ppo [policy.generation.gpu_memory_utilization=0.25]", "20261207T220651-a01ffb"),
+    ("bench_grpo_step", "llama1b-fsdp2-ppo", "20261207T220932-ab9a4c"),
 })
 # the training benchmark's packed lengths: uniform in [256, 2048]
 TRAIN_MEAN, TRAIN_SQ_MEAN = 1152.0, (2048**3 - 256**3) / (3 * 1792)

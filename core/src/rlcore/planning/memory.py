@@ -110,7 +110,7 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
         shard = dp
         trained = adapters if work.lora_params else local
         gathered = 0.0 if lay.offload else (local * b if dp == 1 else 2 * local / shape.layers * b)
-        weights = gathered + (0 if lay.offload else (local + adapters) * 4 / shard)
+        weights = 0 if lay.offload else (local + adapters) * 4 / shard
         grads = 0 if lay.offload else trained * 4 / shard
         optimizer = 0 if lay.offload else trained * 4 * work.optimizer_states / shard
         # FSDP2 reduces the float32 gradients on a stream of its own, one parameter group at a time: the whole model
@@ -141,8 +141,8 @@ def training_parts(shape: ModelShape, work: Workload, lay: Layout, cluster: Clus
         acts = tokens * layers * in_flight * per_layer
     logits = tokens * shape.output_width / lay.tp * cal.logits_bytes if (stage == "last" or lay.pp == 1) else 0.0
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts, "logits": logits}
-    if lay.backend == "fsdp2":
-        parts["reduce_scatter"] = reduce_scatter
+    if lay.backend == "fsdp2":  # the copy its passes gather (freed after each), and the reduce-scatter's blocks
+        parts["gathered_weights"], parts["reduce_scatter"] = gathered, reduce_scatter
     parts = {k: v / GIB for k, v in parts.items()}
     parts["comm_buffers"] = cal.comm_buffer_gib * (1 if world > 1 else 0) + (0.25 if lay.ep > 1 else 0.0)
     parts["other"] = cal.fixed_gib + (asleep_engine_gib(work, lay, cal) if lay.colocated and work.generation else 0.0)
@@ -179,16 +179,29 @@ ENGINE_CAP = 0.9  # the largest share of a GPU an automatically sized engine tak
 KV_SLACK = 2.0
 
 
+def idle_state(train: dict, lay: Layout) -> dict:
+    """A model's state on the GPU between its own passes (``train``: its training parts): its weights, gradients
+    and optimizer state. FSDP2 frees what its passes gather once each ends, and its optimizer step ends with
+    ``zero_grad(set_to_none=True)``: its float32 shards and optimizer state alone. Megatron keeps its gradient
+    buffers."""
+    if lay.backend == "fsdp2":
+        return {"weights": train["weights"], "gradients": 0.0, "optimizer": train["optimizer"]}
+    return {"weights": train["weights"], "gradients": train["gradients"], "optimizer": train["optimizer"]}
+
+
 def state_parts(train: dict, work: Workload, lay: Layout) -> dict:
     """The trainer's state kept on the GPU while a colocated engine is awake: its weights (the refit reads
     them), and its gradients and optimizer state unless they leave for host memory; a PPO critic's alike."""
-    kept = {"weights": train["weights"], "gradients": train["gradients"], "optimizer": train["optimizer"]}
-    if lay.backend == "fsdp2":  # its optimizer step ends with zero_grad(set_to_none=True): no gradients kept
-        kept["gradients"] = 0.0
+    kept = idle_state(train, lay)
     if lay.releases_state:
         kept["gradients"] = kept["optimizer"] = 0.0
     if work.critic:
-        kept["critic_state"] = (kept["weights"] + kept["gradients"] + kept["optimizer"])
+        kept["critic_state"] = kept["weights"] + kept["gradients"] + kept["optimizer"]
+    # The policy's weights count the copy FSDP2 gathers for its passes too, on the safe side: the engine's share is
+    # what the rest leaves free. The full fine-tune's rows measure the engine awake up to 2 GiB under the plan with it
+    # (1.2B: the copy is 2.8 GiB), the 8B LoRA row (merged adapters, the state released) 12 GiB above the plan without
+    # it (docs/guides/planning.md, held-out rows).
+    kept["weights"] += train.get("gathered_weights", 0.0)
     if work.graph_pool and not lay.releases_state:  # a micro-batch's activations and logits, captured (released with the state)
         kept["graph_pool"] = train["activations"] + train["logits"]
     return kept
@@ -210,8 +223,9 @@ def estimate(shape: ModelShape, work: Workload, lay: Layout, cluster: Cluster, c
     limit = cluster.gpu.memory_gib * (1 - cal.headroom)  # what a fitting layout may use
     stages = ["first", "last"] if lay.pp > 1 else ["last"]
     train = max((training_parts(shape, work, lay, cluster, cal, s) for s in stages), key=lambda p: sum(p.values()))
-    if work.critic:  # the critic's state stays beside the policy's while the policy trains
-        train["critic_state"] = train["weights"] + train["gradients"] + train["optimizer"]
+    if work.critic:  # the critic's state stays beside the policy's while the policy trains (and the policy's beside
+        # the critic's while the critic trains: the same parts, the critic being the policy's size)
+        train["critic_state"] = sum(idle_state(train, lay).values())
     train_total = sum(train.values())
     if not work.generation:
         return Memory(train, "training", train_total, limit, 0.0, 0.0, _too_big(train, train_total, limit, "training"), train)
