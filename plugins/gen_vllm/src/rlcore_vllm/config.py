@@ -79,7 +79,9 @@ class VllmConfig(GenerationConfig):
     backend: str = field(default="vllm", metadata=doc("generator plugin; 'vllm' selects this one"))
     async_engine: bool = field(default=False, metadata=doc("AsyncLLM (multi-turn, streaming) instead of the sync LLM"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=doc("engine weights dtype; auto = policy.precision"))
-    enforce_eager: bool = field(default=False, metadata=doc("no CUDA graphs / torch.compile"))
+    enforce_eager: bool | None = field(default=None, metadata=doc(
+        "no CUDA graphs / torch.compile; null: eager on CPU (vLLM's Inductor compile adds 10-25 s to each engine start "
+        "on 2 cores and decodes the tiny CPU models no faster), compiled with CUDA graphs on a GPU"))
     tensor_parallel_size: int = field(default=1, validator=_positive, metadata=doc("vLLM tensor parallelism per replica"))
     num_replicas: int = field(default=1, validator=_positive, metadata=doc("data-parallel engine replicas; requests are balanced across them"))
     max_model_len: int | None = field(default=None, metadata=doc("prompt + response limit; None = policy.max_total_sequence_length"))

@@ -105,7 +105,8 @@ class VllmGenerator(SleepMode):
         cfg = self.config
         kwargs: dict[str, Any] = dict(
             model=self.model_path, tokenizer=tokenizer_path or self.model_path, dtype=dtype, seed=seed,
-            max_model_len=self.max_model_len, enforce_eager=cfg.enforce_eager, worker_extension_cls=EXTENSION,
+            max_model_len=self.max_model_len, worker_extension_cls=EXTENSION,
+            enforce_eager=self.device == "cpu" if cfg.enforce_eager is None else cfg.enforce_eager,
             tensor_parallel_size=cfg.tensor_parallel_size, enable_prefix_caching=cfg.enable_prefix_caching,
             max_num_seqs=cfg.max_num_seqs, disable_log_stats=True,
         )
