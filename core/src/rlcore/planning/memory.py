@@ -198,9 +198,9 @@ def state_parts(train: dict, work: Workload, lay: Layout) -> dict:
     if work.critic:
         kept["critic_state"] = kept["weights"] + kept["gradients"] + kept["optimizer"]
     # The policy's weights count the copy FSDP2 gathers for its passes too, on the safe side: the engine's share is
-    # what the rest leaves free. The full fine-tune's rows measure the engine awake up to 2 GiB under the plan with it
-    # (1.2B: the copy is 2.8 GiB), the 8B LoRA row (merged adapters, the state released) 12 GiB above the plan without
-    # it (docs/guides/planning.md, held-out rows).
+    # what the rest leaves free. The 1.2B full fine-tune's rows measure the engine awake 2 GiB (5 with a critic) under
+    # the plan with it (the copy: 2.8 GiB), the 8B LoRA row (merged adapters, the state released) 12 GiB above the plan
+    # without it (docs/guides/planning.md, held-out rows).
     kept["weights"] += train.get("gathered_weights", 0.0)
     if work.graph_pool and not lay.releases_state:  # a micro-batch's activations and logits, captured (released with the state)
         kept["graph_pool"] = train["activations"] + train["logits"]
