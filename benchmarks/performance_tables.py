@@ -174,8 +174,9 @@ def hand_set_pairs(steps: list[dict], rows: list[dict]) -> list[tuple[list[dict]
         name, settings = _variant_settings(hand["variant"])
         if not settings or not all("=" in s and any(k in s.split("=")[0] for k in MEMORY_KEYS) for s in settings):
             continue
-        if _run_just_before(rows, name, hand):
-            out.append((_session_runs(rows, name, hand), _session_runs(rows, hand["variant"], hand)))
+        no_key = _session_runs(rows, name, hand)
+        if no_key and no_key[0]["date"] < hand["date"]:
+            out.append((no_key, _session_runs(rows, hand["variant"], hand)))
     return out
 
 

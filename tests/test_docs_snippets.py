@@ -194,3 +194,6 @@ def test_a_repeated_hand_set_pair_shows_each_sides_mean_and_runs():
     assert pairs == [([rows[2], rows[5]], [rows[3], rows[4]])]
     line = tables.hand_set_table(pairs).splitlines()[-1]
     assert "| **22.00** (25.00, 19.00) | 11.00 |" in line and "| **22.00** (21.00, 23.00) | 11.00 | 1.00 |" in line
+    # a hand-set run with no run of its configuration without the key on its commit is not a pair
+    alone = row(hand_variant, 30, 20.0, commit="new0000")
+    assert tables.hand_set_pairs([alone], [*rows, alone]) == []
