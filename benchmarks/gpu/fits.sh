@@ -49,7 +49,8 @@ fits() {
 # rlcore.run's allocator default beside torch's own defaults). The hand-set row's variant names its settings
 # ([key=value]); a pair done in an earlier call is not run again. FITS_PAIR_ORDER (A: no memory key, B: hand-set;
 # default AB) repeats them: ABBA gives each side a first and a second place, so a drift over the call (the host's
-# load, the GPU's clock) falls on both; one run's generation alone varies by 20-25% within a call.
+# load, the GPU's clock) falls on both; one run's generation alone varies by 20-25% within a call. A pair longer than
+# one call goes on in the next call on the same machine from its first run not done (a marker per run).
 fits_pair() {
   local config=$1 marker order=${FITS_PAIR_ORDER:-AB} which name i=0 ok=1; shift
   marker="$FITS_DONE/pair-$config-$order-$(echo "$*" | md5sum | cut -c1-8)"
@@ -57,10 +58,11 @@ fits_pair() {
   [ -e "$marker" ] && return
   for which in $(echo "$order" | grep -o .); do
     i=$((i + 1))
+    [ -e "$marker.$i" ] && continue
     name=$config; [ "$which" = B ] && name=$config-hand-set
     [ $i -gt 2 ] && name=$name-$i
     if [ "$which" = A ]; then fits_job "$name" "$config"; else fits_job "$name" "$config" "$@"; fi
-    grep -q '^'"$name"': rc=0' "$OUT/jobs.txt" || ok=0
+    if grep -q '^'"$name"': rc=0' "$OUT/jobs.txt"; then touch "$marker.$i"; else ok=0; fi
     cp benchmarks/results.jsonl "$OUT/results.jsonl"
   done
   [ $ok = 1 ] && touch "$marker"
