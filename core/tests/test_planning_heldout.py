@@ -9,6 +9,9 @@ simulated tool latency, which the planner does not model (docs/guides/planning.m
 planner refuses FP8); a logprob phase under 0.05 s is a step that ran no logprob pass; a row of one step
 (``summary after 0``), whose means include the first step's one-time work, is compared for memory only.
 
+Before any GPU time: each configuration the GPU calls run with no memory key (``benchmarks/gpu/fits.sh``) is planned
+to fit an 80 GB and a 141 GB card at the benchmark's own batch and lengths, the trainer's state kept on the GPU.
+
 Known misses (:data:`KNOWN_MISSES`, each asserted to be still outside its bound, so a fix shows here): the H200
 PPO rows' refit, whose weight transfer ran at 61 GB/s where the H200 rows the refit rate is fitted to (earlier
 commits) moved weights at 15-45 GB/s; the tool-calling agent's refit (0.40-0.47 s against 0.24 planned; the native tool
@@ -264,3 +267,33 @@ def test_memory_rows_cover_both_backends_and_a_fit():
     names = {_rows()[k][1]["variant"].split(" [")[0] for k in MEMORY_ROWS}
     assert {"llama8b-megatron-lora", "llama8b-fsdp2-lora", "llama3b-megatron-lora", "llama3b-fsdp2-lora"} <= names
     assert any(n not in MEMORY_KNOWN_MISSES for n in names)
+
+
+def _device_list() -> list[str]:
+    """The configurations the GPU calls run with no memory key (benchmarks/gpu/fits.sh: ``FITS`` and the held-out
+    shapes)."""
+    text = (ROOT / "benchmarks" / "gpu" / "fits.sh").read_text()
+    return [name for var in ("FITS", "HELD_OUT_SHAPES")
+            for name in re.search(rf"^{var}=\(([^)]*)\)", text, re.M).group(1).split()]
+
+
+@pytest.mark.parametrize("gpu_name", ["h100", "h200"])
+@pytest.mark.parametrize("name", _device_list())
+def test_every_configuration_the_device_runs_is_planned_to_fit_both_cards_with_no_memory_key(name, gpu_name):
+    """What a run's memory plan decides before it loads, for each configuration fits.sh runs on a GPU, at the benchmark's
+    own batch and lengths: it fits the 80 GB and the 141 GB card, with the KV cache its step needs and the trainer's
+    state kept on the GPU (so no configuration of the list is refused at start, and none pays the release)."""
+    machine = {gpu: machine for machine, gpu in MACHINE_GPU.items()}[gpu_name]
+    as_benchmarked = {"variant": name, "max_new_tokens": 1024, "samples": 256, "machine": machine, "tokens_per_sample": 1024}
+    config, model, _, _, _ = _row_run(as_benchmarked)
+    run_plan = plan_run_memory(config, model, GPUS[gpu_name], 1, critic=plan.critic_shape(to_dict(config), model) is not None)
+    assert run_plan.memory.fits and not run_plan.memory.kv_short, (name, gpu_name, run_plan.memory.problem)
+    assert not run_plan.offload_trainer_state, (name, gpu_name, run_plan.engine_fraction)
+    assert 0.05 < run_plan.engine_fraction < 0.95, (name, gpu_name, run_plan.engine_fraction)
+
+
+def test_the_device_list_holds_every_single_gpu_llama1b_configuration_of_the_fits_table():
+    assert set(_device_list()) >= {"llama1b-megatron", "llama1b-megatron-cuda-graph", "llama1b-fsdp2", "llama1b-fsdp2-compile",
+                                   "llama1b-megatron-ppo", "llama1b-fsdp2-ppo", "llama1b-multiturn-async",
+                                   "llama1b-multiturn-sync-barrier", "llama1b-tool-async", "llama1b-tool-agent",
+                                   "llama1b-megatron-fp8gen"}
