@@ -283,8 +283,8 @@ def test_every_configuration_the_device_runs_is_planned_to_fit_both_cards_with_n
     """What a run's memory plan decides before it loads, for each configuration fits.sh runs on a GPU, at the benchmark's
     own batch and lengths: it fits the 80 GB and the 141 GB card, with the KV cache its step needs and the trainer's
     state kept on the GPU (so no configuration of the list is refused at start, and none pays the release)."""
-    machine = {gpu: machine for machine, gpu in MACHINE_GPU.items()}[gpu_name]
-    as_benchmarked = {"variant": name, "max_new_tokens": 1024, "samples": 256, "machine": machine, "tokens_per_sample": 1024}
+    as_benchmarked = {"variant": name, "max_new_tokens": 1024, "samples": 256, "machine": fit.MACHINES[gpu_name],
+                      "tokens_per_sample": 1024}
     config, model, _, _, _ = _row_run(as_benchmarked)
     run_plan = plan_run_memory(config, model, GPUS[gpu_name], 1, critic=plan.critic_shape(to_dict(config), model) is not None)
     assert run_plan.memory.fits and not run_plan.memory.kv_short, (name, gpu_name, run_plan.memory.problem)
