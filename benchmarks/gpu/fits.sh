@@ -52,20 +52,18 @@ fits() {
 # load, the GPU's clock) falls on both; one run's generation alone varies by 20-25% within a call. A pair longer than
 # one call goes on in the next call on the same machine from its first run not done (a marker per run).
 fits_pair() {
-  local config=$1 marker order=${FITS_PAIR_ORDER:-AB} which name i=0 ok=1; shift
+  local config=$1 marker order=${FITS_PAIR_ORDER:-AB} which name i=0; shift
   marker="$FITS_DONE/pair-$config-$order-$(echo "$*" | md5sum | cut -c1-8)"
   mkdir -p "$FITS_DONE"
-  [ -e "$marker" ] && return
   for which in $(echo "$order" | grep -o .); do
     i=$((i + 1))
     [ -e "$marker.$i" ] && continue
     name=$config; [ "$which" = B ] && name=$config-hand-set
     [ $i -gt 2 ] && name=$name-$i
     if [ "$which" = A ]; then fits_job "$name" "$config"; else fits_job "$name" "$config" "$@"; fi
-    if grep -q '^'"$name"': rc=0' "$OUT/jobs.txt"; then touch "$marker.$i"; else ok=0; fi
+    grep -q '^'"$name"': rc=0' "$OUT/jobs.txt" && touch "$marker.$i"
     cp benchmarks/results.jsonl "$OUT/results.jsonl"
   done
-  [ $ok = 1 ] && touch "$marker"
 }
 
 # The memory settings each configuration was run with by hand on one GPU before the run's memory plan chose them
